@@ -1,0 +1,2 @@
+mod probes;
+fn main() {}

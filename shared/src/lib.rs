@@ -1,0 +1,2 @@
+//! Code shared by `gpufeed-host` and `gpufeed-guest`: the wire protocol (sans-IO),
+//! the host event types, configuration types and TLS helpers.
