@@ -1,2 +1,3 @@
 //! Code shared by `gpufeed-host` and `gpufeed-guest`: the wire protocol (sans-IO),
 //! the host event types, configuration types and TLS helpers.
+pub mod event;
