@@ -1,2 +1,261 @@
+//! gpufeed-guest: per-pod eBPF probes served to Prometheus.
+
+mod cgroups;
+mod collect;
+mod dst;
+mod exporter;
+mod pods;
+mod privileges;
 mod probes;
-fn main() {}
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+
+use crate::probes::ProbeStatus;
+
+/// Default /metrics port: not used by any well-known exporter.
+pub const DEFAULT_METRICS_PORT: u16 = 9745;
+
+#[derive(Parser)]
+#[command(name = "gpufeed-guest", version, about = "Is the GPU getting fed in time? Per-pod eBPF probes for GPU nodes.")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Load the probes and serve /metrics and /healthz.
+    Run(RunArgs),
+}
+
+#[derive(Parser, Debug)]
+struct RunArgs {
+    /// Address for /metrics and /healthz.
+    #[arg(long, default_value_t = SocketAddr::from(([0, 0, 0, 0], DEFAULT_METRICS_PORT)), env = "GPUFEED_METRICS_LISTEN")]
+    metrics_listen: SocketAddr,
+    /// How often kernel maps are read (100ms .. 60s).
+    #[arg(long, default_value = "1s", value_parser = parse_interval)]
+    interval: Duration,
+    /// How long a gone pod's series stay after its cgroups vanish or the API deletes it.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pod_grace: Duration,
+    /// Named destination networks for the `dst` label: NAME=CIDR[,CIDR...]; repeatable.
+    /// Default: loopback, private, link-local, internet.
+    #[arg(long = "dst", value_name = "NAME=CIDRS")]
+    dst: Vec<String>,
+    /// Probes to load: comma-separated names (sched_latency, tcp_rtt, tcp_retransmit), `all` or `none`.
+    #[arg(long, default_value = "all")]
+    probes: String,
+    /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
+    #[arg(long)]
+    cgroup_root: Option<PathBuf>,
+    /// This node's name, to watch only its pods.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// Do not contact the Kubernetes API; label pods by UID.
+    #[arg(long)]
+    no_kube: bool,
+}
+
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < Duration::from_millis(100) || d > Duration::from_secs(60) {
+        return Err(format!("{s} is outside 100ms..60s"));
+    }
+    Ok(d)
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.cmd {
+        Cmd::Run(args) => run(args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpufeed-guest: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+struct Selected {
+    sched: bool,
+    rtt: bool,
+    retrans: bool,
+}
+
+fn select_probes(spec: &str) -> anyhow::Result<Selected> {
+    let mut s = Selected { sched: false, rtt: false, retrans: false };
+    for p in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match p {
+            "all" => s = Selected { sched: true, rtt: true, retrans: true },
+            "none" => {}
+            probes::sched::NAME => s.sched = true,
+            probes::tcp::RTT => s.rtt = true,
+            probes::tcp::RETRANS => s.retrans = true,
+            other => bail!(
+                "--probes: unknown probe {other:?} (known: {}, {}, {}, all, none)",
+                probes::sched::NAME,
+                probes::tcp::RTT,
+                probes::tcp::RETRANS
+            ),
+        }
+    }
+    Ok(s)
+}
+
+fn node_name(arg: Option<String>) -> String {
+    arg.or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
+        .unwrap_or_default()
+}
+
+fn run(args: RunArgs) -> anyhow::Result<()> {
+    let selected = select_probes(&args.probes)?;
+    let dst = if args.dst.is_empty() {
+        dst::DstTable::defaults()
+    } else {
+        dst::DstTable::parse(args.dst.iter().map(String::as_str)).context("--dst")?
+    };
+    let cgroup_root = match args.cgroup_root {
+        Some(p) => p,
+        None => cgroups::cgroup2_mount().context("cannot find the cgroup v2 hierarchy (is cgroup2 mounted?)")?,
+    };
+    let any_probe = selected.sched || selected.rtt || selected.retrans;
+    if any_probe {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let missing = privileges::missing(&status, std::path::Path::new("/sys/kernel/btf/vmlinux"));
+        if !missing.is_empty() {
+            bail!("cannot load probes: {}", missing.join("; "));
+        }
+    }
+    if let Some(mode) = privileges::lockdown() {
+        tracing::info!(lockdown = %mode, "kernel lockdown mode (probes use no bpf_probe_read and load under confidentiality)");
+    }
+
+    probes::route_libbpf_logs();
+    let btf = probes::KernelBtf::load();
+    let mut statuses: Vec<ProbeStatus> = Vec::new();
+    let sched = if selected.sched {
+        match probes::sched::SchedProbe::load(&btf).map_err(load_error)? {
+            Ok(p) => {
+                statuses.push(ProbeStatus { name: probes::sched::NAME, up: true, reason: None });
+                Some(p)
+            }
+            Err(st) => {
+                statuses.push(st);
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let tcp = if selected.rtt || selected.retrans {
+        let (p, st) = probes::tcp::TcpProbe::load(&btf, &dst).map_err(load_error)?;
+        statuses.extend(st.into_iter().filter(|s| {
+            (s.name == probes::tcp::RTT && selected.rtt) || (s.name == probes::tcp::RETRANS && selected.retrans)
+        }));
+        p
+    } else {
+        None
+    };
+    for s in &statuses {
+        match &s.reason {
+            None => tracing::info!(probe = s.name, "probe attached"),
+            Some(r) => tracing::warn!(probe = s.name, "probe disabled: {r}"),
+        }
+    }
+
+    let pods = pods::PodStore::default();
+    let mut collector = collect::Collector::new(
+        cgroups::CgroupTree::new(cgroup_root.clone()),
+        sched,
+        tcp,
+        pods.clone(),
+        args.pod_grace,
+    );
+    collector.tick().with_context(|| format!("cannot read the cgroup hierarchy at {}", cgroup_root.display()))?;
+
+    let registry = prometheus::Registry::new();
+    registry.register(Box::new(exporter::AgentCollector::new(
+        collector.shared.clone(),
+        pods.clone(),
+        dst,
+        statuses,
+    )))?;
+
+    // The tick runs on its own thread: it is all blocking syscalls.
+    let started = Instant::now();
+    let last_tick_ms = Arc::new(AtomicU64::new(0));
+    {
+        let last = last_tick_ms.clone();
+        let interval = args.interval;
+        std::thread::Builder::new().name("tick".into()).spawn(move || {
+            let mut next = Instant::now() + interval;
+            loop {
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                next += interval;
+                if let Err(e) = collector.tick() {
+                    tracing::warn!("reading the cgroup hierarchy failed: {e}");
+                    continue;
+                }
+                last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+            }
+        })?;
+    }
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        if !args.no_kube {
+            let cfg = pods::WatchConfig { node_name: node_name(args.node_name) };
+            tracing::info!(node = %cfg.node_name, "watching this node's pods");
+            tokio::spawn(pods::run_watcher(pods.clone(), cfg));
+        }
+        let listener = tokio::net::TcpListener::bind(args.metrics_listen)
+            .await
+            .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
+        tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
+        let stale_after = (args.interval * 3).as_millis() as u64 + 1000;
+        let healthy = Arc::new(move || {
+            let now = started.elapsed().as_millis() as u64;
+            now.saturating_sub(last_tick_ms.load(Ordering::Relaxed)) <= stale_after
+        });
+        tokio::select! {
+            r = exporter::serve(listener, registry, healthy) => r.context("metrics server"),
+            _ = shutdown_signal() => {
+                tracing::info!("shutting down");
+                Ok(())
+            }
+        }
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}
+
+fn load_error(e: probes::ProbeError) -> anyhow::Error {
+    if e.is_permission() {
+        anyhow::anyhow!("{e}\nthe kernel refused to load BPF programs: grant CAP_BPF and CAP_PERFMON (or run as root); under lockdown=integrity|confidentiality check the kernel log")
+    } else {
+        anyhow::anyhow!("{e}\n(set RUST_LOG=debug to see libbpf's log)")
+    }
+}
