@@ -172,7 +172,7 @@ pub struct PcieLinkChange {
     pub source: Source,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum AerSeverity {
     Correctable,
     NonFatal,

@@ -1,0 +1,18 @@
+//! gpufeed host agent (library part; the binary is `src/main.rs`).
+//!
+//! Everything the agent observes leaves through one [`events::EventBus`]; the host→guest stream
+//! subscribes to it. Watchers live in [`watch`]; discovery of passed-through devices in
+//! [`discovery`]; all file system roots go through [`roots::Roots`] so tests run against
+//! recorded trees.
+
+pub mod agent;
+pub mod config;
+pub mod discovery;
+pub mod events;
+pub mod kmsg;
+pub mod metrics;
+pub mod roots;
+pub mod sysfs;
+pub mod tracefs;
+pub mod uevent;
+pub mod watch;

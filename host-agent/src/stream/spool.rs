@@ -1,0 +1,731 @@
+//! Bounded spool of one guest: every event waits here, as its encoded wire frame, until the
+//! guest acknowledges it.
+//!
+//! * **Memory** holds the newest `memory_events` frames. Without a spool directory that is the
+//!   whole spool: when it is full, the oldest frame is dropped.
+//! * **Disk** (with a spool directory): every frame is also appended to segment files
+//!   `seg-<first seq>.gfs` (the frames exactly as on the wire, contiguous sequence numbers), so
+//!   memory is only a cache and a restarted (or killed) agent resumes from disk. When the files
+//!   exceed `disk_max_bytes`, the oldest segment is dropped. Writes go to the page cache (no
+//!   fsync): they survive a crash of the agent, not of the machine.
+//! * `spool.meta` keeps the sequence space (`boot_id`), the next sequence number, the
+//!   acknowledged watermark and the dropped ranges not yet acknowledged.
+//!
+//! Dropped events are counted and their ranges are reported to the guest as
+//! [`SpoolLoss`] before the events that follow them, until the guest acknowledges past them.
+
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpufeed_shared::proto::{encode, EventFrame, Message, SpoolLoss, HEADER_LEN};
+
+/// Size limits of a spool.
+#[derive(Debug, Clone, Copy)]
+pub struct SpoolLimits {
+    pub memory_events: usize,
+    pub disk_max_bytes: u64,
+    pub segment_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpoolError {
+    #[error("spool {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("spool: event does not fit in a frame: {0}")]
+    Encode(#[from] gpufeed_shared::proto::EncodeError),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SpoolError + '_ {
+    move |source| SpoolError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// What to send next on the event stream.
+#[derive(Debug, Default)]
+pub struct Batch {
+    /// Encoded frames, ready to write.
+    pub bytes: Vec<u8>,
+    /// Event frames in `bytes`.
+    pub events: u64,
+    /// A loss report at the start of `bytes`, if any.
+    pub loss: Option<SpoolLoss>,
+    /// The cursor after this batch.
+    pub next_cursor: u64,
+    /// Host realtime of the last event in the batch.
+    pub last_realtime_ns: Option<i64>,
+}
+
+struct Segment {
+    first: u64,
+    count: u64,
+    bytes: u64,
+    path: PathBuf,
+}
+
+struct Disk {
+    dir: PathBuf,
+    segments: VecDeque<Segment>,
+    active: Option<std::io::BufWriter<File>>,
+    total_bytes: u64,
+    cache: Option<(u64, Vec<u8>, usize, u64)>,
+}
+
+/// The spool of one guest.
+pub struct Spool {
+    boot_id: u64,
+    next_seq: u64,
+    acked: Option<u64>,
+    losses: Vec<(u64, u64)>,
+    dropped_total: u64,
+    mem: VecDeque<(u64, i64, Vec<u8>)>,
+    limits: SpoolLimits,
+    disk: Option<Disk>,
+    meta_dirty: bool,
+    meta_written: Instant,
+}
+
+const META: &str = "spool.meta";
+
+impl Spool {
+    /// A memory-only spool with a fresh sequence space.
+    pub fn memory(limits: SpoolLimits) -> Self {
+        Spool {
+            boot_id: fresh_boot_id(),
+            next_seq: 0,
+            acked: None,
+            losses: Vec::new(),
+            dropped_total: 0,
+            mem: VecDeque::new(),
+            limits: SpoolLimits {
+                memory_events: limits.memory_events.max(1),
+                ..limits
+            },
+            disk: None,
+            meta_dirty: false,
+            meta_written: Instant::now(),
+        }
+    }
+
+    /// Opens (or creates) the spool in `dir`, recovering what a previous run left there.
+    pub fn open(dir: &Path, limits: SpoolLimits) -> Result<Self, SpoolError> {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let mut s = Spool::memory(limits);
+        s.limits.disk_max_bytes = limits.disk_max_bytes.max(4096);
+        s.limits.segment_bytes = limits
+            .segment_bytes
+            .clamp(1024, (s.limits.disk_max_bytes / 4).max(1024));
+        let meta_path = dir.join(META);
+        let meta = std::fs::read_to_string(&meta_path).ok();
+        let mut disk = Disk {
+            dir: dir.to_owned(),
+            segments: VecDeque::new(),
+            active: None,
+            total_bytes: 0,
+            cache: None,
+        };
+        let mut names: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+            .map_err(io_err(dir))?
+            .flatten()
+            .filter_map(|e| {
+                let n = e.file_name().into_string().ok()?;
+                let first = n.strip_prefix("seg-")?.strip_suffix(".gfs")?.parse().ok()?;
+                Some((first, e.path()))
+            })
+            .collect();
+        names.sort();
+        match meta.as_deref().and_then(parse_meta) {
+            Some(m) => {
+                s.boot_id = m.boot_id;
+                s.next_seq = m.next_seq;
+                s.acked = m.acked;
+                s.losses = m.losses;
+                s.dropped_total = m.dropped_total;
+                for (first, path) in names {
+                    let (count, bytes) = recover_segment(&path)?;
+                    if count == 0 || s.acked.is_some_and(|a| first + count - 1 <= a) {
+                        let _ = std::fs::remove_file(&path);
+                        continue;
+                    }
+                    s.next_seq = s.next_seq.max(first + count);
+                    disk.total_bytes += bytes;
+                    disk.segments.push_back(Segment {
+                        first,
+                        count,
+                        bytes,
+                        path,
+                    });
+                }
+            }
+            None => {
+                // No (readable) state: a new sequence space; old segments cannot be trusted.
+                for (_, path) in names {
+                    let _ = std::fs::remove_file(&path);
+                }
+            }
+        }
+        s.disk = Some(disk);
+        s.write_meta()?;
+        Ok(s)
+    }
+
+    pub fn boot_id(&self) -> u64 {
+        self.boot_id
+    }
+    /// The sequence number the next event gets.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+    pub fn acked(&self) -> Option<u64> {
+        self.acked
+    }
+    /// Events dropped since the spool was created.
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped_total
+    }
+    /// Events held and not yet acknowledged.
+    pub fn pending(&self) -> u64 {
+        self.next_seq - self.low() - self.lost_pending()
+    }
+    /// Bytes in segment files.
+    pub fn disk_bytes(&self) -> u64 {
+        self.disk.as_ref().map_or(0, |d| d.total_bytes)
+    }
+
+    fn lost_pending(&self) -> u64 {
+        let low = self.low();
+        self.losses
+            .iter()
+            .filter(|(_, l)| *l >= low)
+            .map(|(f, l)| l - f.max(&low) + 1)
+            .sum()
+    }
+
+    /// Lowest sequence number not acknowledged.
+    fn low(&self) -> u64 {
+        self.acked.map_or(0, |a| a + 1)
+    }
+
+    /// Appends an event; returns its sequence number and how many events were dropped to make
+    /// room.
+    pub fn push(
+        &mut self,
+        host_realtime_ns: i64,
+        host_monotonic_ns: u64,
+        kind: u16,
+        payload: Vec<u8>,
+    ) -> Result<(u64, u64), SpoolError> {
+        let seq = self.next_seq;
+        let mut frame = Vec::with_capacity(payload.len() + 40);
+        encode(
+            &Message::Event(EventFrame {
+                seq,
+                host_realtime_ns,
+                host_monotonic_ns,
+                kind,
+                payload,
+            }),
+            &mut frame,
+        )?;
+        self.next_seq += 1;
+        let mut dropped = 0;
+        if let Some(d) = &mut self.disk {
+            let seg_full = d.segments.back().is_none_or(|s| {
+                d.active.is_none() || s.bytes + frame.len() as u64 > self.limits.segment_bytes
+            });
+            if seg_full {
+                if let Some(mut w) = d.active.take() {
+                    let p = &d.segments.back().expect("active segment").path;
+                    w.flush().map_err(io_err(p))?;
+                }
+                let path = d.dir.join(format!("seg-{seq:020}.gfs"));
+                let f = OpenOptions::new()
+                    .create(true)
+                    .truncate(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(io_err(&path))?;
+                d.active = Some(std::io::BufWriter::with_capacity(64 * 1024, f));
+                d.segments.push_back(Segment {
+                    first: seq,
+                    count: 0,
+                    bytes: 0,
+                    path,
+                });
+            }
+            let seg = d.segments.back_mut().expect("active segment");
+            let w = d.active.as_mut().expect("active writer");
+            w.write_all(&frame).map_err(io_err(&seg.path))?;
+            seg.count += 1;
+            seg.bytes += frame.len() as u64;
+            d.total_bytes += frame.len() as u64;
+            while d.total_bytes > self.limits.disk_max_bytes && d.segments.len() > 1 {
+                dropped += self.drop_oldest_segment()?;
+            }
+        }
+        self.mem.push_back((seq, host_realtime_ns, frame));
+        while self.mem.len() > self.limits.memory_events {
+            let (s, _, _) = self.mem.pop_front().expect("non-empty");
+            if self.disk.is_none() && self.acked.is_none_or(|a| s > a) {
+                self.record_loss(s, s);
+                dropped += 1;
+            }
+        }
+        Ok((seq, dropped))
+    }
+
+    fn drop_oldest_segment(&mut self) -> Result<u64, SpoolError> {
+        let d = self.disk.as_mut().expect("disk spool");
+        let seg = d.segments.pop_front().expect("segment");
+        d.total_bytes -= seg.bytes;
+        if d.cache.as_ref().is_some_and(|c| c.0 == seg.first) {
+            d.cache = None;
+        }
+        let last = seg.first + seg.count - 1;
+        let from = seg.first.max(self.low());
+        let n = if last >= from {
+            self.record_loss(from, last);
+            last - from + 1
+        } else {
+            0
+        };
+        while self.mem.front().is_some_and(|(s, _, _)| *s <= last) {
+            self.mem.pop_front();
+        }
+        // The loss must be on disk before the events disappear.
+        self.write_meta()?;
+        let _ = std::fs::remove_file(&seg.path);
+        Ok(n)
+    }
+
+    fn record_loss(&mut self, first: u64, last: u64) {
+        self.dropped_total += last - first + 1;
+        match self.losses.last_mut() {
+            Some((_, l)) if *l + 1 == first => *l = last,
+            _ => self.losses.push((first, last)),
+        }
+        self.meta_dirty = true;
+    }
+
+    /// The guest has everything up to `up_to`.
+    pub fn ack(&mut self, up_to: u64) -> Result<(), SpoolError> {
+        if self.next_seq == 0 {
+            return Ok(());
+        }
+        let up_to = up_to.min(self.next_seq - 1);
+        if self.acked.is_some_and(|a| a >= up_to) {
+            return Ok(());
+        }
+        self.acked = Some(up_to);
+        self.meta_dirty = true;
+        while self.mem.front().is_some_and(|(s, _, _)| *s <= up_to) {
+            self.mem.pop_front();
+        }
+        self.losses.retain(|(_, l)| *l > up_to);
+        let deletable = self.disk.as_ref().is_some_and(|d| {
+            d.segments.len() > 1 && d.segments[0].first + d.segments[0].count - 1 <= up_to
+        });
+        if deletable {
+            self.write_meta()?;
+            let d = self.disk.as_mut().expect("disk");
+            while d.segments.len() > 1 && d.segments[0].first + d.segments[0].count - 1 <= up_to {
+                let seg = d.segments.pop_front().expect("segment");
+                d.total_bytes -= seg.bytes;
+                if d.cache.as_ref().is_some_and(|c| c.0 == seg.first) {
+                    d.cache = None;
+                }
+                let _ = std::fs::remove_file(&seg.path);
+            }
+        }
+        Ok(())
+    }
+
+    /// Flushes the segment writer to the page cache and writes the metadata when it changed (at
+    /// most every `meta_interval`, at once when something was dropped).
+    pub fn flush(&mut self, meta_interval: Duration) -> Result<(), SpoolError> {
+        if let Some(d) = &mut self.disk {
+            if let (Some(w), Some(seg)) = (&mut d.active, d.segments.back()) {
+                w.flush().map_err(io_err(&seg.path))?;
+            }
+            if self.meta_dirty && self.meta_written.elapsed() >= meta_interval {
+                self.write_meta()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_meta(&mut self) -> Result<(), SpoolError> {
+        let Some(d) = &self.disk else {
+            return Ok(());
+        };
+        let mut m = format!(
+            "boot_id={}\nnext_seq={}\nacked={}\ndropped_total={}\n",
+            self.boot_id,
+            self.next_seq,
+            self.acked.map_or("-".to_string(), |a| a.to_string()),
+            self.dropped_total
+        );
+        for (f, l) in &self.losses {
+            m.push_str(&format!("loss={f}-{l}\n"));
+        }
+        let path = d.dir.join(META);
+        let tmp = d.dir.join("spool.meta.tmp");
+        std::fs::write(&tmp, m).map_err(io_err(&tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
+        self.meta_dirty = false;
+        self.meta_written = Instant::now();
+        Ok(())
+    }
+
+    /// Where a (re)connected stream starts: after the guest's `resume_from` (which also
+    /// acknowledges everything below it) or after our own ack watermark.
+    pub fn start_cursor(&mut self, resume_from: Option<u64>) -> Result<u64, SpoolError> {
+        if let Some(r) = resume_from.filter(|r| *r > 0) {
+            self.ack(r - 1)?;
+        }
+        Ok(self.low())
+    }
+
+    /// Frames to send from `cursor` on, at most about `max_bytes`.
+    pub fn read_batch(&mut self, cursor: u64, max_bytes: usize) -> Result<Batch, SpoolError> {
+        let cursor = cursor.max(self.low());
+        let mut b = Batch {
+            next_cursor: cursor,
+            ..Batch::default()
+        };
+        if let Some(&(f, l)) = self.losses.iter().find(|(_, l)| *l >= cursor) {
+            let from = f.max(cursor);
+            let loss = SpoolLoss {
+                dropped: l - from + 1,
+                first_seq: from,
+                last_seq: l,
+            };
+            encode(&Message::SpoolLoss(loss.clone()), &mut b.bytes)?;
+            b.loss = Some(loss);
+            b.next_cursor = l + 1;
+            return Ok(b);
+        }
+        if cursor >= self.next_seq {
+            return Ok(b);
+        }
+        if let Some(&(front, _, _)) = self.mem.front() {
+            if front <= cursor {
+                let start = (cursor - front) as usize;
+                for (seq, rt, frame) in self.mem.range(start..) {
+                    if !b.bytes.is_empty() && b.bytes.len() + frame.len() > max_bytes {
+                        break;
+                    }
+                    b.bytes.extend_from_slice(frame);
+                    b.events += 1;
+                    b.next_cursor = seq + 1;
+                    b.last_realtime_ns = Some(*rt);
+                }
+                return Ok(b);
+            }
+        }
+        self.read_disk(cursor, max_bytes, &mut b)?;
+        Ok(b)
+    }
+
+    fn read_disk(&mut self, cursor: u64, max_bytes: usize, b: &mut Batch) -> Result<(), SpoolError> {
+        let Some(d) = &mut self.disk else {
+            return Ok(());
+        };
+        let Some(idx) = d
+            .segments
+            .iter()
+            .position(|s| cursor < s.first + s.count)
+        else {
+            return Ok(());
+        };
+        let seg = &d.segments[idx];
+        let cursor = cursor.max(seg.first);
+        let is_active = idx + 1 == d.segments.len();
+        let stale = match &d.cache {
+            Some((first, data, pos, pos_seq)) => {
+                *first != seg.first
+                    || cursor < *pos_seq
+                    || (is_active && *pos >= data.len())
+            }
+            None => true,
+        };
+        if stale {
+            if is_active {
+                if let Some(w) = &mut d.active {
+                    w.flush().map_err(io_err(&seg.path))?;
+                }
+            }
+            let mut data = Vec::with_capacity(seg.bytes as usize);
+            File::open(&seg.path)
+                .and_then(|mut f| f.read_to_end(&mut data))
+                .map_err(io_err(&seg.path))?;
+            d.cache = Some((seg.first, data, 0, seg.first));
+        }
+        let (_, data, pos, pos_seq) = d.cache.as_mut().expect("cache");
+        // Skip to the cursor.
+        while *pos_seq < cursor {
+            let Some(len) = frame_len(&data[*pos..]) else {
+                break;
+            };
+            *pos += len;
+            *pos_seq += 1;
+        }
+        while let Some(len) = frame_len(&data[*pos..]) {
+            if !b.bytes.is_empty() && b.bytes.len() + len > max_bytes {
+                break;
+            }
+            b.bytes.extend_from_slice(&data[*pos..*pos + len]);
+            b.events += 1;
+            *pos += len;
+            *pos_seq += 1;
+            b.next_cursor = *pos_seq;
+        }
+        Ok(())
+    }
+}
+
+/// Length of the complete frame at the start of `buf`, if there is one.
+fn frame_len(buf: &[u8]) -> Option<usize> {
+    if buf.len() < HEADER_LEN {
+        return None;
+    }
+    let len = HEADER_LEN + u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    (buf.len() >= len).then_some(len)
+}
+
+/// Counts the complete frames of a segment and cuts off a torn tail.
+fn recover_segment(path: &Path) -> Result<(u64, u64), SpoolError> {
+    let data = std::fs::read(path).map_err(io_err(path))?;
+    let (mut pos, mut count) = (0usize, 0u64);
+    while let Some(len) = frame_len(&data[pos..]) {
+        if len - HEADER_LEN > gpufeed_shared::proto::MAX_FRAME_LEN {
+            break;
+        }
+        pos += len;
+        count += 1;
+    }
+    if pos < data.len() {
+        tracing::warn!(path = %path.display(), kept = pos, torn = data.len() - pos, "spool segment has a torn tail; cutting it off");
+        let f = OpenOptions::new().write(true).open(path).map_err(io_err(path))?;
+        f.set_len(pos as u64).map_err(io_err(path))?;
+    }
+    Ok((count, pos as u64))
+}
+
+struct Meta {
+    boot_id: u64,
+    next_seq: u64,
+    acked: Option<u64>,
+    dropped_total: u64,
+    losses: Vec<(u64, u64)>,
+}
+
+fn parse_meta(text: &str) -> Option<Meta> {
+    let mut m = Meta {
+        boot_id: 0,
+        next_seq: 0,
+        acked: None,
+        dropped_total: 0,
+        losses: Vec::new(),
+    };
+    let mut have_boot = false;
+    for line in text.lines() {
+        let (k, v) = line.split_once('=')?;
+        match k {
+            "boot_id" => {
+                m.boot_id = v.parse().ok()?;
+                have_boot = true;
+            }
+            "next_seq" => m.next_seq = v.parse().ok()?,
+            "acked" => m.acked = if v == "-" { None } else { Some(v.parse().ok()?) },
+            "dropped_total" => m.dropped_total = v.parse().ok()?,
+            "loss" => {
+                let (f, l) = v.split_once('-')?;
+                m.losses.push((f.parse().ok()?, l.parse().ok()?));
+            }
+            _ => {}
+        }
+    }
+    have_boot.then_some(m)
+}
+
+/// A random 64-bit id from the kernel's entropy (falls back to time and pid).
+fn fresh_boot_id() -> u64 {
+    let mut b = [0u8; 8];
+    if File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok()
+    {
+        return u64::from_le_bytes(b);
+    }
+    let t = gpufeed_shared::clock::realtime_ns() as u64;
+    t ^ ((std::process::id() as u64) << 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpufeed_shared::proto::FrameDecoder;
+
+    fn limits(mem: usize, disk: u64, seg: u64) -> SpoolLimits {
+        SpoolLimits {
+            memory_events: mem,
+            disk_max_bytes: disk,
+            segment_bytes: seg,
+        }
+    }
+
+    fn decode_all(bytes: &[u8]) -> Vec<Message> {
+        let mut d = FrameDecoder::default();
+        d.push(bytes);
+        let mut v = Vec::new();
+        while let Some(m) = d.next_frame().unwrap() {
+            v.push(m);
+        }
+        v
+    }
+
+    fn drain(s: &mut Spool, mut cursor: u64) -> (Vec<u64>, Vec<SpoolLoss>) {
+        let (mut seqs, mut losses) = (Vec::new(), Vec::new());
+        loop {
+            let b = s.read_batch(cursor, 1000).unwrap();
+            if b.bytes.is_empty() {
+                return (seqs, losses);
+            }
+            for m in decode_all(&b.bytes) {
+                match m {
+                    Message::Event(e) => seqs.push(e.seq),
+                    Message::SpoolLoss(l) => losses.push(l),
+                    m => panic!("{m:?}"),
+                }
+            }
+            cursor = b.next_cursor;
+        }
+    }
+
+    #[test]
+    fn memory_spool_drops_oldest_and_reports() {
+        let mut s = Spool::memory(limits(10, 0, 0));
+        let mut dropped = 0;
+        for i in 0..25 {
+            dropped += s.push(i, i as u64, 1, vec![i as u8]).unwrap().1;
+        }
+        assert_eq!(dropped, 15);
+        assert_eq!(s.dropped_total(), 15);
+        assert_eq!(s.pending(), 10);
+        let (seqs, losses) = drain(&mut s, 0);
+        assert_eq!(seqs, (15..25).collect::<Vec<_>>());
+        assert_eq!(
+            losses,
+            vec![SpoolLoss {
+                dropped: 15,
+                first_seq: 0,
+                last_seq: 14
+            }]
+        );
+        s.ack(20).unwrap();
+        assert_eq!(s.pending(), 4);
+        let (seqs, losses) = drain(&mut s, 0);
+        assert_eq!(seqs, (21..25).collect::<Vec<_>>());
+        assert!(losses.is_empty());
+    }
+
+    #[test]
+    fn disk_spool_survives_reopen_and_drops_whole_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let lim = limits(8, 64 * 1024, 2048);
+        let boot;
+        {
+            let mut s = Spool::open(dir.path(), lim).unwrap();
+            boot = s.boot_id();
+            for i in 0..100 {
+                s.push(i, 0, 7, vec![0; 20]).unwrap();
+            }
+            s.ack(9).unwrap();
+            s.flush(Duration::ZERO).unwrap();
+            // Read the disk part (memory holds only 8).
+            let (seqs, _) = drain(&mut s, 0);
+            assert_eq!(seqs, (10..100).collect::<Vec<_>>());
+        }
+        let mut s = Spool::open(dir.path(), lim).unwrap();
+        assert_eq!(s.boot_id(), boot);
+        assert_eq!(s.next_seq(), 100);
+        assert_eq!(s.acked(), Some(9));
+        let c = s.start_cursor(Some(50)).unwrap();
+        assert_eq!(c, 50);
+        let (seqs, _) = drain(&mut s, c);
+        assert_eq!(seqs, (50..100).collect::<Vec<_>>());
+        // Overflow: 64 KiB of ~35-byte frames; drops whole 2 KiB segments, oldest first.
+        let mut dropped = 0;
+        for i in 0..5000 {
+            dropped += s.push(i, 0, 7, vec![0; 20]).unwrap().1;
+        }
+        assert!(dropped > 0);
+        assert_eq!(s.dropped_total(), dropped);
+        assert!(s.disk_bytes() <= 64 * 1024);
+        let (seqs, losses) = drain(&mut s, 50);
+        assert_eq!(losses.len(), 1);
+        assert_eq!(losses[0].first_seq, 50);
+        assert_eq!(losses[0].dropped, dropped);
+        assert_eq!(seqs.first().copied(), Some(losses[0].last_seq + 1));
+        assert_eq!(seqs.last().copied(), Some(5099));
+        assert_eq!(seqs.len() as u64 + dropped, 5050);
+        // The loss survives a restart until acknowledged.
+        s.flush(Duration::ZERO).unwrap();
+        drop(s);
+        let mut s = Spool::open(dir.path(), lim).unwrap();
+        assert_eq!(s.dropped_total(), dropped);
+        let (_, losses2) = drain(&mut s, 0);
+        assert_eq!(losses2, losses);
+        s.ack(losses[0].last_seq).unwrap();
+        let (_, losses3) = drain(&mut s, 0);
+        assert!(losses3.is_empty());
+    }
+
+    #[test]
+    fn torn_segment_tail_is_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let lim = limits(4, 1 << 20, 1 << 16);
+        {
+            let mut s = Spool::open(dir.path(), lim).unwrap();
+            for i in 0..10 {
+                s.push(i, 0, 1, vec![1, 2, 3]).unwrap();
+            }
+            s.flush(Duration::ZERO).unwrap();
+        }
+        let seg = dir.path().join(format!("seg-{:020}.gfs", 0));
+        let mut data = std::fs::read(&seg).unwrap();
+        data.extend_from_slice(&[50, 0, 0, 0, 1, 2]);
+        std::fs::write(&seg, &data).unwrap();
+        let mut s = Spool::open(dir.path(), lim).unwrap();
+        assert_eq!(s.next_seq(), 10);
+        let (seqs, _) = drain(&mut s, 0);
+        assert_eq!(seqs, (0..10).collect::<Vec<_>>());
+        s.push(0, 0, 1, vec![]).unwrap();
+        assert_eq!(drain(&mut s, 10).0, vec![10]);
+    }
+
+    #[test]
+    fn corrupt_meta_starts_a_new_sequence_space() {
+        let dir = tempfile::tempdir().unwrap();
+        let lim = limits(4, 1 << 20, 1 << 16);
+        let boot = {
+            let mut s = Spool::open(dir.path(), lim).unwrap();
+            s.push(0, 0, 1, vec![]).unwrap();
+            s.flush(Duration::ZERO).unwrap();
+            s.boot_id()
+        };
+        std::fs::write(dir.path().join(META), "garbage").unwrap();
+        let mut s = Spool::open(dir.path(), lim).unwrap();
+        assert_ne!(s.boot_id(), boot);
+        assert_eq!(s.next_seq(), 0);
+        assert!(drain(&mut s, 0).0.is_empty());
+    }
+}

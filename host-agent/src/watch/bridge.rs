@@ -1,0 +1,503 @@
+//! Per-port counters of Linux bridges (vmbr0, ...) from rtnetlink (`RTM_GETLINK` dump,
+//! `IFLA_STATS64`, `IFLA_MASTER`), sampled every `sample_interval_ms`.
+//!
+//! Ports named like Proxmox's (`tap<vmid>i<n>`, `fwpr<vmid>p<n>`, `veth<vmid>i<n>`) are
+//! attributed to their VMID and NIC, and their directions are reported from the VM's side:
+//! what the host-side port transmits is what the VM receives. Other ports (uplinks) keep the
+//! interface's own rx/tx. The highest per-window byte rate in each period is the microburst
+//! figure.
+
+use crate::metrics::{vmid_label, Metrics};
+use gpufeed_shared::event::{BridgePortChange, DeviceAction, HostEvent};
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+/// `tap100i0` → (100, 0); `fwpr100p1` → (100, 1); `veth105i0` → (105, 0).
+pub fn parse_port_name(name: &str) -> Option<(u32, u32)> {
+    for (pfx, sep) in [("tap", 'i'), ("fwpr", 'p'), ("veth", 'i')] {
+        if let Some(rest) = name.strip_prefix(pfx) {
+            let (v, n) = rest.split_once(sep)?;
+            if v.is_empty() || n.is_empty() || v.len() > 9 || n.len() > 3 {
+                return None;
+            }
+            if !v.bytes().all(|b| b.is_ascii_digit()) || !n.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            return Some((v.parse().ok()?, n.parse().ok()?));
+        }
+    }
+    None
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+    pub rx_packets: u64,
+    pub tx_packets: u64,
+    pub rx_dropped: u64,
+    pub tx_dropped: u64,
+    pub rx_errors: u64,
+    pub tx_errors: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkRow {
+    pub index: u32,
+    pub name: String,
+    pub master: Option<u32>,
+    pub is_bridge: bool,
+    pub stats: Counters,
+}
+
+/// Dump all links of the socket's network namespace.
+pub fn dump_links(
+    sock: &netlink_sys::Socket,
+    seq: u32,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Vec<LinkRow>> {
+    use netlink_packet_core::{
+        NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
+    };
+    use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
+    use netlink_packet_route::RouteNetlinkMessage;
+
+    let mut req = NetlinkMessage::new(
+        NetlinkHeader::default(),
+        NetlinkPayload::from(RouteNetlinkMessage::GetLink(LinkMessage::default())),
+    );
+    req.header.flags = NLM_F_DUMP | NLM_F_REQUEST;
+    req.header.sequence_number = seq;
+    req.finalize();
+    let mut out_buf = vec![0u8; req.buffer_len()];
+    req.serialize(&mut out_buf[..]);
+    sock.send(&out_buf[..], 0)?;
+
+    let mut rows = Vec::new();
+    loop {
+        buf.clear();
+        let n = sock.recv(buf, 0)?;
+        let mut off = 0;
+        while off < n {
+            let bytes = &buf[off..n];
+            let msg: NetlinkMessage<RouteNetlinkMessage> = match NetlinkMessage::deserialize(bytes)
+            {
+                Ok(m) => m,
+                Err(e) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        e.to_string(),
+                    ))
+                }
+            };
+            let len = msg.header.length as usize;
+            if msg.header.sequence_number == seq {
+                match msg.payload {
+                    NetlinkPayload::Done(_) => return Ok(rows),
+                    NetlinkPayload::Error(e) => {
+                        return Err(std::io::Error::other(format!("netlink error {e:?}")));
+                    }
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => {
+                        let mut row = LinkRow {
+                            index: l.header.index,
+                            name: String::new(),
+                            master: None,
+                            is_bridge: false,
+                            stats: Counters::default(),
+                        };
+                        for a in l.attributes {
+                            match a {
+                                LinkAttribute::IfName(n) => row.name = n,
+                                LinkAttribute::Controller(m) => row.master = Some(m),
+                                LinkAttribute::LinkInfo(infos) => {
+                                    row.is_bridge = infos
+                                        .iter()
+                                        .any(|i| matches!(i, LinkInfo::Kind(InfoKind::Bridge)));
+                                }
+                                LinkAttribute::Stats64(s) => {
+                                    row.stats = Counters {
+                                        rx_bytes: s.rx_bytes,
+                                        tx_bytes: s.tx_bytes,
+                                        rx_packets: s.rx_packets,
+                                        tx_packets: s.tx_packets,
+                                        rx_dropped: s.rx_dropped,
+                                        tx_dropped: s.tx_dropped,
+                                        rx_errors: s.rx_errors,
+                                        tx_errors: s.tx_errors,
+                                    }
+                                }
+                                _ => {}
+                            }
+                        }
+                        rows.push(row);
+                    }
+                    _ => {}
+                }
+            }
+            if len == 0 {
+                break;
+            }
+            off += len;
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct PortState {
+    index: u32,
+    bridge: String,
+    vmid: Option<u32>,
+    nic: Option<u32>,
+    last: Counters,
+    /// Highest byte rates (VM-side rx, tx) in the current period.
+    max_rx_rate: f64,
+    max_tx_rate: f64,
+}
+
+/// The bridge sampler's state machine (I/O free apart from the rows passed in).
+#[derive(Debug)]
+pub struct BridgeSampler {
+    bridges: Vec<String>,
+    ports: Option<BTreeMap<String, PortState>>,
+    last_t: Option<Instant>,
+    period_start: Option<Instant>,
+    period: std::time::Duration,
+}
+
+/// (VM-side rx, VM-side tx) view of interface counters for a port.
+fn vm_side(c: &Counters, vm_port: bool) -> Counters {
+    if vm_port {
+        Counters {
+            rx_bytes: c.tx_bytes,
+            tx_bytes: c.rx_bytes,
+            rx_packets: c.tx_packets,
+            tx_packets: c.rx_packets,
+            rx_dropped: c.tx_dropped,
+            tx_dropped: c.rx_dropped,
+            rx_errors: c.tx_errors,
+            tx_errors: c.rx_errors,
+        }
+    } else {
+        *c
+    }
+}
+
+impl BridgeSampler {
+    pub fn new(bridges: Vec<String>, period: std::time::Duration) -> Self {
+        BridgeSampler {
+            bridges,
+            ports: None,
+            last_t: None,
+            period_start: None,
+            period,
+        }
+    }
+
+    /// Feed one dump taken at `now`; updates metrics, returns port appear/disappear events.
+    pub fn step(&mut self, rows: &[LinkRow], now: Instant, metrics: &Metrics) -> Vec<HostEvent> {
+        let bridges: HashMap<u32, &str> = rows
+            .iter()
+            .filter(|r| r.is_bridge && (self.bridges.is_empty() || self.bridges.contains(&r.name)))
+            .map(|r| (r.index, r.name.as_str()))
+            .collect();
+        let dt = self
+            .last_t
+            .map(|t| now.duration_since(t).as_secs_f64())
+            .unwrap_or(0.0);
+        self.last_t = Some(now);
+        let period_start = *self.period_start.get_or_insert(now);
+        let end_period = now.duration_since(period_start) >= self.period;
+        let first = self.ports.is_none();
+        let old = self.ports.take().unwrap_or_default();
+        let mut new: BTreeMap<String, PortState> = BTreeMap::new();
+        let mut events = Vec::new();
+        for r in rows {
+            let Some(bridge) = r.master.and_then(|m| bridges.get(&m)) else {
+                continue;
+            };
+            let parsed = parse_port_name(&r.name);
+            let vmid = parsed.map(|p| p.0);
+            let cur = vm_side(&r.stats, parsed.is_some());
+            let prev = old
+                .get(&r.name)
+                .filter(|p| p.index == r.index && p.bridge == *bridge);
+            // Delta since the last sample; a new interface (or a reset) counts from zero.
+            let base = prev.map(|p| p.last).unwrap_or_default();
+            let d = |a: u64, b: u64| if a >= b { a - b } else { a };
+            let delta = Counters {
+                rx_bytes: d(cur.rx_bytes, base.rx_bytes),
+                tx_bytes: d(cur.tx_bytes, base.tx_bytes),
+                rx_packets: d(cur.rx_packets, base.rx_packets),
+                tx_packets: d(cur.tx_packets, base.tx_packets),
+                rx_dropped: d(cur.rx_dropped, base.rx_dropped),
+                tx_dropped: d(cur.tx_dropped, base.tx_dropped),
+                rx_errors: d(cur.rx_errors, base.rx_errors),
+                tx_errors: d(cur.tx_errors, base.tx_errors),
+            };
+            let vm = vmid_label(vmid);
+            for (dir, b, p, dr, e) in [
+                (
+                    "rx",
+                    delta.rx_bytes,
+                    delta.rx_packets,
+                    delta.rx_dropped,
+                    delta.rx_errors,
+                ),
+                (
+                    "tx",
+                    delta.tx_bytes,
+                    delta.tx_packets,
+                    delta.tx_dropped,
+                    delta.tx_errors,
+                ),
+            ] {
+                let l = [*bridge, r.name.as_str(), vm.as_str(), dir];
+                metrics.bridge_bytes.with_label_values(&l).inc_by(b);
+                metrics.bridge_packets.with_label_values(&l).inc_by(p);
+                metrics.bridge_drops.with_label_values(&l).inc_by(dr);
+                metrics.bridge_errors.with_label_values(&l).inc_by(e);
+            }
+            let (mut mrx, mut mtx) = prev
+                .map(|p| (p.max_rx_rate, p.max_tx_rate))
+                .unwrap_or((0.0, 0.0));
+            if prev.is_some() && dt > 0.0 {
+                mrx = mrx.max(delta.rx_bytes as f64 / dt);
+                mtx = mtx.max(delta.tx_bytes as f64 / dt);
+            }
+            if end_period {
+                metrics
+                    .bridge_microburst
+                    .with_label_values(&[*bridge, r.name.as_str(), vm.as_str(), "rx"])
+                    .set(mrx);
+                metrics
+                    .bridge_microburst
+                    .with_label_values(&[*bridge, r.name.as_str(), vm.as_str(), "tx"])
+                    .set(mtx);
+                mrx = 0.0;
+                mtx = 0.0;
+            }
+            if !first && !old.contains_key(&r.name) {
+                events.push(HostEvent::BridgePort(BridgePortChange {
+                    bridge: bridge.to_string(),
+                    port: r.name.clone(),
+                    vmid,
+                    nic: parsed.map(|p| p.1),
+                    action: DeviceAction::Added,
+                }));
+            }
+            new.insert(
+                r.name.clone(),
+                PortState {
+                    index: r.index,
+                    bridge: bridge.to_string(),
+                    vmid,
+                    nic: parsed.map(|p| p.1),
+                    last: cur,
+                    max_rx_rate: mrx,
+                    max_tx_rate: mtx,
+                },
+            );
+        }
+        for (name, p) in &old {
+            if !new.contains_key(name) {
+                events.push(HostEvent::BridgePort(BridgePortChange {
+                    bridge: p.bridge.clone(),
+                    port: name.clone(),
+                    vmid: p.vmid,
+                    nic: p.nic,
+                    action: DeviceAction::Removed,
+                }));
+                let vm = vmid_label(p.vmid);
+                for dir in ["rx", "tx"] {
+                    let _ = metrics.bridge_microburst.remove_label_values(&[
+                        p.bridge.as_str(),
+                        name.as_str(),
+                        vm.as_str(),
+                        dir,
+                    ]);
+                }
+            }
+        }
+        if end_period {
+            self.period_start = Some(now);
+        }
+        self.ports = Some(new);
+        events
+    }
+}
+
+/// Run the sampler on its own thread (optionally inside another network namespace).
+/// `ready` receives `Ok(())` after the first sample or the error that stopped it.
+pub fn spawn(
+    cfg: crate::config::BridgeConfig,
+    metrics: std::sync::Arc<Metrics>,
+    bus: std::sync::Arc<crate::events::EventBus>,
+    ready: std::sync::mpsc::Sender<Result<(), String>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("bridge".into())
+        .spawn(move || {
+            if let Some(ns) = &cfg.netns {
+                let res = std::fs::File::open(ns)
+                    .map_err(|e| e.to_string())
+                    .and_then(|f| {
+                        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)
+                            .map_err(|e| e.to_string())
+                    });
+                if let Err(e) = res {
+                    let _ = ready.send(Err(format!(
+                        "cannot enter network namespace {}: {e}",
+                        ns.display()
+                    )));
+                    return;
+                }
+            }
+            let sock = match netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE)
+                .and_then(|mut s| {
+                    s.bind_auto()?;
+                    s.connect(&netlink_sys::SocketAddr::new(0, 0))?;
+                    Ok(s)
+                }) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready.send(Err(format!("rtnetlink socket: {e}")));
+                    return;
+                }
+            };
+            let mut sampler = BridgeSampler::new(
+                cfg.bridges.clone(),
+                std::time::Duration::from_millis(cfg.period_ms),
+            );
+            let interval = std::time::Duration::from_millis(cfg.sample_interval_ms);
+            let mut buf = Vec::with_capacity(65536);
+            let mut seq: u32 = 0;
+            let mut ready = Some(ready);
+            let mut next = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                seq = seq.wrapping_add(1);
+                match dump_links(&sock, seq, &mut buf) {
+                    Ok(rows) => {
+                        for ev in sampler.step(&rows, Instant::now(), &metrics) {
+                            bus.emit(ev);
+                        }
+                        if let Some(r) = ready.take() {
+                            let _ = r.send(Ok(()));
+                        }
+                    }
+                    Err(e) => {
+                        if let Some(r) = ready.take() {
+                            let _ = r.send(Err(format!("rtnetlink dump: {e}")));
+                            return;
+                        }
+                        tracing::warn!("bridge: rtnetlink dump failed: {e}");
+                    }
+                }
+                next += interval;
+                let now = Instant::now();
+                if next > now {
+                    std::thread::sleep(next - now);
+                } else {
+                    next = now;
+                }
+            }
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_names() {
+        assert_eq!(parse_port_name("tap100i0"), Some((100, 0)));
+        assert_eq!(parse_port_name("fwpr101p2"), Some((101, 2)));
+        assert_eq!(parse_port_name("veth102i1"), Some((102, 1)));
+        assert_eq!(parse_port_name("tap100"), None);
+        assert_eq!(parse_port_name("tapxi0"), None);
+        assert_eq!(parse_port_name("enp1s0"), None);
+        assert_eq!(parse_port_name("vethab12"), None);
+    }
+
+    #[test]
+    fn directions_deltas_and_microburst() {
+        let m = Metrics::new("t");
+        let mut s = BridgeSampler::new(vec!["vmbr0".into()], std::time::Duration::from_millis(300));
+        let row = |idx, name: &str, master, rx, tx| LinkRow {
+            index: idx,
+            name: name.into(),
+            master,
+            is_bridge: name == "vmbr0",
+            stats: Counters {
+                rx_bytes: rx,
+                tx_bytes: tx,
+                ..Default::default()
+            },
+        };
+        let t0 = Instant::now();
+        let ms = std::time::Duration::from_millis;
+        assert!(s
+            .step(
+                &[
+                    row(1, "vmbr0", None, 0, 0),
+                    row(2, "tap100i0", Some(1), 1000, 5000)
+                ],
+                t0,
+                &m
+            )
+            .is_empty());
+        let v = |dir| {
+            m.bridge_bytes
+                .with_label_values(&["vmbr0", "tap100i0", "100", dir])
+                .get()
+        };
+        // VM side: port tx 5000 = VM rx.
+        assert_eq!((v("rx"), v("tx")), (5000, 1000));
+        s.step(
+            &[
+                row(1, "vmbr0", None, 0, 0),
+                row(2, "tap100i0", Some(1), 1000, 105_000),
+            ],
+            t0 + ms(100),
+            &m,
+        );
+        s.step(
+            &[
+                row(1, "vmbr0", None, 0, 0),
+                row(2, "tap100i0", Some(1), 1000, 115_000),
+            ],
+            t0 + ms(200),
+            &m,
+        );
+        let ev = s.step(
+            &[
+                row(1, "vmbr0", None, 0, 0),
+                row(3, "tap101i0", Some(1), 7, 9),
+            ],
+            t0 + ms(300),
+            &m,
+        );
+        assert_eq!(v("rx"), 115_000);
+        assert_eq!(ev.len(), 2, "{ev:?}");
+        // highest window: 100 kB in 100 ms = 1 MB/s (period ended at the step that removed it)
+        let added = ev.iter().any(|e| matches!(e, HostEvent::BridgePort(p) if p.port == "tap101i0" && p.action == DeviceAction::Added && p.vmid == Some(101)));
+        let removed = ev.iter().any(|e| matches!(e, HostEvent::BridgePort(p) if p.port == "tap100i0" && p.action == DeviceAction::Removed));
+        assert!(added && removed);
+        let mut s2 = BridgeSampler::new(vec![], std::time::Duration::from_millis(300));
+        let rows = |tx| {
+            [
+                row(1, "vmbr0", None, 0, 0),
+                row(2, "tap100i0", Some(1), 0, tx),
+            ]
+        };
+        s2.step(&rows(0), t0, &m);
+        s2.step(&rows(100_000), t0 + ms(100), &m);
+        s2.step(&rows(110_000), t0 + ms(200), &m);
+        s2.step(&rows(120_000), t0 + ms(300), &m);
+        let mb = m
+            .bridge_microburst
+            .with_label_values(&["vmbr0", "tap100i0", "100", "rx"])
+            .get();
+        assert!((mb - 1_000_000.0).abs() < 1.0, "{mb}");
+    }
+}

@@ -1,0 +1,98 @@
+//! Watchers. Each has a synchronous `poll`-style core that returns events (tested against
+//! recorded trees) and is driven by [`crate::agent`].
+
+pub mod aer;
+pub mod bridge;
+pub mod hoststats;
+pub mod kmsg;
+pub mod pcie;
+pub mod thunderbolt;
+pub mod vm;
+
+use crate::discovery::{DeviceTopology, Link};
+use gpufeed_shared::event::KmsgRecord;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Current view of the watched devices (replaced on every discovery scan).
+#[derive(Debug, Default, Clone)]
+pub struct Topology {
+    pub devices: Vec<DeviceTopology>,
+    /// Every link on every path, deduplicated by downstream-end device.
+    pub links: Vec<Link>,
+    /// Every device on every path (AER is counted by the reporting device, so the link
+    /// partner may hold the errors): bdf → (vmid of the first device it serves, is root port).
+    pub aer_devices: BTreeMap<String, (Option<u32>, bool)>,
+}
+
+impl Topology {
+    pub fn from_devices(devices: Vec<DeviceTopology>) -> Topology {
+        let mut links: Vec<Link> = Vec::new();
+        let mut aer_devices = BTreeMap::new();
+        for d in &devices {
+            for l in &d.links {
+                if !links.iter().any(|x| x.child == l.child) {
+                    links.push(l.clone());
+                }
+            }
+            for (i, b) in d.path.iter().enumerate() {
+                let root = i + 1 == d.path.len() && d.present;
+                aer_devices
+                    .entry(b.clone())
+                    .or_insert((d.assignment.vmid, root));
+            }
+        }
+        Topology {
+            devices,
+            links,
+            aer_devices,
+        }
+    }
+
+    /// VMID a device (or a bridge on its path) serves.
+    pub fn vmid_of(&self, bdf: &str) -> Option<u32> {
+        self.aer_devices.get(bdf).and_then(|x| x.0)
+    }
+
+    /// All BDFs on the paths of a VM's devices.
+    pub fn bdfs_of_vm(&self, vmid: u32) -> Vec<String> {
+        self.devices
+            .iter()
+            .filter(|d| d.assignment.vmid == Some(vmid))
+            .flat_map(|d| d.path.iter().cloned())
+            .collect()
+    }
+}
+
+/// Recent classified kernel log records, for AER context and VM stop causes.
+#[derive(Debug, Default)]
+pub struct RecentKmsg {
+    inner: Mutex<VecDeque<(Instant, KmsgRecord)>>,
+}
+
+impl RecentKmsg {
+    const CAP: usize = 512;
+
+    pub fn push(&self, r: KmsgRecord) {
+        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if q.len() >= Self::CAP {
+            q.pop_front();
+        }
+        q.push_back((Instant::now(), r));
+    }
+
+    /// Records within `window` for which `pred` holds.
+    pub fn matching(
+        &self,
+        window: Duration,
+        pred: impl Fn(&KmsgRecord) -> bool,
+    ) -> Vec<KmsgRecord> {
+        let q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        q.iter()
+            .filter(|(t, r)| now.duration_since(*t) <= window && pred(r))
+            .map(|(_, r)| r.clone())
+            .collect()
+    }
+}

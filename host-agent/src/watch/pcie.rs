@@ -1,0 +1,148 @@
+//! PCIe link speed/width poller. Reads `current_link_*` only when the device is not
+//! runtime-suspended (reading LNKSTA would resume a D3 device).
+
+use crate::discovery::Link;
+use crate::metrics::{vmid_label, Metrics};
+use crate::roots::Roots;
+use crate::sysfs::{parse_link_speed, parse_link_width, read_attr};
+use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkState {
+    pub speed: Option<u32>,
+    pub width: u8,
+    pub max_speed: Option<u32>,
+    pub max_width: u8,
+}
+
+#[derive(Debug, Default)]
+pub struct PciePoller {
+    state: HashMap<String, LinkState>,
+    /// Devices skipped on the last poll because they were runtime-suspended.
+    pub suspended_skips: u64,
+}
+
+/// True when `power/runtime_status` says the device sleeps (reading would wake it).
+pub fn runtime_suspended(roots: &Roots, bdf: &str) -> bool {
+    matches!(
+        read_attr(&roots.pci_devices().join(bdf).join("power/runtime_status")).as_deref(),
+        Some("suspended") | Some("suspending")
+    )
+}
+
+pub fn read_link(roots: &Roots, bdf: &str) -> Option<LinkState> {
+    let d = roots.pci_devices().join(bdf);
+    let cur_speed = read_attr(&d.join("current_link_speed"))?;
+    let cur_width = read_attr(&d.join("current_link_width"))?;
+    Some(LinkState {
+        speed: parse_link_speed(&cur_speed),
+        width: parse_link_width(&cur_width).unwrap_or(0),
+        max_speed: read_attr(&d.join("max_link_speed")).and_then(|s| parse_link_speed(&s)),
+        max_width: read_attr(&d.join("max_link_width"))
+            .and_then(|s| parse_link_width(&s))
+            .unwrap_or(0),
+    })
+}
+
+pub fn classify(link: &Link, old: &LinkState, new: &LinkState) -> LinkChangeClass {
+    let down = |s: &LinkState| s.width == 0 || s.speed.is_none();
+    if link.virtual_tunnel {
+        LinkChangeClass::VirtualTunnelLink
+    } else if down(new) && !down(old) {
+        LinkChangeClass::LinkDown
+    } else if down(old) && !down(new) {
+        LinkChangeClass::LinkUp
+    } else if new.width < old.width {
+        LinkChangeClass::WidthReduction
+    } else if new.width > old.width {
+        LinkChangeClass::WidthIncrease
+    } else {
+        LinkChangeClass::SpeedOnly
+    }
+}
+
+fn gts(mts: Option<u32>) -> f64 {
+    mts.map(|m| m as f64 / 1000.0).unwrap_or(0.0)
+}
+
+impl PciePoller {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Poll `links`; return change events. The first sight of a link only records its state.
+    pub fn poll(
+        &mut self,
+        roots: &Roots,
+        links: &[Link],
+        metrics: &Metrics,
+        source: Source,
+    ) -> Vec<HostEvent> {
+        let mut out = Vec::new();
+        for link in links {
+            if runtime_suspended(roots, &link.child) {
+                self.suspended_skips += 1;
+                continue;
+            }
+            let Some(new) = read_link(roots, &link.child) else {
+                continue;
+            };
+            let vm = vmid_label(link.vmid);
+            let labels = [link.child.as_str(), vm.as_str()];
+            metrics
+                .pcie_speed
+                .with_label_values(&labels)
+                .set(gts(new.speed));
+            metrics
+                .pcie_width
+                .with_label_values(&labels)
+                .set(new.width as i64);
+            metrics
+                .pcie_max_speed
+                .with_label_values(&labels)
+                .set(gts(new.max_speed));
+            metrics
+                .pcie_max_width
+                .with_label_values(&labels)
+                .set(new.max_width as i64);
+            let Some(old) = self.state.insert(link.child.clone(), new) else {
+                continue;
+            };
+            if old.speed == new.speed && old.width == new.width {
+                continue;
+            }
+            let class = classify(link, &old, &new);
+            metrics
+                .pcie_changes
+                .with_label_values(&[link.child.as_str(), vm.as_str(), class.as_str()])
+                .inc();
+            let degraded = !link.virtual_tunnel
+                && (new.width < new.max_width
+                    || matches!((new.speed, new.max_speed), (Some(s), Some(m)) if s < m)
+                    || new.speed.is_none());
+            out.push(HostEvent::PcieLinkChange(PcieLinkChange {
+                bdf: link.child.clone(),
+                upstream_bdf: link.parent.clone(),
+                target_bdf: Some(link.target.clone()),
+                vmid: link.vmid,
+                old_speed_mts: old.speed,
+                new_speed_mts: new.speed,
+                old_width: old.width,
+                new_width: new.width,
+                max_speed_mts: new.max_speed,
+                max_width: new.max_width,
+                class,
+                degraded,
+                source,
+            }));
+        }
+        out
+    }
+
+    /// Forget links that are no longer watched.
+    pub fn retain(&mut self, links: &[Link]) {
+        self.state
+            .retain(|k, _| links.iter().any(|l| &l.child == k));
+    }
+}

@@ -1,0 +1,238 @@
+//! VM state per VMID from `/run/qemu-server/<vmid>.pid` and `/proc/<pid>` (plus a brief QMP
+//! `query-status` for running/paused), and vCPU run delay from the QEMU threads' schedstat.
+
+use crate::metrics::Metrics;
+use crate::roots::Roots;
+use crate::watch::{RecentKmsg, Topology};
+use gpufeed_shared::event::{HostEvent, KmsgClass, VmRunState, VmStateChange};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+/// PID of the VM's QEMU if the pid file names a live process that is this VM's QEMU.
+pub fn qemu_pid(roots: &Roots, vmid: u32) -> Option<u32> {
+    let pid: u32 = std::fs::read_to_string(roots.run().join(format!("qemu-server/{vmid}.pid")))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let proc_dir = roots.proc().join(pid.to_string());
+    let cmdline = std::fs::read(proc_dir.join("cmdline")).ok()?;
+    // QEMU argv carries `-id <vmid>`; accept a missing cmdline match only for kvm/qemu comms.
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let id = vmid.to_string();
+    let has_id = args
+        .windows(2)
+        .any(|w| w[0] == b"-id" && w[1] == id.as_bytes());
+    if has_id {
+        return Some(pid);
+    }
+    let comm = std::fs::read_to_string(proc_dir.join("comm")).unwrap_or_default();
+    if comm.trim() == "kvm" || comm.trim().starts_with("qemu") {
+        return Some(pid);
+    }
+    None
+}
+
+/// Sum of schedstat wait time (ns) of the vCPU threads (`CPU n/KVM`); all threads if none is
+/// named like a vCPU.
+pub fn vcpu_wait_ns(roots: &Roots, pid: u32) -> Option<u64> {
+    let task = roots.proc().join(format!("{pid}/task"));
+    let mut vcpu = 0u64;
+    let mut all = 0u64;
+    let mut n_vcpu = 0;
+    for e in std::fs::read_dir(task).ok()?.flatten() {
+        let p = e.path();
+        let Some(wait) = std::fs::read_to_string(p.join("schedstat"))
+            .ok()
+            .and_then(|s| {
+                s.split_whitespace()
+                    .nth(1)
+                    .and_then(|w| w.parse::<u64>().ok())
+            })
+        else {
+            continue;
+        };
+        all = all.saturating_add(wait);
+        let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
+        if comm.trim_end().ends_with("/KVM") {
+            vcpu = vcpu.saturating_add(wait);
+            n_vcpu += 1;
+        }
+    }
+    Some(if n_vcpu > 0 { vcpu } else { all })
+}
+
+/// Ask QEMU for its run state over QMP (connect, negotiate, query, close).
+pub fn qmp_status(sock: &Path, timeout: Duration) -> Option<String> {
+    let s = UnixStream::connect(sock).ok()?;
+    s.set_read_timeout(Some(timeout)).ok()?;
+    s.set_write_timeout(Some(timeout)).ok()?;
+    let mut r = BufReader::new(s.try_clone().ok()?);
+    let mut w = s;
+    let mut line = String::new();
+    r.read_line(&mut line).ok()?; // greeting
+    w.write_all(b"{\"execute\":\"qmp_capabilities\"}\n").ok()?;
+    line.clear();
+    r.read_line(&mut line).ok()?;
+    w.write_all(b"{\"execute\":\"query-status\"}\n").ok()?;
+    for _ in 0..8 {
+        line.clear();
+        if r.read_line(&mut line).ok()? == 0 {
+            return None;
+        }
+        let v: serde_json::Value = match serde_json::from_str(&line) {
+            Ok(v) => v,
+            Err(_) => continue,
+        };
+        if let Some(st) = v
+            .get("return")
+            .and_then(|x| x.get("status"))
+            .and_then(|x| x.as_str())
+        {
+            return Some(st.to_string());
+        }
+    }
+    None
+}
+
+pub fn map_qmp_status(s: &str) -> VmRunState {
+    match s {
+        "running" => VmRunState::Running,
+        "internal-error" | "io-error" | "guest-panicked" | "shutdown" => VmRunState::Error,
+        _ => VmRunState::Paused,
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct VmPoller {
+    states: BTreeMap<u32, VmRunState>,
+    wait_ns: BTreeMap<u32, (u32, u64)>,
+}
+
+impl VmPoller {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// VMIDs with a config or a pid file.
+    pub fn vmids(roots: &Roots, from_conf: &BTreeSet<u32>) -> BTreeSet<u32> {
+        let mut v = from_conf.clone();
+        if let Ok(rd) = std::fs::read_dir(roots.run().join("qemu-server")) {
+            for e in rd.flatten() {
+                if let Some(id) = e
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".pid"))
+                    .and_then(|n| n.parse().ok())
+                {
+                    v.insert(id);
+                }
+            }
+        }
+        v
+    }
+
+    pub fn poll(
+        &mut self,
+        roots: &Roots,
+        vmids: &BTreeSet<u32>,
+        qmp: bool,
+        topo: &Topology,
+        recent: &RecentKmsg,
+        cause_window: Duration,
+        metrics: &Metrics,
+    ) -> Vec<HostEvent> {
+        let mut out = Vec::new();
+        for &vmid in vmids {
+            let pid = qemu_pid(roots, vmid);
+            let mut detail = None;
+            let state = match pid {
+                None => VmRunState::Stopped,
+                Some(_) if qmp => {
+                    let sock = roots.run().join(format!("qemu-server/{vmid}.qmp"));
+                    match qmp_status(&sock, Duration::from_millis(300)) {
+                        Some(s) => {
+                            let st = map_qmp_status(&s);
+                            detail = Some(s);
+                            st
+                        }
+                        // QMP busy (qm holds it) or absent: the process runs.
+                        None => self
+                            .states
+                            .get(&vmid)
+                            .copied()
+                            .filter(|s| *s != VmRunState::Stopped)
+                            .unwrap_or(VmRunState::Running),
+                    }
+                }
+                Some(_) => VmRunState::Running,
+            };
+            let id = vmid.to_string();
+            metrics
+                .vm_up
+                .with_label_values(&[&id])
+                .set((state == VmRunState::Running) as i64);
+            for s in [
+                VmRunState::Running,
+                VmRunState::Paused,
+                VmRunState::Error,
+                VmRunState::Stopped,
+            ] {
+                metrics
+                    .vm_state
+                    .with_label_values(&[&id, s.as_str()])
+                    .set((s == state) as i64);
+            }
+            if let Some(pid) = pid {
+                if let Some(w) = vcpu_wait_ns(roots, pid) {
+                    let prev = self.wait_ns.insert(vmid, (pid, w));
+                    let c = metrics.vcpu_run_delay.with_label_values(&[&id]);
+                    match prev {
+                        Some((p, old)) if p == pid && w >= old => c.inc_by((w - old) as f64 / 1e9),
+                        _ => c.inc_by(w as f64 / 1e9),
+                    }
+                }
+            }
+            let old = self.states.insert(vmid, state);
+            if let Some(old) = old {
+                if old != state {
+                    let cause = if state != VmRunState::Running {
+                        let bdfs = topo.bdfs_of_vm(vmid);
+                        recent
+                            .matching(cause_window, |r| {
+                                let dev_match = r.bdf.as_ref().is_some_and(|b| bdfs.contains(b));
+                                let aerish = matches!(
+                                    r.class,
+                                    KmsgClass::AerSource
+                                        | KmsgClass::AerDetail
+                                        | KmsgClass::AerRecovery
+                                        | KmsgClass::Dpc
+                                        | KmsgClass::Vfio
+                                        | KmsgClass::LinkDown
+                                );
+                                (aerish && dev_match)
+                                    || (r.class == KmsgClass::VmStop && r.vmid == Some(vmid))
+                            })
+                            .into_iter()
+                            .map(|r| r.text)
+                            .collect()
+                    } else {
+                        vec![]
+                    };
+                    out.push(HostEvent::VmState(VmStateChange {
+                        vmid,
+                        old,
+                        new: state,
+                        detail,
+                        cause,
+                    }));
+                }
+            }
+        }
+        self.states.retain(|k, _| vmids.contains(k));
+        out
+    }
+}
