@@ -31,17 +31,35 @@ pub fn runtime_suspended(roots: &Roots, bdf: &str) -> bool {
     )
 }
 
-pub fn read_link(roots: &Roots, bdf: &str) -> Option<LinkState> {
+/// Read a link's state from its downstream-end device. The link's maximum is the lower of the
+/// two ends' maxima (a x16 GPU behind a x4 port has a x4 link).
+pub fn read_link(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<LinkState> {
     let d = roots.pci_devices().join(bdf);
     let cur_speed = read_attr(&d.join("current_link_speed"))?;
     let cur_width = read_attr(&d.join("current_link_width"))?;
+    let max_of = |dev: &std::path::Path| {
+        (
+            read_attr(&dev.join("max_link_speed")).and_then(|s| parse_link_speed(&s)),
+            read_attr(&dev.join("max_link_width")).and_then(|s| parse_link_width(&s)),
+        )
+    };
+    let (mut ms, mut mw) = max_of(&d);
+    if let Some(p) = parent {
+        let (ps, pw) = max_of(&roots.pci_devices().join(p));
+        ms = match (ms, ps) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        mw = match (mw, pw) {
+            (Some(a), Some(b)) if b > 0 => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
     Some(LinkState {
         speed: parse_link_speed(&cur_speed),
         width: parse_link_width(&cur_width).unwrap_or(0),
-        max_speed: read_attr(&d.join("max_link_speed")).and_then(|s| parse_link_speed(&s)),
-        max_width: read_attr(&d.join("max_link_width"))
-            .and_then(|s| parse_link_width(&s))
-            .unwrap_or(0),
+        max_speed: ms,
+        max_width: mw.unwrap_or(0),
     })
 }
 
@@ -85,7 +103,7 @@ impl PciePoller {
                 self.suspended_skips += 1;
                 continue;
             }
-            let Some(new) = read_link(roots, &link.child) else {
+            let Some(new) = read_link(roots, &link.child, link.parent.as_deref()) else {
                 continue;
             };
             let vm = vmid_label(link.vmid);
