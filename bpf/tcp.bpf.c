@@ -10,6 +10,13 @@
  * filled by userspace with named CIDRs. The match is done once per socket and
  * cached in socket-local storage, so the per-segment path is two local-storage
  * lookups and a few atomic adds.
+ *
+ * Retransmits are not counted per tracepoint hit: the tracepoint does not see
+ * every segment the kernel adds to TcpRetransSegs. Instead each hook that
+ * touches a socket brings the socket's own counter (tcp_sock.total_retrans,
+ * incremented on the same line as TcpRetransSegs) up to date in the owner's
+ * cgroup: on retransmit, on every received segment, and when the socket is
+ * destroyed. SYN-ACK retransmits of a listener are counted per hit.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -37,12 +44,17 @@ struct {
 	__type(value, __u32); /* dst class index < DST_UNMATCHED */
 } dst_cidrs SEC(".maps");
 
+struct sock_state {
+	__u32 dst_plus1;	  /* dst class index + 1 */
+	__u32 total_retrans_seen; /* tcp_sock.total_retrans already counted */
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, int);
-	__type(value, __u32); /* dst class index + 1; 0 = not classified yet */
-} sock_dst SEC(".maps");
+	__type(value, struct sock_state);
+} sock_state SEC(".maps");
 
 struct tcp_cgroup {
 	struct hist rtt[TCP_MAX_DST];
@@ -56,22 +68,32 @@ struct {
 	__type(value, struct tcp_cgroup);
 } tcp_stats SEC(".maps");
 
-/* Set by userspace before load: whether tcp_retransmit_skb has the `err`
- * argument (kernels >= 6.13 fire it on failed retransmits too). */
-const volatile bool retransmit_has_err = false;
+/* [0] events lost because cgroup storage was unavailable (allocation failed or
+ * the per-CPU storage lock was busy, e.g. a softirq interrupting a probe). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} tcp_lost SEC(".maps");
 
-static __always_inline __u32 classify(const struct sock *sk)
+static __always_inline void count_lost(void)
+{
+	__u32 zero = 0;
+	__u64 *v = bpf_map_lookup_elem(&tcp_lost, &zero);
+
+	if (v)
+		*v += 1;
+}
+
+static __always_inline __u32 classify_addr(const struct sock_common *c)
 {
 	struct dst_key key = {};
-	__u32 *cached, *idx, cls = DST_UNMATCHED;
-	__u16 family = sk->__sk_common.skc_family;
-
-	cached = bpf_sk_storage_get(&sock_dst, (void *)sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-	if (cached && *cached)
-		return *cached - 1;
+	__u32 *idx;
+	__u16 family = c->skc_family;
 
 	if (family == AF_INET) {
-		__u32 a = sk->__sk_common.skc_daddr;
+		__u32 a = c->skc_daddr;
 
 		key.prefixlen = 128;
 		key.addr[10] = 0xff;
@@ -79,25 +101,64 @@ static __always_inline __u32 classify(const struct sock *sk)
 		__builtin_memcpy(&key.addr[12], &a, 4);
 	} else if (family == AF_INET6) {
 		key.prefixlen = 128;
-		__builtin_memcpy(key.addr, &sk->__sk_common.skc_v6_daddr, 16);
+		__builtin_memcpy(key.addr, &c->skc_v6_daddr, 16);
 	} else {
 		return DST_UNMATCHED;
 	}
 	idx = bpf_map_lookup_elem(&dst_cidrs, &key);
 	if (idx && *idx < DST_UNMATCHED)
-		cls = *idx;
-	if (cached)
-		*cached = cls + 1;
-	return cls;
+		return *idx;
+	return DST_UNMATCHED;
+}
+
+/* Per-socket state, created at first sight with the destination class and the
+ * socket's retransmit counter as the baseline (minus `pending`, retransmitted
+ * segments the current hook is about to account). */
+static __always_inline struct sock_state *sock_state_of(const struct sock *sk, struct tcp_sock *tp,
+							__u32 pending)
+{
+	struct sock_state *ss;
+
+	ss = bpf_sk_storage_get(&sock_state, (void *)sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (ss && !ss->dst_plus1) {
+		ss->dst_plus1 = classify_addr(&sk->__sk_common) + 1;
+		ss->total_retrans_seen = tp->total_retrans - pending;
+	}
+	return ss;
+}
+
+static __always_inline __u32 dst_of(struct sock_state *ss)
+{
+	__u32 cls = ss->dst_plus1 - 1;
+
+	return cls < TCP_MAX_DST ? cls : DST_UNMATCHED;
 }
 
 static __always_inline struct tcp_cgroup *owner_stats(const struct sock *sk)
 {
 	struct cgroup *cg = sock_cgroup(sk);
 
+	struct tcp_cgroup *st;
+
 	if (!cg)
 		return 0;
-	return bpf_cgrp_storage_get(&tcp_stats, cg, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	st = bpf_cgrp_storage_get(&tcp_stats, cg, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (!st)
+		count_lost();
+	return st;
+}
+
+/* Adds the retransmits the socket counted since we last looked. */
+static __always_inline void sync_retrans(struct tcp_cgroup *st, struct sock_state *ss,
+					 struct tcp_sock *tp, __u32 cls)
+{
+	__u32 now = tp->total_retrans;
+	__u32 delta = now - ss->total_retrans_seen;
+
+	if (delta) {
+		ss->total_retrans_seen = now;
+		__sync_fetch_and_add(&st->retrans_segs[cls], delta);
+	}
 }
 
 SEC("tp_btf/tcp_probe")
@@ -105,42 +166,62 @@ int BPF_PROG(tcp_probe, struct sock *sk, const struct sk_buff *skb)
 {
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	struct tcp_cgroup *st;
+	struct sock_state *ss;
 	__u32 srtt, cls;
 
 	if (!tp)
 		return 0;
-	srtt = tp->srtt_us; /* microseconds << 3 */
-	if (!srtt)
-		return 0;
 	st = owner_stats(sk);
-	if (!st)
+	ss = sock_state_of(sk, tp, 0);
+	if (!st || !ss)
 		return 0;
-	cls = classify(sk);
-	if (cls >= TCP_MAX_DST)
-		return 0;
-	hist_record(&st->rtt[cls], (__u64)srtt * 125); /* (us << 3) * 1000 / 8 = ns */
+	cls = dst_of(ss);
+	srtt = tp->srtt_us; /* microseconds << 3 */
+	if (srtt)
+		hist_record(&st->rtt[cls], (__u64)srtt * 125); /* (us << 3) * 1000 / 8 = ns */
+	sync_retrans(st, ss, tp, cls);
 	return 0;
+}
+
+static __always_inline void account_retrans(const struct sock *sk, __u32 pending)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock((void *)sk);
+	struct tcp_cgroup *st;
+	struct sock_state *ss;
+
+	if (!tp)
+		return;
+	st = owner_stats(sk);
+	ss = sock_state_of(sk, tp, pending);
+	if (!st || !ss)
+		return;
+	sync_retrans(st, ss, tp, dst_of(ss));
 }
 
 SEC("tp_btf/tcp_retransmit_skb")
 int BPF_PROG(tcp_retransmit_skb, const struct sock *sk, const struct sk_buff *skb)
 {
-	struct tcp_cgroup *st;
-	__u32 cls;
-	__u16 segs;
+	/* first sight of a socket in a retransmit: this hit's segments are new */
+	account_retrans(sk, ((struct tcp_skb_cb *)skb->cb)->tcp_gso_segs);
+	return 0;
+}
 
-	if (retransmit_has_err && ctx[2] != 0)
-		return 0; /* the retransmit failed; the kernel does not count it */
-	/* tcp_skb_pcount(): TCP_SKB_CB(skb)->tcp_gso_segs, what TcpRetransSegs adds */
-	segs = ((struct tcp_skb_cb *)skb->cb)->tcp_gso_segs;
-	if (segs == 0)
-		segs = 1;
-	st = owner_stats(sk);
-	if (!st)
-		return 0;
-	cls = classify(sk);
-	if (cls >= TCP_MAX_DST)
-		return 0;
-	__sync_fetch_and_add(&st->retrans_segs[cls], segs);
+SEC("tp_btf/tcp_destroy_sock")
+int BPF_PROG(tcp_destroy_sock, struct sock *sk)
+{
+	account_retrans(sk, 0);
+	return 0;
+}
+
+/* A listener's SYN-ACK retransmit: counted in TcpRetransSegs, but the request
+ * socket has no tcp_sock counter; the listener's owner gets it. */
+SEC("tp_btf/tcp_retransmit_synack")
+int BPF_PROG(tcp_retransmit_synack, const struct sock *sk, const struct request_sock *req)
+{
+	struct tcp_cgroup *st = owner_stats(sk);
+	__u32 cls = classify_addr(&req->__req_common);
+
+	if (st && cls < TCP_MAX_DST)
+		__sync_fetch_and_add(&st->retrans_segs[cls], 1);
 	return 0;
 }

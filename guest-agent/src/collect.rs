@@ -71,6 +71,7 @@ pub struct SelfStats {
     pub ticks: u64,
     pub sched_negative_deltas: u64,
     pub sched_alloc_failures: u64,
+    pub tcp_lost: u64,
 }
 
 /// What the exporter reads.
@@ -237,6 +238,7 @@ impl Collector {
             ticks,
             sched_negative_deltas: neg,
             sched_alloc_failures: alloc,
+            tcp_lost: self.tcp.as_ref().map(|t| t.lost()).unwrap_or(0),
         };
         Ok(())
     }

@@ -5,6 +5,7 @@
 //! v4-mapped IPv6 prefixes so that one trie serves both families (an AF_INET6
 //! socket talking to a v4-mapped address matches the same entry).
 
+#[cfg(test)]
 use std::net::IpAddr;
 
 use ipnet::IpNet;
@@ -84,11 +85,6 @@ impl DstTable {
         self.names.get(idx).map(String::as_str).unwrap_or(UNMATCHED_NAME)
     }
 
-    /// Number of class slots the exporter has to look at (named + unmatched).
-    pub fn slots(&self) -> usize {
-        MAX_DST
-    }
-
     /// Entries for the kernel's LPM trie: (key bytes, class index).
     /// Key layout: u32 prefix length (host order), then 16 address bytes.
     pub fn lpm_entries(&self) -> Vec<([u8; 20], u32)> {
@@ -108,6 +104,7 @@ impl DstTable {
     }
 
     /// The class the kernel would pick for `ip` (longest prefix wins); used in tests.
+    #[cfg(test)]
     pub fn classify(&self, ip: IpAddr) -> &str {
         let mapped = match ip {
             IpAddr::V4(a) => a.to_ipv6_mapped(),

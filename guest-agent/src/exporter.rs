@@ -144,9 +144,12 @@ impl AgentCollector {
         ));
         out.push(family(
             "gpufeed_bpf_storage_alloc_failures_total",
-            "Events lost because the kernel could not allocate cgroup storage",
+            "Events lost because cgroup storage was unavailable (allocation failed or per-CPU lock busy)",
             MetricType::COUNTER,
-            vec![counter(&Labels::new(), stats.sched_alloc_failures as f64)],
+            vec![
+                counter(&Labels::from([("probe", "sched_latency".to_string())]), stats.sched_alloc_failures as f64),
+                counter(&Labels::from([("probe", "tcp".to_string())]), stats.tcp_lost as f64),
+            ],
         ));
         out.push(family(
             "gpufeed_build_info",

@@ -76,7 +76,8 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            // kube's client logs every failed request at ERROR; our watcher says it once.
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,kube_client=off".into()),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -12,7 +12,7 @@ pub mod tcp;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
-use libbpf_rs::btf::types::{FuncProto, Ptr, Typedef};
+use libbpf_rs::btf::types::Typedef;
 use libbpf_rs::btf::Btf;
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
@@ -57,16 +57,6 @@ impl KernelBtf {
     /// Whether the kernel has the tracepoint that `tp_btf/<name>` attaches to.
     pub fn has_tracepoint(&self, name: &str) -> bool {
         self.0.as_ref().is_some_and(|b| b.type_by_name::<Typedef<'_>>(&format!("btf_trace_{name}")).is_some())
-    }
-
-    /// Number of arguments of a tracepoint, excluding the leading `void *__data`.
-    pub fn tracepoint_args(&self, name: &str) -> Option<usize> {
-        let btf = self.0.as_ref()?;
-        let td = btf.type_by_name::<Typedef<'_>>(&format!("btf_trace_{name}"))?;
-        use libbpf_rs::btf::ReferencesType;
-        let ptr = Ptr::try_from(td.referenced_type()).ok()?;
-        let proto = FuncProto::try_from(ptr.referenced_type()).ok()?;
-        Some(proto.len().saturating_sub(1))
     }
 }
 

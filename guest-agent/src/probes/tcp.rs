@@ -12,7 +12,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
 use super::hist::{Hist, HIST_BYTES};
-use super::{err, handle, lookup_cgroup, KernelBtf, ProbeError, ProbeStatus};
+use super::{err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
 use crate::dst::{DstTable, MAX_DST};
 
 pub const RTT: &str = "tcp_rtt";
@@ -41,6 +41,7 @@ impl TcpCgroup {
 
 pub struct TcpProbe {
     stats: MapHandle,
+    lost: MapHandle,
     _links: Vec<Link>,
 }
 
@@ -49,7 +50,9 @@ impl TcpProbe {
     /// statuses say which are up. `Ok((None, ..))` when neither is.
     pub fn load(btf: &KernelBtf, dst: &DstTable) -> Result<(Option<TcpProbe>, Vec<ProbeStatus>), ProbeError> {
         let has_rtt = btf.has_tracepoint("tcp_probe");
-        let has_retrans = btf.has_tracepoint("tcp_retransmit_skb");
+        let has_retrans = btf.has_tracepoint("tcp_retransmit_skb") && btf.has_tracepoint("tcp_destroy_sock");
+        // optional: SYN-ACK retransmits of listeners
+        let has_synack = has_retrans && btf.has_tracepoint("tcp_retransmit_synack");
         let missing = |name, hook: &str| ProbeStatus {
             name,
             up: false,
@@ -60,7 +63,7 @@ impl TcpProbe {
             if has_retrans {
                 ProbeStatus { name: RETRANS, up: true, reason: None }
             } else {
-                missing(RETRANS, "tcp_retransmit_skb")
+                missing(RETRANS, "tcp_retransmit_skb/tcp_destroy_sock")
             },
         ];
         if !has_rtt && !has_retrans {
@@ -70,10 +73,8 @@ impl TcpProbe {
         let mut open = skel::TcpSkelBuilder::default().open(&mut storage).map_err(err(OBJ, "open"))?;
         open.progs.tcp_probe.set_autoload(has_rtt);
         open.progs.tcp_retransmit_skb.set_autoload(has_retrans);
-        if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
-            // Kernels >= 6.13 pass `err` and fire on failed retransmits too.
-            ro.retransmit_has_err = btf.tracepoint_args("tcp_retransmit_skb").unwrap_or(2) >= 3;
-        }
+        open.progs.tcp_destroy_sock.set_autoload(has_retrans);
+        open.progs.tcp_retransmit_synack.set_autoload(has_synack);
         let skel = open.load().map_err(err(OBJ, "load"))?;
         let mut links = Vec::new();
         if has_rtt {
@@ -81,6 +82,10 @@ impl TcpProbe {
         }
         if has_retrans {
             links.push(skel.progs.tcp_retransmit_skb.attach().map_err(err(RETRANS, "attach tcp_retransmit_skb"))?);
+            links.push(skel.progs.tcp_destroy_sock.attach().map_err(err(RETRANS, "attach tcp_destroy_sock"))?);
+        }
+        if has_synack {
+            links.push(skel.progs.tcp_retransmit_synack.attach().map_err(err(RETRANS, "attach tcp_retransmit_synack"))?);
         }
         for (key, idx) in dst.lpm_entries() {
             skel.maps
@@ -88,7 +93,19 @@ impl TcpProbe {
                 .update(&key, &idx.to_ne_bytes(), MapFlags::ANY)
                 .map_err(err(OBJ, "filling dst_cidrs"))?;
         }
-        Ok((Some(TcpProbe { stats: handle(OBJ, &skel.maps.tcp_stats)?, _links: links }), statuses))
+        Ok((
+            Some(TcpProbe {
+                stats: handle(OBJ, &skel.maps.tcp_stats)?,
+                lost: handle(OBJ, &skel.maps.tcp_lost)?,
+                _links: links,
+            }),
+            statuses,
+        ))
+    }
+
+    /// Events dropped because cgroup storage was unavailable.
+    pub fn lost(&self) -> u64 {
+        percpu_sum(&self.lost, 0)
     }
 
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {

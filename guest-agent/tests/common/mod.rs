@@ -1,0 +1,549 @@
+//! Test fixtures on the real kernel: kubelet-shaped cgroups, network
+//! namespaces joined by veth pairs to a bridge, processes placed in both, the
+//! agent binary, and a /metrics scraper.
+//!
+//! Everything a test creates carries a unique name and is removed by Drop, also
+//! when the test fails. Traffic only flows between namespaces the test created.
+#![allow(dead_code)]
+
+pub mod fake_kube;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A short unique tag (interface names are limited to 15 bytes).
+pub fn uniq() -> String {
+    format!("{}{}", std::process::id() % 100_000, SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Kernel tests measure latency and rates: they must not run beside each
+/// other, also across test binaries. Holding the returned guard serialises them.
+pub struct KernelLock(std::fs::File);
+
+pub fn kernel_lock() -> KernelLock {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(std::env::temp_dir().join("gpufeed-kernel-tests.lock"))
+        .unwrap();
+    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
+    KernelLock(f)
+}
+
+/// Kernel tests need root. Unprivileged laptops skip; CI must run them.
+/// Returns the lock that serialises kernel tests when they may run.
+pub fn require_root() -> Option<KernelLock> {
+    if unsafe { libc::geteuid() } == 0 {
+        return Some(kernel_lock());
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("CI=true but not running as root: kernel tests must run, not skip");
+    }
+    eprintln!("skipping: needs root (kernel test)");
+    None
+}
+
+pub fn sh(cmd: &str) -> String {
+    let out = Command::new("sh").arg("-c").arg(cmd).output().expect("running sh");
+    if !out.status.success() {
+        panic!("`{cmd}` failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Like `sh` but ignores failure (cleanup paths).
+pub fn sh_quiet(cmd: &str) {
+    let _ = Command::new("sh").arg("-c").arg(cmd).stdout(Stdio::null()).stderr(Stdio::null()).status();
+}
+
+pub fn cgroup2_root() -> PathBuf {
+    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    for line in mi.lines() {
+        if let Some((pre, post)) = line.split_once(" - ") {
+            if post.starts_with("cgroup2 ") {
+                return PathBuf::from(pre.split_whitespace().nth(4).unwrap());
+            }
+        }
+    }
+    panic!("no cgroup2 mount");
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Layout {
+    /// /kubepods/{burstable,besteffort}/pod<uid>/<cid>, Guaranteed at /kubepods/pod<uid>/<cid>
+    Cgroupfs,
+    /// /kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid_>.slice/cri-containerd-<cid>.scope
+    Systemd,
+}
+
+/// A private subtree `/<prefix>` under the cgroup2 root that holds a kubelet-shaped tree.
+pub struct CgroupSandbox {
+    pub root: PathBuf,
+    pub prefix: PathBuf,
+}
+
+impl CgroupSandbox {
+    pub fn new() -> CgroupSandbox {
+        let root = cgroup2_root();
+        let prefix = root.join(format!("gpufeed-test-{}", uniq()));
+        std::fs::create_dir_all(&prefix).unwrap();
+        CgroupSandbox { root, prefix }
+    }
+}
+
+impl Drop for CgroupSandbox {
+    fn drop(&mut self) {
+        remove_cgroup_tree(&self.prefix);
+    }
+}
+
+/// Moves every task out to the root cgroup and removes the directories bottom-up.
+pub fn remove_cgroup_tree(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            remove_cgroup_tree(&e.path());
+        }
+    }
+    if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+        for pid in procs.lines() {
+            let _ = unsafe { libc::kill(pid.trim().parse().unwrap_or(0), libc::SIGKILL) };
+        }
+    }
+    for _ in 0..50 {
+        if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A pod: a container cgroup in one of kubelet's layouts, optionally with its own
+/// network namespace attached to a test network.
+pub struct Pod {
+    pub uid: String,
+    pub container_id: String,
+    /// Absolute path of the container cgroup.
+    pub cgroup: PathBuf,
+    /// Absolute path of the pod cgroup.
+    pub pod_cgroup: PathBuf,
+    pub netns: Option<String>,
+    pub ip: Option<String>,
+    /// host-side veth
+    pub host_if: Option<String>,
+    children: Vec<Child>,
+}
+
+pub fn random_uid() -> String {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut b).unwrap();
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+pub fn random_cid() -> String {
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut b).unwrap();
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Pod {
+    /// Creates the cgroups of a pod (`qos`: "burstable", "besteffort" or "guaranteed").
+    pub fn new(sb: &CgroupSandbox, layout: Layout, qos: &str, uid: &str, cid: &str) -> Pod {
+        let (pod_dir, ctr_dir) = match layout {
+            Layout::Cgroupfs => {
+                let base = sb.prefix.join("kubepods");
+                let pod = if qos == "guaranteed" {
+                    base.join(format!("pod{uid}"))
+                } else {
+                    base.join(qos).join(format!("pod{uid}"))
+                };
+                let ctr = pod.join(cid);
+                (pod, ctr)
+            }
+            Layout::Systemd => {
+                let u = uid.replace('-', "_");
+                let base = sb.prefix.join("kubepods.slice");
+                let pod = if qos == "guaranteed" {
+                    base.join(format!("kubepods-pod{u}.slice"))
+                } else {
+                    base.join(format!("kubepods-{qos}.slice")).join(format!("kubepods-{qos}-pod{u}.slice"))
+                };
+                let ctr = pod.join(format!("cri-containerd-{cid}.scope"));
+                (pod, ctr)
+            }
+        };
+        std::fs::create_dir_all(&ctr_dir).unwrap();
+        Pod {
+            uid: uid.to_string(),
+            container_id: cid.to_string(),
+            cgroup: ctr_dir,
+            pod_cgroup: pod_dir,
+            netns: None,
+            ip: None,
+            host_if: None,
+            children: Vec::new(),
+        }
+    }
+
+    /// Runs `cmd` (a shell command) inside the container cgroup (and the pod's
+    /// netns, if any). The process moves itself into the cgroup before exec, so
+    /// the test harness needs no unsafe pre_exec code.
+    pub fn spawn(&mut self, cmd: &str) -> u32 {
+        let procs = self.cgroup.join("cgroup.procs");
+        let inner = match &self.netns {
+            Some(ns) => format!("exec ip netns exec {ns} sh -c '{}'", cmd.replace('\'', "'\\''")),
+            None => format!("exec sh -c '{}'", cmd.replace('\'', "'\\''")),
+        };
+        let script = format!("echo $$ > {} && {inner}", procs.display());
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        self.children.push(child);
+        pid
+    }
+
+    /// All pids currently in the container cgroup.
+    pub fn pids(&self) -> Vec<i32> {
+        std::fs::read_to_string(self.cgroup.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
+    /// Sum of run_delay (ns) over every thread of every process in the cgroup.
+    pub fn run_delay_ns(&self) -> u64 {
+        let mut total = 0;
+        for pid in self.pids() {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+            for t in tasks.flatten() {
+                if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+                    total += s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                }
+            }
+        }
+        total
+    }
+
+    pub fn signal_all(&self, sig: i32) {
+        for pid in self.pids() {
+            unsafe { libc::kill(pid, sig) };
+        }
+    }
+
+    pub fn kill_all(&mut self) {
+        self.signal_all(libc::SIGKILL);
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.children.clear();
+    }
+
+    /// Removes the pod's cgroups (after killing what runs in them).
+    pub fn remove(&mut self) {
+        self.kill_all();
+        remove_cgroup_tree(&self.pod_cgroup);
+    }
+}
+
+impl Drop for Pod {
+    fn drop(&mut self) {
+        self.kill_all();
+        if let Some(ns) = &self.netns {
+            sh_quiet(&format!("ip netns del {ns}"));
+        }
+        if let Some(h) = &self.host_if {
+            sh_quiet(&format!("ip link del {h}"));
+        }
+        remove_cgroup_tree(&self.pod_cgroup);
+    }
+}
+
+/// A test network: a bridge in the root namespace (like a CNI bridge) with
+/// server namespaces and pod namespaces attached by veth pairs. Addresses live
+/// only inside the namespaces the test created; the root namespace has none.
+pub struct TestNet {
+    pub bridge: String,
+    pub subnet: u8,
+    next_host: u8,
+    namespaces: Vec<String>,
+    links: Vec<String>,
+}
+
+impl TestNet {
+    pub fn new() -> TestNet {
+        let tag = uniq();
+        let bridge = format!("gfb{tag}");
+        // a /24 per test network inside 10.213.0.0/16
+        let subnet = (SEQ.fetch_add(1, Ordering::Relaxed) % 250) as u8 + 1;
+        sh(&format!("ip link add {bridge} type bridge && ip link set {bridge} up"));
+        TestNet { bridge, subnet, next_host: 1, namespaces: Vec::new(), links: vec![] }
+    }
+
+    fn attach(&mut self, ns: &str) -> (String, String) {
+        let host = self.next_host;
+        self.next_host += 1;
+        let ip = format!("10.213.{}.{host}", self.subnet);
+        let hif = format!("gfh{}", uniq());
+        sh(&format!(
+            "ip link add {hif} type veth peer name eth0 netns {ns} && \
+             ip link set {hif} master {b} up && \
+             ip -n {ns} addr add {ip}/24 dev eth0 && ip -n {ns} link set eth0 up && ip -n {ns} link set lo up",
+            b = self.bridge
+        ));
+        self.links.push(hif.clone());
+        (ip, hif)
+    }
+
+    /// A namespace acting as a server host; returns (namespace, ip, host-side veth).
+    pub fn server(&mut self) -> (String, String, String) {
+        let ns = format!("gfs{}", uniq());
+        sh(&format!("ip netns add {ns}"));
+        self.namespaces.push(ns.clone());
+        let (ip, hif) = self.attach(&ns);
+        (ns, ip, hif)
+    }
+
+    /// Gives the pod its own network namespace joined to the bridge.
+    pub fn join(&mut self, pod: &mut Pod) {
+        let ns = format!("gfp{}", uniq());
+        sh(&format!("ip netns add {ns}"));
+        let (ip, hif) = self.attach(&ns);
+        pod.netns = Some(ns);
+        pod.ip = Some(ip);
+        pod.host_if = Some(hif);
+    }
+}
+
+impl Drop for TestNet {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            sh_quiet(&format!("ip netns pids {ns} | xargs -r kill -9; ip netns del {ns}"));
+        }
+        for l in &self.links {
+            sh_quiet(&format!("ip link del {l}"));
+        }
+        sh_quiet(&format!("ip link del {}", self.bridge));
+    }
+}
+
+/// A long-running process started by a test, killed on drop.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `cmd` inside namespace `ns` as a background process.
+pub fn spawn_in_ns(ns: &str, cmd: &str) -> Proc {
+    Proc(
+        Command::new("ip")
+            .args(["netns", "exec", ns, "sh", "-c", cmd])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The agent binary running with the given extra arguments.
+pub struct Agent {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Agent {
+    pub fn start(args: &[&str], env: &[(&str, &str)]) -> Agent {
+        let port = free_port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
+        cmd.arg("run").arg("--metrics-listen").arg(addr.to_string()).args(args);
+        cmd.env("RUST_LOG", "info").env_remove("KUBECONFIG");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let l2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[agent] {line}");
+                l2.lock().unwrap().push_str(&line);
+                l2.lock().unwrap().push('\n');
+            }
+        });
+        let agent = Agent { child, addr, log };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if agent.try_get("/healthz").is_some() {
+                return agent;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("agent did not become healthy; log:\n{}", agent.log.lock().unwrap());
+    }
+
+    pub fn try_get(&self, path: &str) -> Option<String> {
+        http_get(self.addr, path)
+    }
+
+    pub fn scrape(&self) -> Vec<Sample> {
+        parse_metrics(&self.try_get("/metrics").expect("scrape /metrics"))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Minimal HTTP/1.0 GET; returns the body on 200.
+pub fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let (head, body) = buf.split_once("\r\n\r\n")?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return None;
+    }
+    Some(body.to_string())
+}
+
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+}
+
+impl Sample {
+    pub fn label(&self, k: &str) -> &str {
+        self.labels.get(k).map(String::as_str).unwrap_or("")
+    }
+}
+
+/// Parses the text exposition format (enough of it for our own output).
+pub fn parse_metrics(text: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            v => v.parse().unwrap(),
+        };
+        let (name, labels) = match series.split_once('{') {
+            Some((n, rest)) => {
+                let body = rest.strip_suffix('}').unwrap();
+                let mut labels = BTreeMap::new();
+                let mut s = body;
+                while !s.is_empty() {
+                    let (k, rest) = s.split_once("=\"").unwrap();
+                    let end = rest.find('"').unwrap();
+                    labels.insert(k.trim_start_matches(',').to_string(), rest[..end].to_string());
+                    s = &rest[end + 1..];
+                    s = s.trim_start_matches(',');
+                }
+                (n.to_string(), labels)
+            }
+            None => (series.to_string(), BTreeMap::new()),
+        };
+        out.push(Sample { name, labels, value });
+    }
+    out
+}
+
+/// Samples of `name` whose labels include all of `want`.
+pub fn find<'a>(samples: &'a [Sample], name: &str, want: &[(&str, &str)]) -> Vec<&'a Sample> {
+    samples.iter().filter(|s| s.name == name && want.iter().all(|(k, v)| s.label(k) == *v)).collect()
+}
+
+pub fn value(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> Option<f64> {
+    let f = find(samples, name, want);
+    if f.is_empty() {
+        None
+    } else {
+        Some(f.iter().map(|s| s.value).sum())
+    }
+}
+
+/// Histogram quantile from cumulative buckets (upper bound of the bucket holding it).
+pub fn hist_quantile(samples: &[Sample], base: &str, want: &[(&str, &str)], q: f64) -> Option<f64> {
+    let mut buckets: Vec<(f64, f64)> = find(samples, &format!("{base}_bucket"), want)
+        .iter()
+        .map(|s| (s.label("le").parse::<f64>().unwrap_or(f64::INFINITY), s.value))
+        .collect();
+    if buckets.is_empty() {
+        return None;
+    }
+    buckets.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
+    let total = buckets.last().unwrap().1;
+    let rank = q * total;
+    buckets.iter().find(|(_, c)| *c >= rank).map(|(le, _)| *le)
+}
+
+/// Polls until `f` returns Some or the timeout passes.
+pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// TcpRetransSegs of a network namespace (nstat, absolute counters).
+pub fn retrans_segs(ns: &str) -> u64 {
+    let out = sh(&format!("ip netns exec {ns} nstat -az TcpRetransSegs"));
+    out.lines()
+        .find(|l| l.starts_with("TcpRetransSegs"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no TcpRetransSegs in nstat output: {out}"))
+}

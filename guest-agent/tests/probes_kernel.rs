@@ -1,0 +1,208 @@
+//! End-to-end probe tests on the real kernel: real cgroups in both kubelet
+//! layouts, real workloads, the real agent binary, its real /metrics, compared
+//! with the kernel's own accounting (schedstat, ss, nstat).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const SCHED: &str = "ebpf_sched_latency_microseconds";
+const RTT: &str = "ebpf_tcp_rtt_microseconds";
+const RETRANS: &str = "ebpf_tcp_retransmissions_total";
+
+fn pod_labels(p: &Pod) -> [(&'static str, String); 2] {
+    // Without a Kubernetes API, pods are labelled by UID and short container id.
+    [("pod", p.uid.clone()), ("container", p.container_id[..12].to_string())]
+}
+
+fn sel<'a>(l: &'a [(&'static str, String); 2]) -> Vec<(&'static str, &'a str)> {
+    l.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+fn wait_ticks() {
+    // agent runs with --interval 200ms; two ticks and some slack
+    std::thread::sleep(Duration::from_millis(700));
+}
+
+#[test]
+fn sched_latency_busy_pod_against_idle_pod_and_schedstat() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let agent = Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "sched_latency"], &[]);
+    let mut busy = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
+    let mut idle = Pod::new(&sb, Layout::Systemd, "besteffort", &random_uid(), &random_cid());
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let busy_cpu = cpus - 1;
+    // four spinning tasks on one CPU: each waits ~3/4 of the time
+    for _ in 0..4 {
+        busy.spawn(&format!("exec taskset -c {busy_cpu} sh -c 'while :; do :; done'"));
+    }
+    idle.spawn("exec taskset -c 0 sh -c 'while :; do sleep 0.02; done'");
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(busy.pids().len(), 4, "all busy tasks joined the pod cgroup");
+
+    // Freeze the busy tasks so that neither the kernel's run_delay nor our
+    // histogram moves while both are read.
+    busy.signal_all(libc::SIGSTOP);
+    wait_ticks();
+    let bl = pod_labels(&busy);
+    let s0 = agent.scrape();
+    let d0 = busy.run_delay_ns();
+    let sum0 = value(&s0, &format!("{SCHED}_sum"), &sel(&bl)).expect("busy pod has a series");
+    busy.signal_all(libc::SIGCONT);
+    std::thread::sleep(Duration::from_secs(3));
+    busy.signal_all(libc::SIGSTOP);
+    wait_ticks();
+    let s1 = agent.scrape();
+    let d1 = busy.run_delay_ns();
+    let sum1 = value(&s1, &format!("{SCHED}_sum"), &sel(&bl)).unwrap();
+
+    let ours_us = sum1 - sum0;
+    let kernel_us = (d1 - d0) as f64 / 1000.0;
+    eprintln!("busy pod: histogram sum delta {ours_us:.0} us, schedstat run_delay delta {kernel_us:.0} us");
+    assert!(kernel_us > 3_000_000.0, "4 tasks on one CPU for 3 s wait for seconds, got {kernel_us} us");
+    let err = (ours_us - kernel_us).abs() / kernel_us;
+    assert!(err < 0.10, "histogram sum {ours_us} vs schedstat {kernel_us}: {:.1}% apart", err * 100.0);
+
+    let busy_p99 = hist_quantile(&s1, SCHED, &sel(&bl), 0.99).unwrap();
+    let il = pod_labels(&idle);
+    let idle_p99 = hist_quantile(&s1, SCHED, &sel(&il), 0.99).expect("idle pod has a series");
+    let idle_count = value(&s1, &format!("{SCHED}_count"), &sel(&il)).unwrap();
+    eprintln!("p99 busy {busy_p99} us, idle {idle_p99} us ({idle_count} idle samples)");
+    let idle_mean = value(&s1, &format!("{SCHED}_sum"), &sel(&il)).unwrap() / idle_count;
+    let busy_mean = ours_us / (value(&s1, &format!("{SCHED}_count"), &sel(&bl)).unwrap()
+        - value(&s0, &format!("{SCHED}_count"), &sel(&bl)).unwrap());
+    eprintln!("mean wait busy {busy_mean:.0} us, idle {idle_mean:.0} us");
+    assert!(idle_count >= 50.0, "the idle pod wakes every 20 ms");
+    assert!(busy_p99 >= 4_000.0, "busy p99 {busy_p99} us");
+    assert!(busy_p99 >= 4.0 * idle_p99, "busy p99 {busy_p99} us not far above idle p99 {idle_p99} us");
+    assert!(busy_mean >= 10.0 * idle_mean, "busy mean wait {busy_mean} us vs idle {idle_mean} us");
+    // both layouts resolved to their pod, not to a slice
+    assert!(find(&s1, &format!("{SCHED}_count"), &[("slice", "gpufeed-test")]).is_empty());
+    busy.signal_all(libc::SIGCONT);
+}
+
+/// Mean of the `rtt:` values ss reports for the busiest socket to `dst`, in us.
+fn ss_rtt_us(ns: &str, dst: &str) -> Option<f64> {
+    let out = sh(&format!("ip netns exec {ns} ss -tin dst {dst}"));
+    // pick the socket with the most bytes_acked (the data connection)
+    let mut best: Option<(u64, f64)> = None;
+    for line in out.lines() {
+        let rtt = line.split_whitespace().find_map(|w| w.strip_prefix("rtt:")).and_then(|r| r.split('/').next()?.parse::<f64>().ok());
+        let acked = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("bytes_acked:"))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        if let Some(r) = rtt {
+            if best.is_none_or(|(a, _)| acked > a) {
+                best = Some((acked, r * 1000.0));
+            }
+        }
+    }
+    best.map(|(_, r)| r)
+}
+
+#[test]
+fn tcp_rtt_agrees_with_ss_and_silent_pod_has_none() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv_ns, srv_ip, srv_if) = net.server();
+    // Queueing delay on the way to the server: a 20 Mbit/s token bucket with
+    // ~25 ms of queue; a bulk upload keeps it filled.
+    sh(&format!("tc qdisc add dev {srv_if} root tbf rate 20mbit burst 16kb latency 25ms"));
+    let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
+    let agent = Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "tcp_rtt,tcp_retransmit"], &[]);
+    let mut talker = Pod::new(&sb, Layout::Systemd, "burstable", &random_uid(), &random_cid());
+    let mut silent = Pod::new(&sb, Layout::Cgroupfs, "guaranteed", &random_uid(), &random_cid());
+    net.join(&mut talker);
+    net.join(&mut silent);
+    silent.spawn("exec sleep 30");
+    std::thread::sleep(Duration::from_millis(300));
+    talker.spawn(&format!("exec iperf3 -c {srv_ip} -t 8 -l 16k"));
+    std::thread::sleep(Duration::from_secs(2));
+
+    let tl = pod_labels(&talker);
+    let mut want = sel(&tl);
+    want.push(("dst", "private"));
+    let s0 = agent.scrape();
+    let (sum0, cnt0) = (
+        value(&s0, &format!("{RTT}_sum"), &want).expect("talker has RTT samples"),
+        value(&s0, &format!("{RTT}_count"), &want).unwrap(),
+    );
+    let ns = talker.netns.clone().unwrap();
+    let mut ss = Vec::new();
+    for _ in 0..20 {
+        if let Some(r) = ss_rtt_us(&ns, &srv_ip) {
+            ss.push(r);
+        }
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    let s1 = agent.scrape();
+    let (sum1, cnt1) =
+        (value(&s1, &format!("{RTT}_sum"), &want).unwrap(), value(&s1, &format!("{RTT}_count"), &want).unwrap());
+    let ours = (sum1 - sum0) / (cnt1 - cnt0);
+    let theirs = ss.iter().sum::<f64>() / ss.len() as f64;
+    eprintln!("mean srtt: ours {ours:.0} us over {} samples, ss {theirs:.0} us over {} readings", cnt1 - cnt0, ss.len());
+    assert!(ss.len() >= 10, "ss saw the socket");
+    assert!(theirs > 2_000.0, "the shaped link adds queueing delay (ss {theirs} us)");
+    assert!((ours - theirs).abs() / theirs < 0.20, "ours {ours} us vs ss {theirs} us");
+
+    let sl = pod_labels(&silent);
+    assert!(find(&s1, &format!("{RTT}_count"), &sel(&sl)).is_empty(), "the silent pod has no RTT series");
+    assert!(find(&s1, RETRANS, &sel(&sl)).is_empty(), "the silent pod has no TCP series at all");
+}
+
+#[test]
+fn retransmits_equal_nstat_and_clean_pod_shows_zero() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (lossy_ns, lossy_ip, lossy_if) = net.server();
+    let (clean_ns, clean_ip, _) = net.server();
+    // A token bucket with almost no queue in front of the lossy server: an
+    // upload overflows it and loses segments, which the pod retransmits.
+    sh(&format!("tc qdisc add dev {lossy_if} root tbf rate 10mbit burst 10kb limit 12kb"));
+    let _s1 = spawn_in_ns(&lossy_ns, "exec iperf3 -s -1");
+    let _s2 = spawn_in_ns(&clean_ns, "exec iperf3 -s -1");
+    let agent = Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "tcp_rtt,tcp_retransmit"], &[]);
+    let mut lossy = Pod::new(&sb, Layout::Cgroupfs, "besteffort", &random_uid(), &random_cid());
+    let mut clean = Pod::new(&sb, Layout::Systemd, "guaranteed", &random_uid(), &random_cid());
+    net.join(&mut lossy);
+    net.join(&mut clean);
+    std::thread::sleep(Duration::from_millis(300));
+    let (lns, cns) = (lossy.netns.clone().unwrap(), clean.netns.clone().unwrap());
+    let (l0, c0) = (retrans_segs(&lns), retrans_segs(&cns));
+    lossy.spawn(&format!("exec iperf3 -c {lossy_ip} -t 4"));
+    clean.spawn(&format!("exec iperf3 -c {clean_ip} -t 4 -b 20M"));
+    // wait for both uploads to start and end, then let the agent read the maps
+    let started = wait_for(Duration::from_secs(5), || (!lossy.pids().is_empty() && !clean.pids().is_empty()).then_some(()));
+    assert!(started.is_some(), "iperf3 clients started");
+    let done = wait_for(Duration::from_secs(15), || (lossy.pids().is_empty() && clean.pids().is_empty()).then_some(()));
+    assert!(done.is_some(), "iperf3 clients finished");
+    // Closed sockets live on (FIN, queued data) and may still retransmit: wait
+    // until only TIME_WAIT remains, then give the agent two ticks.
+    let quiet = wait_for(Duration::from_secs(20), || {
+        let open = sh(&format!("ip netns exec {lns} ss -Htn state all exclude time-wait; ip netns exec {cns} ss -Htn state all exclude time-wait"));
+        open.trim().is_empty().then_some(())
+    });
+    assert!(quiet.is_some(), "pod sockets closed");
+    wait_ticks();
+    let (l1, c1) = (retrans_segs(&lns), retrans_segs(&cns));
+    let s = agent.scrape();
+    let ll = pod_labels(&lossy);
+    let cl = pod_labels(&clean);
+    let ours_lossy = value(&s, RETRANS, &sel(&ll)).expect("lossy pod has a retransmit series");
+    let ours_clean = value(&s, RETRANS, &sel(&cl)).expect("clean pod has a retransmit series (0)");
+    eprintln!("lost in kernel: {:?}", value(&s, "gpufeed_bpf_storage_alloc_failures_total", &[("probe", "tcp")]));
+    eprintln!("retransmits: lossy ours {ours_lossy} nstat {}, clean ours {ours_clean} nstat {}", l1 - l0, c1 - c0);
+    assert!(l1 - l0 >= 10, "the shaped link dropped segments (nstat {})", l1 - l0);
+    assert_eq!(ours_lossy as u64, l1 - l0, "retransmits equal the namespace's TcpRetransSegs delta");
+    assert_eq!(c1 - c0, 0, "the clean path did not retransmit");
+    assert_eq!(ours_clean, 0.0);
+    let d: Vec<_> = find(&s, RETRANS, &sel(&ll)).iter().map(|x| x.label("dst").to_string()).collect();
+    assert_eq!(d, ["private"], "10.213.x.x classifies as the default 'private' destination");
+}
