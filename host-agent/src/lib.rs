@@ -12,6 +12,7 @@ pub mod events;
 pub mod kmsg;
 pub mod metrics;
 pub mod roots;
+pub mod stream;
 pub mod sysfs;
 pub mod tracefs;
 pub mod uevent;

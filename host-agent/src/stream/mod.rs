@@ -140,7 +140,9 @@ impl GuestEndpoint {
             Some((h, _)) => h,
             None => &self.endpoint,
         };
-        host.trim_start_matches('[').trim_end_matches(']').to_owned()
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned()
     }
 }
 
@@ -306,7 +308,10 @@ pub fn spawn(
             match first {
                 Ok(ev) => batch.push(ev),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::warn!(missed = n, "host stream fell behind the event bus; events lost");
+                    tracing::warn!(
+                        missed = n,
+                        "host stream fell behind the event bus; events lost"
+                    );
                     lagged.inc_by(n);
                     continue;
                 }
@@ -316,7 +321,10 @@ pub fn spawn(
                 match events.try_recv() {
                     Ok(ev) => batch.push(ev),
                     Err(broadcast::error::TryRecvError::Lagged(n)) => {
-                        tracing::warn!(missed = n, "host stream fell behind the event bus; events lost");
+                        tracing::warn!(
+                            missed = n,
+                            "host stream fell behind the event bus; events lost"
+                        );
                         lagged.inc_by(n);
                     }
                     Err(_) => break,

@@ -266,7 +266,11 @@ impl Spool {
             seg.count += 1;
             seg.bytes += frame.len() as u64;
             d.total_bytes += frame.len() as u64;
-            while d.total_bytes > self.limits.disk_max_bytes && d.segments.len() > 1 {
+            while self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.total_bytes > self.limits.disk_max_bytes && d.segments.len() > 1)
+            {
                 dropped += self.drop_oldest_segment()?;
             }
         }
@@ -434,15 +438,16 @@ impl Spool {
         Ok(b)
     }
 
-    fn read_disk(&mut self, cursor: u64, max_bytes: usize, b: &mut Batch) -> Result<(), SpoolError> {
+    fn read_disk(
+        &mut self,
+        cursor: u64,
+        max_bytes: usize,
+        b: &mut Batch,
+    ) -> Result<(), SpoolError> {
         let Some(d) = &mut self.disk else {
             return Ok(());
         };
-        let Some(idx) = d
-            .segments
-            .iter()
-            .position(|s| cursor < s.first + s.count)
-        else {
+        let Some(idx) = d.segments.iter().position(|s| cursor < s.first + s.count) else {
             return Ok(());
         };
         let seg = &d.segments[idx];
@@ -450,9 +455,7 @@ impl Spool {
         let is_active = idx + 1 == d.segments.len();
         let stale = match &d.cache {
             Some((first, data, pos, pos_seq)) => {
-                *first != seg.first
-                    || cursor < *pos_seq
-                    || (is_active && *pos >= data.len())
+                *first != seg.first || cursor < *pos_seq || (is_active && *pos >= data.len())
             }
             None => true,
         };
@@ -513,7 +516,10 @@ fn recover_segment(path: &Path) -> Result<(u64, u64), SpoolError> {
     }
     if pos < data.len() {
         tracing::warn!(path = %path.display(), kept = pos, torn = data.len() - pos, "spool segment has a torn tail; cutting it off");
-        let f = OpenOptions::new().write(true).open(path).map_err(io_err(path))?;
+        let f = OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(io_err(path))?;
         f.set_len(pos as u64).map_err(io_err(path))?;
     }
     Ok((count, pos as u64))
@@ -544,7 +550,13 @@ fn parse_meta(text: &str) -> Option<Meta> {
                 have_boot = true;
             }
             "next_seq" => m.next_seq = v.parse().ok()?,
-            "acked" => m.acked = if v == "-" { None } else { Some(v.parse().ok()?) },
+            "acked" => {
+                m.acked = if v == "-" {
+                    None
+                } else {
+                    Some(v.parse().ok()?)
+                }
+            }
             "dropped_total" => m.dropped_total = v.parse().ok()?,
             "loss" => {
                 let (f, l) = v.split_once('-')?;

@@ -1,0 +1,134 @@
+//! Optional event journal of the hub (`--event-journal FILE`): every accepted host event and
+//! every loss report, one JSON line each, appended before the guest acknowledges them. At start
+//! the journal seeds de-duplication, so a restarted (even SIGKILLed) guest neither delivers an
+//! event twice nor asks for one it already has.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use gpufeed_shared::proto::Dedup;
+use serde::{Deserialize, Serialize};
+
+use super::ReceivedEvent;
+
+/// One journal line.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Line<'a> {
+    pub host: std::borrow::Cow<'a, str>,
+    pub boot: u64,
+    /// Event sequence number (event lines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_realtime_ns: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<serde_json::Value>,
+    /// Loss lines: the reported range and how many of it were newly lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_first: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_last: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<u64>,
+}
+
+pub struct Journal {
+    path: PathBuf,
+    file: File,
+    buf: Vec<u8>,
+}
+
+impl Journal {
+    /// Opens (creates) the journal, cuts a torn last line, and seeds `dedup` from it.
+    pub fn open(path: &Path, dedup: &mut Dedup) -> std::io::Result<Journal> {
+        let mut file = OpenOptions::new()
+            .create(true)
+            .read(true)
+            .append(true)
+            .open(path)?;
+        let mut good = 0u64;
+        let mut lines = 0u64;
+        {
+            let mut r = BufReader::new(&file);
+            let mut line = String::new();
+            loop {
+                line.clear();
+                let n = r.read_line(&mut line)?;
+                if n == 0 || !line.ends_with('\n') {
+                    break;
+                }
+                good += n as u64;
+                lines += 1;
+                if let Ok(l) = serde_json::from_str::<Line>(&line) {
+                    if let Some(w) = l.seq.or(l.loss_last) {
+                        dedup.seed(&l.host, l.boot, w);
+                    }
+                }
+            }
+        }
+        let len = file.seek(SeekFrom::End(0))?;
+        if len > good {
+            tracing::warn!(path = %path.display(), torn = len - good, "event journal: cutting a torn last line");
+            file.set_len(good)?;
+        }
+        tracing::info!(path = %path.display(), lines, "event journal opened");
+        Ok(Journal {
+            path: path.to_owned(),
+            file,
+            buf: Vec::new(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn add_event(&mut self, e: &ReceivedEvent) {
+        let l = Line {
+            host: e.host.as_str().into(),
+            boot: e.boot_id,
+            seq: Some(e.seq),
+            kind: Some(e.kind),
+            host_realtime_ns: Some(e.host_realtime_ns),
+            event: serde_json::to_value(&e.event).ok(),
+            loss_first: None,
+            loss_last: None,
+            lost: None,
+        };
+        self.push(&l);
+    }
+
+    pub fn add_loss(&mut self, host: &str, boot: u64, first: u64, last: u64, lost: u64) {
+        let l = Line {
+            host: host.into(),
+            boot,
+            seq: None,
+            kind: None,
+            host_realtime_ns: None,
+            event: None,
+            loss_first: Some(first),
+            loss_last: Some(last),
+            lost: Some(lost),
+        };
+        self.push(&l);
+    }
+
+    fn push(&mut self, l: &Line) {
+        if serde_json::to_writer(&mut self.buf, l).is_ok() {
+            self.buf.push(b'\n');
+        }
+    }
+
+    /// Appends the buffered lines in one write.
+    pub fn commit(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let r = self.file.write_all(&self.buf);
+        self.buf.clear();
+        r
+    }
+}

@@ -1,0 +1,291 @@
+//! One guest's connection task: connect (mutual TLS, ALPN `gpufeed/1`), handshake, stream the
+//! spool from the resume point, apply acks, answer clock probes; on any failure reconnect after
+//! an exponential backoff with jitter.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use gpufeed_shared::clock::host_realtime_ns;
+use gpufeed_shared::proto::{encode, ClientAction, ClientSession, FrameDecoder, Message};
+use gpufeed_shared::tls;
+use tokio::sync::watch;
+
+use super::{Common, Guest};
+
+/// Application close codes.
+pub const CLOSE_SHUTDOWN: u32 = 0;
+pub const CLOSE_PROTOCOL: u32 = 1;
+
+/// Exponential backoff with jitter: the n-th delay is uniform in `[d/2, d]` with
+/// `d = min(max, min * 2^n)`.
+#[derive(Debug)]
+pub struct Backoff {
+    min: Duration,
+    max: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    pub fn new(min: Duration, max: Duration) -> Self {
+        Backoff {
+            min: min.max(Duration::from_millis(1)),
+            max: max.max(min),
+            attempt: 0,
+        }
+    }
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self
+            .min
+            .saturating_mul(1u32 << self.attempt.min(20))
+            .min(self.max);
+        self.attempt = self.attempt.saturating_add(1);
+        let half = d / 2;
+        half + Duration::from_nanos(fastrand::u64(0..=half.as_nanos() as u64))
+    }
+}
+
+pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver<bool>) {
+    let label = g.cfg.label().to_owned();
+    let mut backoff = Backoff::new(
+        Duration::from_millis(c.cfg.reconnect_min_ms),
+        Duration::from_millis(c.cfg.reconnect_max_ms),
+    );
+    let mut last_error = String::new();
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let mut stop2 = stop.clone();
+        let res = tokio::select! {
+            r = connect_and_stream(&g, &c, &mut stop2) => r,
+            _ = stop.changed() => return,
+        };
+        g.m.connected.set(0);
+        match res {
+            Ok(Outcome::Stopped) => return,
+            Ok(Outcome::Streamed(e)) => {
+                backoff.reset();
+                tracing::warn!(guest = %label, error = %e, "host stream: connection to guest lost; reconnecting");
+                last_error.clear();
+            }
+            Err(e) => {
+                let msg = format!("{e:#}");
+                if msg != last_error {
+                    tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %msg, "host stream: cannot connect to guest");
+                    last_error = msg;
+                } else {
+                    tracing::debug!(guest = %label, error = %msg, "host stream: still cannot connect");
+                }
+            }
+        }
+        let delay = backoff.next_delay();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+enum Outcome {
+    Stopped,
+    /// The handshake succeeded and the connection later ended with this error.
+    Streamed(anyhow::Error),
+}
+
+fn client_config(c: &Common) -> anyhow::Result<quinn::ClientConfig> {
+    let rustls_cfg = tls::client_config(
+        &tls::read(&c.cfg.ca)?,
+        &tls::read(&c.cfg.cert)?,
+        &tls::read(&c.cfg.key)?,
+    )?;
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(rustls_cfg)
+        .map_err(|e| anyhow!("TLS config unusable for QUIC: {e}"))?;
+    let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
+    let mut t = quinn::TransportConfig::default();
+    t.max_idle_timeout(Some(
+        Duration::from_millis(c.cfg.idle_timeout_ms.max(1)).try_into()?,
+    ));
+    t.keep_alive_interval(Some(Duration::from_millis(c.cfg.keep_alive_ms.max(1))));
+    cfg.transport_config(Arc::new(t));
+    Ok(cfg)
+}
+
+async fn resolve(endpoint: &str) -> anyhow::Result<SocketAddr> {
+    tokio::net::lookup_host(endpoint)
+        .await
+        .with_context(|| format!("resolving {endpoint}"))?
+        .next()
+        .ok_or_else(|| anyhow!("{endpoint} resolves to no address"))
+}
+
+async fn connect_and_stream(
+    g: &Guest,
+    c: &Common,
+    stop: &mut watch::Receiver<bool>,
+) -> anyhow::Result<Outcome> {
+    // Certificates are read at every attempt, so renewed files are picked up on reconnect.
+    let cfg = client_config(c)?;
+    let addr = resolve(&g.cfg.endpoint).await?;
+    let bind: SocketAddr = if addr.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        "[::]:0".parse()?
+    };
+    let endpoint = quinn::Endpoint::client(bind).context("binding UDP socket")?;
+    let server_name = g.cfg.server_name();
+    let connecting = endpoint.connect_with(cfg, addr, &server_name)?;
+    let conn =
+        match tokio::time::timeout(Duration::from_millis(c.cfg.connect_timeout_ms), connecting)
+            .await
+        {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => {
+                g.m.connects_err.inc();
+                bail!("handshake with {addr} ({server_name}): {e}");
+            }
+            Err(_) => {
+                g.m.connects_err.inc();
+                bail!("handshake with {addr} timed out");
+            }
+        };
+    let res = stream(g, c, &conn, stop).await;
+    let (code, why): (u32, &[u8]) = match &res {
+        Ok(Outcome::Stopped) => (CLOSE_SHUTDOWN, b"shutdown"),
+        _ => (CLOSE_PROTOCOL, b"error"),
+    };
+    conn.close(code.into(), why);
+    // Give the close frame a moment to leave; never block shutdown for long.
+    let _ = tokio::time::timeout(Duration::from_millis(200), endpoint.wait_idle()).await;
+    res
+}
+
+/// Reads the next message of a control stream.
+async fn read_msg(recv: &mut quinn::RecvStream, dec: &mut FrameDecoder) -> anyhow::Result<Message> {
+    loop {
+        if let Some(m) = dec.next_frame()? {
+            return Ok(m);
+        }
+        match recv.read_chunk(64 * 1024, true).await? {
+            Some(ch) => dec.push(&ch.bytes),
+            None => {
+                dec.finish()?;
+                bail!("guest closed the control stream");
+            }
+        }
+    }
+}
+
+async fn stream(
+    g: &Guest,
+    c: &Common,
+    conn: &quinn::Connection,
+    stop: &mut watch::Receiver<bool>,
+) -> anyhow::Result<Outcome> {
+    let label = g.cfg.label();
+    let (boot_id, _) = {
+        let s = g.spool.lock().expect("spool lock");
+        (s.boot_id(), s.next_seq())
+    };
+    let mut session = ClientSession::new(c.host_id.clone(), boot_id);
+    let (mut ctl_send, mut ctl_recv) = conn.open_bi().await?;
+    let mut buf = Vec::new();
+    encode(&session.hello(), &mut buf)?;
+    ctl_send.write_all(&buf).await?;
+    let mut dec = FrameDecoder::default();
+    let welcome = tokio::time::timeout(
+        Duration::from_millis(c.cfg.connect_timeout_ms),
+        read_msg(&mut ctl_recv, &mut dec),
+    )
+    .await
+    .map_err(|_| anyhow!("no Welcome within {} ms", c.cfg.connect_timeout_ms))??;
+    let resume_from = match session.handle(welcome, host_realtime_ns())? {
+        ClientAction::Start { resume_from } => resume_from,
+        ClientAction::Rejected(reason) => {
+            g.m.connects_rejected.inc();
+            bail!("guest rejected this host: {reason}");
+        }
+        other => bail!("unexpected handshake action {other:?}"),
+    };
+    g.m.connects_ok.inc();
+    g.m.connected.set(1);
+    let mut cursor = {
+        let mut s = g.spool.lock().expect("spool lock");
+        let cur = s.start_cursor(resume_from)?;
+        g.update_gauges(&s);
+        cur
+    };
+    tracing::info!(guest = %label, boot_id, ?resume_from, cursor, "host stream: connected");
+    let mut ev = conn.open_uni().await?;
+
+    let control = async {
+        let mut out = Vec::new();
+        loop {
+            let msg = read_msg(&mut ctl_recv, &mut dec).await?;
+            match session.handle(msg, host_realtime_ns())? {
+                ClientAction::Acked(up_to) => {
+                    let mut s = g.spool.lock().expect("spool lock");
+                    s.ack(up_to)?;
+                    g.update_gauges(&s);
+                }
+                ClientAction::Send(reply) => {
+                    out.clear();
+                    encode(&reply, &mut out)?;
+                    ctl_send.write_all(&out).await?;
+                }
+                other => bail!("unexpected control action {other:?}"),
+            }
+        }
+        #[allow(unreachable_code)]
+        Ok::<(), anyhow::Error>(())
+    };
+    let sender = async {
+        loop {
+            let b = {
+                let mut s = g.spool.lock().expect("spool lock");
+                s.read_batch(cursor, c.cfg.batch_bytes)?
+            };
+            if b.bytes.is_empty() {
+                g.notify.notified().await;
+                continue;
+            }
+            ev.write_all(&b.bytes).await?;
+            if let Some(l) = &b.loss {
+                tracing::warn!(guest = %label, dropped = l.dropped, first = l.first_seq, last = l.last_seq, "host stream: reported spool loss to guest");
+            }
+            g.m.sent.inc_by(b.events);
+            cursor = b.next_cursor;
+        }
+        #[allow(unreachable_code)]
+        Ok::<(), anyhow::Error>(())
+    };
+    tokio::select! {
+        r = control => Ok(Outcome::Streamed(r.err().unwrap_or_else(|| anyhow!("control stream ended")))),
+        r = sender => Ok(Outcome::Streamed(r.err().unwrap_or_else(|| anyhow!("event stream ended")))),
+        _ = stop.changed() => Ok(Outcome::Stopped),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_with_jitter_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(1000));
+        let d: Vec<_> = (0..6).map(|_| b.next_delay()).collect();
+        let bounds = [100, 200, 400, 800, 1000, 1000];
+        for (d, hi) in d.iter().zip(bounds) {
+            assert!(
+                *d >= Duration::from_millis(hi / 2) && *d <= Duration::from_millis(hi),
+                "{d:?} vs {hi}"
+            );
+        }
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+}

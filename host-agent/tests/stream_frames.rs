@@ -1,0 +1,193 @@
+//! Hostile frames from an authenticated host: garbage is skipped, oversize and truncated
+//! frames and protocol violations close the stream; every case logs one line and is counted
+//! in `gpufeed_stream_frames_rejected_total{host="pve1",reason}`; the hub never panics and keeps
+//! serving.
+
+mod stream_support;
+
+use std::time::Duration;
+
+use gpufeed_shared::event::HostEvent;
+use gpufeed_shared::proto::{
+    encode, ClientSession, EventFrame, FrameDecoder, Message, Welcome, MAX_FRAME_LEN,
+};
+use gpufeed_shared::tls;
+use stream_support::*;
+
+const REJ: &str = "gpufeed_stream_frames_rejected_total";
+
+fn event(seq: u64, kind: u16, payload: Vec<u8>) -> Vec<u8> {
+    let mut b = Vec::new();
+    encode(
+        &Message::Event(EventFrame {
+            seq,
+            host_realtime_ns: 1,
+            host_monotonic_ns: 2,
+            kind,
+            payload,
+        }),
+        &mut b,
+    )
+    .unwrap();
+    b
+}
+
+fn known(seq: u64) -> Vec<u8> {
+    let ev = HostEvent::KmsgLost { count: seq };
+    event(seq, ev.kind(), postcard::to_allocvec(&ev).unwrap())
+}
+
+/// Connects as pve1 with `boot`, returns the connection, its control stream and the Welcome.
+async fn connect(
+    fx: &Fixture,
+    addr: std::net::SocketAddr,
+    boot: u64,
+) -> (
+    quinn::Connection,
+    quinn::SendStream,
+    quinn::RecvStream,
+    Welcome,
+) {
+    let (c, k) = fx.host_pems("pve1");
+    let (ep, cc) = raw_client(tls::client_config(&fx.ca_pem(), &c, &k).unwrap());
+    let conn = ep
+        .connect_with(cc, addr, "127.0.0.1")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut s, mut r) = conn.open_bi().await.unwrap();
+    let mut buf = Vec::new();
+    encode(&ClientSession::new("pve1", boot).hello(), &mut buf).unwrap();
+    s.write_all(&buf).await.unwrap();
+    let mut d = FrameDecoder::default();
+    loop {
+        if let Some(Message::Welcome(w)) = d.next_frame().unwrap() {
+            return (conn, s, r, w);
+        }
+        let c = r.read_chunk(1 << 16, true).await.unwrap().unwrap();
+        d.push(&c.bytes);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_frames() {
+    let logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let reg = prometheus::Registry::new();
+    let hub = hub::serve(hub_config(fx.path()), &reg).await.unwrap();
+    let addr = hub.local_addr();
+    let rej = |reason: &str| metric(&reg, REJ, &[("host", "pve1"), ("reason", reason)]);
+    let received = || {
+        metric(
+            &reg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+
+    // 1. Garbage and unknown kinds are skipped; good frames around them arrive.
+    let (conn, _s, _r, w) = connect(&fx, addr, 7).await;
+    assert_eq!(w.resume_from, None);
+    let mut ev = conn.open_uni().await.unwrap();
+    let mut wire = vec![3, 0, 0, 0, 0xde, 0xad, 0xff];
+    wire.extend(known(0));
+    wire.extend(event(1, 999, vec![1, 2, 3]));
+    wire.extend(known(2));
+    ev.write_all(&wire).await.unwrap();
+    assert!(wait_for(Duration::from_secs(3), || received() == 2.0).await);
+    assert_eq!(rej("garbage"), 1.0);
+    assert_eq!(rej("unknown_kind"), 1.0);
+    let seqs: Vec<u64> = hub.recent().iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, vec![0, 2]);
+    assert!(matches!(
+        hub.recent()[1].event,
+        HostEvent::KmsgLost { count: 2 }
+    ));
+    assert_eq!(
+        log_lines(&logs, &["hub: rejected", "reason=\"garbage\""]).len(),
+        1
+    );
+    // The stream still works after the garbage.
+    ev.write_all(&known(3)).await.unwrap();
+    assert!(wait_for(Duration::from_secs(3), || received() == 3.0).await);
+
+    // 2. Sequence going backwards on the same stream closes it.
+    ev.write_all(&known(3)).await.unwrap();
+    assert!(wait_for(Duration::from_secs(3), || rej("seq_backwards") == 1.0).await);
+    assert!(tokio::time::timeout(Duration::from_secs(3), conn.closed())
+        .await
+        .is_ok());
+
+    // 3. Oversize: the length prefix alone is enough to close the connection.
+    let (conn, _s, _r, w) = connect(&fx, addr, 7).await;
+    assert_eq!(
+        w.resume_from,
+        Some(4),
+        "resume after the de-duplicated watermark"
+    );
+    let mut ev = conn.open_uni().await.unwrap();
+    ev.write_all(&((MAX_FRAME_LEN as u32 + 1).to_le_bytes()))
+        .await
+        .unwrap();
+    assert!(wait_for(Duration::from_secs(3), || rej("oversize") == 1.0).await);
+    assert!(tokio::time::timeout(Duration::from_secs(3), conn.closed())
+        .await
+        .is_ok());
+    assert_eq!(
+        log_lines(&logs, &["hub: rejected", "reason=\"oversize\""]).len(),
+        1
+    );
+
+    // 4. Truncated: the stream ends inside a frame.
+    let (conn, _s, _r, _) = connect(&fx, addr, 7).await;
+    let mut ev = conn.open_uni().await.unwrap();
+    let f = known(4);
+    ev.write_all(&f[..f.len() - 2]).await.unwrap();
+    ev.finish().unwrap();
+    assert!(wait_for(Duration::from_secs(3), || rej("truncated") == 1.0).await);
+    assert_eq!(
+        log_lines(&logs, &["hub: rejected", "reason=\"truncated\""]).len(),
+        1
+    );
+    assert_eq!(received(), 3.0);
+
+    // 5. A wrong message on the event stream.
+    let (conn, _s, _r, _) = connect(&fx, addr, 7).await;
+    let mut ev = conn.open_uni().await.unwrap();
+    let mut b = Vec::new();
+    encode(&ClientSession::new("pve1", 7).hello(), &mut b).unwrap();
+    ev.write_all(&b).await.unwrap();
+    assert!(wait_for(Duration::from_secs(3), || rej("unexpected_message") == 1.0).await);
+
+    // 6. Random byte soup on fresh connections: never a panic, the hub keeps serving.
+    let mut x = 0x1234_5678_u64;
+    for _ in 0..5 {
+        let (conn, _s, _r, _) = connect(&fx, addr, 7).await;
+        let mut ev = conn.open_uni().await.unwrap();
+        let soup: Vec<u8> = (0..4096)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let _ = ev.write_all(&soup).await;
+        let _ = ev.finish();
+        let _ = tokio::time::timeout(Duration::from_secs(3), conn.closed()).await;
+    }
+    let (conn, _s, _r, w) = connect(&fx, addr, 7).await;
+    assert_eq!(w.resume_from, Some(4));
+    let mut ev = conn.open_uni().await.unwrap();
+    ev.write_all(&known(4)).await.unwrap();
+    assert!(wait_for(Duration::from_secs(3), || received() == 4.0).await);
+    assert_eq!(
+        metric(
+            &reg,
+            "gpufeed_stream_events_duplicate_total",
+            &[("host", "pve1")]
+        ),
+        0.0
+    );
+    hub.shutdown().await;
+}

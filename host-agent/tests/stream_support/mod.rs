@@ -1,0 +1,164 @@
+//! Shared pieces of the `stream_*` integration tests: the real guest hub (included from the
+//! guest crate, which has no library target), a TLS deployment in a temp dir, metric readers,
+//! log capture.
+#![allow(dead_code)]
+
+#[path = "../../../guest-agent/src/hub/mod.rs"]
+pub mod hub;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use gpufeed_host::stream::{GuestEndpoint, StreamConfig};
+use gpufeed_shared::tls::{self, Deployment};
+
+/// A deployment (CA, guest cert for 127.0.0.1, host certs) written to `dir`.
+pub struct Fixture {
+    pub dir: tempfile::TempDir,
+    pub dep: Deployment,
+}
+
+impl Fixture {
+    pub fn new(hosts: &[&str]) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let hosts: Vec<String> = hosts.iter().map(|s| s.to_string()).collect();
+        let dep = Deployment::generate("127.0.0.1", &hosts).unwrap();
+        dep.write_guest_dir(dir.path()).unwrap();
+        dep.write_host_files(dir.path()).unwrap();
+        Fixture { dir, dep }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn ca_pem(&self) -> Vec<u8> {
+        std::fs::read(self.path().join(tls::CA_FILE)).unwrap()
+    }
+
+    pub fn host_pems(&self, host: &str) -> (Vec<u8>, Vec<u8>) {
+        (
+            std::fs::read(self.path().join(tls::host_cert_file(host))).unwrap(),
+            std::fs::read(self.path().join(tls::host_key_file(host))).unwrap(),
+        )
+    }
+
+    /// Host stream configuration for `host` streaming to `endpoint`.
+    pub fn stream_config(
+        &self,
+        host: &str,
+        endpoint: SocketAddr,
+        spool: Option<&Path>,
+    ) -> StreamConfig {
+        StreamConfig {
+            ca: self.path().join(tls::CA_FILE),
+            cert: self.path().join(tls::host_cert_file(host)),
+            key: self.path().join(tls::host_key_file(host)),
+            spool_dir: spool.map(Path::to_owned).unwrap_or_default(),
+            reconnect_min_ms: 20,
+            reconnect_max_ms: 300,
+            idle_timeout_ms: 2_000,
+            keep_alive_ms: 300,
+            guests: vec![GuestEndpoint {
+                endpoint: endpoint.to_string(),
+                name: "guest".into(),
+                server_name: String::new(),
+                vmids: vec![],
+                devices: vec![],
+            }],
+            ..StreamConfig::default()
+        }
+    }
+}
+
+/// Hub configuration for tests: ephemeral port, quick reload, no PTP lookup.
+pub fn hub_config(tls_dir: &Path) -> hub::HubConfig {
+    let mut c = hub::HubConfig::new("127.0.0.1:0".parse().unwrap(), tls_dir);
+    c.tls_reload_interval = Duration::from_millis(100);
+    c.idle_timeout = Duration::from_secs(2);
+    c.sysfs_root = PathBuf::from("/nonexistent");
+    c
+}
+
+/// Value of a counter or gauge with exactly these labels (0 when absent).
+pub fn metric(reg: &prometheus::Registry, name: &str, labels: &[(&str, &str)]) -> f64 {
+    for mf in reg.gather() {
+        if mf.name() != name {
+            continue;
+        }
+        for m in mf.get_metric() {
+            let ls = m.get_label();
+            let all = labels
+                .iter()
+                .all(|(k, v)| ls.iter().any(|l| l.name() == *k && l.value() == *v));
+            if all && ls.len() == labels.len() {
+                return match mf.get_field_type() {
+                    prometheus::proto::MetricType::COUNTER => m.get_counter().get_value(),
+                    _ => m.get_gauge().get_value(),
+                };
+            }
+        }
+    }
+    0.0
+}
+
+/// Polls `f` every 10 ms until it returns true or `timeout` passes.
+pub async fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < timeout {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f()
+}
+
+#[derive(Clone)]
+struct LogBuf(Arc<Mutex<Vec<u8>>>);
+impl Write for LogBuf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        std::io::stderr().write_all(b)?;
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Installs (once per test binary) a subscriber that keeps every log line; returns the buffer.
+pub fn capture_logs() -> Arc<Mutex<Vec<u8>>> {
+    static BUF: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    BUF.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let w = LogBuf(buf.clone());
+        tracing_subscriber::fmt()
+            .with_env_filter("info")
+            .with_ansi(false)
+            .with_writer(move || w.clone())
+            .init();
+        buf
+    })
+    .clone()
+}
+
+/// Log lines containing all of `needles`.
+pub fn log_lines(buf: &Arc<Mutex<Vec<u8>>>, needles: &[&str]) -> Vec<String> {
+    let b = buf.lock().unwrap();
+    String::from_utf8_lossy(&b)
+        .lines()
+        .filter(|l| needles.iter().all(|n| l.contains(n)))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A raw QUIC client with the given rustls config (for hostile-peer tests).
+pub fn raw_client(cfg: rustls::ClientConfig) -> (quinn::Endpoint, quinn::ClientConfig) {
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
+    let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    (ep, quinn::ClientConfig::new(Arc::new(quic)))
+}

@@ -1,0 +1,639 @@
+//! State machines of both ends, and the guest's de-duplication table.
+
+use std::collections::HashMap;
+
+use super::{
+    caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Message, Reject, SpoolLoss, Welcome,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
+use crate::clock::ClockSample;
+
+/// A peer broke the protocol; the connection is closed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("unexpected {got} message while {state}")]
+    Unexpected {
+        got: &'static str,
+        state: &'static str,
+    },
+    #[error("sequence went backwards on the event stream: {seq} after {prev}")]
+    SeqBackwards { seq: u64, prev: u64 },
+}
+
+impl ProtocolError {
+    /// Label value for `gpufeed_stream_frames_rejected_total{reason}`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ProtocolError::Unexpected { .. } => "unexpected_message",
+            ProtocolError::SeqBackwards { .. } => "seq_backwards",
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+/// What the host must do after a control message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientAction {
+    /// Handshake done: open the event stream and send from `resume_from` (`None`: from the
+    /// oldest event still spooled). Everything below `resume_from` counts as acknowledged.
+    Start { resume_from: Option<u64> },
+    /// The guest refused the connection.
+    Rejected(String),
+    /// Events up to this sequence number may leave the spool.
+    Acked(u64),
+    /// Send this message on the control stream (a clock reply).
+    Send(Message),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClientState {
+    AwaitWelcome,
+    Streaming,
+    Closed,
+}
+
+/// Host end of a connection's control stream.
+#[derive(Debug)]
+pub struct ClientSession {
+    hello: Hello,
+    state: ClientState,
+    peer_caps: u64,
+}
+
+impl ClientSession {
+    pub fn new(host_id: impl Into<String>, boot_id: u64) -> Self {
+        ClientSession {
+            hello: Hello {
+                protocol_version: PROTOCOL_VERSION,
+                host_id: host_id.into(),
+                boot_id,
+                capabilities: caps::ALL,
+            },
+            state: ClientState::AwaitWelcome,
+            peer_caps: 0,
+        }
+    }
+
+    /// The first message to send.
+    pub fn hello(&self) -> Message {
+        Message::Hello(self.hello.clone())
+    }
+
+    /// Capabilities announced by the guest.
+    pub fn peer_capabilities(&self) -> u64 {
+        self.peer_caps
+    }
+
+    /// Handles a message read from the control stream. `now_realtime_ns` is the host's
+    /// reference clock at receipt (used for clock replies).
+    pub fn handle(
+        &mut self,
+        msg: Message,
+        now_realtime_ns: i64,
+    ) -> Result<ClientAction, ProtocolError> {
+        match (self.state, msg) {
+            (ClientState::AwaitWelcome, Message::Welcome(w)) => {
+                self.state = ClientState::Streaming;
+                self.peer_caps = w.capabilities;
+                Ok(ClientAction::Start {
+                    resume_from: w.resume_from,
+                })
+            }
+            (ClientState::AwaitWelcome, Message::Reject(Reject { reason })) => {
+                self.state = ClientState::Closed;
+                Ok(ClientAction::Rejected(reason))
+            }
+            (ClientState::Streaming, Message::Ack(Ack { up_to })) => Ok(ClientAction::Acked(up_to)),
+            (ClientState::Streaming, Message::ClockProbe(ClockProbe { id, t1 })) => {
+                Ok(ClientAction::Send(Message::ClockReply(ClockReply {
+                    id,
+                    t1,
+                    t2: now_realtime_ns,
+                    t3: now_realtime_ns,
+                })))
+            }
+            (state, m) => {
+                self.state = ClientState::Closed;
+                Err(ProtocolError::Unexpected {
+                    got: m.name(),
+                    state: match state {
+                        ClientState::AwaitWelcome => "awaiting welcome",
+                        ClientState::Streaming => "streaming",
+                        ClientState::Closed => "closed",
+                    },
+                })
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Guest side
+
+/// De-duplication by `(host, boot, seq)`: per sequence space, the highest sequence number that
+/// was delivered or accounted as lost (the watermark). Events arrive in order on one stream, so
+/// anything at or below the watermark is a duplicate of a retransmission.
+#[derive(Debug, Default, Clone)]
+pub struct Dedup {
+    marks: HashMap<(String, u64), u64>,
+}
+
+/// What to do with an event frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventVerdict {
+    /// New: deliver it. `gap` events between the previous watermark and this one were neither
+    /// received nor reported lost (counted as lost).
+    Deliver { gap: u64 },
+    /// Seen before: drop it.
+    Duplicate,
+}
+
+impl Dedup {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Highest accounted sequence number of `(host, boot)`.
+    pub fn watermark(&self, host: &str, boot: u64) -> Option<u64> {
+        self.marks.get(&(host.to_owned(), boot)).copied()
+    }
+
+    /// Seeds a watermark (from persisted state); never lowers one.
+    pub fn seed(&mut self, host: &str, boot: u64, up_to: u64) {
+        let w = self.marks.entry((host.to_owned(), boot)).or_insert(up_to);
+        *w = (*w).max(up_to);
+    }
+
+    /// The `Welcome.resume_from` for `(host, boot)`.
+    pub fn resume_from(&self, host: &str, boot: u64) -> Option<u64> {
+        self.watermark(host, boot).map(|w| w.saturating_add(1))
+    }
+
+    /// Accounts an event.
+    pub fn on_event(&mut self, host: &str, boot: u64, seq: u64) -> EventVerdict {
+        match self.marks.get_mut(&(host.to_owned(), boot)) {
+            Some(w) if seq <= *w => EventVerdict::Duplicate,
+            Some(w) => {
+                let gap = seq - *w - 1;
+                *w = seq;
+                EventVerdict::Deliver { gap }
+            }
+            None => {
+                self.marks.insert((host.to_owned(), boot), seq);
+                EventVerdict::Deliver { gap: 0 }
+            }
+        }
+    }
+
+    /// Accounts a spool loss report; returns how many of the dropped events were not already
+    /// accounted (received, or reported lost before).
+    pub fn on_loss(&mut self, host: &str, boot: u64, loss: &SpoolLoss) -> u64 {
+        if loss.last_seq < loss.first_seq {
+            return 0;
+        }
+        let span = loss.last_seq - loss.first_seq + 1;
+        let key = (host.to_owned(), boot);
+        match self.marks.get_mut(&key) {
+            Some(w) if loss.last_seq <= *w => 0,
+            Some(w) => {
+                let from = loss.first_seq.max(*w + 1);
+                let fresh = loss.last_seq - from + 1;
+                *w = loss.last_seq;
+                // `dropped` may be less than the span if acknowledged events sat in between.
+                fresh.min(loss.dropped).min(span)
+            }
+            None => {
+                self.marks.insert(key, loss.last_seq);
+                loss.dropped.min(span)
+            }
+        }
+    }
+
+    /// All watermarks, for persistence.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, u64, u64)> {
+        self.marks.iter().map(|((h, b), w)| (h.as_str(), *b, *w))
+    }
+}
+
+/// What the guest must do after a control message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ServerAction {
+    /// Send `Welcome`; the connection streams `(host, boot)` from now on.
+    Welcome(Message),
+    /// Send this `Reject`, then close.
+    Reject(Message, String),
+    /// A clock probe came back.
+    Clock(ClockSample),
+    /// A reply to a probe we no longer wait for (late or duplicated): ignore.
+    Ignore,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ServerState {
+    AwaitHello,
+    Streaming { boot_id: u64 },
+    Closed,
+}
+
+/// Guest end of one connection. `host` is the identity proven by the client certificate.
+#[derive(Debug)]
+pub struct ServerSession {
+    host: String,
+    state: ServerState,
+    next_probe: u32,
+    outstanding: Vec<(u32, i64)>,
+    last_seq: Option<u64>,
+}
+
+impl ServerSession {
+    pub fn new(verified_host: impl Into<String>) -> Self {
+        ServerSession {
+            host: verified_host.into(),
+            state: ServerState::AwaitHello,
+            next_probe: 0,
+            outstanding: Vec::new(),
+            last_seq: None,
+        }
+    }
+
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The boot id once the handshake is done.
+    pub fn boot_id(&self) -> Option<u64> {
+        match self.state {
+            ServerState::Streaming { boot_id } => Some(boot_id),
+            _ => None,
+        }
+    }
+
+    /// Handles a control stream message.
+    pub fn handle_control(
+        &mut self,
+        msg: Message,
+        dedup: &Dedup,
+        now_realtime_ns: i64,
+    ) -> Result<ServerAction, ProtocolError> {
+        match (&self.state, msg) {
+            (ServerState::AwaitHello, Message::Hello(h)) => {
+                let refuse =
+                    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&h.protocol_version) {
+                        Some(format!(
+                        "protocol version {} not in {MIN_PROTOCOL_VERSION}..={PROTOCOL_VERSION}",
+                        h.protocol_version
+                    ))
+                    } else if h.host_id != self.host {
+                        Some(format!(
+                            "host id {:?} does not match the certificate identity {:?}",
+                            h.host_id, self.host
+                        ))
+                    } else {
+                        None
+                    };
+                if let Some(reason) = refuse {
+                    self.state = ServerState::Closed;
+                    return Ok(ServerAction::Reject(
+                        Message::Reject(Reject {
+                            reason: reason.clone(),
+                        }),
+                        reason,
+                    ));
+                }
+                self.state = ServerState::Streaming { boot_id: h.boot_id };
+                Ok(ServerAction::Welcome(Message::Welcome(Welcome {
+                    protocol_version: PROTOCOL_VERSION,
+                    resume_from: dedup.resume_from(&self.host, h.boot_id),
+                    capabilities: caps::ALL,
+                })))
+            }
+            (ServerState::Streaming { .. }, Message::ClockReply(r)) => {
+                match self
+                    .outstanding
+                    .iter()
+                    .position(|(id, t1)| *id == r.id && *t1 == r.t1)
+                {
+                    Some(i) => {
+                        self.outstanding.swap_remove(i);
+                        Ok(ServerAction::Clock(ClockSample::from_timestamps(
+                            r.t1,
+                            r.t2,
+                            r.t3,
+                            now_realtime_ns,
+                        )))
+                    }
+                    None => Ok(ServerAction::Ignore),
+                }
+            }
+            (state, m) => {
+                let state = match state {
+                    ServerState::AwaitHello => "awaiting hello",
+                    ServerState::Streaming { .. } => "streaming",
+                    ServerState::Closed => "closed",
+                };
+                self.state = ServerState::Closed;
+                Err(ProtocolError::Unexpected {
+                    got: m.name(),
+                    state,
+                })
+            }
+        }
+    }
+
+    /// A new clock probe to send on the control stream. At most 8 stay outstanding.
+    pub fn clock_probe(&mut self, now_realtime_ns: i64) -> Message {
+        let id = self.next_probe;
+        self.next_probe = self.next_probe.wrapping_add(1);
+        if self.outstanding.len() >= 8 {
+            self.outstanding.remove(0);
+        }
+        self.outstanding.push((id, now_realtime_ns));
+        Message::ClockProbe(ClockProbe {
+            id,
+            t1: now_realtime_ns,
+        })
+    }
+
+    /// Checks a message of the event stream; only events and loss reports are allowed there,
+    /// in increasing sequence order.
+    pub fn check_event_stream(&mut self, msg: &Message) -> Result<(), ProtocolError> {
+        let (lo, hi) = match msg {
+            Message::Event(EventFrame { seq, .. }) => (*seq, *seq),
+            Message::SpoolLoss(l) => (l.first_seq, l.last_seq),
+            m => {
+                return Err(ProtocolError::Unexpected {
+                    got: m.name(),
+                    state: "on the event stream",
+                })
+            }
+        };
+        if !matches!(self.state, ServerState::Streaming { .. }) {
+            return Err(ProtocolError::Unexpected {
+                got: msg.name(),
+                state: "before the handshake",
+            });
+        }
+        if let Some(prev) = self.last_seq {
+            if lo <= prev {
+                return Err(ProtocolError::SeqBackwards { seq: lo, prev });
+            }
+        }
+        self.last_seq = Some(hi);
+        Ok(())
+    }
+}
+
+/// When the guest acknowledges: after `every_events` new events or `interval_ns`, whichever
+/// comes first, and only when the watermark moved.
+#[derive(Debug, Clone)]
+pub struct AckPolicy {
+    every_events: u64,
+    interval_ns: u64,
+    pending: u64,
+    last_sent_ns: u64,
+    acked: Option<u64>,
+}
+
+impl AckPolicy {
+    pub fn new(every_events: u64, interval_ns: u64) -> Self {
+        AckPolicy {
+            every_events: every_events.max(1),
+            interval_ns,
+            pending: 0,
+            last_sent_ns: 0,
+            acked: None,
+        }
+    }
+
+    /// `n` more events were accounted.
+    pub fn on_progress(&mut self, n: u64) {
+        self.pending += n;
+    }
+
+    /// An ack to send now, given the current watermark and a monotonic `now_ns`.
+    pub fn poll(&mut self, watermark: Option<u64>, now_ns: u64) -> Option<Ack> {
+        let w = watermark?;
+        if self.acked.is_some_and(|a| a >= w) {
+            return None;
+        }
+        if self.pending >= self.every_events
+            || now_ns.saturating_sub(self.last_sent_ns) >= self.interval_ns
+        {
+            self.pending = 0;
+            self.last_sent_ns = now_ns;
+            self.acked = Some(w);
+            return Some(Ack { up_to: w });
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{encode_to_vec, FrameDecoder};
+    use super::*;
+
+    /// Carries messages through the real codec, like the transport would.
+    fn wire(m: Message) -> Message {
+        let mut d = FrameDecoder::default();
+        d.push(&encode_to_vec(&m).unwrap());
+        d.next_frame().unwrap().unwrap()
+    }
+
+    fn event(seq: u64) -> Message {
+        Message::Event(EventFrame {
+            seq,
+            host_realtime_ns: 0,
+            host_monotonic_ns: 0,
+            kind: 1,
+            payload: vec![],
+        })
+    }
+
+    #[test]
+    fn handshake_resume_and_ack_in_memory() {
+        let mut dedup = Dedup::new();
+        let mut host = ClientSession::new("pve1", 77);
+        let mut guest = ServerSession::new("pve1");
+        let ServerAction::Welcome(w) = guest.handle_control(wire(host.hello()), &dedup, 0).unwrap()
+        else {
+            panic!("no welcome")
+        };
+        assert_eq!(
+            host.handle(wire(w), 0).unwrap(),
+            ClientAction::Start { resume_from: None }
+        );
+        assert_eq!(host.peer_capabilities(), caps::ALL);
+        let mut acks = AckPolicy::new(3, u64::MAX);
+        for seq in 0..5 {
+            let m = wire(event(seq));
+            guest.check_event_stream(&m).unwrap();
+            assert_eq!(
+                dedup.on_event("pve1", 77, seq),
+                EventVerdict::Deliver { gap: 0 }
+            );
+            acks.on_progress(1);
+            if let Some(a) = acks.poll(dedup.watermark("pve1", 77), 0) {
+                assert_eq!(
+                    host.handle(wire(Message::Ack(a)), 0).unwrap(),
+                    ClientAction::Acked(2)
+                );
+            }
+        }
+        // Reconnect: the guest asks to resume after what it has.
+        let mut guest2 = ServerSession::new("pve1");
+        let mut host2 = ClientSession::new("pve1", 77);
+        let ServerAction::Welcome(w) = guest2.handle_control(host2.hello(), &dedup, 0).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            host2.handle(w, 0).unwrap(),
+            ClientAction::Start {
+                resume_from: Some(5)
+            }
+        );
+        // Host re-sends 3 and 4 (not acked): duplicates.
+        assert_eq!(dedup.on_event("pve1", 77, 3), EventVerdict::Duplicate);
+        assert_eq!(dedup.on_event("pve1", 77, 4), EventVerdict::Duplicate);
+        assert_eq!(
+            dedup.on_event("pve1", 77, 5),
+            EventVerdict::Deliver { gap: 0 }
+        );
+        // Another boot is another sequence space.
+        assert_eq!(
+            dedup.on_event("pve1", 78, 0),
+            EventVerdict::Deliver { gap: 0 }
+        );
+        assert_eq!(
+            dedup.on_event("pve1", 77, 9),
+            EventVerdict::Deliver { gap: 3 }
+        );
+    }
+
+    #[test]
+    fn reject_identity_and_version() {
+        let dedup = Dedup::new();
+        let mut guest = ServerSession::new("pve1");
+        let host = ClientSession::new("pve2", 1);
+        let ServerAction::Reject(m, reason) =
+            guest.handle_control(host.hello(), &dedup, 0).unwrap()
+        else {
+            panic!()
+        };
+        assert!(reason.contains("pve2"), "{reason}");
+        let mut h = ClientSession::new("pve2", 1);
+        assert!(matches!(h.handle(m, 0).unwrap(), ClientAction::Rejected(_)));
+
+        let mut guest = ServerSession::new("pve1");
+        let mut hello = ClientSession::new("pve1", 1).hello();
+        if let Message::Hello(h) = &mut hello {
+            h.protocol_version = 99;
+        }
+        assert!(matches!(
+            guest.handle_control(hello, &dedup, 0).unwrap(),
+            ServerAction::Reject(_, r) if r.contains("99")
+        ));
+    }
+
+    #[test]
+    fn unexpected_messages_are_errors() {
+        let dedup = Dedup::new();
+        let mut guest = ServerSession::new("pve1");
+        assert_eq!(
+            guest.check_event_stream(&event(1)).unwrap_err().reason(),
+            "unexpected_message"
+        );
+        let e = guest
+            .handle_control(Message::Ack(Ack { up_to: 1 }), &dedup, 0)
+            .unwrap_err();
+        assert_eq!(e.reason(), "unexpected_message");
+        let mut host = ClientSession::new("pve1", 1);
+        assert!(host.handle(Message::Ack(Ack { up_to: 1 }), 0).is_err());
+
+        let mut guest = ServerSession::new("pve1");
+        guest
+            .handle_control(ClientSession::new("pve1", 1).hello(), &dedup, 0)
+            .unwrap();
+        guest.check_event_stream(&event(5)).unwrap();
+        assert_eq!(
+            guest.check_event_stream(&event(5)).unwrap_err().reason(),
+            "seq_backwards"
+        );
+        assert!(guest
+            .check_event_stream(&Message::Ack(Ack { up_to: 1 }))
+            .is_err());
+    }
+
+    #[test]
+    fn loss_accounting_is_idempotent() {
+        let mut d = Dedup::new();
+        let loss = SpoolLoss {
+            dropped: 10,
+            first_seq: 0,
+            last_seq: 9,
+        };
+        assert_eq!(d.on_loss("h", 1, &loss), 10);
+        // Reported again after a reconnect: nothing new.
+        assert_eq!(d.on_loss("h", 1, &loss), 0);
+        assert_eq!(d.on_event("h", 1, 10), EventVerdict::Deliver { gap: 0 });
+        // Partially received range.
+        assert_eq!(d.on_event("h", 1, 11), EventVerdict::Deliver { gap: 0 });
+        let loss = SpoolLoss {
+            dropped: 5,
+            first_seq: 11,
+            last_seq: 15,
+        };
+        assert_eq!(d.on_loss("h", 1, &loss), 4);
+        assert_eq!(d.resume_from("h", 1), Some(16));
+    }
+
+    #[test]
+    fn clock_probe_roundtrip() {
+        let dedup = Dedup::new();
+        let mut guest = ServerSession::new("pve1");
+        let mut host = ClientSession::new("pve1", 1);
+        let ServerAction::Welcome(w) = guest.handle_control(host.hello(), &dedup, 0).unwrap()
+        else {
+            panic!()
+        };
+        host.handle(w, 0).unwrap();
+        // Host clock is 1 s ahead; 100 µs each way.
+        let probe = guest.clock_probe(1_000_000);
+        let ClientAction::Send(reply) = host
+            .handle(wire(probe), 1_000_000 + 100_000 + 1_000_000_000)
+            .unwrap()
+        else {
+            panic!()
+        };
+        let ServerAction::Clock(s) = guest
+            .handle_control(wire(reply.clone()), &dedup, 1_200_000)
+            .unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(s.offset_ns, 1_000_000_000);
+        assert_eq!(s.rtt_ns, 200_000);
+        // The same reply again is ignored.
+        assert_eq!(
+            guest.handle_control(reply, &dedup, 1_300_000).unwrap(),
+            ServerAction::Ignore
+        );
+    }
+
+    #[test]
+    fn ack_policy_time_and_count() {
+        let mut p = AckPolicy::new(100, 1_000);
+        assert_eq!(p.poll(None, 5_000), None);
+        p.on_progress(1);
+        assert_eq!(p.poll(Some(0), 5_000), Some(Ack { up_to: 0 }));
+        p.on_progress(1);
+        assert_eq!(p.poll(Some(1), 5_500), None);
+        assert_eq!(p.poll(Some(1), 6_000), Some(Ack { up_to: 1 }));
+        p.on_progress(100);
+        assert_eq!(p.poll(Some(101), 6_001), Some(Ack { up_to: 101 }));
+        assert_eq!(p.poll(Some(101), 9_000), None);
+    }
+}
