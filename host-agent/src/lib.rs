@@ -9,6 +9,7 @@ pub mod agent;
 pub mod config;
 pub mod discovery;
 pub mod events;
+pub mod fuzzing;
 pub mod kmsg;
 pub mod metrics;
 pub mod roots;
