@@ -69,5 +69,5 @@ PO
 chmod 0755 "$stage/DEBIAN/postinst" "$stage/DEBIAN/prerm" "$stage/DEBIAN/postrm"
 mkdir -p "$out"
 deb="$out/gpufeed-host_${version}_${arch}.deb"
-dpkg-deb --root-owner-group --build "$stage" "$deb" >/dev/null
+dpkg-deb --root-owner-group -Z"${DEB_COMPRESSOR:-xz}" --build "$stage" "$deb" >/dev/null
 echo "$deb"
