@@ -16,6 +16,7 @@ pub fn upper_bound_us(i: usize) -> f64 {
 }
 
 /// The kernel's bucket index for a value in ns (same arithmetic as hist_index()).
+#[cfg(test)]
 pub fn index(ns: u64) -> usize {
     if ns < (1 << MIN_SHIFT) {
         return 0;

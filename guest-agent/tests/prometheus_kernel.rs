@@ -1,0 +1,168 @@
+//! A real Prometheus (Debian's package) scrapes the real agent; the documented
+//! queries return one series per busy pod, and every PromQL expression shipped
+//! in docs/ and talos/ evaluates without error.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+struct Prometheus {
+    _proc: Proc,
+    addr: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    fn start(target: std::net::SocketAddr) -> Prometheus {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 scrape_configs:\n  - job_name: gpufeed-guest\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", cfg.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian package) is installed");
+        let p = Prometheus { _proc: Proc(child), addr, _dir: dir };
+        wait_for(Duration::from_secs(30), || http_get(p.addr, "/-/ready")).expect("prometheus ready");
+        p
+    }
+
+    /// Instant query; returns the result vector, or the error Prometheus gave.
+    fn query(&self, q: &str) -> Result<Vec<serde_json::Value>, String> {
+        let enc: String = q
+            .bytes()
+            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .collect();
+        let body = http_get_any(self.addr, &format!("/api/v1/query?query={enc}"));
+        let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+        if v["status"] != "success" {
+            return Err(v["error"].to_string());
+        }
+        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
+    }
+}
+
+/// GET returning the body whatever the status (Prometheus reports query errors with 400).
+fn http_get_any(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+}
+
+/// Every ```promql block in the shipped docs and manifests.
+fn shipped_promql() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut out = Vec::new();
+    for dir in ["docs", "talos"] {
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
+        for e in entries.flatten() {
+            let p = e.path();
+            let Ok(text) = std::fs::read_to_string(&p) else { continue };
+            let mut inside = false;
+            let mut cur = String::new();
+            for line in text.lines() {
+                if line.trim_start().starts_with("```promql") {
+                    inside = true;
+                    cur.clear();
+                } else if inside && line.trim_start().starts_with("```") {
+                    inside = false;
+                    out.push((p.display().to_string(), cur.trim().to_string()));
+                } else if inside {
+                    cur.push_str(line);
+                    cur.push('\n');
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    // one iperf3 server per pod: an iperf3 server runs one test at a time
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let (ns, ip, hif) = net.server();
+        sh(&format!("tc qdisc add dev {hif} root tbf rate 50mbit burst 32kb latency 10ms"));
+        servers.push((spawn_in_ns(&ns, "exec iperf3 -s"), ip));
+    }
+    let agent = Agent::start(&["--interval", "500ms", "--no-kube"], &[]);
+    let prom = Prometheus::start(agent.addr);
+
+    let mut busy = Vec::new();
+    for i in 0..2 {
+        let layout = if i == 0 { Layout::Cgroupfs } else { Layout::Systemd };
+        let mut p = Pod::new(&sb, layout, "burstable", &random_uid(), &random_cid());
+        net.join(&mut p);
+        p.spawn("exec sh -c 'while :; do :; done'");
+        p.spawn(&format!("exec iperf3 -c {} -t 30 -b 5M", servers[i].1));
+        busy.push(p);
+    }
+    let mut quiet = Pod::new(&sb, Layout::Cgroupfs, "besteffort", &random_uid(), &random_cid());
+    quiet.spawn("exec sleep 60");
+    let busy_uids: BTreeSet<String> = busy.iter().map(|p| p.uid.clone()).collect();
+
+    let rtt = "rate(ebpf_tcp_rtt_microseconds_sum[10s]) / rate(ebpf_tcp_rtt_microseconds_count[10s])";
+    let p99 = "histogram_quantile(0.99, rate(ebpf_sched_latency_microseconds_bucket[10s]))";
+    let pods_of = |res: &[serde_json::Value]| -> Vec<String> {
+        res.iter()
+            .filter(|s| s["value"][1].as_str().is_some_and(|v| v != "NaN"))
+            .filter_map(|s| s["metric"]["pod"].as_str().map(String::from))
+            .filter(|p| busy_uids.contains(p) || *p == quiet.uid)
+            .collect()
+    };
+    // wait until both queries see both busy pods (needs a few scrapes)
+    let ready = wait_for(Duration::from_secs(40), || {
+        let a = pods_of(&prom.query(rtt).ok()?);
+        let b = pods_of(&prom.query(p99).ok()?);
+        (a.len() >= 2 && b.len() >= 2).then_some((a, b))
+    });
+    let (mut a, mut b) = ready.unwrap_or_else(|| {
+        panic!("both busy pods appear in both queries: rtt {:?}\np99 {:?}", prom.query(rtt), prom.query(p99))
+    });
+    a.sort();
+    b.sort();
+    let want: Vec<String> = busy_uids.iter().cloned().collect();
+    assert_eq!(a, want, "RTT query: exactly one series per busy pod (the quiet pod has none)");
+    for s in prom.query(rtt).unwrap() {
+        if s["metric"]["pod"].as_str().is_some_and(|p| busy_uids.contains(p)) {
+            let v: f64 = s["value"][1].as_str().unwrap().parse().unwrap();
+            assert!(v > 10.0 && v < 1_000_000.0, "mean RTT {v} us is plausible");
+            assert_eq!(s["metric"]["dst"], "private");
+        }
+    }
+    // p99 of the busy pods: one each; the quiet pod may show up only if it ran
+    let busy_p99: Vec<&String> = b.iter().filter(|p| busy_uids.contains(*p)).collect();
+    assert_eq!(busy_p99, want.iter().collect::<Vec<_>>(), "p99 query: one series per busy pod");
+
+    let shipped = shipped_promql();
+    assert!(shipped.len() >= 2, "docs ship PromQL examples");
+    for (file, q) in shipped {
+        if let Err(e) = prom.query(&q) {
+            panic!("PromQL in {file} does not evaluate: {e}\n{q}");
+        }
+    }
+}
