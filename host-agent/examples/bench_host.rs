@@ -1,0 +1,142 @@
+//! Benchmark (not a test): idle CPU and RSS of the release binary at default intervals, and
+//! link change → event latency. Writes nothing; prints a Markdown table.
+//!
+//!   cargo build --release -p gpufeed-host
+//!   cargo run --release -p gpufeed-host --example bench_host -- [IDLE_SECONDS] [SAMPLES]
+//!
+//! The agent reads the recorded TB4-eGPU + plain-slot tree (`--root`, 18 PCI devices, AER
+//! files, a Thunderbolt router, 2 VMs) at the default intervals, while the bridge sampler runs
+//! on the live host's rtnetlink every 100 ms.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn proc_cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &s[s.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+struct Kill(std::process::Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let idle_s: u64 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(60);
+    let samples: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(10);
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .unwrap_or_else(|_| format!("{}/../target", env!("CARGO_MANIFEST_DIR")));
+    let bin = format!("{target}/release/gpufeed-host");
+    assert!(std::path::Path::new(&bin).exists(), "build {bin} first");
+    let t = common::Tree::new();
+    common::topology(&t);
+    common::pve_basic(&t);
+    let cfg = t.p("host.toml");
+    std::fs::write(
+        &cfg,
+        "host_id = \"testnode\"\n[thunderbolt]\nuevents = false\n",
+    )
+    .unwrap();
+
+    // Idle CPU and RSS at default intervals.
+    let child = Kill(
+        Command::new(&bin)
+            .args(["run", "--metrics-listen", "127.0.0.1:0", "--config"])
+            .arg(&cfg)
+            .arg("--root")
+            .arg(t.root())
+            .env("RUST_LOG", "error")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.0.id();
+    std::thread::sleep(Duration::from_secs(5));
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let c0 = proc_cpu_ticks(pid);
+    let t0 = Instant::now();
+    let mut rss_max = 0;
+    while t0.elapsed() < Duration::from_secs(idle_s) {
+        std::thread::sleep(Duration::from_secs(1));
+        rss_max = rss_max.max(rss_kib(pid));
+    }
+    let cpu = (proc_cpu_ticks(pid) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
+    drop(child);
+
+    // Link change → event latency at the default 1000 ms poll.
+    let mut w = Kill(
+        Command::new(&bin)
+            .args(["watch", "--json", "--config"])
+            .arg(&cfg)
+            .arg("--root")
+            .arg(t.root())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out = w.0.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if l.contains("PcieLinkChange") {
+                let _ = tx.send(Instant::now());
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let gpu = format!("sys/devices/{}/current_link_speed", common::GPU);
+    let mut lat = Vec::new();
+    let mut seed = 0x1234_5678_9abc_def0u64;
+    for i in 0..samples {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        std::thread::sleep(Duration::from_millis(300 + seed % 1000));
+        let speed = if i % 2 == 0 {
+            "2.5 GT/s PCIe\n"
+        } else {
+            "16.0 GT/s PCIe\n"
+        };
+        let start = Instant::now();
+        t.write(&gpu, speed);
+        let got = rx.recv_timeout(Duration::from_secs(5)).expect("event");
+        lat.push(got.duration_since(start).as_secs_f64() * 1000.0);
+    }
+    drop(w);
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let mean = lat.iter().sum::<f64>() / lat.len() as f64;
+    println!("| figure | value |");
+    println!("|---|---|");
+    println!(
+        "| idle CPU, default intervals, {idle_s} s | {:.3}% of one core |",
+        cpu * 100.0
+    );
+    println!(
+        "| peak RSS during idle run | {:.1} MiB |",
+        rss_max as f64 / 1024.0
+    );
+    println!("| link change → event (pcie.poll_interval_ms = 1000), n={} | min {:.0} ms, mean {:.0} ms, max {:.0} ms |", lat.len(), lat[0], mean, lat[lat.len() - 1]);
+}
