@@ -1,26 +1,40 @@
 // SPDX-License-Identifier: GPL-2.0 OR Apache-2.0
 /*
- * Run-queue latency per cgroup.
+ * Run-queue latency per cgroup, attributed to the task being switched *in*
+ * (next), not the waker and not the previous task.
  *
- * A task is stamped when it becomes runnable (wakeup, wakeup_new) and when it is
- * switched out while still runnable (preempted). When it is switched in, the wait
- * since that stamp is recorded in the histogram of *its own* cgroup (the task
- * being scheduled in), not the waker's and not the previous task's.
+ * Two ways to know when the task became runnable:
  *
- * Cost: no hash map on the hot path. The stamp lives in task-local storage and
- * the histogram in cgroup-local storage, both O(1) pointer lookups cached in the
- * task / cgroup. Cgroup storage is freed by the kernel with the cgroup, so pod
- * churn cannot grow kernel memory.
+ * 1. sched_info (default, kernels with CONFIG_SCHED_INFO, which SCHEDSTATS and
+ *    TASK_DELAY_ACCT select): the scheduler itself stamps
+ *    next->sched_info.last_queued with the run-queue clock when the task is
+ *    enqueued (woken, new, or preempted while runnable), and at switch-in adds
+ *    rq->clock - last_queued to the task's run_delay (/proc/<pid>/schedstat).
+ *    sched_switch fires just before that, with rq->clock already updated, so
+ *    the same subtraction here yields exactly the wait the kernel accounts.
+ *    Only the switch hook is needed: no wakeup programs, no per-task state.
+ * 2. stamp (fallback): the wakeup, wakeup_new and switch hooks stamp the task in
+ *    task-local storage with bpf_ktime_get_ns() when it becomes runnable or is
+ *    preempted, and the switch hook measures at switch-in.
+ *
+ * The histogram lives in cgroup-local storage: an O(1) lookup cached in the
+ * cgroup, no hash map on the hot path, and freed by the kernel with the
+ * cgroup, so pod churn cannot grow kernel memory.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 #include "hist.h"
 #include "cgroup.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 #define TASK_RUNNING 0
+
+/* Chosen by userspace before load (it checks the kernel's BTF for
+ * task_struct.sched_info and sched_entity.cfs_rq / cfs_rq.rq). */
+const volatile bool use_sched_info = false;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
@@ -79,35 +93,64 @@ int BPF_PROG(sched_wakeup_new, struct task_struct *p)
 	return 0;
 }
 
-SEC("tp_btf/sched_switch")
-int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
-	     unsigned int prev_state)
+static __always_inline void record(struct task_struct *next, __u64 delta)
 {
 	struct hist *h;
-	__u64 *ts, now, delta;
 
-	/* A preempted task stays on the run queue: its wait starts now. */
-	if (preempt || prev_state == TASK_RUNNING)
-		stamp(prev);
-
-	if (next->pid == 0)
-		return 0;
-	ts = bpf_task_storage_get(&runnable_since, next, 0, 0);
-	if (!ts || *ts == 0)
-		return 0;
-	now = bpf_ktime_get_ns();
-	delta = now - *ts;
-	*ts = 0;
 	if ((__s64)delta < 0) {
 		bump_stat(0);
-		return 0;
+		return;
 	}
 	h = bpf_cgrp_storage_get(&sched_hist, task_dfl_cgroup(next), 0,
 				 BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!h) {
 		bump_stat(1);
-		return 0;
+		return;
 	}
 	hist_record(h, delta);
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
+	     unsigned int prev_state)
+{
+	__u64 *ts, now;
+
+	if (use_sched_info) {
+		struct rq *rq;
+		__u64 queued;
+
+		if (!bpf_core_field_exists(next->sched_info) || next->pid == 0)
+			return 0;
+		queued = next->sched_info.last_queued;
+		if (!queued)
+			return 0;
+		/* This CPU's run queue, reached through the task: set_task_rq() keeps
+		 * se.cfs_rq on the task's CPU for every scheduling class, and at
+		 * switch-in that is this CPU. (The per-CPU `runqueues` symbol would
+		 * need CONFIG_KALLSYMS_ALL.) */
+		if (!bpf_core_field_exists(next->se.cfs_rq))
+			return 0;
+		rq = next->se.cfs_rq->rq;
+		if (!rq)
+			return 0;
+		record(next, rq->clock - queued);
+		return 0;
+	}
+
+	now = bpf_ktime_get_ns();
+	/* A preempted task stays on the run queue: its wait starts now. */
+	if ((preempt || prev_state == TASK_RUNNING) && prev->pid != 0) {
+		ts = bpf_task_storage_get(&runnable_since, prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+		if (ts)
+			*ts = now;
+	}
+	if (next->pid == 0)
+		return 0;
+	ts = bpf_task_storage_get(&runnable_since, next, 0, 0);
+	if (!ts || *ts == 0)
+		return 0;
+	record(next, now - *ts);
+	*ts = 0;
 	return 0;
 }

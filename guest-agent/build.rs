@@ -5,9 +5,10 @@ use std::path::PathBuf;
 
 use libbpf_cargo::SkeletonBuilder;
 
-/// Probes compiled into the agent; each has a `bpf/<name>.bpf.c` and a
-/// `src/probes/<name>.rs` that includes the skeleton.
-const PROBES: &[&str] = &["sched", "tcp"];
+/// BPF objects to build; each has a `bpf/<name>.bpf.c`. The agent's probes have a
+/// `src/probes/<name>.rs` that includes the skeleton; `bench_empty` is only used
+/// by the overhead benchmark.
+const PROBES: &[&str] = &["sched", "tcp", "bench_empty"];
 
 fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR is set by cargo"));

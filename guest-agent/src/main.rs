@@ -53,6 +53,10 @@ struct RunArgs {
     /// Probes to load: comma-separated names (sched_latency, tcp_rtt, tcp_retransmit), `all` or `none`.
     #[arg(long, default_value = "all")]
     probes: String,
+    /// Where run-queue waits come from: the scheduler's own sched_info
+    /// (one hook, exact) or stamps from the wakeup hooks.
+    #[arg(long, value_enum, default_value = "auto")]
+    sched_method: probes::sched::Method,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -151,7 +155,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let btf = probes::KernelBtf::load();
     let mut statuses: Vec<ProbeStatus> = Vec::new();
     let sched = if selected.sched {
-        match probes::sched::SchedProbe::load(&btf).map_err(load_error)? {
+        match probes::sched::SchedProbe::load(&btf, args.sched_method).map_err(load_error)? {
             Ok(p) => {
                 statuses.push(ProbeStatus { name: probes::sched::NAME, up: true, reason: None });
                 Some(p)

@@ -27,10 +27,24 @@ fn wait_ticks() {
 }
 
 #[test]
-fn sched_latency_busy_pod_against_idle_pod_and_schedstat() {
+fn sched_latency_from_sched_info_agrees_with_schedstat() {
     let Some(_lock) = require_root() else { return };
+    sched_latency_case("sched-info");
+}
+
+#[test]
+fn sched_latency_from_wakeup_stamps_agrees_with_schedstat() {
+    let Some(_lock) = require_root() else { return };
+    sched_latency_case("stamp");
+}
+
+/// A pod with more CPU-bound tasks than its one CPU can serve against an idle
+/// pod; the busy pod's histogram sum against its tasks' schedstat run_delay.
+fn sched_latency_case(method: &str) {
     let sb = CgroupSandbox::new();
-    let agent = Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "sched_latency"], &[]);
+    let agent =
+        Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "sched_latency", "--sched-method", method], &[]);
+    assert!(agent.log.lock().unwrap().contains(&method.replace('-', "_")), "agent uses the {method} source");
     let mut busy = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
     let mut idle = Pod::new(&sb, Layout::Systemd, "besteffort", &random_uid(), &random_cid());
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -61,7 +75,7 @@ fn sched_latency_busy_pod_against_idle_pod_and_schedstat() {
 
     let ours_us = sum1 - sum0;
     let kernel_us = (d1 - d0) as f64 / 1000.0;
-    eprintln!("busy pod: histogram sum delta {ours_us:.0} us, schedstat run_delay delta {kernel_us:.0} us");
+    eprintln!("[{method}] busy pod: histogram sum delta {ours_us:.0} us, schedstat run_delay delta {kernel_us:.0} us");
     assert!(kernel_us > 3_000_000.0, "4 tasks on one CPU for 3 s wait for seconds, got {kernel_us} us");
     let err = (ours_us - kernel_us).abs() / kernel_us;
     assert!(err < 0.10, "histogram sum {ours_us} vs schedstat {kernel_us}: {:.1}% apart", err * 100.0);

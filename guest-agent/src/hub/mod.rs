@@ -257,8 +257,27 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> anyhow::Result<Hub> {
     let (tls_cfg, allowed) = dir
         .load()
         .with_context(|| format!("loading TLS files from {}", cfg.tls_dir.display()))?;
-    let endpoint = quinn::Endpoint::server(quinn_server_config(tls_cfg, &cfg)?, cfg.listen)
+    // Stateless-reset key derived from the guest's private key: a restarted guest (same key)
+    // answers packets of its predecessor's connections with a valid stateless reset, so hosts
+    // notice at once instead of after the idle timeout.
+    let key_pem = tls::read(&cfg.tls_dir.join(tls::GUEST_KEY_FILE))?;
+    let seed = ring::digest::digest(
+        &ring::digest::SHA256,
+        &[b"gpufeed stateless reset\0".as_slice(), &key_pem].concat(),
+    );
+    let ep_cfg = quinn::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
+        ring::hmac::HMAC_SHA256,
+        seed.as_ref(),
+    )));
+    let socket = std::net::UdpSocket::bind(cfg.listen)
         .with_context(|| format!("binding QUIC on {}", cfg.listen))?;
+    let endpoint = quinn::Endpoint::new(
+        ep_cfg,
+        Some(quinn_server_config(tls_cfg, &cfg)?),
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )
+    .with_context(|| format!("starting QUIC on {}", cfg.listen))?;
     let metrics = Metrics::new(registry)?;
     let mut dedup = Dedup::new();
     let journal = match &cfg.journal {

@@ -7,8 +7,8 @@ pub const MIN_SHIFT: u32 = 10;
 pub const BUCKETS: usize = 25;
 /// Slots in the kernel array: finite buckets plus the overflow slot.
 pub const SLOTS: usize = BUCKETS + 1;
-/// Size of `struct hist` in bytes.
-pub const HIST_BYTES: usize = (SLOTS + 2) * 8;
+/// Size of `struct hist` in bytes (buckets and sum; the count is their total).
+pub const HIST_BYTES: usize = (SLOTS + 1) * 8;
 
 /// Upper bound of finite bucket `i` in microseconds (the Prometheus `le`).
 pub fn upper_bound_us(i: usize) -> f64 {
@@ -51,7 +51,7 @@ impl Hist {
             *slot = words.next()?;
         }
         h.sum_ns = words.next()?;
-        h.count = words.next()?;
+        h.count = h.buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b));
         Some(h)
     }
 
@@ -144,11 +144,10 @@ mod tests {
             bytes.extend_from_slice(&(i % 3).to_ne_bytes());
         }
         bytes.extend_from_slice(&5000u64.to_ne_bytes());
-        bytes.extend_from_slice(&25u64.to_ne_bytes());
         let h = Hist::from_bytes(&bytes).unwrap();
         assert_eq!(h.buckets[2], 2);
         assert_eq!(h.sum_ns, 5000);
-        assert_eq!(h.count, 25);
+        assert_eq!(h.count, (0..SLOTS as u64).map(|i| i % 3).sum::<u64>());
         assert!(Hist::from_bytes(&bytes[..HIST_BYTES - 1]).is_none());
 
         let mut later = h.clone();

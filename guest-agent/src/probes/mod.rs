@@ -12,7 +12,7 @@ pub mod tcp;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
-use libbpf_rs::btf::types::Typedef;
+use libbpf_rs::btf::types::{Struct, Typedef};
 use libbpf_rs::btf::Btf;
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
@@ -52,6 +52,22 @@ pub struct KernelBtf(Option<Btf<'static>>);
 impl KernelBtf {
     pub fn load() -> KernelBtf {
         KernelBtf(Btf::from_vmlinux().ok())
+    }
+
+    /// Whether the scheduler keeps per-task run-queue timestamps
+    /// (`task_struct.sched_info`, CONFIG_SCHED_INFO) and a task's run queue is
+    /// reachable from it (`sched_entity.cfs_rq`, `cfs_rq.rq`:
+    /// CONFIG_FAIR_GROUP_SCHED).
+    pub fn has_sched_info(&self) -> bool {
+        self.has_member("task_struct", "sched_info")
+            && self.has_member("sched_entity", "cfs_rq")
+            && self.has_member("cfs_rq", "rq")
+    }
+
+    fn has_member(&self, ty: &str, member: &str) -> bool {
+        self.0.as_ref().is_some_and(|b| {
+            b.type_by_name::<Struct<'_>>(ty).is_some_and(|t| t.iter().any(|m| m.name.is_some_and(|n| n == member)))
+        })
     }
 
     /// Whether the kernel has the tracepoint that `tp_btf/<name>` attaches to.

@@ -401,9 +401,14 @@ impl Agent {
         });
         let agent = Agent { child, addr, log };
         let deadline = Instant::now() + Duration::from_secs(30);
+        let mut agent = agent;
         while Instant::now() < deadline {
             if agent.try_get("/healthz").is_some() {
                 return agent;
+            }
+            if let Ok(Some(status)) = agent.child.try_wait() {
+                std::thread::sleep(Duration::from_millis(100)); // let the log reader catch up
+                panic!("agent exited ({status}); log:\n{}", agent.log.lock().unwrap());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
