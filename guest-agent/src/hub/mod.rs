@@ -574,10 +574,14 @@ impl Conn<'_> {
             self.session
                 .handle_control(hello, &st.dedup, clock::realtime_ns())?
         };
-        let boot = match action {
+        let (boot, resume_from) = match action {
             ServerAction::Welcome(w) => {
                 Self::write(&mut ctl_send, &w).await?;
-                self.session.boot_id().expect("boot after welcome")
+                let resume = match &w {
+                    Message::Welcome(w) => w.resume_from,
+                    _ => None,
+                };
+                (self.session.boot_id().expect("boot after welcome"), resume)
             }
             ServerAction::Reject(m, reason) => {
                 let _ = Self::write(&mut ctl_send, &m).await;
@@ -590,7 +594,7 @@ impl Conn<'_> {
         };
         self.handshake_done = true;
         connected.inc();
-        tracing::info!(host = self.host, remote = %self.remote, boot, "hub: host connected");
+        tracing::info!(host = self.host, remote = %self.remote, boot, ?resume_from, "hub: host connected");
         let m = &inner.metrics;
         let host_l = [self.host];
         let (received, duplicate, lost, lag, offset_g, rtt_g) = (

@@ -53,24 +53,34 @@ impl Fixture {
         endpoint: SocketAddr,
         spool: Option<&Path>,
     ) -> StreamConfig {
-        StreamConfig {
-            ca: self.path().join(tls::CA_FILE),
-            cert: self.path().join(tls::host_cert_file(host)),
-            key: self.path().join(tls::host_key_file(host)),
-            spool_dir: spool.map(Path::to_owned).unwrap_or_default(),
-            reconnect_min_ms: 20,
-            reconnect_max_ms: 300,
-            idle_timeout_ms: 2_000,
-            keep_alive_ms: 300,
-            guests: vec![GuestEndpoint {
-                endpoint: endpoint.to_string(),
-                name: "guest".into(),
-                server_name: String::new(),
-                vmids: vec![],
-                devices: vec![],
-            }],
-            ..StreamConfig::default()
-        }
+        stream_config_in(self.path(), host, endpoint, spool)
+    }
+}
+
+/// Host stream configuration using the certificates in `dir`; quick reconnects and timeouts.
+pub fn stream_config_in(
+    dir: &Path,
+    host: &str,
+    endpoint: SocketAddr,
+    spool: Option<&Path>,
+) -> StreamConfig {
+    StreamConfig {
+        ca: dir.join(tls::CA_FILE),
+        cert: dir.join(tls::host_cert_file(host)),
+        key: dir.join(tls::host_key_file(host)),
+        spool_dir: spool.map(Path::to_owned).unwrap_or_default(),
+        reconnect_min_ms: 20,
+        reconnect_max_ms: 300,
+        idle_timeout_ms: 2_000,
+        keep_alive_ms: 300,
+        guests: vec![GuestEndpoint {
+            endpoint: endpoint.to_string(),
+            name: "guest".into(),
+            server_name: String::new(),
+            vmids: vec![],
+            devices: vec![],
+        }],
+        ..StreamConfig::default()
     }
 }
 

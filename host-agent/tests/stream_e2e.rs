@@ -1,0 +1,199 @@
+//! The real stream client against the real hub, in one process over loopback: delivery in
+//! order, and spool overflow accounting (the guest's `gpufeed_stream_events_lost_total` equals
+//! what the host's spool dropped), for the memory and the disk spool.
+
+mod stream_support;
+
+use std::time::Duration;
+
+use gpufeed_host::stream;
+use gpufeed_shared::event::{HostEvent, Stamped};
+use stream_support::*;
+
+fn events(from: u64, to: u64) -> Vec<Stamped> {
+    (from..to)
+        .map(|i| Stamped {
+            realtime_ns: gpufeed_shared::clock::realtime_ns(),
+            monotonic_ns: i,
+            event: HostEvent::KmsgLost { count: i },
+        })
+        .collect()
+}
+
+fn free_udp_port() -> std::net::SocketAddr {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.local_addr().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivers_in_order_and_acks() {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let greg = prometheus::Registry::new();
+    let mut hc = hub_config(fx.path());
+    hc.recent_capacity = 10_000;
+    let hub = hub::serve(hc, &greg).await.unwrap();
+    let hreg = prometheus::Registry::new();
+    let h = stream::start(
+        fx.stream_config("pve1", hub.local_addr(), None),
+        "pve1".into(),
+        &hreg,
+    )
+    .unwrap();
+    for chunk in events(0, 5000).chunks(500) {
+        h.push(chunk);
+    }
+    let received = || {
+        metric(
+            &greg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || received() == 5000.0).await,
+        "{}",
+        received()
+    );
+    let recent = hub.recent();
+    assert_eq!(recent.len(), 5000);
+    for (i, e) in recent.iter().enumerate() {
+        assert_eq!(e.seq, i as u64);
+        assert!(matches!(e.event, HostEvent::KmsgLost { count } if count == i as u64));
+        assert_eq!(e.host, "pve1");
+    }
+    let mut rx = hub.subscribe();
+    h.push(&events(5000, 5001));
+    let next = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.seq, 5000);
+    // Acks come back and empty the spool.
+    assert!(
+        wait_for(Duration::from_secs(5), || h.status()[0].acked == Some(5000)).await,
+        "{:?}",
+        h.status()
+    );
+    assert_eq!(h.status()[0].pending, 0);
+    assert_eq!(
+        metric(
+            &hreg,
+            "gpufeed_host_stream_acked_seq",
+            &[("guest", "guest")]
+        ),
+        5000.0
+    );
+    assert_eq!(
+        metric(
+            &hreg,
+            "gpufeed_host_stream_connected",
+            &[("guest", "guest")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&greg, "gpufeed_stream_connected", &[("host", "pve1")]),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &greg,
+            "gpufeed_stream_events_lost_total",
+            &[("host", "pve1")]
+        ),
+        0.0
+    );
+    let lag = metric(&greg, "gpufeed_stream_lag_seconds", &[("host", "pve1")]);
+    assert!((0.0..2.0).contains(&lag), "lag {lag}");
+    h.shutdown().await;
+    hub.shutdown().await;
+}
+
+async fn overflow(disk: bool) {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let addr = free_udp_port();
+    let spool = tempfile::tempdir().unwrap();
+    let hreg = prometheus::Registry::new();
+    let mut cfg = fx.stream_config("pve1", addr, disk.then(|| spool.path()));
+    cfg.memory_events = 1000;
+    cfg.disk_max_bytes = 64 * 1024;
+    cfg.segment_bytes = 4096;
+    let h = stream::start(cfg, "pve1".into(), &hreg).unwrap();
+    // The guest is not there yet: everything stays in the spool, which overflows.
+    h.push(&events(0, 6000));
+    let st = h.status()[0].clone();
+    let dropped = st.dropped_total;
+    assert!(dropped > 0);
+    if !disk {
+        assert_eq!(dropped, 5000);
+    }
+    assert_eq!(st.pending + dropped, 6000);
+    assert_eq!(
+        metric(
+            &hreg,
+            "gpufeed_host_stream_events_dropped_total",
+            &[("guest", "guest")]
+        ),
+        dropped as f64
+    );
+    // Now the guest comes up.
+    let greg = prometheus::Registry::new();
+    let mut hc = hub_config(fx.path());
+    hc.listen = addr;
+    hc.recent_capacity = 10_000;
+    let hub = hub::serve(hc, &greg).await.unwrap();
+    let received = || {
+        metric(
+            &greg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || received() == st.pending as f64).await,
+        "received {} of {}",
+        received(),
+        st.pending
+    );
+    assert_eq!(
+        metric(
+            &greg,
+            "gpufeed_stream_events_lost_total",
+            &[("host", "pve1")]
+        ),
+        dropped as f64,
+        "guest's lost count must equal the host's dropped count"
+    );
+    // The survivors are the newest ones, in order.
+    let seqs: Vec<u64> = hub.recent().iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (dropped..6000).collect::<Vec<_>>());
+    // More traffic afterwards: no further loss.
+    h.push(&events(6000, 6100));
+    assert!(
+        wait_for(Duration::from_secs(5), || received()
+            == (st.pending + 100) as f64)
+        .await
+    );
+    assert_eq!(
+        metric(
+            &greg,
+            "gpufeed_stream_events_lost_total",
+            &[("host", "pve1")]
+        ),
+        dropped as f64
+    );
+    h.shutdown().await;
+    hub.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_spool_overflow_is_reported_exactly() {
+    overflow(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_spool_overflow_is_reported_exactly() {
+    overflow(true).await;
+}
