@@ -217,10 +217,11 @@ impl Agent {
                 let mut iv = tokio::time::interval(every);
                 iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 iv.tick().await;
+                let mut open = true;
                 loop {
                     tokio::select! {
                         _ = iv.tick() => {}
-                        r = disc_rx.recv() => if r.is_none() { return },
+                        r = disc_rx.recv(), if open => if r.is_none() { open = false; continue },
                     }
                     me.rescan(&mut known, &mut warned, false);
                 }
@@ -579,10 +580,11 @@ impl Agent {
             let mut iv = tokio::time::interval(Duration::from_millis(me.cfg.pcie.poll_interval_ms));
             iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             iv.tick().await;
+            let mut open = true;
             loop {
                 let poke = tokio::select! {
                     _ = iv.tick() => Poke::Tick,
-                    r = rx.recv() => match r { Some(p) => p, None => Poke::Tick },
+                    r = rx.recv(), if open => match r { Some(p) => p, None => { open = false; continue } },
                 };
                 let t = me.topo.get();
                 let (links, source): (Vec<_>, _) = match &poke {
@@ -615,10 +617,11 @@ impl Agent {
             iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             iv.tick().await;
             let window = Duration::from_millis(me.cfg.aer.kmsg_context_ms);
+            let mut open = true;
             loop {
                 let poke = tokio::select! {
                     _ = iv.tick() => Poke::Tick,
-                    r = rx.recv() => match r { Some(p) => p, None => Poke::Tick },
+                    r = rx.recv(), if open => match r { Some(p) => p, None => { open = false; continue } },
                 };
                 let t = me.topo.get();
                 match poke {
@@ -657,10 +660,11 @@ impl Agent {
                 tokio::time::interval(Duration::from_millis(me.cfg.thunderbolt.poll_interval_ms));
             iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             iv.tick().await;
+            let mut open = true;
             loop {
                 let source = tokio::select! {
                     _ = iv.tick() => Source::Poll,
-                    r = rx.recv() => match r { Some(Poke::Port(_, s)) => s, _ => Source::Poll },
+                    r = rx.recv(), if open => match r { Some(Poke::Port(_, s)) => s, Some(_) => Source::Poll, None => { open = false; continue } },
                 };
                 for ev in p.poll(&me.roots, &me.topo.get(), &me.metrics, source) {
                     me.bus.emit(ev);

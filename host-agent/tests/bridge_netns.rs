@@ -216,20 +216,15 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
             "{port}: vm tx {vm_tx} vs port rx {if_rx}"
         );
     }
-    // Directions: VM 101 sent 40 MB, VM 100 received that and sent 40 MB to CT 102.
+    // Directions: VM 101 sent 40 MiB to VM 100, and VM 100 sent 40 MiB to CT 102 (-R).
     let mb = 0.95 * 40.0 * 1024.0 * 1024.0;
-    assert!(
-        sample(&m, name, "fwpr101p0", "101", "tx") >= mb
-            && sample(&m, name, "fwpr101p0", "101", "rx") < 0.1 * mb
-    );
-    assert!(
-        sample(&m, name, "veth102i0", "102", "rx") >= mb
-            && sample(&m, name, "veth102i0", "102", "tx") < 0.1 * mb
-    );
-    assert!(
-        sample(&m, name, "tap100i0", "100", "rx") >= mb
-            && sample(&m, name, "tap100i0", "100", "tx") >= mb
-    );
+    let v = |port: &str, vmid: &str, dir: &str| sample(&m, name, port, vmid, dir);
+    let (r101, t101) = (v("fwpr101p0", "101", "rx"), v("fwpr101p0", "101", "tx"));
+    let (r102, t102) = (v("veth102i0", "102", "rx"), v("veth102i0", "102", "tx"));
+    let (r100, t100) = (v("tap100i0", "100", "rx"), v("tap100i0", "100", "tx"));
+    assert!(t101 >= mb && r101 < 0.1 * mb, "vm 101 rx {r101} tx {t101}");
+    assert!(r102 >= mb && t102 < 0.1 * mb, "ct 102 rx {r102} tx {t102}");
+    assert!(r100 >= mb && t100 >= mb, "vm 100 rx {r100} tx {t100}");
     assert!(
         sample(
             &m,

@@ -80,7 +80,7 @@ fn follow_file(mut f: std::fs::File, tx: tokio::sync::mpsc::Sender<KmsgMsg>) {
                     }
                     pending.clear();
                 }
-                std::thread::sleep(std::time::Duration::from_millis(20));
+                std::thread::sleep(std::time::Duration::from_millis(100));
             }
             Ok(n) => pending.push_str(&String::from_utf8_lossy(&buf[..n])),
             Err(_) => return,
