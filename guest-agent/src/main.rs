@@ -1,9 +1,11 @@
 //! gpufeed-guest: per-pod eBPF probes served to Prometheus.
 
 mod cgroups;
+mod certs;
 mod collect;
 mod dst;
 mod exporter;
+mod hub;
 mod pods;
 mod privileges;
 mod probes;
@@ -33,6 +35,11 @@ struct Cli {
 enum Cmd {
     /// Load the probes and serve /metrics and /healthz.
     Run(RunArgs),
+    /// Certificates for the host → guest event stream.
+    Certs {
+        #[command(subcommand)]
+        cmd: certs::CertsCmd,
+    },
 }
 
 #[derive(Parser, Debug)]
@@ -66,6 +73,18 @@ struct RunArgs {
     /// Do not contact the Kubernetes API; label pods by UID.
     #[arg(long)]
     no_kube: bool,
+    /// Accept host agents' event streams (QUIC, mutual TLS) on this UDP address, e.g.
+    /// 0.0.0.0:7845. Off when not given.
+    #[arg(long, env = "GPUFEED_QUIC_LISTEN")]
+    quic_listen: Option<SocketAddr>,
+    /// Directory with ca.pem, guest.pem, guest-key.pem and allowed-hosts (made by
+    /// `gpufeed-guest certs init`); re-read when the files change.
+    #[arg(long, default_value = "/etc/gpufeed/tls", env = "GPUFEED_TLS_DIR")]
+    tls_dir: PathBuf,
+    /// Append received host events to this JSON-lines file; at start it seeds
+    /// de-duplication, so a restarted guest neither repeats nor re-requests events.
+    #[arg(long, env = "GPUFEED_EVENT_JOURNAL")]
+    event_journal: Option<PathBuf>,
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {
@@ -87,6 +106,7 @@ fn main() -> std::process::ExitCode {
         .init();
     let result = match cli.cmd {
         Cmd::Run(args) => run(args),
+        Cmd::Certs { cmd } => certs::run(cmd),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -229,6 +249,15 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             tracing::info!(node = %cfg.node_name, "watching this node's pods");
             tokio::spawn(pods::run_watcher(pods.clone(), cfg));
         }
+        // The hub: host events in; kept for the correlator and /events (hub::Hub::recent).
+        let _hub = match args.quic_listen {
+            Some(listen) => {
+                let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
+                hc.journal = args.event_journal.clone();
+                Some(hub::serve(hc, &registry).await.context("starting the hub (--quic-listen)")?)
+            }
+            None => None,
+        };
         let listener = tokio::net::TcpListener::bind(args.metrics_listen)
             .await
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;

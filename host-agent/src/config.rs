@@ -34,6 +34,9 @@ pub struct Config {
     pub bridge: BridgeConfig,
     pub vm: VmConfig,
     pub host: HostConfig,
+    /// Host → guest event stream (`[stream]`, see [`crate::stream::StreamConfig`]); off when
+    /// absent or without `[[stream.guests]]`.
+    pub stream: Option<crate::stream::StreamConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -129,6 +132,7 @@ impl Default for Config {
             bridge: BridgeConfig::default(),
             vm: VmConfig::default(),
             host: HostConfig::default(),
+            stream: None,
         }
     }
 }

@@ -155,6 +155,19 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {} (metrics_listen)", cfg.metrics_listen))?;
     let agent = Arc::new(Agent::new(cfg));
+    // Subscribe before the watchers start, so their first events are streamed too.
+    let stream = match agent.cfg.stream.clone() {
+        Some(s) if !s.guests.is_empty() => Some(
+            gpufeed_host::stream::spawn(
+                s,
+                agent.node().to_string(),
+                agent.bus.subscribe(),
+                &agent.metrics.registry,
+            )
+            .context("starting the host → guest stream")?,
+        ),
+        _ => None,
+    };
     let running = agent.start().await;
     tracing::info!(
         "gpufeed-host {} started: metrics on http://{}/metrics; watchers on: {}; off: {}",
@@ -197,6 +210,10 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
     drop(running);
+    if let Some(stream) = stream {
+        // Writes the spools' state so that a restart resumes where this run stopped.
+        stream.shutdown().await;
+    }
     Ok(())
 }
 
