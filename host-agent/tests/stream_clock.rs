@@ -44,6 +44,7 @@ async fn skewed_host_clock_is_estimated_within_1ms() {
         err < 1_000_000,
         "estimate {est_ns} ns vs skew {SKEW_NS} ns: error {err} ns"
     );
+    eprintln!("clock: skew {SKEW_NS} ns, estimate {est_ns} ns, error {err} ns");
     assert!(
         (offset() - SKEW_NS as f64 / 1e9).abs() < 1e-3,
         "{}",

@@ -191,3 +191,45 @@ async fn hostile_frames() {
     );
     hub.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journal_seeds_dedup_and_cuts_a_torn_tail() {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let j = fx.path().join("journal.jsonl");
+    let good = "{\"host\":\"pve1\",\"boot\":7,\"seq\":3,\"kind\":10}\n\
+                {\"host\":\"pve1\",\"boot\":7,\"loss_first\":4,\"loss_last\":9,\"lost\":6}\n\
+                {\"host\":\"pve1\",\"boot\":8,\"seq\":1}\n";
+    std::fs::write(
+        &j,
+        format!("{good}{{\"host\":\"pve1\",\"boot\":7,\"seq\":99"),
+    )
+    .unwrap();
+    let reg = prometheus::Registry::new();
+    let mut hc = hub_config(fx.path());
+    hc.journal = Some(j.clone());
+    let hub = hub::serve(hc, &reg).await.unwrap();
+    assert_eq!(std::fs::read_to_string(&j).unwrap(), good, "torn line cut");
+    let (_c, _s, _r, w) = connect(&fx, hub.local_addr(), 7).await;
+    assert_eq!(w.resume_from, Some(10));
+    let (_c, _s, _r, w) = connect(&fx, hub.local_addr(), 8).await;
+    assert_eq!(w.resume_from, Some(2));
+    let (conn, _s, _r, w) = connect(&fx, hub.local_addr(), 9).await;
+    assert_eq!(w.resume_from, None);
+    let mut ev = conn.open_uni().await.unwrap();
+    ev.write_all(&known(0)).await.unwrap();
+    let received = || {
+        metric(
+            &reg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    assert!(wait_for(Duration::from_secs(3), || received() == 1.0).await);
+    let text = std::fs::read_to_string(&j).unwrap();
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(last["boot"], 9);
+    assert_eq!(last["seq"], 0);
+    assert_eq!(last["event"]["KmsgLost"]["count"], 0);
+    hub.shutdown().await;
+}

@@ -29,6 +29,7 @@ pub fn monotonic_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC) as u64
 }
 
+#[allow(clippy::unnecessary_cast)] // time_t is not i64 everywhere
 fn clock_ns(id: libc::clockid_t) -> i64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -178,6 +179,7 @@ impl KvmPtp {
     /// Hypervisor realtime minus guest realtime, ns: `clock_gettime` on the dynamic clock id of
     /// the PTP device, bracketed by two guest realtime reads (the best of 5 tries, by bracket
     /// width).
+    #[allow(clippy::unnecessary_cast)] // time_t is not i64 everywhere
     pub fn offset_ns(&self) -> std::io::Result<i64> {
         use std::os::fd::AsRawFd;
         let fd = self.file.as_raw_fd();

@@ -779,7 +779,8 @@ impl Conn<'_> {
                             j.add_loss(self.host, boot, l.first_seq, l.last_seq, n);
                         }
                     }
-                    _ => unreachable!("checked by check_event_stream"),
+                    // Excluded by check_event_stream above.
+                    _ => continue,
                 }
             }
             if let Some(j) = &mut st.journal {
@@ -802,7 +803,8 @@ impl Conn<'_> {
         }
         if let Some(last) = delivered.last() {
             let off = last.clock_offset_ns.unwrap_or(0);
-            lag.set((now + off - last.host_realtime_ns) as f64 / 1e9);
+            // Negative only within the offset estimate's error: report 0 then.
+            lag.set((now + off - last.host_realtime_ns).max(0) as f64 / 1e9);
         }
         received.inc_by(delivered.len() as u64);
         duplicate.inc_by(dups);

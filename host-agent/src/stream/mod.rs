@@ -422,10 +422,14 @@ pub fn start(
     })
 }
 
+/// An event ready for a spool: host realtime ns (as reported), host monotonic ns, kind,
+/// postcard payload.
+pub type RawEvent = (i64, u64, u16, Vec<u8>);
+
 fn push_to(guests: &[Arc<Guest>], events: &[Stamped]) {
     let filters: Vec<Filter> = guests.iter().map(|g| g.filter.clone()).collect();
     let skew = gpufeed_shared::clock::test_skew_ns().unwrap_or(0);
-    let mut per_guest: Vec<Vec<(i64, u64, u16, Vec<u8>)>> = vec![Vec::new(); guests.len()];
+    let mut per_guest: Vec<Vec<RawEvent>> = vec![Vec::new(); guests.len()];
     for ev in events {
         let payload = match postcard::to_allocvec(&ev.event) {
             Ok(p) => p,
@@ -451,7 +455,7 @@ fn push_to(guests: &[Arc<Guest>], events: &[Stamped]) {
     }
 }
 
-fn push_raw(g: &Guest, evs: Vec<(i64, u64, u16, Vec<u8>)>) {
+fn push_raw(g: &Guest, evs: Vec<RawEvent>) {
     let mut s = g.spool.lock().expect("spool lock");
     let n = evs.len() as u64;
     let mut dropped = 0;
@@ -484,7 +488,7 @@ impl StreamHandle {
 
     /// Spools a raw `(kind, payload)` event for the guest at `guest_index` (tests, benchmarks).
     /// `host_realtime_ns` is used as given.
-    pub fn push_raw(&self, guest_index: usize, events: Vec<(i64, u64, u16, Vec<u8>)>) {
+    pub fn push_raw(&self, guest_index: usize, events: Vec<RawEvent>) {
         push_raw(&self.guests[guest_index], events);
     }
 

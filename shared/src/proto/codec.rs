@@ -193,7 +193,7 @@ pub fn decode_one(input: &[u8]) -> Result<(Message, usize), DecodeError> {
 
 fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
     match postcard::take_from_bytes::<Message>(body) {
-        Ok((msg, rest)) if rest.is_empty() => Ok(msg),
+        Ok((msg, [])) => Ok(msg),
         Ok((_, rest)) => Err(DecodeError::Garbage {
             len: body.len(),
             detail: format!("{} trailing bytes", rest.len()),
