@@ -74,6 +74,11 @@ impl CgroupTree {
         CgroupTree { root, cgroups: HashMap::new() }
     }
 
+    /// Absolute path of a cgroup of this tree.
+    pub fn path_of(&self, c: &Cgroup) -> PathBuf {
+        self.root.join(c.path.trim_start_matches('/'))
+    }
+
     /// Walks the hierarchy: opens newly created cgroups and drops removed ones.
     /// Only directory entries are considered (d_type, no stat per entry).
     pub fn refresh(&mut self) -> io::Result<Changes> {

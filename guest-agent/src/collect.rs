@@ -7,11 +7,15 @@
 //! series per slice, and lets the exporter relabel an owner (pod UID → name)
 //! without restarting its counters.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::bandwidth;
 use crate::cgroups::CgroupTree;
+use crate::ifaces::{self, PodIface};
+use crate::probes::tc::{Direction, DropKey, IfBytes, TcProbe};
 use crate::dst::MAX_DST;
 use crate::pods::{classify_cgroup, CgroupClass, PodStore};
 use crate::probes::hist::Hist;
@@ -23,6 +27,8 @@ use crate::probes::tcp::{TcpCgroup, TcpProbe};
 pub enum Owner {
     Pod { uid: String, container_id: Option<String> },
     Slice(String),
+    /// tc drops nobody could be found for (no socket, unknown device, unknown IPs)
+    Unattributed,
 }
 
 impl Owner {
@@ -40,6 +46,10 @@ pub struct OwnerStats {
     pub sched: Hist,
     pub rtt: Vec<Hist>,
     pub retrans_segs: Vec<u64>,
+    /// bytes at the tc layer of the pod's host-side interfaces, by direction
+    pub tc_bytes: BTreeMap<Direction, u64>,
+    /// tc/qdisc drops by (direction if known, reason)
+    pub tc_drops: BTreeMap<(Option<Direction>, String), u64>,
     /// Live cgroups that map to this owner in the last tick.
     pub live_cgroups: usize,
     /// When the owner lost its last cgroup or was deleted from the API.
@@ -52,6 +62,8 @@ impl Default for OwnerStats {
             sched: Hist::default(),
             rtt: vec![Hist::default(); MAX_DST],
             retrans_segs: vec![0; MAX_DST],
+            tc_bytes: BTreeMap::new(),
+            tc_drops: BTreeMap::new(),
             live_cgroups: 0,
             gone_since: None,
         }
@@ -72,6 +84,16 @@ pub struct SelfStats {
     pub sched_negative_deltas: u64,
     pub sched_alloc_failures: u64,
     pub tcp_lost: u64,
+    pub tc_interfaces: usize,
+    pub tc_drop_overflow: u64,
+}
+
+/// A bandwidth cap from a pod's annotations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BandwidthLimit {
+    pub uid: String,
+    pub direction: Direction,
+    pub bits_per_second: f64,
 }
 
 /// What the exporter reads.
@@ -79,6 +101,7 @@ pub struct SelfStats {
 pub struct Shared {
     pub owners: HashMap<Owner, OwnerStats>,
     pub stats: SelfStats,
+    pub bandwidth: Vec<BandwidthLimit>,
 }
 
 /// Per-cgroup memory of the last absolute values read, to compute deltas.
@@ -94,13 +117,45 @@ struct Reading {
     tcp: Option<TcpCgroup>,
 }
 
+/// The tc probe with what the collector knows about pod interfaces.
+pub struct TcState {
+    probe: TcProbe,
+    own_netns: u32,
+    /// host ifindex → pod
+    by_host: HashMap<u32, PodIface>,
+    /// (pod netns, pod ifindex) → pod
+    by_pod_side: HashMap<(u32, u32), String>,
+    last: HashMap<u32, IfBytes>,
+    last_discovery: Option<Instant>,
+}
+
+impl TcState {
+    pub fn new(probe: TcProbe) -> std::io::Result<TcState> {
+        Ok(TcState {
+            probe,
+            own_netns: ifaces::netns_inode(std::process::id() as i32)?,
+            by_host: HashMap::new(),
+            by_pod_side: HashMap::new(),
+            last: HashMap::new(),
+            last_discovery: None,
+        })
+    }
+}
+
+/// How often pod interfaces and annotations are looked at again when no
+/// cgroup came or went.
+const REDISCOVER: Duration = Duration::from_secs(5);
+
 pub struct Collector {
     tree: CgroupTree,
     sched: Option<SchedProbe>,
     tcp: Option<TcpProbe>,
+    tc: Option<TcState>,
     state: HashMap<u64, CgroupState>,
     pods: PodStore,
     grace: Duration,
+    /// (pod uid, annotation value) pairs already warned about
+    warned: HashSet<(String, String)>,
     pub shared: Arc<Mutex<Shared>>,
 }
 
@@ -109,10 +164,21 @@ impl Collector {
         tree: CgroupTree,
         sched: Option<SchedProbe>,
         tcp: Option<TcpProbe>,
+        tc: Option<TcState>,
         pods: PodStore,
         grace: Duration,
     ) -> Collector {
-        Collector { tree, sched, tcp, state: HashMap::new(), pods, grace, shared: Arc::default() }
+        Collector {
+            tree,
+            sched,
+            tcp,
+            tc,
+            state: HashMap::new(),
+            pods,
+            grace,
+            warned: HashSet::new(),
+            shared: Arc::default(),
+        }
     }
 
     fn read(&self, dir: std::os::fd::BorrowedFd<'_>) -> Reading {
@@ -181,6 +247,7 @@ impl Collector {
                 st.tcp = Some(t);
             }
         }
+        let tc_deltas = self.tc_tick(!changes.added.is_empty() || !changes.removed.is_empty());
         for id in changes.removed.keys() {
             self.state.remove(id);
         }
@@ -201,6 +268,19 @@ impl Collector {
                 o.retrans_segs[i] += retrans[i];
             }
         }
+        if let Some((bytes, drops, limits)) = tc_deltas {
+            for (owner, dir, n) in bytes {
+                if n > 0 || shared.owners.contains_key(&owner) {
+                    *shared.owners.entry(owner).or_default().tc_bytes.entry(dir).or_default() += n;
+                }
+            }
+            for (owner, dir, reason, n) in drops {
+                *shared.owners.entry(owner).or_default().tc_drops.entry((dir, reason)).or_default() += n;
+            }
+            if let Some(l) = limits {
+                shared.bandwidth = l;
+            }
+        }
         // Liveness and the grace period: an owner whose cgroups are all gone, or
         // whose pod the API deleted, keeps its series for `grace`, then goes.
         let grace = self.grace;
@@ -210,6 +290,7 @@ impl Collector {
             let deleted = match owner {
                 Owner::Pod { uid, .. } => pods.get(uid).is_some_and(|m| m.deleted_at.is_some()),
                 Owner::Slice(_) => false,
+                Owner::Unattributed => return true,
             };
             if o.live_cgroups == 0 || deleted {
                 let since = *o.gone_since.get_or_insert(now);
@@ -224,7 +305,7 @@ impl Collector {
         for o in shared.owners.keys() {
             match o {
                 Owner::Pod { .. } => owners_pod += 1,
-                Owner::Slice(_) => owners_slice += 1,
+                Owner::Slice(_) | Owner::Unattributed => owners_slice += 1,
             }
         }
         let ticks = shared.stats.ticks + 1;
@@ -239,7 +320,192 @@ impl Collector {
             sched_negative_deltas: neg,
             sched_alloc_failures: alloc,
             tcp_lost: self.tcp.as_ref().map(|t| t.lost()).unwrap_or(0),
+            tc_interfaces: self.tc.as_ref().map(|t| t.by_host.len()).unwrap_or(0),
+            tc_drop_overflow: self.tc.as_ref().map(|t| t.probe.overflow()).unwrap_or(0),
         };
         Ok(())
     }
+
+    /// Pod of a live (or just removed) cgroup id, as the tc probe needs it.
+    fn pod_uid_of_cgroup(&self, id: u64) -> Option<Owner> {
+        self.state.get(&id).map(|s| match &s.owner {
+            Owner::Pod { uid, .. } => Owner::Pod { uid: uid.clone(), container_id: None },
+            other => other.clone(),
+        })
+    }
+
+    /// The pids of each pod, from the cgroup.procs of its cgroups.
+    fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
+        let mut out: HashMap<String, Vec<i32>> = HashMap::new();
+        for (id, st) in &self.state {
+            let Owner::Pod { uid, .. } = &st.owner else { continue };
+            let Some(cg) = self.tree.cgroups.get(id) else { continue };
+            let procs = self.tree.path_of(cg).join("cgroup.procs");
+            let Ok(text) = std::fs::read_to_string(procs) else { continue };
+            out.entry(uid.clone()).or_default().extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+        }
+        out
+    }
+
+    /// Interfaces, byte deltas, drops and (when rediscovering) bandwidth caps.
+    #[allow(clippy::type_complexity)]
+    fn tc_tick(
+        &mut self,
+        cgroups_changed: bool,
+    ) -> Option<(
+        Vec<(Owner, Direction, u64)>,
+        Vec<(Owner, Option<Direction>, String, u64)>,
+        Option<Vec<BandwidthLimit>>,
+    )> {
+        let rediscover = {
+            let tc = self.tc.as_ref()?;
+            cgroups_changed || tc.last_discovery.is_none_or(|t| t.elapsed() >= REDISCOVER)
+        };
+        let mut bytes = Vec::new();
+        let mut limits = None;
+        if rediscover {
+            let pids = self.pod_pids();
+            let found = ifaces::discover(&pids);
+            let tc = self.tc.as_mut()?;
+            tc.last_discovery = Some(Instant::now());
+            let found = match found {
+                Ok(f) => f,
+                Err(e) => {
+                    // keep counting what we have; look again next time
+                    tracing::warn!("listing pod interfaces failed: {e}");
+                    return None;
+                }
+            };
+            let new: HashMap<u32, PodIface> = found.pods.into_iter().map(|f| (f.host_ifindex, f)).collect();
+            // An interface stops being counted when its veth is gone or another
+            // pod owns it now, not because one look missed its pod.
+            let gone: Vec<u32> = tc
+                .by_host
+                .iter()
+                .filter(|(i, p)| !found.host_veths.contains(i) || new.get(i).is_some_and(|n| n.uid != p.uid))
+                .map(|(i, _)| *i)
+                .collect();
+            for i in gone {
+                if let (Some(pi), Some(b)) = (tc.by_host.get(&i), tc.probe.read(i)) {
+                    let prev = tc.last.remove(&i).unwrap_or_default();
+                    push_bytes(&mut bytes, &pi.uid, &b, &prev);
+                }
+                tc.probe.detach(i);
+                tc.by_host.remove(&i);
+                tc.last.remove(&i);
+            }
+            for (i, pi) in &new {
+                if tc.by_host.contains_key(i) {
+                    continue;
+                }
+                match tc.probe.attach(*i) {
+                    Ok(()) => {
+                        tracing::debug!(ifindex = i, pod = %pi.uid, "counting pod interface");
+                        tc.by_host.insert(*i, pi.clone());
+                    }
+                    Err(e) => tracing::warn!(ifindex = i, pod = %pi.uid, "cannot attach tc programs: {e}"),
+                }
+            }
+            tc.by_pod_side = tc.by_host.values().map(|p| ((p.pod_netns, p.pod_ifindex), p.uid.clone())).collect();
+            limits = Some(self.bandwidth_limits());
+        }
+        let tc = self.tc.as_mut()?;
+        for (i, pi) in &tc.by_host {
+            let Some(b) = tc.probe.read(*i) else { continue };
+            let prev = tc.last.insert(*i, b).unwrap_or_default();
+            push_bytes(&mut bytes, &pi.uid, &b, &prev);
+        }
+        let drained = tc.probe.drain_drops();
+        let mut drops = Vec::with_capacity(drained.len());
+        for (k, n) in drained {
+            let (owner, dir) = self.attribute_drop(&k);
+            let reason = self.tc.as_ref()?.probe.reason_name(k.reason);
+            drops.push((owner, dir, reason, n));
+        }
+        Some((bytes, drops, limits))
+    }
+
+    /// Who a drop belongs to, in the order: the socket's owner, else
+    /// the device's pod, else the pod whose IP the packet carries.
+    fn attribute_drop(&self, k: &DropKey) -> (Owner, Option<Direction>) {
+        let Some(tc) = self.tc.as_ref() else { return (Owner::Unattributed, None) };
+        let ingress_hook = self.tc.as_ref().map(|t| t.probe.reason_name(k.reason)).is_some_and(|r| r == "tc_ingress");
+        // the device says the direction when it is a pod's: host side carries
+        // the pod's ingress on egress, and the other way round
+        let dev_side = if k.netns == tc.own_netns {
+            tc.by_host.get(&k.ifindex).map(|p| (p.uid.clone(), if ingress_hook { Direction::Egress } else { Direction::Ingress }))
+        } else {
+            tc.by_pod_side
+                .get(&(k.netns, k.ifindex))
+                .map(|u| (u.clone(), if ingress_hook { Direction::Ingress } else { Direction::Egress }))
+        };
+        let by_ip = |ip: Option<IpAddr>| ip.and_then(|ip| self.pods.by_ip(ip)).map(|m| m.uid);
+        let ip_dir = |uid: &str| -> Option<Direction> {
+            if by_ip(k.saddr).as_deref() == Some(uid) {
+                Some(Direction::Egress)
+            } else if by_ip(k.daddr).as_deref() == Some(uid) {
+                Some(Direction::Ingress)
+            } else {
+                None
+            }
+        };
+        if k.cgroup_id != 0 {
+            if let Some(owner) = self.pod_uid_of_cgroup(k.cgroup_id) {
+                let dir = match &owner {
+                    Owner::Pod { uid, .. } => dev_side
+                        .as_ref()
+                        .filter(|(u, _)| u == uid)
+                        .map(|(_, d)| *d)
+                        .or_else(|| ip_dir(uid))
+                        // a pod's own socket on a device not its own: it was sending
+                        .or(Some(Direction::Egress)),
+                    _ => None,
+                };
+                return (owner, dir);
+            }
+        }
+        if let Some((uid, dir)) = dev_side {
+            return (Owner::Pod { uid, container_id: None }, Some(dir));
+        }
+        for uid in [by_ip(k.saddr), by_ip(k.daddr)].into_iter().flatten() {
+            let dir = ip_dir(&uid);
+            return (Owner::Pod { uid, container_id: None }, dir);
+        }
+        (Owner::Unattributed, None)
+    }
+
+    /// Caps from annotations; an unparsable value is warned about once.
+    fn bandwidth_limits(&mut self) -> Vec<BandwidthLimit> {
+        let mut out = Vec::new();
+        for uid in self.pods.uids() {
+            let Some(meta) = self.pods.get(&uid) else { continue };
+            if meta.deleted_at.is_some() {
+                continue;
+            }
+            for (key, dir) in [(bandwidth::EGRESS, Direction::Egress), (bandwidth::INGRESS, Direction::Ingress)] {
+                let Some(v) = meta.annotations.get(key) else { continue };
+                match bandwidth::parse_quantity(v) {
+                    Ok(bps) => out.push(BandwidthLimit { uid: uid.clone(), direction: dir, bits_per_second: bps }),
+                    Err(e) => {
+                        if self.warned.insert((uid.clone(), format!("{key}={v}"))) {
+                            tracing::warn!(
+                                "pod {}/{}: annotation {key}={v:?} is not a valid quantity ({e}); no bandwidth limit exported",
+                                meta.namespace,
+                                meta.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn push_bytes(out: &mut Vec<(Owner, Direction, u64)>, uid: &str, now: &IfBytes, prev: &IfBytes) {
+    let owner = Owner::Pod { uid: uid.to_string(), container_id: None };
+    // counters only grow while the entry exists; a smaller value is a new entry
+    let d = |n: u64, p: u64| if n >= p { n - p } else { n };
+    out.push((owner.clone(), Direction::Egress, d(now.egress_bytes, prev.egress_bytes)));
+    out.push((owner, Direction::Ingress, d(now.ingress_bytes, prev.ingress_bytes)));
 }

@@ -23,6 +23,9 @@ use crate::probes::ProbeStatus;
 pub const SCHED: &str = "ebpf_sched_latency_microseconds";
 pub const RTT: &str = "ebpf_tcp_rtt_microseconds";
 pub const RETRANS: &str = "ebpf_tcp_retransmissions_total";
+pub const TC_BYTES: &str = "ebpf_tc_bytes_total";
+pub const TC_DROPS: &str = "ebpf_tc_dropped_packets_total";
+pub const BW_LIMIT: &str = "gpufeed_bandwidth_limit_bits_per_second";
 
 /// Labels of one exported series, in a fixed order.
 type Labels = BTreeMap<&'static str, String>;
@@ -73,8 +76,33 @@ impl AgentCollector {
                 l.insert("container", String::new());
                 l.insert("slice", if s.is_empty() { "/".to_string() } else { s.clone() });
             }
+            Owner::Unattributed => {
+                l.insert("namespace", String::new());
+                l.insert("pod", String::new());
+                l.insert("container", String::new());
+            }
         }
         l
+    }
+
+    /// Pod-level labels (namespace, pod) of a pod UID.
+    fn pod_labels(&self, uid: &str) -> Labels {
+        match self.pods.get(uid) {
+            Some(m) => Labels::from([("namespace", m.namespace), ("pod", m.name)]),
+            None => Labels::from([("namespace", String::new()), ("pod", uid.to_string())]),
+        }
+    }
+
+    /// Labels of tc series: interfaces belong to pods, not containers.
+    fn tc_labels(&self, owner: &Owner) -> Labels {
+        match owner {
+            Owner::Pod { uid, .. } => self.pod_labels(uid),
+            other => {
+                let mut l = self.owner_labels(other);
+                l.remove("container");
+                l
+            }
+        }
     }
 
     fn families(&self) -> Vec<MetricFamily> {
@@ -84,6 +112,9 @@ impl AgentCollector {
         let mut sched: BTreeMap<Labels, Hist> = BTreeMap::default();
         let mut rtt: BTreeMap<Labels, Hist> = BTreeMap::default();
         let mut retrans: BTreeMap<Labels, u64> = BTreeMap::default();
+        let mut tc_bytes: BTreeMap<Labels, u64> = BTreeMap::default();
+        let mut tc_drops: BTreeMap<Labels, u64> = BTreeMap::default();
+        let mut limits: Vec<Metric> = Vec::new();
         let stats;
         {
             let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
@@ -91,6 +122,25 @@ impl AgentCollector {
             for (owner, o) in &shared.owners {
                 let labels = self.owner_labels(owner);
                 self.add_owner(&labels, o, &mut sched, &mut rtt, &mut retrans);
+                if !o.tc_bytes.is_empty() || !o.tc_drops.is_empty() {
+                    let base = self.tc_labels(owner);
+                    for (dir, n) in &o.tc_bytes {
+                        let mut l = base.clone();
+                        l.insert("direction", dir.as_str().to_string());
+                        *tc_bytes.entry(l).or_default() += n;
+                    }
+                    for ((dir, reason), n) in &o.tc_drops {
+                        let mut l = base.clone();
+                        l.insert("direction", dir.map(|d| d.as_str()).unwrap_or("").to_string());
+                        l.insert("reason", reason.clone());
+                        *tc_drops.entry(l).or_default() += n;
+                    }
+                }
+            }
+            for b in &shared.bandwidth {
+                let mut l = self.pod_labels(&b.uid);
+                l.insert("direction", b.direction.as_str().to_string());
+                limits.push(gauge(&l, b.bits_per_second));
             }
         }
         let mut out = vec![
@@ -103,6 +153,24 @@ impl AgentCollector {
                 retrans.into_iter().map(|(l, v)| counter(&l, v as f64)).collect(),
             ),
         ];
+        out.push(family(
+            TC_BYTES,
+            "Bytes passing the tc layer of the pod's host-side interface; direction from the pod's point of view",
+            MetricType::COUNTER,
+            tc_bytes.into_iter().map(|(l, v)| counter(&l, v as f64)).collect(),
+        ));
+        out.push(family(
+            TC_DROPS,
+            "Packets dropped in the tc/qdisc layer, by the kernel's drop reason",
+            MetricType::COUNTER,
+            tc_drops.into_iter().map(|(l, v)| counter(&l, v as f64)).collect(),
+        ));
+        out.push(family(
+            BW_LIMIT,
+            "Bandwidth cap from the pod's kubernetes.io/{egress,ingress}-bandwidth annotation",
+            MetricType::GAUGE,
+            limits,
+        ));
         let g = |name: &str, help: &str, v: f64| family(name, help, MetricType::GAUGE, vec![gauge(&Labels::new(), v)]);
         out.push(family(
             "gpufeed_probe_up",
@@ -130,6 +198,13 @@ impl AgentCollector {
                 gauge(&Labels::from([("kind", "pod".to_string())]), stats.owners_pod as f64),
                 gauge(&Labels::from([("kind", "slice".to_string())]), stats.owners_slice as f64),
             ],
+        ));
+        out.push(g("gpufeed_tc_interfaces", "Pod interfaces the tc programs are attached to", stats.tc_interfaces as f64));
+        out.push(family(
+            "gpufeed_tc_drop_overflow_total",
+            "tc/qdisc drops not recorded because the drop map was full",
+            MetricType::COUNTER,
+            vec![counter(&Labels::new(), stats.tc_drop_overflow as f64)],
         ));
         out.push(g("gpufeed_cgroups", "Live cgroups in the cgroup v2 hierarchy", stats.cgroups as f64));
         out.push(g("gpufeed_pods_known", "Pods known from the Kubernetes API", self.pods.len() as f64));

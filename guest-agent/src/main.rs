@@ -1,11 +1,14 @@
 //! gpufeed-guest: per-pod eBPF probes served to Prometheus.
 
+mod bandwidth;
 mod cgroups;
 mod certs;
 mod collect;
 mod dst;
 mod exporter;
 mod hub;
+mod ifaces;
+mod netlink;
 mod pods;
 mod privileges;
 mod probes;
@@ -57,13 +60,16 @@ struct RunArgs {
     /// Default: loopback, private, link-local, internet.
     #[arg(long = "dst", value_name = "NAME=CIDRS")]
     dst: Vec<String>,
-    /// Probes to load: comma-separated names (sched_latency, tcp_rtt, tcp_retransmit), `all` or `none`.
+    /// Probes to load: comma-separated names (sched_latency, tcp_rtt, tcp_retransmit, tc), `all` or `none`.
     #[arg(long, default_value = "all")]
     probes: String,
     /// Where run-queue waits come from: the scheduler's own sched_info
     /// (one hook, exact) or stamps from the wakeup hooks.
     #[arg(long, value_enum, default_value = "auto")]
     sched_method: probes::sched::Method,
+    /// How tc programs attach to pod interfaces: tcx (6.6+), classic clsact, or auto.
+    #[arg(long, value_enum, default_value = "auto")]
+    tc_attach: probes::tc::AttachMode,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -100,7 +106,7 @@ fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             // kube's client logs every failed request at ERROR; our watcher says it once.
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,kube_client=off".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,kube_client=off,netlink_packet_route=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -121,19 +127,21 @@ struct Selected {
     sched: bool,
     rtt: bool,
     retrans: bool,
+    tc: bool,
 }
 
 fn select_probes(spec: &str) -> anyhow::Result<Selected> {
-    let mut s = Selected { sched: false, rtt: false, retrans: false };
+    let mut s = Selected { sched: false, rtt: false, retrans: false, tc: false };
     for p in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match p {
-            "all" => s = Selected { sched: true, rtt: true, retrans: true },
+            "all" => s = Selected { sched: true, rtt: true, retrans: true, tc: true },
             "none" => {}
             probes::sched::NAME => s.sched = true,
             probes::tcp::RTT => s.rtt = true,
             probes::tcp::RETRANS => s.retrans = true,
+            "tc" => s.tc = true,
             other => bail!(
-                "--probes: unknown probe {other:?} (known: {}, {}, {}, all, none)",
+                "--probes: unknown probe {other:?} (known: {}, {}, {}, tc, all, none)",
                 probes::sched::NAME,
                 probes::tcp::RTT,
                 probes::tcp::RETRANS
@@ -159,7 +167,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(p) => p,
         None => cgroups::cgroup2_mount().context("cannot find the cgroup v2 hierarchy (is cgroup2 mounted?)")?,
     };
-    let any_probe = selected.sched || selected.rtt || selected.retrans;
+    let any_probe = selected.sched || selected.rtt || selected.retrans || selected.tc;
     if any_probe {
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let missing = privileges::missing(&status, std::path::Path::new("/sys/kernel/btf/vmlinux"));
@@ -167,8 +175,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             bail!("cannot load probes: {}", missing.join("; "));
         }
     }
-    if let Some(mode) = privileges::lockdown() {
-        tracing::info!(lockdown = %mode, "kernel lockdown mode (probes use no bpf_probe_read and load under confidentiality)");
+    let lockdown = privileges::lockdown();
+    if let Some(mode) = &lockdown {
+        tracing::info!(lockdown = %mode, "kernel lockdown mode");
     }
 
     probes::route_libbpf_logs();
@@ -197,6 +206,19 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let tc = if selected.tc {
+        // Reading packet headers for the IP fallback needs bpf_probe_read_kernel,
+        // which lockdown=confidentiality refuses.
+        let read_addrs = lockdown.as_deref() != Some("confidentiality");
+        if !read_addrs {
+            tracing::info!("lockdown=confidentiality: tc drops are attributed by socket and device only, not by IP");
+        }
+        let (p, st) = probes::tc::TcProbe::load(&btf, args.tc_attach, read_addrs).map_err(load_error)?;
+        statuses.extend(st);
+        Some(collect::TcState::new(p).context("finding the agent's network namespace")?)
+    } else {
+        None
+    };
     for s in &statuses {
         match &s.reason {
             None => tracing::info!(probe = s.name, "probe attached"),
@@ -209,6 +231,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         cgroups::CgroupTree::new(cgroup_root.clone()),
         sched,
         tcp,
+        tc,
         pods.clone(),
         args.pod_grace,
     );

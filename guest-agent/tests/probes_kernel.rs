@@ -190,13 +190,10 @@ fn retransmits_equal_nstat_and_clean_pod_shows_zero() {
     std::thread::sleep(Duration::from_millis(300));
     let (lns, cns) = (lossy.netns.clone().unwrap(), clean.netns.clone().unwrap());
     let (l0, c0) = (retrans_segs(&lns), retrans_segs(&cns));
-    lossy.spawn(&format!("exec iperf3 -c {lossy_ip} -t 4"));
-    clean.spawn(&format!("exec iperf3 -c {clean_ip} -t 4 -b 20M"));
-    // wait for both uploads to start and end, then let the agent read the maps
-    let started = wait_for(Duration::from_secs(5), || (!lossy.pids().is_empty() && !clean.pids().is_empty()).then_some(()));
-    assert!(started.is_some(), "iperf3 clients started");
-    let done = wait_for(Duration::from_secs(15), || (lossy.pids().is_empty() && clean.pids().is_empty()).then_some(()));
-    assert!(done.is_some(), "iperf3 clients finished");
+    let lp = lossy.spawn(&format!("exec iperf3 -c {lossy_ip} -t 4"));
+    let cp = clean.spawn(&format!("exec iperf3 -c {clean_ip} -t 4 -b 20M"));
+    lossy.wait_exit(lp, Duration::from_secs(15));
+    clean.wait_exit(cp, Duration::from_secs(15));
     // Closed sockets live on (FIN, queued data) and may still retransmit: wait
     // until only TIME_WAIT remains, then give the agent two ticks.
     let quiet = wait_for(Duration::from_secs(20), || {

@@ -6,68 +6,9 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
-
-struct Prometheus {
-    _proc: Proc,
-    addr: std::net::SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl Prometheus {
-    fn start(target: std::net::SocketAddr) -> Prometheus {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = dir.path().join("prometheus.yml");
-        std::fs::write(
-            &cfg,
-            format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-                 scrape_configs:\n  - job_name: gpufeed-guest\n    static_configs:\n      - targets: ['{target}']\n"
-            ),
-        )
-        .unwrap();
-        let port = free_port();
-        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new("prometheus")
-            .arg(format!("--config.file={}", cfg.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
-            .arg(format!("--web.listen-address={addr}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prometheus (Debian package) is installed");
-        let p = Prometheus { _proc: Proc(child), addr, _dir: dir };
-        wait_for(Duration::from_secs(30), || http_get(p.addr, "/-/ready")).expect("prometheus ready");
-        p
-    }
-
-    /// Instant query; returns the result vector, or the error Prometheus gave.
-    fn query(&self, q: &str) -> Result<Vec<serde_json::Value>, String> {
-        let enc: String = q
-            .bytes()
-            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
-            .collect();
-        let body = http_get_any(self.addr, &format!("/api/v1/query?query={enc}"));
-        let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
-        if v["status"] != "success" {
-            return Err(v["error"].to_string());
-        }
-        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
-    }
-}
-
-/// GET returning the body whatever the status (Prometheus reports query errors with 400).
-fn http_get_any(addr: std::net::SocketAddr, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).unwrap();
-    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
-}
 
 /// Every ```promql block in the shipped docs and manifests.
 fn shipped_promql() -> Vec<(String, String)> {

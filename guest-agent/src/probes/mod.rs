@@ -7,6 +7,7 @@
 
 pub mod hist;
 pub mod sched;
+pub mod tc;
 pub mod tcp;
 
 use std::io;
@@ -29,6 +30,8 @@ pub struct ProbeStatus {
 pub enum ProbeError {
     #[error("{probe}: {what} failed: {source}")]
     Libbpf { probe: &'static str, what: &'static str, source: libbpf_rs::Error },
+    #[error("{probe}: {what} failed: {source}")]
+    Io { probe: &'static str, what: &'static str, source: std::io::Error },
 }
 
 impl ProbeError {
@@ -38,6 +41,7 @@ impl ProbeError {
                 matches!(source.kind(), libbpf_rs::ErrorKind::PermissionDenied)
                     || source.to_string().contains("Operation not permitted")
             }
+            ProbeError::Io { source, .. } => source.kind() == std::io::ErrorKind::PermissionDenied,
         }
     }
 }
@@ -52,6 +56,15 @@ pub struct KernelBtf(Option<Btf<'static>>);
 impl KernelBtf {
     pub fn load() -> KernelBtf {
         KernelBtf(Btf::from_vmlinux().ok())
+    }
+
+    pub fn btf(&self) -> Option<&Btf<'static>> {
+        self.0.as_ref()
+    }
+
+    /// Whether the kernel has tcx attachment (6.6).
+    pub fn has_tcx(&self) -> bool {
+        self.0.as_ref().is_some_and(|b| b.type_by_name::<Struct<'_>>("tcx_entry").is_some())
     }
 
     /// Whether the scheduler keeps per-task run-queue timestamps

@@ -214,8 +214,24 @@ impl Pod {
             .spawn()
             .unwrap();
         let pid = child.id();
+        let mut child = child;
+        // the shell moves itself into the cgroup before it execs the command
+        // (same pid throughout): return once it is there (or already done)
+        let procs_path = self.cgroup.join("cgroup.procs");
+        let joined = wait_for(Duration::from_secs(5), || {
+            let there = std::fs::read_to_string(&procs_path).ok()?.lines().any(|l| l.trim() == pid.to_string());
+            (there || matches!(child.try_wait(), Ok(Some(_)))).then_some(())
+        });
         self.children.push(child);
+        assert!(joined.is_some(), "spawned process {pid} joined {}", procs_path.display());
         pid
+    }
+
+    /// Waits for a process started with `spawn` to exit.
+    pub fn wait_exit(&mut self, pid: u32, timeout: Duration) {
+        let child = self.children.iter_mut().find(|c| c.id() == pid).expect("a child of this pod");
+        let done = wait_for(timeout, || child.try_wait().ok().flatten().map(|_| ()));
+        assert!(done.is_some(), "process {pid} exited within {timeout:?}");
     }
 
     /// All pids currently in the container cgroup.
@@ -551,4 +567,87 @@ pub fn retrans_segs(ns: &str) -> u64 {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no TcpRetransSegs in nstat output: {out}"))
+}
+
+/// A real Prometheus (Debian's package) on loopback scraping `target` every second.
+pub struct Prometheus {
+    _proc: Proc,
+    addr: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    pub fn start(target: std::net::SocketAddr) -> Prometheus {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 scrape_configs:\n  - job_name: gpufeed-guest\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", cfg.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian package) is installed");
+        let p = Prometheus { _proc: Proc(child), addr, _dir: dir };
+        wait_for(Duration::from_secs(30), || http_get(p.addr, "/-/ready")).expect("prometheus ready");
+        // Prometheus takes a few seconds after "ready" before its first scrape:
+        // wait for it, so that later rate() windows hold a sample every second
+        wait_for(Duration::from_secs(30), || {
+            let up = p.query("up").ok()?;
+            up.iter().any(|s| s["value"][1] == "1").then_some(())
+        })
+        .expect("prometheus scraped the agent");
+        p
+    }
+
+    /// Instant query; returns the result vector, or the error Prometheus gave.
+    pub fn query(&self, q: &str) -> Result<Vec<serde_json::Value>, String> {
+        let enc: String = q
+            .bytes()
+            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .collect();
+        let body = http_get_any(self.addr, &format!("/api/v1/query?query={enc}"));
+        let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+        if v["status"] != "success" {
+            return Err(v["error"].to_string());
+        }
+        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
+    }
+}
+
+/// GET returning the body whatever the status (Prometheus reports query errors with 400).
+pub fn http_get_any(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+}
+
+
+impl Prometheus {
+    /// The single value of an instant query that must return exactly one series.
+    pub fn scalar(&self, q: &str) -> Option<f64> {
+        let r = self.query(q).ok()?;
+        if r.len() != 1 {
+            return None;
+        }
+        r[0]["value"][1].as_str()?.parse().ok()
+    }
+}
+
+/// Interface counter of a device in the root namespace.
+pub fn if_stat(dev: &str, stat: &str) -> u64 {
+    std::fs::read_to_string(format!("/sys/class/net/{dev}/statistics/{stat}")).unwrap().trim().parse().unwrap()
 }

@@ -1,0 +1,145 @@
+//! The few rtnetlink queries the agent needs, synchronously: the host's links
+//! (which veth leads into which network namespace) and the id this namespace
+//! gives to another one. Messages are built and parsed by netlink-packet-route.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use netlink_packet_core::{
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
+};
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
+use netlink_packet_route::nsid::{NsidAttribute, NsidMessage};
+use netlink_packet_route::RouteNetlinkMessage;
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+
+/// One network interface of this namespace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Link {
+    pub ifindex: u32,
+    pub name: String,
+    /// e.g. "veth", "bridge"; empty when the kernel reports none
+    pub kind: String,
+    /// For a veth: the peer's ifindex (in the peer's namespace).
+    pub peer_ifindex: Option<u32>,
+    /// For a veth whose peer is in another namespace: that namespace's id here.
+    pub peer_netnsid: Option<i32>,
+}
+
+fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
+    let mut sock = Socket::new(NETLINK_ROUTE)?;
+    sock.bind_auto()?;
+    sock.connect(&SocketAddr::new(0, 0))?;
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | flags;
+    header.sequence_number = 1;
+    let mut nl = NetlinkMessage::new(header, NetlinkPayload::from(msg));
+    nl.finalize();
+    let mut buf = vec![0u8; nl.buffer_len()];
+    nl.serialize(&mut buf);
+    sock.send(&buf, 0)?;
+
+    let dump = flags & NLM_F_DUMP == NLM_F_DUMP;
+    let mut out = Vec::new();
+    let mut rbuf = vec![0u8; 64 * 1024];
+    loop {
+        let n = sock.recv(&mut &mut rbuf[..], 0)?;
+        let mut off = 0;
+        while off < n {
+            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rbuf[off..n])
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("netlink: {e}")))?;
+            let len = msg.header.length as usize;
+            match msg.payload {
+                NetlinkPayload::Done(_) => return Ok(out),
+                NetlinkPayload::Error(e) => {
+                    return match e.code {
+                        None => Ok(out),
+                        Some(c) => Err(io::Error::from_raw_os_error(-c.get())),
+                    }
+                }
+                NetlinkPayload::InnerMessage(m) => out.push(m),
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            off += (len + 3) & !3;
+        }
+        if !dump {
+            return Ok(out);
+        }
+    }
+}
+
+/// All links of the calling thread's network namespace.
+pub fn links() -> io::Result<Vec<Link>> {
+    let msgs = request(RouteNetlinkMessage::GetLink(LinkMessage::default()), NLM_F_DUMP)?;
+    Ok(msgs
+        .into_iter()
+        .filter_map(|m| match m {
+            RouteNetlinkMessage::NewLink(l) => Some(link_of(l)),
+            _ => None,
+        })
+        .collect())
+}
+
+fn link_of(l: LinkMessage) -> Link {
+    let mut out = Link {
+        ifindex: l.header.index,
+        name: String::new(),
+        kind: String::new(),
+        peer_ifindex: None,
+        peer_netnsid: None,
+    };
+    for a in l.attributes {
+        match a {
+            LinkAttribute::IfName(n) => out.name = n,
+            LinkAttribute::Link(i) => out.peer_ifindex = Some(i),
+            LinkAttribute::LinkNetNsId(i) => out.peer_netnsid = Some(i),
+            LinkAttribute::LinkInfo(infos) => {
+                for i in infos {
+                    if let LinkInfo::Kind(k) = i {
+                        out.kind = match k {
+                            InfoKind::Veth => "veth".into(),
+                            InfoKind::Bridge => "bridge".into(),
+                            InfoKind::Ifb => "ifb".into(),
+                            other => format!("{other:?}").to_lowercase(),
+                        };
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The id this namespace uses for the namespace behind `netns_fd` (an open
+/// /proc/<pid>/ns/net), or None when it has not assigned one.
+pub fn nsid_of(netns_fd: RawFd) -> io::Result<Option<i32>> {
+    let mut m = NsidMessage::default();
+    m.attributes.push(NsidAttribute::Fd(netns_fd as u32));
+    let msgs = request(RouteNetlinkMessage::GetNsId(m), 0)?;
+    for msg in msgs {
+        if let RouteNetlinkMessage::NewNsId(n) = msg {
+            for a in n.attributes {
+                if let NsidAttribute::Id(id) = a {
+                    return Ok((id >= 0).then_some(id));
+                }
+            }
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_loopback() {
+        // every namespace has lo at ifindex 1
+        let links = links().expect("rtnetlink dump");
+        assert!(links.iter().any(|l| l.name == "lo" && l.ifindex == 1), "{links:?}");
+    }
+}

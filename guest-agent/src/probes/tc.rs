@@ -1,0 +1,347 @@
+//! Per-pod bytes at the tc layer and tc/qdisc drops (`bpf/tc.bpf.c`).
+//!
+//! The byte programs are attached per pod interface as pods come and go, so
+//! this module keeps the two program fds and creates one tcx link per
+//! (interface, direction) with BPF_LINK_CREATE; closing the link fd detaches.
+//! Where the kernel has no tcx (before 6.6), a clsact filter is added instead,
+//! at a priority of its own, never replacing an existing filter.
+
+mod skel {
+    include!(concat!(env!("OUT_DIR"), "/tc.skel.rs"));
+}
+
+use std::collections::HashMap;
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+
+use libbpf_rs::btf::types::Enum;
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, TcHook, TcHookBuilder};
+
+use super::{err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+
+pub const BYTES: &str = "tc_bytes";
+pub const DROPS: &str = "tc_drops";
+const OBJ: &str = "tc";
+/// Priority of our clsact filters (fallback path only), chosen to stay clear
+/// of the low numbers people and CNIs use.
+const CLSACT_PRIO: u32 = 0xfee1;
+
+/// Direction from the pod's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    Ingress,
+    Egress,
+}
+
+impl Direction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
+    }
+}
+
+/// How byte programs are attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttachMode {
+    /// tcx where the kernel has it, clsact otherwise.
+    Auto,
+    Tcx,
+    Clsact,
+}
+
+/// Counters of one host-side interface: (bytes, packets) for the pod's egress
+/// (host ingress) and ingress (host egress).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IfBytes {
+    pub egress_bytes: u64,
+    pub egress_packets: u64,
+    pub ingress_bytes: u64,
+    pub ingress_packets: u64,
+}
+
+/// One drained drop record.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DropKey {
+    pub cgroup_id: u64,
+    pub netns: u32,
+    pub ifindex: u32,
+    pub reason: u32,
+    pub saddr: Option<std::net::IpAddr>,
+    pub daddr: Option<std::net::IpAddr>,
+}
+
+enum Attachment {
+    Tcx(Vec<OwnedFd>),
+    Clsact(Vec<TcHook>),
+}
+
+pub struct TcProbe {
+    ingress_prog: OwnedFd,
+    egress_prog: OwnedFd,
+    if_bytes: MapHandle,
+    drops: Option<MapHandle>,
+    overflow: MapHandle,
+    _drop_link: Option<Link>,
+    reasons: HashMap<u32, String>,
+    mode: AttachMode,
+    attached: HashMap<u32, Attachment>,
+}
+
+/// The kernel's drop reasons of the tc/qdisc layer, value → lower-case name
+/// without the SKB_DROP_REASON_ prefix, read from the running kernel's BTF.
+pub fn tc_drop_reasons(btf: &KernelBtf) -> HashMap<u32, String> {
+    let mut out = HashMap::new();
+    if let Some(e) = btf.btf().and_then(|b| b.type_by_name::<Enum<'_>>("skb_drop_reason")) {
+        for m in e.iter() {
+            let Some(name) = m.name.and_then(|n| n.to_str()) else { continue };
+            let Some(short) = name.strip_prefix("SKB_DROP_REASON_") else { continue };
+            if ["QDISC_", "TC_", "FQ_", "CAKE_"].iter().any(|p| short.starts_with(p)) {
+                out.insert(m.value as u32, short.to_ascii_lowercase());
+            }
+        }
+    }
+    out
+}
+
+impl TcProbe {
+    pub fn load(
+        btf: &KernelBtf,
+        mode: AttachMode,
+        read_addrs: bool,
+    ) -> Result<(TcProbe, Vec<ProbeStatus>), ProbeError> {
+        let has_kfree = btf.has_tracepoint("kfree_skb");
+        let reasons = tc_drop_reasons(btf);
+        let drops_up = has_kfree && !reasons.is_empty();
+        let mut storage = MaybeUninit::uninit();
+        let mut open = skel::TcSkelBuilder::default().open(&mut storage).map_err(err(OBJ, "open"))?;
+        open.progs.kfree_skb.set_autoload(drops_up);
+        if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+            ro.read_addrs = read_addrs;
+        }
+        let skel = open.load().map_err(err(OBJ, "load"))?;
+        let drop_link = if drops_up {
+            for r in reasons.keys() {
+                skel.maps
+                    .tc_reasons
+                    .update(&r.to_ne_bytes(), &[1u8], MapFlags::ANY)
+                    .map_err(err(DROPS, "filling tc_reasons"))?;
+            }
+            Some(skel.progs.kfree_skb.attach().map_err(err(DROPS, "attach kfree_skb"))?)
+        } else {
+            None
+        };
+        let dup = |p: &libbpf_rs::ProgramMut<'_>| -> Result<OwnedFd, ProbeError> {
+            p.as_fd().try_clone_to_owned().map_err(|e| ProbeError::Io { probe: BYTES, what: "dup program fd", source: e })
+        };
+        let statuses = vec![
+            ProbeStatus { name: BYTES, up: true, reason: None },
+            ProbeStatus {
+                name: DROPS,
+                up: drops_up,
+                reason: (!drops_up).then(|| {
+                    if has_kfree {
+                        "kernel names no tc/qdisc drop reasons (skb_drop_reason)".to_string()
+                    } else {
+                        "kernel has no BTF tracepoint kfree_skb".to_string()
+                    }
+                }),
+            },
+        ];
+        let probe = TcProbe {
+            ingress_prog: dup(&skel.progs.tc_host_ingress)?,
+            egress_prog: dup(&skel.progs.tc_host_egress)?,
+            if_bytes: handle(OBJ, &skel.maps.if_bytes)?,
+            drops: if drops_up { Some(handle(OBJ, &skel.maps.drops)?) } else { None },
+            overflow: handle(OBJ, &skel.maps.drop_overflow)?,
+            _drop_link: drop_link,
+            reasons,
+            mode: match mode {
+                AttachMode::Auto => {
+                    if btf.has_tcx() {
+                        AttachMode::Tcx
+                    } else {
+                        AttachMode::Clsact
+                    }
+                }
+                m => m,
+            },
+            attached: HashMap::new(),
+        };
+        Ok((probe, statuses))
+    }
+
+    pub fn reason_name(&self, reason: u32) -> String {
+        self.reasons.get(&reason).cloned().unwrap_or_else(|| format!("reason_{reason}"))
+    }
+
+    /// Starts counting a host-side pod interface: creates its counter entry,
+    /// then attaches to ingress and egress, placed before any existing tcx
+    /// program so that redirects by others do not hide packets from us (our
+    /// programs return TCX_NEXT, so the order changes no verdict).
+    pub fn attach(&mut self, ifindex: u32) -> io::Result<()> {
+        if self.attached.contains_key(&ifindex) {
+            return Ok(());
+        }
+        let zero = vec![vec![0u8; 32]; libbpf_rs::num_possible_cpus().map_err(io::Error::other)?];
+        self.if_bytes
+            .update_percpu(&ifindex.to_ne_bytes(), &zero, MapFlags::NO_EXIST)
+            .or_else(|e| if e.kind() == libbpf_rs::ErrorKind::AlreadyExists { Ok(()) } else { Err(e) })
+            .map_err(io::Error::other)?;
+        let att = match self.mode {
+            AttachMode::Clsact => {
+                let mut hooks = Vec::new();
+                for (fd, point) in
+                    [(&self.ingress_prog, libbpf_rs::TC_INGRESS), (&self.egress_prog, libbpf_rs::TC_EGRESS)]
+                {
+                    let mut h = TcHookBuilder::new(fd.as_fd())
+                        .ifindex(ifindex as i32)
+                        .replace(false)
+                        .handle(1)
+                        .priority(CLSACT_PRIO)
+                        .hook(point);
+                    // creating clsact fails with EEXIST when it is there already: fine
+                    let _ = h.create();
+                    h.attach().map_err(io::Error::other)?;
+                    hooks.push(h);
+                }
+                Attachment::Clsact(hooks)
+            }
+            _ => {
+                let mut links = Vec::new();
+                for (fd, ty) in [
+                    (&self.ingress_prog, libbpf_sys::BPF_TCX_INGRESS),
+                    (&self.egress_prog, libbpf_sys::BPF_TCX_EGRESS),
+                ] {
+                    // SAFETY: zeroed is a valid bpf_link_create_opts; sz tells libbpf its size.
+                    let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+                    opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
+                    opts.flags = libbpf_sys::BPF_F_BEFORE;
+                    // SAFETY: plain syscall wrapper; fds are valid for the call.
+                    let r = unsafe { libbpf_sys::bpf_link_create(fd.as_raw_fd(), ifindex as i32, ty, &opts) };
+                    if r < 0 {
+                        return Err(io::Error::from_raw_os_error(-r));
+                    }
+                    // SAFETY: r is a new link fd we own.
+                    links.push(unsafe { OwnedFd::from_raw_fd(r) });
+                }
+                Attachment::Tcx(links)
+            }
+        };
+        self.attached.insert(ifindex, att);
+        Ok(())
+    }
+
+    /// Stops counting an interface (gone, or no longer a pod's); forgets its counters.
+    pub fn detach(&mut self, ifindex: u32) {
+        match self.attached.remove(&ifindex) {
+            Some(Attachment::Tcx(_links)) => {} // closing the link fds detaches
+            Some(Attachment::Clsact(mut hooks)) => {
+                for h in &mut hooks {
+                    let _ = h.detach(); // fails harmlessly if the interface is gone
+                }
+            }
+            None => {}
+        }
+        let _ = self.if_bytes.delete(&ifindex.to_ne_bytes());
+    }
+
+    pub fn read(&self, ifindex: u32) -> Option<IfBytes> {
+        let cpus = self.if_bytes.lookup_percpu(&ifindex.to_ne_bytes(), MapFlags::ANY).ok().flatten()?;
+        let mut b = IfBytes::default();
+        for c in cpus {
+            let w = |i: usize| c.get(i * 8..i * 8 + 8).map(|s| u64::from_ne_bytes(s.try_into().unwrap())).unwrap_or(0);
+            b.egress_bytes += w(0);
+            b.egress_packets += w(1);
+            b.ingress_bytes += w(2);
+            b.ingress_packets += w(3);
+        }
+        Some(b)
+    }
+
+    /// Takes every drop counted since the last call (read and delete at once,
+    /// so nothing counted in between is lost).
+    pub fn drain_drops(&self) -> Vec<(DropKey, u64)> {
+        let Some(map) = &self.drops else { return Vec::new() };
+        let keys: Vec<Vec<u8>> = map.keys().collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Ok(Some(v)) = map.lookup_and_delete(&k) else { continue };
+            if let (Some(key), Some(n)) = (decode_drop_key(&k), v.get(..8)) {
+                out.push((key, u64::from_ne_bytes(n.try_into().unwrap())));
+            }
+        }
+        out
+    }
+
+    /// Drops that could not be recorded because the drops map was full.
+    pub fn overflow(&self) -> u64 {
+        percpu_sum(&self.overflow, 0)
+    }
+}
+
+impl Drop for TcProbe {
+    fn drop(&mut self) {
+        let ifs: Vec<u32> = self.attached.keys().copied().collect();
+        for i in ifs {
+            self.detach(i);
+        }
+    }
+}
+
+fn decode_drop_key(b: &[u8]) -> Option<DropKey> {
+    if b.len() < 56 {
+        return None;
+    }
+    let u32_at = |o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
+    let proto = u16::from_ne_bytes(b[20..22].try_into().unwrap());
+    let addr = |o: usize| -> Option<std::net::IpAddr> {
+        let a: [u8; 16] = b[o..o + 16].try_into().ok()?;
+        let v6 = std::net::Ipv6Addr::from(a);
+        match proto {
+            0x0800 => v6.to_ipv4_mapped().map(std::net::IpAddr::V4),
+            0x86DD => Some(std::net::IpAddr::V6(v6)),
+            _ => None,
+        }
+    };
+    Some(DropKey {
+        cgroup_id: u64::from_ne_bytes(b[0..8].try_into().unwrap()),
+        netns: u32_at(8),
+        ifindex: u32_at(12),
+        reason: u32_at(16),
+        saddr: addr(24),
+        daddr: addr(40),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drop_key_layout_matches_the_c_struct() {
+        let mut b = vec![0u8; 56];
+        b[0..8].copy_from_slice(&42u64.to_ne_bytes());
+        b[8..12].copy_from_slice(&4026531840u32.to_ne_bytes());
+        b[12..16].copy_from_slice(&7u32.to_ne_bytes());
+        b[16..20].copy_from_slice(&64u32.to_ne_bytes());
+        b[20..22].copy_from_slice(&0x0800u16.to_ne_bytes());
+        b[34] = 0xff;
+        b[35] = 0xff;
+        b[36..40].copy_from_slice(&[10, 1, 2, 3]);
+        b[50] = 0xff;
+        b[51] = 0xff;
+        b[52..56].copy_from_slice(&[10, 9, 8, 7]);
+        let k = decode_drop_key(&b).unwrap();
+        assert_eq!(k.cgroup_id, 42);
+        assert_eq!(k.netns, 4026531840);
+        assert_eq!(k.ifindex, 7);
+        assert_eq!(k.reason, 64);
+        assert_eq!(k.saddr, Some("10.1.2.3".parse().unwrap()));
+        assert_eq!(k.daddr, Some("10.9.8.7".parse().unwrap()));
+        assert!(decode_drop_key(&b[..40]).is_none());
+    }
+}

@@ -1,0 +1,287 @@
+//! Per-pod bytes and drops at the tc layer on the real kernel: a shaped pod's
+//! rate as a real Prometheus sees it, agreement with the veth's own counters,
+//! qdisc drops against the qdisc's own counter, a foreign tc program that keeps
+//! running and keeps its verdicts, and bandwidth annotations.
+
+mod common;
+
+mod foreign {
+    include!(concat!(env!("OUT_DIR"), "/tc_foreign.skel.rs"));
+}
+
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use common::fake_kube::FakeKube;
+use common::*;
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags};
+
+const NODE: &str = "talos-gpu-worker-1";
+const BYTES: &str = "ebpf_tc_bytes_total";
+const DROPS: &str = "ebpf_tc_dropped_packets_total";
+
+/// A pod object in the API's shape, with IP and annotations.
+fn pod_json(ns: &str, name: &str, uid: &str, cid: &str, ip: &str, annotations: &[(&str, &str)]) -> serde_json::Value {
+    let ann: serde_json::Map<String, serde_json::Value> =
+        annotations.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(*v))).collect();
+    serde_json::json!({
+        "metadata": {"name": name, "namespace": ns, "uid": uid, "resourceVersion": "100",
+                     "creationTimestamp": "2026-11-29T10:00:00Z", "labels": {"app": name}, "annotations": ann},
+        "spec": {"nodeName": NODE, "containers": [{"name": "main", "image": "busybox"}]},
+        "status": {"phase": "Running", "qosClass": "Burstable", "podIP": ip, "podIPs": [{"ip": ip}],
+                   "containerStatuses": [{"name": "main", "ready": true, "restartCount": 0, "image": "busybox",
+                       "imageID": "", "containerID": format!("containerd://{cid}"), "started": true,
+                       "state": {"running": {"startedAt": "2026-11-29T10:00:01Z"}}}]}
+    })
+}
+
+fn pod_list(items: Vec<serde_json::Value>) -> String {
+    serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "100"}, "items": items})
+        .to_string()
+}
+
+fn wait_attached(agent: &Agent, n: f64) {
+    wait_for(Duration::from_secs(15), || (value(&agent.scrape(), "gpufeed_tc_interfaces", &[])? >= n).then_some(()))
+        .unwrap_or_else(|| panic!("tc programs attached to {n} pod interfaces"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annotations() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (s1, ip1, _) = net.server();
+    let (s2, ip2, _) = net.server();
+    let _srv1 = spawn_in_ns(&s1, "exec iperf3 -s");
+    let _srv2 = spawn_in_ns(&s2, "exec iperf3 -s");
+
+    let (uid_a, cid_a, uid_b, cid_b) = (random_uid(), random_cid(), random_uid(), random_cid());
+    let mut capped = Pod::new(&sb, Layout::Cgroupfs, "burstable", &uid_a, &cid_a);
+    let mut free = Pod::new(&sb, Layout::Systemd, "burstable", &uid_b, &cid_b);
+    net.join(&mut capped);
+    net.join(&mut free);
+    // What the CNI bandwidth plugin does for egress-bandwidth=50M: a token bucket
+    // on the pod's traffic (here on the pod side of its veth).
+    let ns_a = capped.netns.clone().unwrap();
+    sh(&format!("ip netns exec {ns_a} tc qdisc add dev eth0 root tbf rate 50mbit burst 32kb latency 50ms"));
+    let list = pod_list(vec![
+        pod_json("inference", "capped", &uid_a, &cid_a, capped.ip.as_deref().unwrap(),
+                 &[("kubernetes.io/egress-bandwidth", "50M")]),
+        pod_json("inference", "free", &uid_b, &cid_b, free.ip.as_deref().unwrap(), &[]),
+        pod_json("batch", "typo", &random_uid(), &random_cid(), "10.213.250.9",
+                 &[("kubernetes.io/ingress-bandwidth", "50X")]),
+    ]);
+    let kube = FakeKube::start(NODE, list, vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let kc = kube.write_kubeconfig(dir.path()).to_str().unwrap().to_string();
+    // processes that hold the pods' namespaces and cgroups until the traffic starts
+    capped.spawn("exec sleep 60");
+    free.spawn("exec sleep 60");
+
+    let agent = tokio::task::spawn_blocking(move || {
+        Agent::start(&["--interval", "500ms", "--probes", "tc", "--node-name", NODE], &[("KUBECONFIG", &kc)])
+    })
+    .await
+    .unwrap();
+    wait_attached(&agent, 2.0);
+    let prom = Prometheus::start(agent.addr);
+
+    let hif_a = capped.host_if.clone().unwrap();
+    let hif_b = free.host_if.clone().unwrap();
+    let sel_a = [("namespace", "inference"), ("pod", "capped")];
+    let sel_b = [("namespace", "inference"), ("pod", "free")];
+    let metric = |s: &[Sample], sel: &[(&str, &str)], dir: &str| {
+        let mut w = sel.to_vec();
+        w.push(("direction", dir));
+        value(s, BYTES, &w).unwrap_or(0.0)
+    };
+    let s0 = agent.scrape();
+    let c0 = [if_stat(&hif_a, "rx_bytes"), if_stat(&hif_a, "tx_bytes"), if_stat(&hif_b, "rx_bytes"), if_stat(&hif_b, "tx_bytes")];
+    let m0 = [metric(&s0, &sel_a, "egress"), metric(&s0, &sel_a, "ingress"), metric(&s0, &sel_b, "egress"), metric(&s0, &sel_b, "ingress")];
+
+    let t0 = Instant::now();
+    let pa = capped.spawn(&format!("exec iperf3 -c {ip1} -t 8"));
+    // 10x the cap, paced, so that both uploads get CPU on a small machine
+    let pb = free.spawn(&format!("exec iperf3 -c {ip2} -t 8 -b 500M"));
+    // rate over a window inside the upload, as Prometheus computes it
+    std::thread::sleep(Duration::from_secs(2).saturating_sub(t0.elapsed()));
+    let (a2, i2) = (metric(&agent.scrape(), &sel_a, "egress"), if_stat(&hif_a, "rx_bytes"));
+    std::thread::sleep(Duration::from_secs(7).saturating_sub(t0.elapsed()));
+    let (a7, i7) = (metric(&agent.scrape(), &sel_a, "egress"), if_stat(&hif_a, "rx_bytes"));
+    eprintln!("2..7 s: agent {:.1} Mbit/s, interface {:.1} Mbit/s", (a7 - a2) * 8.0 / 5e6, (i7 - i2) as f64 * 8.0 / 5e6);
+    let rate_a = prom.scalar("rate(ebpf_tc_bytes_total{pod=\"capped\",direction=\"egress\"}[5s]) * 8").expect("capped rate");
+    let rate_b = prom.scalar("rate(ebpf_tc_bytes_total{pod=\"free\",direction=\"egress\"}[5s]) * 8").expect("free rate");
+    let ratio = prom
+        .scalar("rate(ebpf_tc_bytes_total{pod=\"capped\",direction=\"egress\"}[5s]) * 8 / gpufeed_bandwidth_limit_bits_per_second")
+        .expect("rate divided by the annotated limit");
+    eprintln!("egress rate: capped {:.1} Mbit/s (limit ratio {ratio:.3}), free {:.1} Mbit/s", rate_a / 1e6, rate_b / 1e6);
+    assert!((rate_a - 50e6).abs() / 50e6 < 0.10, "capped pod at {rate_a} bit/s, want 50 Mbit/s ± 10%");
+    assert!((ratio - 1.0).abs() < 0.10, "rate / limit = {ratio}");
+    assert!(rate_b > 3.0 * 50e6, "uncapped pod {rate_b} bit/s is far above the cap");
+
+    capped.wait_exit(pa, Duration::from_secs(20));
+    free.wait_exit(pb, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(1500));
+    let s1 = agent.scrape();
+    let c1 = [if_stat(&hif_a, "rx_bytes"), if_stat(&hif_a, "tx_bytes"), if_stat(&hif_b, "rx_bytes"), if_stat(&hif_b, "tx_bytes")];
+    let m1 = [metric(&s1, &sel_a, "egress"), metric(&s1, &sel_a, "ingress"), metric(&s1, &sel_b, "egress"), metric(&s1, &sel_b, "ingress")];
+    for (i, what) in ["capped egress (host rx)", "capped ingress (host tx)", "free egress (host rx)", "free ingress (host tx)"].iter().enumerate() {
+        let ours = m1[i] - m0[i];
+        let theirs = (c1[i] - c0[i]) as f64;
+        eprintln!("{what}: ours {ours} bytes, interface {theirs} bytes");
+        assert!(theirs > 100_000.0, "{what}: traffic flowed");
+        assert!((ours - theirs).abs() / theirs < 0.01, "{what}: ours {ours} vs interface {theirs}");
+    }
+
+    // limits from annotations, and a clear warning for the bad one
+    let lim = value(&s1, "gpufeed_bandwidth_limit_bits_per_second", &[("pod", "capped"), ("direction", "egress")]);
+    assert_eq!(lim, Some(50e6));
+    assert!(find(&s1, "gpufeed_bandwidth_limit_bits_per_second", &[("pod", "typo")]).is_empty());
+    let log = agent.log.lock().unwrap().clone();
+    assert!(
+        log.lines().any(|l| l.contains("WARN") && l.contains("batch/typo") && l.contains("50X")),
+        "warning names the pod and the value:\n{log}"
+    );
+}
+
+/// `tc -s qdisc` dropped counter of a device inside a namespace.
+fn qdisc_dropped(ns: &str, dev: &str) -> u64 {
+    let out = sh(&format!("ip netns exec {ns} tc -s qdisc show dev {dev}"));
+    out.split_whitespace()
+        .skip_while(|w| *w != "(dropped")
+        .nth(1)
+        .and_then(|v| v.trim_end_matches(',').parse().ok())
+        .unwrap_or_else(|| panic!("no dropped counter in: {out}"))
+}
+
+#[test]
+fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv, srv_ip, _) = net.server();
+    let _s = spawn_in_ns(&srv, "exec iperf3 -s");
+    let mut flooder = Pod::new(&sb, Layout::Cgroupfs, "besteffort", &random_uid(), &random_cid());
+    let mut bystander = Pod::new(&sb, Layout::Systemd, "burstable", &random_uid(), &random_cid());
+    net.join(&mut flooder);
+    net.join(&mut bystander);
+    let ns = flooder.netns.clone().unwrap();
+    sh(&format!("ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 10mbit burst 10kb limit 20kb"));
+    flooder.spawn("exec sleep 60");
+    bystander.spawn("exec sleep 60");
+    let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc"], &[]);
+    wait_attached(&agent, 2.0);
+    let d0 = qdisc_dropped(&ns, "eth0");
+    let f = flooder.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 3"));
+    flooder.wait_exit(f, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(1000));
+    let d1 = qdisc_dropped(&ns, "eth0");
+    let s = agent.scrape();
+    let ours = find(&s, DROPS, &[("pod", &flooder.uid), ("direction", "egress")]);
+    let total: f64 = ours.iter().map(|x| x.value).sum();
+    let reasons: Vec<&str> = ours.iter().map(|x| x.label("reason")).collect();
+    eprintln!("drops: ours {total} ({reasons:?}), tc -s qdisc {}", d1 - d0);
+    assert!(d1 - d0 > 100, "the token bucket overflowed ({} drops)", d1 - d0);
+    assert_eq!(total as u64, d1 - d0, "drops equal the qdisc's own counter");
+    assert!(reasons.iter().all(|r| r.starts_with("qdisc_")), "kernel reason names: {reasons:?}");
+    assert!(find(&s, DROPS, &[("pod", &bystander.uid)]).is_empty(), "no drops for the bystander");
+    assert!(find(&s, DROPS, &[("pod", "")]).is_empty(), "every drop attributed");
+}
+
+/// tcx link of the foreign program, attached the way another agent would.
+fn attach_foreign(prog: &libbpf_rs::ProgramMut<'_>, ifindex: u32) -> OwnedFd {
+    let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+    opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
+    let r = unsafe { libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), ifindex as i32, libbpf_sys::BPF_TCX_INGRESS, &opts) };
+    assert!(r >= 0, "attaching the foreign program: {}", std::io::Error::from_raw_os_error(-r));
+    unsafe { OwnedFd::from_raw_fd(r) }
+}
+
+fn foreign_program_case(attach: &str) {
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv, srv_ip, _) = net.server();
+    let _s = spawn_in_ns(&srv, "exec iperf3 -s");
+    // a UDP sink on port 9 that counts what reaches it
+    let sink = std::env::temp_dir().join(format!("gpufeed-sink-{}", uniq()));
+    let _sink = spawn_in_ns(
+        &srv,
+        &format!(
+            "exec python3 -c 'import socket\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\ns.bind((\"0.0.0.0\",9))\nn=0\nwhile True:\n  s.recv(2048); n+=1; open(\"{}\",\"w\").write(str(n))'",
+            sink.display()
+        ),
+    );
+    let mut pod = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
+    net.join(&mut pod);
+    pod.spawn("exec sleep 60");
+    let hif = pod.host_if.clone().unwrap();
+    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{hif}/ifindex")).unwrap().trim().parse().unwrap();
+
+    // someone else's program is there first (tcx, or a clsact filter)
+    let mut storage = MaybeUninit::uninit();
+    let open = foreign::TcForeignSkelBuilder::default().open(&mut storage).unwrap();
+    let skel = open.load().unwrap();
+    let _link;
+    let _hook_guard;
+    if attach == "tcx" {
+        _link = Some(attach_foreign(&skel.progs.foreign, ifindex));
+        _hook_guard = None;
+    } else {
+        let mut h = libbpf_rs::TcHookBuilder::new(skel.progs.foreign.as_fd())
+            .ifindex(ifindex as i32)
+            .replace(false)
+            .handle(1)
+            .priority(1)
+            .hook(libbpf_rs::TC_INGRESS);
+        let _ = h.create();
+        h.attach().unwrap();
+        _link = None;
+        _hook_guard = Some(h);
+    }
+    let counts = |i: u32| -> u64 {
+        let v = skel.maps.foreign_counts.lookup(&i.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap();
+        u64::from_ne_bytes(v[..8].try_into().unwrap())
+    };
+
+    let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc", "--tc-attach", attach], &[]);
+    wait_attached(&agent, 1.0);
+    let seen0 = counts(0);
+    let rx0 = if_stat(&hif, "rx_bytes");
+    // 200 datagrams to the port the foreign program drops, then a TCP upload
+    let u = pod.spawn(&format!("exec bash -c 'for i in $(seq 200); do echo dropme > /dev/udp/{srv_ip}/9; done'"));
+    pod.wait_exit(u, Duration::from_secs(10));
+    let t = pod.spawn(&format!("exec iperf3 -c {srv_ip} -t 2"));
+    pod.wait_exit(t, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(900));
+    let rx1 = if_stat(&hif, "rx_bytes");
+
+    let received = std::fs::read_to_string(&sink).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
+    let _ = std::fs::remove_file(&sink);
+    eprintln!("[{attach}] foreign program: saw {} packets, dropped {}; sink received {received}", counts(0) - seen0, counts(1));
+    assert_eq!(counts(1), 200, "the foreign program still dropped every port-9 datagram");
+    assert_eq!(received, 0, "its drop verdict held");
+    assert!(counts(0) - seen0 > 1000, "the foreign program kept running for the TCP upload too");
+    let ours = value(&agent.scrape(), BYTES, &[("pod", &pod.uid), ("direction", "egress")]).unwrap();
+    let theirs = (rx1 - rx0) as f64;
+    eprintln!("[{attach}] ours {ours} bytes, interface {theirs}");
+    assert!(theirs > 1_000_000.0);
+    assert!((ours - theirs).abs() / theirs < 0.01, "ours {ours} vs interface {theirs}");
+    drop(agent);
+    if let Some(mut h) = _hook_guard {
+        let _ = h.detach();
+    }
+}
+
+#[test]
+fn foreign_tcx_program_keeps_running_and_keeps_its_verdicts() {
+    let Some(_lock) = require_root() else { return };
+    foreign_program_case("tcx");
+}
+
+#[test]
+fn foreign_clsact_filter_keeps_running_and_keeps_its_verdicts() {
+    let Some(_lock) = require_root() else { return };
+    foreign_program_case("clsact");
+}
