@@ -1,0 +1,195 @@
+//! The real `gpufeed-guest` binary as the hub: `certs init`, then `run --quic-listen
+//! --tls-dir --event-journal`; a host speaking the real protocol streams to it; its /metrics
+//! shows the stream series; after SIGKILL and restart it resumes from the journal and drops
+//! retransmissions; a client without a certificate is rejected and counted.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{value, wait_for, Agent};
+use gpufeed_shared::event::HostEvent;
+use gpufeed_shared::proto::{encode, ClientSession, EventFrame, FrameDecoder, Message, Welcome};
+use gpufeed_shared::tls;
+
+fn frame(seq: u64) -> Vec<u8> {
+    let ev = HostEvent::KmsgLost { count: seq };
+    let mut b = Vec::new();
+    encode(
+        &Message::Event(EventFrame {
+            seq,
+            host_realtime_ns: gpufeed_shared::clock::realtime_ns(),
+            host_monotonic_ns: seq,
+            kind: ev.kind(),
+            payload: postcard::to_allocvec(&ev).unwrap(),
+        }),
+        &mut b,
+    )
+    .unwrap();
+    b
+}
+
+fn client(cfg: rustls::ClientConfig) -> (quinn::Endpoint, quinn::ClientConfig) {
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
+    let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    (ep, quinn::ClientConfig::new(Arc::new(quic)))
+}
+
+/// Connects as pve1 (boot 5), returns the connection and the Welcome.
+/// The control stream halves are returned: dropping the receive half would stop the hub's
+/// acks and probes, which ends the connection.
+async fn connect(
+    dir: &std::path::Path,
+    addr: SocketAddr,
+) -> (
+    quinn::Connection,
+    (quinn::SendStream, quinn::RecvStream),
+    Welcome,
+) {
+    let rd = |f: String| std::fs::read(dir.join(f)).unwrap();
+    let cfg = tls::client_config(
+        &rd(tls::CA_FILE.into()),
+        &rd(tls::host_cert_file("pve1")),
+        &rd(tls::host_key_file("pve1")),
+    )
+    .unwrap();
+    let (ep, cc) = client(cfg);
+    let conn = ep
+        .connect_with(cc, addr, "127.0.0.1")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut s, mut r) = conn.open_bi().await.unwrap();
+    let mut b = Vec::new();
+    encode(&ClientSession::new("pve1", 5).hello(), &mut b).unwrap();
+    s.write_all(&b).await.unwrap();
+    let mut d = FrameDecoder::default();
+    loop {
+        if let Some(Message::Welcome(w)) = d.next_frame().unwrap() {
+            return (conn, (s, r), w);
+        }
+        d.push(&r.read_chunk(1 << 16, true).await.unwrap().unwrap().bytes);
+    }
+}
+
+fn metric(agent: &Agent, name: &str, labels: &[(&str, &str)]) -> f64 {
+    value(&agent.scrape(), name, labels).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_binary_hub() {
+    let work = tempfile::tempdir().unwrap();
+    let quic: SocketAddr = {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        s.local_addr().unwrap()
+    };
+    let out = work.path().join("deploy");
+    let init = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+            .args(["certs", "init", "--out"])
+            .arg(&out)
+            .args(["--guest-addr", &quic.to_string(), "--host", "pve1"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = init(&[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("host-pve1.toml"));
+    let o = init(&[]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--force"));
+    let o = init(&["--force"]);
+    assert!(o.status.success());
+
+    let journal = work.path().join("events.jsonl");
+    let args = [
+        "--probes".to_string(),
+        "none".into(),
+        "--no-kube".into(),
+        "--quic-listen".into(),
+        quic.to_string(),
+        "--tls-dir".into(),
+        out.join("guest").display().to_string(),
+        "--event-journal".into(),
+        journal.display().to_string(),
+    ];
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut agent = Agent::start(&argv, &[]);
+    let pve1 = [("host", "pve1")];
+
+    let (conn, _ctl, w) = connect(&out, quic).await;
+    assert_eq!(w.resume_from, None);
+    let mut ev = conn.open_uni().await.unwrap();
+    let mut wire: Vec<u8> = (0..100).flat_map(frame).collect();
+    wire.extend([2, 0, 0, 0, 0xff, 0xff]); // a garbage frame, skipped
+    ev.write_all(&wire).await.unwrap();
+    let got = wait_for(Duration::from_secs(10), || {
+        (metric(&agent, "gpufeed_stream_events_received_total", &pve1) == 100.0).then_some(())
+    });
+    assert!(got.is_some(), "{}", agent.log.lock().unwrap());
+    assert_eq!(metric(&agent, "gpufeed_stream_connected", &pve1), 1.0);
+    assert_eq!(
+        metric(
+            &agent,
+            "gpufeed_stream_frames_rejected_total",
+            &[("host", "pve1"), ("reason", "garbage")]
+        ),
+        1.0
+    );
+    let offset = wait_for(Duration::from_secs(5), || {
+        value(&agent.scrape(), "gpufeed_clock_offset_seconds", &pve1)
+    })
+    .expect("clock offset exported");
+    assert!(offset.abs() < 0.01, "same machine, offset {offset}");
+
+    // SIGKILL and restart: the journal says what it has; retransmissions are dropped.
+    let _ = agent.child.kill();
+    let _ = agent.child.wait();
+    drop(conn);
+    let agent = Agent::start(&argv, &[]);
+    let (conn, _ctl, w) = connect(&out, quic).await;
+    assert_eq!(w.resume_from, Some(100));
+    let mut ev = conn.open_uni().await.unwrap();
+    let wire: Vec<u8> = (50..150).flat_map(frame).collect();
+    ev.write_all(&wire).await.unwrap();
+    let got = wait_for(Duration::from_secs(10), || {
+        (metric(&agent, "gpufeed_stream_events_received_total", &pve1) == 50.0).then_some(())
+    });
+    assert!(got.is_some(), "{}", agent.log.lock().unwrap());
+    assert_eq!(
+        metric(&agent, "gpufeed_stream_events_duplicate_total", &pve1),
+        50.0
+    );
+    let lines = std::fs::read_to_string(&journal).unwrap();
+    let seqs: Vec<u64> = lines
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["seq"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(seqs, (0..150).collect::<Vec<_>>());
+
+    // No client certificate: rejected, logged, counted.
+    let rd = |f: &str| std::fs::read(out.join(f)).unwrap();
+    let cfg = tls::client_config_with(&rd(tls::CA_FILE), None, vec![tls::ALPN.to_vec()]).unwrap();
+    let (ep, cc) = client(cfg);
+    if let Ok(c) = ep.connect_with(cc, quic, "127.0.0.1").unwrap().await {
+        let _ = tokio::time::timeout(Duration::from_secs(2), c.closed()).await;
+    }
+    let counted = wait_for(Duration::from_secs(5), || {
+        (metric(
+            &agent,
+            "gpufeed_stream_frames_rejected_total",
+            &[("host", "unverified"), ("reason", "no_cert")],
+        ) == 1.0)
+            .then_some(())
+    });
+    assert!(counted.is_some());
+    assert!(agent.log.lock().unwrap().contains("hub: rejected"));
+}
