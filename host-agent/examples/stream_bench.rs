@@ -2,12 +2,14 @@
 //! the real hub in one process, each on its own named runtime threads so that CPU time can be
 //! attributed per side (from /proc/self/task/*/stat).
 //!
-//!     cargo run --release -p gpufeed-host --example stream_bench [-- EVENTS RATE_SECONDS]
+//!     cargo run --release -p gpufeed-host --example stream_bench [-- EVENTS RATE_SECONDS COALESCE_US]
 //!
 //! 1. Throughput: EVENTS (default 1,000,000) `KmsgLost` events pushed as fast as possible;
 //!    sustained events/s until the hub has received them all; CPU per 100k events per side.
 //! 2. Latency: 10,000 events/s for RATE_SECONDS (default 5), one event every 100 µs; host
 //!    stamp → hub receipt (same clock), p50/p99/max.
+//!
+//! COALESCE_US is the stream's `coalesce_us` (default 500, as in the configuration).
 
 #[path = "../../guest-agent/src/hub/mod.rs"]
 mod hub;
@@ -61,6 +63,7 @@ fn main() {
         .and_then(|a| a.parse().ok())
         .unwrap_or(1_000_000);
     let rate_secs: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(5);
+    let coalesce_us: u64 = args.get(3).and_then(|a| a.parse().ok()).unwrap_or(500);
     let dir = tempfile::tempdir().unwrap();
     let dep = tls::Deployment::generate("127.0.0.1", &["pve1".into()]).unwrap();
     dep.write_guest_dir(dir.path()).unwrap();
@@ -92,6 +95,7 @@ fn main() {
         key: dir.path().join(tls::host_key_file("pve1")),
         spool_dir: Default::default(),
         memory_events: (n as usize).max(1 << 20),
+        coalesce_us,
         guests: vec![GuestEndpoint {
             endpoint: addr.to_string(),
             name: "guest".into(),

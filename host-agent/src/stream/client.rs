@@ -251,6 +251,9 @@ async fn stream(
             };
             if b.bytes.is_empty() {
                 g.notify.notified().await;
+                if c.cfg.coalesce_us > 0 {
+                    tokio::time::sleep(Duration::from_micros(c.cfg.coalesce_us)).await;
+                }
                 continue;
             }
             ev.write_all(&b.bytes).await?;

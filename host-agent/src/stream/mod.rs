@@ -76,6 +76,10 @@ pub struct StreamConfig {
     pub keep_alive_ms: u64,
     /// Largest write to the event stream in bytes. Default 65536.
     pub batch_bytes: usize,
+    /// After an idle wait, let events gather for this many microseconds before sending, so
+    /// that a burst leaves as a few packets instead of one per event (0: send at once).
+    /// Default 500.
+    pub coalesce_us: u64,
     /// Guests to stream to. Default none (streaming off).
     pub guests: Vec<GuestEndpoint>,
 }
@@ -96,6 +100,7 @@ impl Default for StreamConfig {
             idle_timeout_ms: 15_000,
             keep_alive_ms: 3_000,
             batch_bytes: 64 * 1024,
+            coalesce_us: 500,
             guests: Vec::new(),
         }
     }
