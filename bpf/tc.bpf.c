@@ -8,6 +8,11 @@
  * before. Host-side ingress is the pod's egress and host-side egress its
  * ingress. Counters are per-CPU: no atomics on the packet path.
  *
+ * hostNetwork pods have no veth of their own: on the node's devices the
+ * node_* programs count bytes per socket-owner cgroup instead. Outgoing
+ * packets carry their socket; for incoming ones the socket is looked up from
+ * the packet's addresses and ports (TCP and UDP).
+ *
  * Drops: tp_btf/kfree_skb, filtered to the reasons of the tc/qdisc layer
  * (userspace fills tc_reasons from the kernel's own enum), counted per
  * (socket-owner cgroup, device, reason, addresses). Userspace drains the map
@@ -17,6 +22,11 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
+
+/* generic kfunc (6.2+): a read-only typed view of a kernel object; tc programs
+ * have no bpf_sk_cgroup_id(), so the owner cgroup is read from the socket */
+extern void *bpf_rdonly_cast(const void *obj, __u32 btf_id) __ksym;
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -50,6 +60,107 @@ static __always_inline int count(struct __sk_buff *skb, int dir)
 		b[dir].packets += 1;
 	}
 	return TC_ACT_UNSPEC; /* = TCX_NEXT: no verdict of ours */
+}
+
+/* key: socket-owner cgroup id; same value layout as if_bytes, [0] sent by the
+ * cgroup's sockets (egress), [1] received (ingress). LRU: idle cgroups age out. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_PERCPU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, struct if_bytes[2]);
+} cg_bytes SEC(".maps");
+
+static __always_inline void count_cgroup(__u64 cg, int dir, __u32 len)
+{
+	struct if_bytes *b = bpf_map_lookup_elem(&cg_bytes, &cg);
+
+	if (!b) {
+		struct if_bytes zero[2] = {};
+
+		bpf_map_update_elem(&cg_bytes, &cg, zero, BPF_NOEXIST);
+		b = bpf_map_lookup_elem(&cg_bytes, &cg);
+		if (!b)
+			return;
+	}
+	b[dir].bytes += len;
+	b[dir].packets += 1;
+}
+
+SEC("tc")
+int tc_node_egress(struct __sk_buff *skb)
+{
+	__u64 cg = bpf_skb_cgroup_id(skb); /* 0 without a local socket (forwarded) */
+
+	if (cg)
+		count_cgroup(cg, 0, skb->len);
+	return TC_ACT_UNSPEC;
+}
+
+#define IPPROTO_TCP 6
+#define IPPROTO_UDP 17
+
+SEC("tc")
+int tc_node_ingress(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk = 0;
+	__u32 tlen;
+	__u8 proto;
+	void *l4;
+
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = data + sizeof(struct ethhdr);
+
+		if ((void *)(ip + 1) > end || ip->ihl < 5)
+			return TC_ACT_UNSPEC;
+		proto = ip->protocol;
+		l4 = (void *)ip + ip->ihl * 4;
+		t.ipv4.saddr = ip->saddr;
+		t.ipv4.daddr = ip->daddr;
+		tlen = sizeof(t.ipv4);
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = data + sizeof(struct ethhdr);
+
+		if ((void *)(ip6 + 1) > end)
+			return TC_ACT_UNSPEC;
+		proto = ip6->nexthdr; /* extension headers: not attributed */
+		l4 = ip6 + 1;
+		__builtin_memcpy(t.ipv6.saddr, &ip6->saddr, 16);
+		__builtin_memcpy(t.ipv6.daddr, &ip6->daddr, 16);
+		tlen = sizeof(t.ipv6);
+	} else {
+		return TC_ACT_UNSPEC;
+	}
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return TC_ACT_UNSPEC;
+	/* source and destination ports lead both TCP and UDP headers */
+	if (l4 + 4 > end)
+		return TC_ACT_UNSPEC;
+	if (tlen == sizeof(t.ipv4)) {
+		t.ipv4.sport = ((__be16 *)l4)[0];
+		t.ipv4.dport = ((__be16 *)l4)[1];
+	} else {
+		t.ipv6.sport = ((__be16 *)l4)[0];
+		t.ipv6.dport = ((__be16 *)l4)[1];
+	}
+	if (proto == IPPROTO_TCP)
+		sk = bpf_sk_lookup_tcp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
+	else
+		sk = bpf_sk_lookup_udp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return TC_ACT_UNSPEC;
+	{
+		struct sock *ks = bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock));
+		struct cgroup *cgrp = ks->sk_cgrp_data.cgroup;
+		__u64 cg = cgrp ? cgrp->kn->id : 0;
+
+		bpf_sk_release(sk);
+		if (cg)
+			count_cgroup(cg, 1, skb->len);
+	}
+	return TC_ACT_UNSPEC;
 }
 
 SEC("tc")

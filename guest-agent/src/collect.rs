@@ -127,10 +127,15 @@ pub struct TcState {
     by_pod_side: HashMap<(u32, u32), String>,
     last: HashMap<u32, IfBytes>,
     last_discovery: Option<Instant>,
+    node_spec: ifaces::NodeDevices,
+    /// node devices counted per socket owner (hostNetwork pods)
+    node_devices: HashSet<u32>,
+    /// last node-device counters per socket-owner cgroup
+    last_cg: HashMap<u64, IfBytes>,
 }
 
 impl TcState {
-    pub fn new(probe: TcProbe) -> std::io::Result<TcState> {
+    pub fn new(probe: TcProbe, node_spec: ifaces::NodeDevices) -> std::io::Result<TcState> {
         Ok(TcState {
             probe,
             own_netns: ifaces::netns_inode(std::process::id() as i32)?,
@@ -138,6 +143,9 @@ impl TcState {
             by_pod_side: HashMap::new(),
             last: HashMap::new(),
             last_discovery: None,
+            node_spec,
+            node_devices: HashSet::new(),
+            last_cg: HashMap::new(),
         })
     }
 }
@@ -365,7 +373,8 @@ impl Collector {
         let mut limits = None;
         if rediscover {
             let pids = self.pod_pids();
-            let found = ifaces::discover(&pids);
+            let spec = self.tc.as_ref()?.node_spec.clone();
+            let found = ifaces::discover(&pids, &spec);
             let tc = self.tc.as_mut()?;
             tc.last_discovery = Some(Instant::now());
             let found = match found {
@@ -407,6 +416,23 @@ impl Collector {
                 }
             }
             tc.by_pod_side = tc.by_host.values().map(|p| ((p.pod_netns, p.pod_ifindex), p.uid.clone())).collect();
+            let node_now: HashSet<u32> = found.node_devices.iter().map(|(i, _)| *i).collect();
+            for gone in tc.node_devices.difference(&node_now).copied().collect::<Vec<_>>() {
+                tc.probe.detach(gone);
+                tc.node_devices.remove(&gone);
+            }
+            for (i, name) in &found.node_devices {
+                if tc.node_devices.contains(i) {
+                    continue;
+                }
+                match tc.probe.attach_node(*i) {
+                    Ok(()) => {
+                        tracing::info!(device = %name, "counting hostNetwork pods' bytes on node device");
+                        tc.node_devices.insert(*i);
+                    }
+                    Err(e) => tracing::warn!(device = %name, "cannot attach tc programs: {e}"),
+                }
+            }
             limits = Some(self.bandwidth_limits());
         }
         let tc = self.tc.as_mut()?;
@@ -415,12 +441,31 @@ impl Collector {
             let prev = tc.last.insert(*i, b).unwrap_or_default();
             push_bytes(&mut bytes, &pi.uid, &b, &prev);
         }
+        // hostNetwork pods: node-device bytes per socket-owner cgroup
+        let per_cgroup = tc.probe.read_cgroups();
+        let mut node_bytes = Vec::new();
+        for (id, b) in per_cgroup {
+            let prev = tc.last_cg.insert(id, b).unwrap_or_default();
+            node_bytes.push((id, b, prev));
+        }
         let drained = tc.probe.drain_drops();
         let mut drops = Vec::with_capacity(drained.len());
         for (k, n) in drained {
             let (owner, dir) = self.attribute_drop(&k);
             let reason = self.tc.as_ref()?.probe.reason_name(k.reason);
             drops.push((owner, dir, reason, n));
+        }
+        for (id, b, prev) in node_bytes {
+            match self.pod_uid_of_cgroup(id) {
+                Some(Owner::Pod { uid, .. }) => push_bytes(&mut bytes, &uid, &b, &prev),
+                Some(_) => {} // a non-pod process on the node: not this series' business
+                None => {
+                    // the cgroup is gone: its last bytes were read above
+                    let tc = self.tc.as_mut()?;
+                    tc.probe.forget_cgroup(id);
+                    tc.last_cg.remove(&id);
+                }
+            }
         }
         Some((bytes, drops, limits))
     }

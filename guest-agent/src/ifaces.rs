@@ -30,9 +30,51 @@ pub fn netns_inode(pid: i32) -> io::Result<u32> {
     Ok(std::fs::metadata(format!("/proc/{pid}/ns/net"))?.ino() as u32)
 }
 
+/// Which of the node's own devices carry hostNetwork pods' traffic.
+#[derive(Debug, Clone, PartialEq)]
+pub enum NodeDevices {
+    /// physical NICs: devices with a `device` link in sysfs (not lo, veth, bridges)
+    Auto,
+    None,
+    Names(Vec<String>),
+}
+
+impl std::str::FromStr for NodeDevices {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(NodeDevices::Auto),
+            "none" | "" => Ok(NodeDevices::None),
+            list => {
+                let names: Vec<String> = list.split(',').map(|n| n.trim().to_string()).collect();
+                if let Some(bad) = names.iter().find(|n| n.is_empty() || n.len() > 15 || n.contains('/')) {
+                    return Err(format!("{bad:?} is not an interface name"));
+                }
+                Ok(NodeDevices::Names(names))
+            }
+        }
+    }
+}
+
+impl NodeDevices {
+    fn wants(&self, l: &netlink::Link) -> bool {
+        match self {
+            NodeDevices::None => false,
+            NodeDevices::Names(n) => n.iter().any(|x| *x == l.name),
+            NodeDevices::Auto => {
+                l.name != "lo"
+                    && l.kind.is_empty()
+                    && std::path::Path::new(&format!("/sys/class/net/{}/device", l.name)).exists()
+            }
+        }
+    }
+}
+
 /// What one look at the node's interfaces found.
 #[derive(Debug, Default)]
 pub struct Discovery {
+    /// node devices to count per socket owner (ifindex, name)
+    pub node_devices: Vec<(u32, String)>,
     /// every veth in the node's namespace (a pod interface stays counted until
     /// its veth is gone, even if one look missed its pod)
     pub host_veths: HashSet<u32>,
@@ -43,7 +85,7 @@ pub struct Discovery {
 /// its processes are in that is not the node's: a process just starting may
 /// not have entered it yet. Pods in the node's own namespace (hostNetwork)
 /// have no veth.
-pub fn discover(pods: &HashMap<String, Vec<i32>>) -> io::Result<Discovery> {
+pub fn discover(pods: &HashMap<String, Vec<i32>>, node: &NodeDevices) -> io::Result<Discovery> {
     let own = netns_inode(std::process::id() as i32)?;
     let links = netlink::links()?;
     let mut by_nsid: HashMap<i32, (String, u32)> = HashMap::new();
@@ -62,6 +104,7 @@ pub fn discover(pods: &HashMap<String, Vec<i32>>) -> io::Result<Discovery> {
         }
     }
     let mut d = Discovery::default();
+    d.node_devices = links.iter().filter(|l| node.wants(l)).map(|l| (l.ifindex, l.name.clone())).collect();
     for l in links.into_iter().filter(|l| l.kind == "veth") {
         d.host_veths.insert(l.ifindex);
         let (Some(nsid), Some(peer)) = (l.peer_netnsid, l.peer_ifindex) else { continue };
@@ -70,4 +113,23 @@ pub fn discover(pods: &HashMap<String, Vec<i32>>) -> io::Result<Discovery> {
         }
     }
     Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_device_specs() {
+        assert_eq!("auto".parse::<NodeDevices>(), Ok(NodeDevices::Auto));
+        assert_eq!("none".parse::<NodeDevices>(), Ok(NodeDevices::None));
+        assert_eq!("eth0, bond0".parse::<NodeDevices>(), Ok(NodeDevices::Names(vec!["eth0".into(), "bond0".into()])));
+        assert!("eth0,,x".parse::<NodeDevices>().is_err());
+        assert!("averyveryverylongname".parse::<NodeDevices>().unwrap_err().contains("not an interface name"));
+        let veth = netlink::Link { ifindex: 9, name: "vethx".into(), kind: "veth".into(), peer_ifindex: None, peer_netnsid: None };
+        assert!(!NodeDevices::Auto.wants(&veth));
+        assert!(NodeDevices::Names(vec!["vethx".into()]).wants(&veth));
+        let lo = netlink::Link { ifindex: 1, name: "lo".into(), kind: String::new(), peer_ifindex: None, peer_netnsid: None };
+        assert!(!NodeDevices::Auto.wants(&lo));
+    }
 }

@@ -70,6 +70,10 @@ struct RunArgs {
     /// How tc programs attach to pod interfaces: tcx (6.6+), classic clsact, or auto.
     #[arg(long, value_enum, default_value = "auto")]
     tc_attach: probes::tc::AttachMode,
+    /// Node devices on which hostNetwork pods' bytes are counted per socket:
+    /// `auto` (physical NICs), `none`, or NAME[,NAME...].
+    #[arg(long, default_value = "auto")]
+    node_devices: ifaces::NodeDevices,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -215,7 +219,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         let (p, st) = probes::tc::TcProbe::load(&btf, args.tc_attach, read_addrs).map_err(load_error)?;
         statuses.extend(st);
-        Some(collect::TcState::new(p).context("finding the agent's network namespace")?)
+        Some(collect::TcState::new(p, args.node_devices.clone()).context("finding the agent's network namespace")?)
     } else {
         None
     };

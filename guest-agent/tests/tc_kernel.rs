@@ -285,3 +285,64 @@ fn foreign_clsact_filter_keeps_running_and_keeps_its_verdicts() {
     let Some(_lock) = require_root() else { return };
     foreign_program_case("clsact");
 }
+
+/// A "node device" in the root namespace (a veth whose other end is a server
+/// namespace): what a hostNetwork pod's traffic leaves by.
+struct NodeDevice {
+    name: String,
+    ns: String,
+    server_ip: String,
+}
+
+impl NodeDevice {
+    fn new() -> NodeDevice {
+        let tag = uniq();
+        let (name, ns) = (format!("gfn{tag}"), format!("gfns{tag}"));
+        let net = 100 + (tag.len() as u32 * 7 + std::process::id()) % 100;
+        let (local, server_ip) = (format!("10.216.{net}.1"), format!("10.216.{net}.2"));
+        sh(&format!(
+            "ip netns add {ns} && ip link add {name} type veth peer name eth0 netns {ns} && \
+             ip addr add {local}/24 dev {name} && ip link set {name} up && \
+             ip -n {ns} addr add {server_ip}/24 dev eth0 && ip -n {ns} link set eth0 up && ip -n {ns} link set lo up"
+        ));
+        NodeDevice { name, ns, server_ip }
+    }
+}
+
+impl Drop for NodeDevice {
+    fn drop(&mut self) {
+        sh_quiet(&format!("ip netns pids {} | xargs -r kill -9; ip netns del {}", self.ns, self.ns));
+        sh_quiet(&format!("ip link del {}", self.name));
+    }
+}
+
+#[test]
+fn host_network_pod_bytes_by_socket_on_node_devices() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let node = NodeDevice::new();
+    let _srv = spawn_in_ns(&node.ns, "exec iperf3 -s");
+    // a hostNetwork pod: its own cgroups, the node's network namespace
+    let mut hostnet = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
+    let mut bystander = Pod::new(&sb, Layout::Systemd, "besteffort", &random_uid(), &random_cid());
+    bystander.spawn("exec sleep 60");
+    let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc", "--node-devices", &node.name], &[]);
+    wait_for(Duration::from_secs(10), || agent.log.lock().unwrap().contains("counting hostNetwork").then_some(()))
+        .expect("node device attached");
+    let (tx0, rx0) = (if_stat(&node.name, "tx_bytes"), if_stat(&node.name, "rx_bytes"));
+    let up = hostnet.spawn(&format!("exec iperf3 -c {} -t 2", node.server_ip));
+    hostnet.wait_exit(up, Duration::from_secs(20));
+    let down = hostnet.spawn(&format!("exec iperf3 -c {} -t 2 -R", node.server_ip));
+    hostnet.wait_exit(down, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(900));
+    let (tx1, rx1) = (if_stat(&node.name, "tx_bytes"), if_stat(&node.name, "rx_bytes"));
+    let s = agent.scrape();
+    let eg = value(&s, BYTES, &[("pod", &hostnet.uid), ("direction", "egress")]).expect("egress series");
+    let ing = value(&s, BYTES, &[("pod", &hostnet.uid), ("direction", "ingress")]).expect("ingress series");
+    let (dev_tx, dev_rx) = ((tx1 - tx0) as f64, (rx1 - rx0) as f64);
+    eprintln!("hostNetwork pod: egress ours {eg} device tx {dev_tx}; ingress ours {ing} device rx {dev_rx}");
+    assert!(dev_tx > 10_000_000.0 && dev_rx > 10_000_000.0, "traffic flowed both ways");
+    assert!((eg - dev_tx).abs() / dev_tx < 0.01, "egress {eg} vs device tx {dev_tx}");
+    assert!((ing - dev_rx).abs() / dev_rx < 0.01, "ingress {ing} vs device rx {dev_rx}");
+    assert!(find(&s, BYTES, &[("pod", &bystander.uid)]).is_empty(), "the idle pod has no bytes");
+}

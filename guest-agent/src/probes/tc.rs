@@ -82,7 +82,10 @@ enum Attachment {
 pub struct TcProbe {
     ingress_prog: OwnedFd,
     egress_prog: OwnedFd,
+    node_ingress_prog: OwnedFd,
+    node_egress_prog: OwnedFd,
     if_bytes: MapHandle,
+    cg_bytes: MapHandle,
     drops: Option<MapHandle>,
     overflow: MapHandle,
     _drop_link: Option<Link>,
@@ -154,7 +157,10 @@ impl TcProbe {
         let probe = TcProbe {
             ingress_prog: dup(&skel.progs.tc_host_ingress)?,
             egress_prog: dup(&skel.progs.tc_host_egress)?,
+            node_ingress_prog: dup(&skel.progs.tc_node_ingress)?,
+            node_egress_prog: dup(&skel.progs.tc_node_egress)?,
             if_bytes: handle(OBJ, &skel.maps.if_bytes)?,
+            cg_bytes: handle(OBJ, &skel.maps.cg_bytes)?,
             drops: if drops_up { Some(handle(OBJ, &skel.maps.drops)?) } else { None },
             overflow: handle(OBJ, &skel.maps.drop_overflow)?,
             _drop_link: drop_link,
@@ -191,12 +197,33 @@ impl TcProbe {
             .update_percpu(&ifindex.to_ne_bytes(), &zero, MapFlags::NO_EXIST)
             .or_else(|e| if e.kind() == libbpf_rs::ErrorKind::AlreadyExists { Ok(()) } else { Err(e) })
             .map_err(io::Error::other)?;
+        let progs = [
+            self.ingress_prog.try_clone()?,
+            self.egress_prog.try_clone()?,
+        ];
+        self.attach_progs(ifindex, progs)
+    }
+
+    /// Counts a node device (a physical NIC) per socket-owner cgroup, for
+    /// hostNetwork pods.
+    pub fn attach_node(&mut self, ifindex: u32) -> io::Result<()> {
+        if self.attached.contains_key(&ifindex) {
+            return Ok(());
+        }
+        let progs = [
+            self.node_ingress_prog.try_clone()?,
+            self.node_egress_prog.try_clone()?,
+        ];
+        self.attach_progs(ifindex, progs)
+    }
+
+    /// Attaches [ingress, egress] programs to an interface.
+    fn attach_progs(&mut self, ifindex: u32, progs: [OwnedFd; 2]) -> io::Result<()> {
+        let [ingress_prog, egress_prog] = &progs;
         let att = match self.mode {
             AttachMode::Clsact => {
                 let mut hooks = Vec::new();
-                for (fd, point) in
-                    [(&self.ingress_prog, libbpf_rs::TC_INGRESS), (&self.egress_prog, libbpf_rs::TC_EGRESS)]
-                {
+                for (fd, point) in [(ingress_prog, libbpf_rs::TC_INGRESS), (egress_prog, libbpf_rs::TC_EGRESS)] {
                     let mut h = TcHookBuilder::new(fd.as_fd())
                         .ifindex(ifindex as i32)
                         .replace(false)
@@ -212,10 +239,7 @@ impl TcProbe {
             }
             _ => {
                 let mut links = Vec::new();
-                for (fd, ty) in [
-                    (&self.ingress_prog, libbpf_sys::BPF_TCX_INGRESS),
-                    (&self.egress_prog, libbpf_sys::BPF_TCX_EGRESS),
-                ] {
+                for (fd, ty) in [(ingress_prog, libbpf_sys::BPF_TCX_INGRESS), (egress_prog, libbpf_sys::BPF_TCX_EGRESS)] {
                     // SAFETY: zeroed is a valid bpf_link_create_opts; sz tells libbpf its size.
                     let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
                     opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
@@ -251,15 +275,25 @@ impl TcProbe {
 
     pub fn read(&self, ifindex: u32) -> Option<IfBytes> {
         let cpus = self.if_bytes.lookup_percpu(&ifindex.to_ne_bytes(), MapFlags::ANY).ok().flatten()?;
-        let mut b = IfBytes::default();
-        for c in cpus {
-            let w = |i: usize| c.get(i * 8..i * 8 + 8).map(|s| u64::from_ne_bytes(s.try_into().unwrap())).unwrap_or(0);
-            b.egress_bytes += w(0);
-            b.egress_packets += w(1);
-            b.ingress_bytes += w(2);
-            b.ingress_packets += w(3);
+        Some(sum_percpu(&cpus))
+    }
+
+    /// Bytes per socket-owner cgroup counted on node devices: (cgroup id, sent
+    /// as egress, received as ingress).
+    pub fn read_cgroups(&self) -> Vec<(u64, IfBytes)> {
+        let keys: Vec<Vec<u8>> = self.cg_bytes.keys().collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Some(id) = k.get(..8).map(|b| u64::from_ne_bytes(b.try_into().unwrap())) else { continue };
+            let Ok(Some(cpus)) = self.cg_bytes.lookup_percpu(&k, MapFlags::ANY) else { continue };
+            out.push((id, sum_percpu(&cpus)));
         }
-        Some(b)
+        out
+    }
+
+    /// Forgets a cgroup's node-device counters (the cgroup is gone).
+    pub fn forget_cgroup(&self, id: u64) {
+        let _ = self.cg_bytes.delete(&id.to_ne_bytes());
     }
 
     /// Takes every drop counted since the last call (read and delete at once,
@@ -290,6 +324,19 @@ impl Drop for TcProbe {
             self.detach(i);
         }
     }
+}
+
+/// Sums the per-CPU `struct if_bytes[2]` values: [0] pod egress, [1] pod ingress.
+fn sum_percpu(cpus: &[Vec<u8>]) -> IfBytes {
+    let mut b = IfBytes::default();
+    for c in cpus {
+        let w = |i: usize| c.get(i * 8..i * 8 + 8).map(|s| u64::from_ne_bytes(s.try_into().unwrap())).unwrap_or(0);
+        b.egress_bytes += w(0);
+        b.egress_packets += w(1);
+        b.ingress_bytes += w(2);
+        b.ingress_packets += w(3);
+    }
+    b
 }
 
 fn decode_drop_key(b: &[u8]) -> Option<DropKey> {
