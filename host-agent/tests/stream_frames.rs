@@ -233,3 +233,39 @@ async fn journal_seeds_dedup_and_cuts_a_torn_tail() {
     assert_eq!(last["event"]["KmsgLost"]["count"], 0);
     hub.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journal_is_compacted_to_watermarks_past_its_limit() {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let j = fx.path().join("journal.jsonl");
+    let mut hc = hub_config(fx.path());
+    hc.journal = Some(j.clone());
+    hc.journal_max_bytes = 4096;
+    let reg = prometheus::Registry::new();
+    let hub = hub::serve(hc.clone(), &reg).await.unwrap();
+    let (conn, _s, _r, _) = connect(&fx, hub.local_addr(), 7).await;
+    let mut ev = conn.open_uni().await.unwrap();
+    for seq in 0..200 {
+        ev.write_all(&known(seq)).await.unwrap();
+    }
+    let received = || {
+        metric(
+            &reg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    assert!(wait_for(Duration::from_secs(5), || received() == 200.0).await);
+    let len = std::fs::metadata(&j).unwrap().len();
+    assert!(len <= 4096 + 2048, "journal {len} bytes");
+    let text = std::fs::read_to_string(&j).unwrap();
+    assert!(text.contains("\"mark\":"), "{text}");
+    drop(conn);
+    hub.shutdown().await;
+    // A new hub on the compacted journal still knows everything up to 199.
+    let hub = hub::serve(hc, &prometheus::Registry::new()).await.unwrap();
+    let (_c, _s, _r, w) = connect(&fx, hub.local_addr(), 7).await;
+    assert_eq!(w.resume_from, Some(200));
+    hub.shutdown().await;
+}

@@ -1,7 +1,9 @@
 //! Optional event journal of the hub (`--event-journal FILE`): every accepted host event and
 //! every loss report, one JSON line each, appended before the guest acknowledges them. At start
 //! the journal seeds de-duplication, so a restarted (even SIGKILLed) guest neither delivers an
-//! event twice nor asks for one it already has.
+//! event twice nor asks for one it already has. Past `max_bytes` the journal is compacted to
+//! one `mark` line (the watermark) per `(host, boot)`, written to a temporary file and renamed
+//! over the journal.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
@@ -33,17 +35,22 @@ pub struct Line<'a> {
     pub loss_last: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<u64>,
+    /// Compaction lines: everything up to this sequence number was accounted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mark: Option<u64>,
 }
 
 pub struct Journal {
     path: PathBuf,
     file: File,
     buf: Vec<u8>,
+    len: u64,
+    max_bytes: u64,
 }
 
 impl Journal {
     /// Opens (creates) the journal, cuts a torn last line, and seeds `dedup` from it.
-    pub fn open(path: &Path, dedup: &mut Dedup) -> std::io::Result<Journal> {
+    pub fn open(path: &Path, max_bytes: u64, dedup: &mut Dedup) -> std::io::Result<Journal> {
         let mut file = OpenOptions::new()
             .create(true)
             .read(true)
@@ -63,7 +70,7 @@ impl Journal {
                 good += n as u64;
                 lines += 1;
                 if let Ok(l) = serde_json::from_str::<Line>(&line) {
-                    if let Some(w) = l.seq.or(l.loss_last) {
+                    if let Some(w) = l.seq.or(l.loss_last).or(l.mark) {
                         dedup.seed(&l.host, l.boot, w);
                     }
                 }
@@ -79,6 +86,8 @@ impl Journal {
             path: path.to_owned(),
             file,
             buf: Vec::new(),
+            len: good,
+            max_bytes: max_bytes.max(4096),
         })
     }
 
@@ -97,6 +106,7 @@ impl Journal {
             loss_first: None,
             loss_last: None,
             lost: None,
+            mark: None,
         };
         self.push(&l);
     }
@@ -112,6 +122,7 @@ impl Journal {
             loss_first: Some(first),
             loss_last: Some(last),
             lost: Some(lost),
+            mark: None,
         };
         self.push(&l);
     }
@@ -122,13 +133,49 @@ impl Journal {
         }
     }
 
-    /// Appends the buffered lines in one write.
-    pub fn commit(&mut self) -> std::io::Result<()> {
+    /// Appends the buffered lines in one write; compacts when the journal is too large.
+    pub fn commit(&mut self, dedup: &Dedup) -> std::io::Result<()> {
         if self.buf.is_empty() {
             return Ok(());
         }
         let r = self.file.write_all(&self.buf);
+        self.len += self.buf.len() as u64;
         self.buf.clear();
-        r
+        r?;
+        if self.len > self.max_bytes {
+            self.compact(dedup)?;
+        }
+        Ok(())
+    }
+
+    fn compact(&mut self, dedup: &Dedup) -> std::io::Result<()> {
+        let tmp = self.path.with_extension("compact");
+        let mut out = Vec::new();
+        for (host, boot, w) in dedup.iter() {
+            let l = Line {
+                host: host.into(),
+                boot,
+                seq: None,
+                kind: None,
+                host_realtime_ns: None,
+                event: None,
+                loss_first: None,
+                loss_last: None,
+                lost: None,
+                mark: Some(w),
+            };
+            if serde_json::to_writer(&mut out, &l).is_ok() {
+                out.push(b'\n');
+            }
+        }
+        std::fs::write(&tmp, &out)?;
+        std::fs::rename(&tmp, &self.path)?;
+        self.file = OpenOptions::new()
+            .append(true)
+            .read(true)
+            .open(&self.path)?;
+        self.len = out.len() as u64;
+        tracing::info!(path = %self.path.display(), bytes = self.len, "event journal compacted to watermarks");
+        Ok(())
     }
 }

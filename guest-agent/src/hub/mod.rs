@@ -60,6 +60,9 @@ pub struct HubConfig {
     /// Append accepted events to this JSON-lines file and seed de-duplication from it at start.
     /// Default none.
     pub journal: Option<PathBuf>,
+    /// When the journal grows past this, it is compacted to one watermark line per
+    /// `(host, boot)`. Default 64 MiB.
+    pub journal_max_bytes: u64,
     /// How often the TLS files are checked for changes. Default 5 s.
     pub tls_reload_interval: Duration,
     /// Acknowledge at least this often while events arrive. Default 20 ms.
@@ -81,6 +84,7 @@ impl HubConfig {
             tls_dir: tls_dir.into(),
             recent_capacity: 4096,
             journal: None,
+            journal_max_bytes: 64 << 20,
             tls_reload_interval: Duration::from_secs(5),
             ack_interval: Duration::from_millis(20),
             ack_every: 4096,
@@ -285,7 +289,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> anyhow::Result<Hub> {
     let mut dedup = Dedup::new();
     let journal = match &cfg.journal {
         Some(p) => Some(
-            journal::Journal::open(p, &mut dedup)
+            journal::Journal::open(p, cfg.journal_max_bytes, &mut dedup)
                 .with_context(|| format!("opening event journal {}", p.display()))?,
         ),
         None => None,
@@ -787,7 +791,7 @@ impl Conn<'_> {
                 for e in delivered.iter() {
                     j.add_event(e);
                 }
-                if let Err(e) = j.commit() {
+                if let Err(e) = j.commit(&st.dedup) {
                     tracing::error!(path = %j.path().display(), error = %e, "hub: event journal write failed");
                 }
             }
