@@ -1,0 +1,84 @@
+//! tc byte-counting cost (not a test): iperf3 over veth between a pod
+//! namespace and a server namespace, with and without gpufeed's tc programs on
+//! the pod's host-side veth, alternated in the same run; then BPF ns per packet
+//! from kernel.bpf_stats_enabled. Needs root and iperf3.
+//!
+//! cargo bench -p gpufeed-guest --bench tc_throughput
+
+#[path = "../tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const ROUNDS: usize = 3;
+
+fn iperf_gbps(pod: &mut Pod, server: &str) -> f64 {
+    let out = std::env::temp_dir().join(format!("gpufeed-iperf-{}.json", uniq()));
+    let pid = pod.spawn(&format!("exec iperf3 -c {server} -t 5 -J > {}", out.display()));
+    pod.wait_exit(pid, Duration::from_secs(30));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    v["end"]["sum_received"]["bits_per_second"].as_f64().unwrap() / 1e9
+}
+
+fn tc_prog_stats() -> (u64, u64) {
+    let out = Command::new("bpftool").args(["prog", "show", "-j"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let mut t = (0, 0);
+    for p in v.as_array().into_iter().flatten() {
+        if p["name"].as_str().is_some_and(|n| n.starts_with("tc_host_")) {
+            t.0 += p["run_time_ns"].as_u64().unwrap_or(0);
+            t.1 += p["run_cnt"].as_u64().unwrap_or(0);
+        }
+    }
+    t
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") || unsafe { libc::geteuid() } != 0 {
+        eprintln!("tc throughput benchmark: needs root; skipped");
+        return;
+    }
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv, srv_ip, _) = net.server();
+    let _s = spawn_in_ns(&srv, "exec iperf3 -s");
+    let mut pod = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
+    net.join(&mut pod);
+    pod.spawn("exec sleep 600");
+    std::thread::sleep(Duration::from_millis(300));
+
+    let (mut without, mut with) = (Vec::new(), Vec::new());
+    let mut per_packet = Vec::new();
+    for _ in 0..ROUNDS {
+        without.push(iperf_gbps(&mut pod, &srv_ip));
+        let agent = Agent::start(&["--no-kube", "--probes", "tc", "--node-devices", "none"], &[]);
+        wait_for(Duration::from_secs(10), || (value(&agent.scrape(), "gpufeed_tc_interfaces", &[])? >= 1.0).then_some(()))
+            .expect("attached");
+        with.push(iperf_gbps(&mut pod, &srv_ip));
+        // BPF cost per packet, measured separately (the accounting itself costs)
+        std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "1").unwrap();
+        let a = tc_prog_stats();
+        iperf_gbps(&mut pod, &srv_ip);
+        let b = tc_prog_stats();
+        std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "0").unwrap();
+        per_packet.push((b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64);
+        drop(agent);
+    }
+    let (w, o) = (median(with.clone()), median(without.clone()));
+    println!("| configuration | iperf3 over veth, Gbit/s (median of {ROUNDS}, 5 s each) |");
+    println!("|---|---|");
+    println!("| without tc programs | {o:.2} ({without:.2?}) |");
+    println!("| with gpufeed tc programs | {w:.2} ({with:.2?}) |");
+    println!();
+    println!("throughput with / without: {:.1}%; BPF ns per packet (skb, GSO included): {:.0}", w / o * 100.0, median(per_packet));
+}
