@@ -22,7 +22,10 @@ const LOOPS: &str = "200000";
 const ROUNDS: usize = 5;
 
 fn pingpong_us() -> f64 {
-    let out = Command::new("taskset").args(["-c", "0", "perf", "bench", "sched", "pipe", "-l", LOOPS]).output().unwrap();
+    let out = Command::new("taskset")
+        .args(["-c", "0", "perf", "bench", "sched", "pipe", "-l", LOOPS])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     text.lines()
         .find(|l| l.contains("usecs/op"))
@@ -33,7 +36,10 @@ fn pingpong_us() -> f64 {
 
 /// (run_time_ns, run_cnt) per program name, summed over programs of that name.
 fn bpf_stats() -> HashMap<String, (u64, u64)> {
-    let out = Command::new("bpftool").args(["prog", "show", "-j"]).output().unwrap();
+    let out = Command::new("bpftool")
+        .args(["prog", "show", "-j"])
+        .output()
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
     let mut m: HashMap<String, (u64, u64)> = HashMap::new();
     for p in v.as_array().into_iter().flatten() {
@@ -46,17 +52,27 @@ fn bpf_stats() -> HashMap<String, (u64, u64)> {
 }
 
 /// ns per event for programs whose name contains `pat`, between two snapshots.
-fn per_event(before: &HashMap<String, (u64, u64)>, after: &HashMap<String, (u64, u64)>, pat: &[&str], exclude: &str) -> f64 {
+fn per_event(
+    before: &HashMap<String, (u64, u64)>,
+    after: &HashMap<String, (u64, u64)>,
+    pat: &[&str],
+    exclude: &str,
+) -> f64 {
     let (mut t, mut c) = (0u64, 0u64);
     for (name, (at, ac)) in after {
-        if !pat.iter().any(|p| name.contains(p)) || (!exclude.is_empty() && name.contains(exclude)) {
+        if !pat.iter().any(|p| name.contains(p)) || (!exclude.is_empty() && name.contains(exclude))
+        {
             continue;
         }
         let (bt, bc) = before.get(name).copied().unwrap_or((0, 0));
         t += at - bt;
         c += ac - bc;
     }
-    if c == 0 { f64::NAN } else { t as f64 / c as f64 }
+    if c == 0 {
+        f64::NAN
+    } else {
+        t as f64 / c as f64
+    }
 }
 
 struct Row {
@@ -67,7 +83,11 @@ struct Row {
 }
 
 fn set_stats(on: bool) {
-    std::fs::write("/proc/sys/kernel/bpf_stats_enabled", if on { "1" } else { "0" }).unwrap();
+    std::fs::write(
+        "/proc/sys/kernel/bpf_stats_enabled",
+        if on { "1" } else { "0" },
+    )
+    .unwrap();
 }
 
 /// Ping-pong time with BPF run-time accounting off (it costs two clock reads
@@ -89,8 +109,13 @@ fn measure(name: &'static str, baseline: Option<f64>) -> Row {
         wakeup_ns: per_event(&before, &after, &["wakeup"], ""),
         switch_ns: per_event(&before, &after, &["switch"], ""),
     };
-    let slow = baseline.map(|b| format!("{:+.1}%", (us / b - 1.0) * 100.0)).unwrap_or_default();
-    eprintln!("{name:<28} {us:>7.3} us/op {slow:>8}  wakeup {:>6.0} ns  switch {:>6.0} ns", r.wakeup_ns, r.switch_ns);
+    let slow = baseline
+        .map(|b| format!("{:+.1}%", (us / b - 1.0) * 100.0))
+        .unwrap_or_default();
+    eprintln!(
+        "{name:<28} {us:>7.3} us/op {slow:>8}  wakeup {:>6.0} ns  switch {:>6.0} ns",
+        r.wakeup_ns, r.switch_ns
+    );
     r
 }
 
@@ -105,9 +130,16 @@ impl Drop for Killed {
 /// CPU time of all the process's threads in ns (schedstat: exact, not tick-sampled).
 fn cpu_ns(pid: u32) -> u64 {
     let mut total = 0;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
         if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            total += s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            total += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
         }
     }
     total
@@ -115,7 +147,11 @@ fn cpu_ns(pid: u32) -> u64 {
 
 fn rss_kb(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()).unwrap_or(0)
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 fn main() {
@@ -132,12 +168,19 @@ fn main() {
     rows.push(base);
     {
         let mut storage = MaybeUninit::uninit();
-        let open = empty::BenchEmptySkelBuilder::default().open(&mut storage).unwrap();
+        let open = empty::BenchEmptySkelBuilder::default()
+            .open(&mut storage)
+            .unwrap();
         let mut skel = open.load().unwrap();
         libbpf_rs::skel::Skel::attach(&mut skel).unwrap();
         rows.push(measure("empty tp_btf programs", Some(b)));
     }
-    match Command::new("runqlat").args(["60", "1"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn() {
+    match Command::new("runqlat")
+        .args(["60", "1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+    {
         Ok(c) => {
             let _k = Killed(c);
             std::thread::sleep(Duration::from_secs(1));
@@ -145,10 +188,20 @@ fn main() {
         }
         Err(e) => eprintln!("runqlat not available ({e}); install libbpf-tools"),
     }
-    for (name, method) in [("gpufeed-guest (all probes)", "auto"), ("gpufeed-guest (stamp fallback)", "stamp")] {
+    for (name, method) in [
+        ("gpufeed-guest (all probes)", "auto"),
+        ("gpufeed-guest (stamp fallback)", "stamp"),
+    ] {
         let _k = Killed(
             Command::new(agent_bin)
-                .args(["run", "--no-kube", "--metrics-listen", "127.0.0.1:0", "--sched-method", method])
+                .args([
+                    "run",
+                    "--no-kube",
+                    "--metrics-listen",
+                    "127.0.0.1:0",
+                    "--sched-method",
+                    method,
+                ])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -181,7 +234,13 @@ fn main() {
     println!("| configuration | ping-pong µs/op | slowdown | BPF ns/wakeup | BPF ns/switch |");
     println!("|---|---|---|---|---|");
     for r in &rows {
-        let fmt = |v: f64| if v.is_nan() { "–".to_string() } else { format!("{v:.0}") };
+        let fmt = |v: f64| {
+            if v.is_nan() {
+                "–".to_string()
+            } else {
+                format!("{v:.0}")
+            }
+        };
         println!(
             "| {} | {:.3} | {:+.1}% | {} | {} |",
             r.name,
@@ -192,5 +251,8 @@ fn main() {
         );
     }
     println!();
-    println!("agent idle (default 1 s interval, 30 s): {cpu_pct:.3}% of one core, RSS {:.1} MB", rss as f64 / 1024.0);
+    println!(
+        "agent idle (default 1 s interval, 30 s): {cpu_pct:.3}% of one core, RSS {:.1} MB",
+        rss as f64 / 1024.0
+    );
 }

@@ -18,19 +18,32 @@ const ROUNDS: usize = 3;
 
 fn iperf_gbps(pod: &mut Pod, server: &str) -> f64 {
     let out = std::env::temp_dir().join(format!("gpufeed-iperf-{}.json", uniq()));
-    let pid = pod.spawn(&format!("exec iperf3 -c {server} -t 5 -J > {}", out.display()));
+    let pid = pod.spawn(&format!(
+        "exec iperf3 -c {server} -t 5 -J > {}",
+        out.display()
+    ));
     pod.wait_exit(pid, Duration::from_secs(30));
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);
-    v["end"]["sum_received"]["bits_per_second"].as_f64().unwrap() / 1e9
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap()
+        / 1e9
 }
 
 fn tc_prog_stats() -> (u64, u64) {
-    let out = Command::new("bpftool").args(["prog", "show", "-j"]).output().unwrap();
+    let out = Command::new("bpftool")
+        .args(["prog", "show", "-j"])
+        .output()
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
     let mut t = (0, 0);
     for p in v.as_array().into_iter().flatten() {
-        if p["name"].as_str().is_some_and(|n| n.starts_with("tc_host_")) {
+        if p["name"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("tc_host_"))
+        {
             t.0 += p["run_time_ns"].as_u64().unwrap_or(0);
             t.1 += p["run_cnt"].as_u64().unwrap_or(0);
         }
@@ -52,7 +65,13 @@ fn main() {
     let mut net = TestNet::new();
     let (srv, srv_ip, _) = net.server();
     let _s = spawn_in_ns(&srv, "exec iperf3 -s");
-    let mut pod = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
+    let mut pod = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "burstable",
+        &random_uid(),
+        &random_cid(),
+    );
     net.join(&mut pod);
     pod.spawn("exec sleep 600");
     std::thread::sleep(Duration::from_millis(300));
@@ -61,9 +80,14 @@ fn main() {
     let mut per_packet = Vec::new();
     for _ in 0..ROUNDS {
         without.push(iperf_gbps(&mut pod, &srv_ip));
-        let agent = Agent::start(&["--no-kube", "--probes", "tc", "--node-devices", "none"], &[]);
-        wait_for(Duration::from_secs(10), || (value(&agent.scrape(), "gpufeed_tc_interfaces", &[])? >= 1.0).then_some(()))
-            .expect("attached");
+        let agent = Agent::start(
+            &["--no-kube", "--probes", "tc", "--node-devices", "none"],
+            &[],
+        );
+        wait_for(Duration::from_secs(10), || {
+            (value(&agent.scrape(), "gpufeed_tc_interfaces", &[])? >= 1.0).then_some(())
+        })
+        .expect("attached");
         with.push(iperf_gbps(&mut pod, &srv_ip));
         // BPF cost per packet, measured separately (the accounting itself costs)
         std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "1").unwrap();
@@ -80,5 +104,9 @@ fn main() {
     println!("| without tc programs | {o:.2} ({without:.2?}) |");
     println!("| with gpufeed tc programs | {w:.2} ({with:.2?}) |");
     println!();
-    println!("throughput with / without: {:.1}%; BPF ns per packet (skb, GSO included): {:.0}", w / o * 100.0, median(per_packet));
+    println!(
+        "throughput with / without: {:.1}%; BPF ns per packet (skb, GSO included): {:.0}",
+        w / o * 100.0,
+        median(per_packet)
+    );
 }

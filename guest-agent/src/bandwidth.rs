@@ -76,11 +76,26 @@ mod tests {
         assert_eq!(parse_quantity("2E3"), Ok(2e3));
         assert_eq!(parse_quantity(" 42 "), Ok(42.0));
         assert_eq!(parse_quantity(""), Err(QuantityError::Empty));
-        assert!(matches!(parse_quantity("50X"), Err(QuantityError::Syntax(_))));
+        assert!(matches!(
+            parse_quantity("50X"),
+            Err(QuantityError::Syntax(_))
+        ));
         assert!(matches!(parse_quantity("M"), Err(QuantityError::Syntax(_))));
-        assert!(matches!(parse_quantity("1.2.3M"), Err(QuantityError::Syntax(_))));
-        assert!(matches!(parse_quantity("-5M"), Err(QuantityError::Negative(_))));
-        assert!(matches!(parse_quantity("fast"), Err(QuantityError::Syntax(_))));
-        assert!(parse_quantity("50X").unwrap_err().to_string().contains("\"50X\""));
+        assert!(matches!(
+            parse_quantity("1.2.3M"),
+            Err(QuantityError::Syntax(_))
+        ));
+        assert!(matches!(
+            parse_quantity("-5M"),
+            Err(QuantityError::Negative(_))
+        ));
+        assert!(matches!(
+            parse_quantity("fast"),
+            Err(QuantityError::Syntax(_))
+        ));
+        assert!(parse_quantity("50X")
+            .unwrap_err()
+            .to_string()
+            .contains("\"50X\""));
     }
 }

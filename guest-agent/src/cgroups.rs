@@ -30,8 +30,13 @@ fn unescape_mountinfo(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            let v = (b[i + 1] - b'0') as u32 * 64 + (b[i + 2] - b'0') as u32 * 8 + (b[i + 3] - b'0') as u32;
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = (b[i + 1] - b'0') as u32 * 64
+                + (b[i + 2] - b'0') as u32 * 8
+                + (b[i + 3] - b'0') as u32;
             out.push(v as u8);
             i += 4;
         } else {
@@ -44,8 +49,12 @@ fn unescape_mountinfo(s: &str) -> String {
 
 pub fn cgroup2_mount() -> io::Result<PathBuf> {
     let text = std::fs::read_to_string("/proc/self/mountinfo")?;
-    cgroup2_mount_from(&text)
-        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no cgroup2 filesystem in /proc/self/mountinfo"))
+    cgroup2_mount_from(&text).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "no cgroup2 filesystem in /proc/self/mountinfo",
+        )
+    })
 }
 
 /// A live cgroup: its path relative to the mount ("/" for the root) and an
@@ -71,7 +80,10 @@ pub struct Changes {
 
 impl CgroupTree {
     pub fn new(root: PathBuf) -> CgroupTree {
-        CgroupTree { root, cgroups: HashMap::new() }
+        CgroupTree {
+            root,
+            cgroups: HashMap::new(),
+        }
     }
 
     /// Absolute path of a cgroup of this tree.
@@ -101,7 +113,12 @@ impl CgroupTree {
             }
         }
         let mut changes = Changes::default();
-        let gone: Vec<u64> = self.cgroups.keys().filter(|id| !seen.contains_key(id)).copied().collect();
+        let gone: Vec<u64> = self
+            .cgroups
+            .keys()
+            .filter(|id| !seen.contains_key(id))
+            .copied()
+            .collect();
         for id in gone {
             if let Some(c) = self.cgroups.remove(&id) {
                 changes.removed.insert(id, c);
@@ -112,7 +129,10 @@ impl CgroupTree {
                 continue;
             }
             let Ok(dir) = File::open(&path) else { continue };
-            let rel = path.strip_prefix(&self.root).map(|p| format!("/{}", p.display())).unwrap_or_default();
+            let rel = path
+                .strip_prefix(&self.root)
+                .map(|p| format!("/{}", p.display()))
+                .unwrap_or_default();
             self.cgroups.insert(id, Cgroup { path: rel, dir });
             changes.added.push(id);
         }
@@ -131,10 +151,16 @@ mod tests {
 26 25 0:23 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw,nsdelegate
 27 25 0:24 / /sys/fs/cgroup/cpu rw,relatime shared:11 - cgroup cgroup rw,cpu
 ";
-        assert_eq!(cgroup2_mount_from(mi), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(
+            cgroup2_mount_from(mi),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
         assert_eq!(cgroup2_mount_from("garbage\n\n - \n1 2 3"), None);
         let esc = "26 25 0:23 / /mnt/with\\040space rw - cgroup2 cgroup2 rw\n";
-        assert_eq!(cgroup2_mount_from(esc), Some(PathBuf::from("/mnt/with space")));
+        assert_eq!(
+            cgroup2_mount_from(esc),
+            Some(PathBuf::from("/mnt/with space"))
+        );
     }
 
     #[test]
@@ -147,7 +173,15 @@ mod tests {
         assert_eq!(c.added.len(), 4, "root + 3 dirs, files ignored");
         let mut paths: Vec<_> = t.cgroups.values().map(|c| c.path.clone()).collect();
         paths.sort();
-        assert_eq!(paths, ["/", "/kubepods", "/kubepods/burstable", "/kubepods/burstable/podabc"]);
+        assert_eq!(
+            paths,
+            [
+                "/",
+                "/kubepods",
+                "/kubepods/burstable",
+                "/kubepods/burstable/podabc"
+            ]
+        );
         std::fs::remove_dir(tmp.path().join("kubepods/burstable/podabc")).unwrap();
         let c = t.refresh().unwrap();
         assert_eq!((c.added.len(), c.removed.len()), (0, 1));

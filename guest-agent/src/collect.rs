@@ -14,18 +14,21 @@ use std::time::{Duration, Instant};
 
 use crate::bandwidth;
 use crate::cgroups::CgroupTree;
-use crate::ifaces::{self, PodIface};
-use crate::probes::tc::{Direction, DropKey, IfBytes, TcProbe};
 use crate::dst::MAX_DST;
+use crate::ifaces::{self, PodIface};
 use crate::pods::{classify_cgroup, CgroupClass, PodStore};
 use crate::probes::hist::Hist;
 use crate::probes::sched::SchedProbe;
+use crate::probes::tc::{Direction, DropKey, IfBytes, TcProbe};
 use crate::probes::tcp::{TcpCgroup, TcpProbe};
 
 /// Who a cgroup's numbers belong to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Owner {
-    Pod { uid: String, container_id: Option<String> },
+    Pod {
+        uid: String,
+        container_id: Option<String>,
+    },
     Slice(String),
     /// tc drops nobody could be found for (no socket, unknown device, unknown IPs)
     Unattributed,
@@ -34,7 +37,9 @@ pub enum Owner {
 impl Owner {
     fn of(class: CgroupClass) -> Owner {
         match class {
-            CgroupClass::Pod { uid, container_id, .. } => Owner::Pod { uid, container_id },
+            CgroupClass::Pod {
+                uid, container_id, ..
+            } => Owner::Pod { uid, container_id },
             CgroupClass::Slice(s) => Owner::Slice(s),
         }
     }
@@ -218,7 +223,11 @@ impl Collector {
         for (id, r) in readings {
             let path = match self.tree.cgroups.get(&id) {
                 Some(c) => c.path.as_str(),
-                None => changes.removed.get(&id).map(|c| c.path.as_str()).unwrap_or("/"),
+                None => changes
+                    .removed
+                    .get(&id)
+                    .map(|c| c.path.as_str())
+                    .unwrap_or("/"),
             };
             let st = self.state.entry(id).or_insert_with(|| CgroupState {
                 owner: Owner::of(classify_cgroup(path)),
@@ -228,9 +237,13 @@ impl Collector {
             if self.tree.cgroups.contains_key(&id) {
                 *live.entry(st.owner.clone()).or_default() += 1;
             }
-            let d = deltas
-                .entry(st.owner.clone())
-                .or_insert_with(|| (Hist::default(), vec![Hist::default(); MAX_DST], vec![0; MAX_DST]));
+            let d = deltas.entry(st.owner.clone()).or_insert_with(|| {
+                (
+                    Hist::default(),
+                    vec![Hist::default(); MAX_DST],
+                    vec![0; MAX_DST],
+                )
+            });
             if let Some(h) = r.sched {
                 sched_entries += 1;
                 let delta = match &st.sched {
@@ -250,7 +263,11 @@ impl Collector {
                     };
                     d.1[i].add(&rd);
                     let before = prev.map(|p| p.retrans_segs[i]).unwrap_or(0);
-                    d.2[i] += if t.retrans_segs[i] >= before { t.retrans_segs[i] - before } else { t.retrans_segs[i] };
+                    d.2[i] += if t.retrans_segs[i] >= before {
+                        t.retrans_segs[i] - before
+                    } else {
+                        t.retrans_segs[i]
+                    };
                 }
                 st.tcp = Some(t);
             }
@@ -260,12 +277,18 @@ impl Collector {
             self.state.remove(id);
         }
 
-        let (neg, alloc) = self.sched.as_ref().map(|s| s.kernel_stats()).unwrap_or((0, 0));
+        let (neg, alloc) = self
+            .sched
+            .as_ref()
+            .map(|s| s.kernel_stats())
+            .unwrap_or((0, 0));
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
         for (owner, (sched, rtt, retrans)) in deltas {
             // No series before the first sample: idle cgroups cost nothing, and a
             // retired owner is not revived by zero deltas.
-            let empty = sched.is_empty() && rtt.iter().all(Hist::is_empty) && retrans.iter().all(|r| *r == 0);
+            let empty = sched.is_empty()
+                && rtt.iter().all(Hist::is_empty)
+                && retrans.iter().all(|r| *r == 0);
             if empty && !shared.owners.contains_key(&owner) {
                 continue;
             }
@@ -279,11 +302,23 @@ impl Collector {
         if let Some((bytes, drops, limits)) = tc_deltas {
             for (owner, dir, n) in bytes {
                 if n > 0 || shared.owners.contains_key(&owner) {
-                    *shared.owners.entry(owner).or_default().tc_bytes.entry(dir).or_default() += n;
+                    *shared
+                        .owners
+                        .entry(owner)
+                        .or_default()
+                        .tc_bytes
+                        .entry(dir)
+                        .or_default() += n;
                 }
             }
             for (owner, dir, reason, n) in drops {
-                *shared.owners.entry(owner).or_default().tc_drops.entry((dir, reason)).or_default() += n;
+                *shared
+                    .owners
+                    .entry(owner)
+                    .or_default()
+                    .tc_drops
+                    .entry((dir, reason))
+                    .or_default() += n;
             }
             if let Some(l) = limits {
                 shared.bandwidth = l;
@@ -337,7 +372,10 @@ impl Collector {
     /// Pod of a live (or just removed) cgroup id, as the tc probe needs it.
     fn pod_uid_of_cgroup(&self, id: u64) -> Option<Owner> {
         self.state.get(&id).map(|s| match &s.owner {
-            Owner::Pod { uid, .. } => Owner::Pod { uid: uid.clone(), container_id: None },
+            Owner::Pod { uid, .. } => Owner::Pod {
+                uid: uid.clone(),
+                container_id: None,
+            },
             other => other.clone(),
         })
     }
@@ -346,11 +384,19 @@ impl Collector {
     fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
         let mut out: HashMap<String, Vec<i32>> = HashMap::new();
         for (id, st) in &self.state {
-            let Owner::Pod { uid, .. } = &st.owner else { continue };
-            let Some(cg) = self.tree.cgroups.get(id) else { continue };
+            let Owner::Pod { uid, .. } = &st.owner else {
+                continue;
+            };
+            let Some(cg) = self.tree.cgroups.get(id) else {
+                continue;
+            };
             let procs = self.tree.path_of(cg).join("cgroup.procs");
-            let Ok(text) = std::fs::read_to_string(procs) else { continue };
-            out.entry(uid.clone()).or_default().extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+            let Ok(text) = std::fs::read_to_string(procs) else {
+                continue;
+            };
+            out.entry(uid.clone())
+                .or_default()
+                .extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
         }
         out
     }
@@ -385,13 +431,19 @@ impl Collector {
                     return None;
                 }
             };
-            let new: HashMap<u32, PodIface> = found.pods.into_iter().map(|f| (f.host_ifindex, f)).collect();
+            let new: HashMap<u32, PodIface> = found
+                .pods
+                .into_iter()
+                .map(|f| (f.host_ifindex, f))
+                .collect();
             // An interface stops being counted when its veth is gone or another
             // pod owns it now, not because one look missed its pod.
             let gone: Vec<u32> = tc
                 .by_host
                 .iter()
-                .filter(|(i, p)| !found.host_veths.contains(i) || new.get(i).is_some_and(|n| n.uid != p.uid))
+                .filter(|(i, p)| {
+                    !found.host_veths.contains(i) || new.get(i).is_some_and(|n| n.uid != p.uid)
+                })
                 .map(|(i, _)| *i)
                 .collect();
             for i in gone {
@@ -412,12 +464,23 @@ impl Collector {
                         tracing::debug!(ifindex = i, pod = %pi.uid, "counting pod interface");
                         tc.by_host.insert(*i, pi.clone());
                     }
-                    Err(e) => tracing::warn!(ifindex = i, pod = %pi.uid, "cannot attach tc programs: {e}"),
+                    Err(e) => {
+                        tracing::warn!(ifindex = i, pod = %pi.uid, "cannot attach tc programs: {e}")
+                    }
                 }
             }
-            tc.by_pod_side = tc.by_host.values().map(|p| ((p.pod_netns, p.pod_ifindex), p.uid.clone())).collect();
+            tc.by_pod_side = tc
+                .by_host
+                .values()
+                .map(|p| ((p.pod_netns, p.pod_ifindex), p.uid.clone()))
+                .collect();
             let node_now: HashSet<u32> = found.node_devices.iter().map(|(i, _)| *i).collect();
-            for gone in tc.node_devices.difference(&node_now).copied().collect::<Vec<_>>() {
+            for gone in tc
+                .node_devices
+                .difference(&node_now)
+                .copied()
+                .collect::<Vec<_>>()
+            {
                 tc.probe.detach(gone);
                 tc.node_devices.remove(&gone);
             }
@@ -473,16 +536,38 @@ impl Collector {
     /// Who a drop belongs to, in the order: the socket's owner, else
     /// the device's pod, else the pod whose IP the packet carries.
     fn attribute_drop(&self, k: &DropKey) -> (Owner, Option<Direction>) {
-        let Some(tc) = self.tc.as_ref() else { return (Owner::Unattributed, None) };
-        let ingress_hook = self.tc.as_ref().map(|t| t.probe.reason_name(k.reason)).is_some_and(|r| r == "tc_ingress");
+        let Some(tc) = self.tc.as_ref() else {
+            return (Owner::Unattributed, None);
+        };
+        let ingress_hook = self
+            .tc
+            .as_ref()
+            .map(|t| t.probe.reason_name(k.reason))
+            .is_some_and(|r| r == "tc_ingress");
         // the device says the direction when it is a pod's: host side carries
         // the pod's ingress on egress, and the other way round
         let dev_side = if k.netns == tc.own_netns {
-            tc.by_host.get(&k.ifindex).map(|p| (p.uid.clone(), if ingress_hook { Direction::Egress } else { Direction::Ingress }))
+            tc.by_host.get(&k.ifindex).map(|p| {
+                (
+                    p.uid.clone(),
+                    if ingress_hook {
+                        Direction::Egress
+                    } else {
+                        Direction::Ingress
+                    },
+                )
+            })
         } else {
-            tc.by_pod_side
-                .get(&(k.netns, k.ifindex))
-                .map(|u| (u.clone(), if ingress_hook { Direction::Ingress } else { Direction::Egress }))
+            tc.by_pod_side.get(&(k.netns, k.ifindex)).map(|u| {
+                (
+                    u.clone(),
+                    if ingress_hook {
+                        Direction::Ingress
+                    } else {
+                        Direction::Egress
+                    },
+                )
+            })
         };
         let by_ip = |ip: Option<IpAddr>| ip.and_then(|ip| self.pods.by_ip(ip)).map(|m| m.uid);
         let ip_dir = |uid: &str| -> Option<Direction> {
@@ -510,11 +595,23 @@ impl Collector {
             }
         }
         if let Some((uid, dir)) = dev_side {
-            return (Owner::Pod { uid, container_id: None }, Some(dir));
+            return (
+                Owner::Pod {
+                    uid,
+                    container_id: None,
+                },
+                Some(dir),
+            );
         }
         for uid in [by_ip(k.saddr), by_ip(k.daddr)].into_iter().flatten() {
             let dir = ip_dir(&uid);
-            return (Owner::Pod { uid, container_id: None }, dir);
+            return (
+                Owner::Pod {
+                    uid,
+                    container_id: None,
+                },
+                dir,
+            );
         }
         (Owner::Unattributed, None)
     }
@@ -523,14 +620,25 @@ impl Collector {
     fn bandwidth_limits(&mut self) -> Vec<BandwidthLimit> {
         let mut out = Vec::new();
         for uid in self.pods.uids() {
-            let Some(meta) = self.pods.get(&uid) else { continue };
+            let Some(meta) = self.pods.get(&uid) else {
+                continue;
+            };
             if meta.deleted_at.is_some() {
                 continue;
             }
-            for (key, dir) in [(bandwidth::EGRESS, Direction::Egress), (bandwidth::INGRESS, Direction::Ingress)] {
-                let Some(v) = meta.annotations.get(key) else { continue };
+            for (key, dir) in [
+                (bandwidth::EGRESS, Direction::Egress),
+                (bandwidth::INGRESS, Direction::Ingress),
+            ] {
+                let Some(v) = meta.annotations.get(key) else {
+                    continue;
+                };
                 match bandwidth::parse_quantity(v) {
-                    Ok(bps) => out.push(BandwidthLimit { uid: uid.clone(), direction: dir, bits_per_second: bps }),
+                    Ok(bps) => out.push(BandwidthLimit {
+                        uid: uid.clone(),
+                        direction: dir,
+                        bits_per_second: bps,
+                    }),
                     Err(e) => {
                         if self.warned.insert((uid.clone(), format!("{key}={v}"))) {
                             tracing::warn!(
@@ -548,9 +656,20 @@ impl Collector {
 }
 
 fn push_bytes(out: &mut Vec<(Owner, Direction, u64)>, uid: &str, now: &IfBytes, prev: &IfBytes) {
-    let owner = Owner::Pod { uid: uid.to_string(), container_id: None };
+    let owner = Owner::Pod {
+        uid: uid.to_string(),
+        container_id: None,
+    };
     // counters only grow while the entry exists; a smaller value is a new entry
     let d = |n: u64, p: u64| if n >= p { n - p } else { n };
-    out.push((owner.clone(), Direction::Egress, d(now.egress_bytes, prev.egress_bytes)));
-    out.push((owner, Direction::Ingress, d(now.ingress_bytes, prev.ingress_bytes)));
+    out.push((
+        owner.clone(),
+        Direction::Egress,
+        d(now.egress_bytes, prev.egress_bytes),
+    ));
+    out.push((
+        owner,
+        Direction::Ingress,
+        d(now.ingress_bytes, prev.ingress_bytes),
+    ));
 }

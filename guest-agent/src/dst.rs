@@ -20,7 +20,11 @@ pub enum DstError {
     #[error("destination {0:?}: expected NAME=CIDR[,CIDR...]")]
     Syntax(String),
     #[error("destination {name:?}: {cidr:?} is not a CIDR ({reason})")]
-    BadCidr { name: String, cidr: String, reason: String },
+    BadCidr {
+        name: String,
+        cidr: String,
+        reason: String,
+    },
     #[error("destination name {0:?}: use letters, digits, '-', '_' or '.'")]
     BadName(String),
     #[error("too many destination names (at most {} besides {UNMATCHED_NAME:?})", MAX_DST - 1)]
@@ -48,13 +52,20 @@ impl DstTable {
 
     /// Parses `NAME=CIDR[,CIDR...]` specs; a name may repeat to add prefixes.
     pub fn parse<'a>(specs: impl IntoIterator<Item = &'a str>) -> Result<DstTable, DstError> {
-        let mut t = DstTable { names: Vec::new(), prefixes: Vec::new() };
+        let mut t = DstTable {
+            names: Vec::new(),
+            prefixes: Vec::new(),
+        };
         for spec in specs {
-            let (name, cidrs) = spec.split_once('=').ok_or_else(|| DstError::Syntax(spec.to_string()))?;
+            let (name, cidrs) = spec
+                .split_once('=')
+                .ok_or_else(|| DstError::Syntax(spec.to_string()))?;
             let name = name.trim();
             if name.is_empty()
                 || name == UNMATCHED_NAME
-                || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
             {
                 return Err(DstError::BadName(name.to_string()));
             }
@@ -69,11 +80,13 @@ impl DstTable {
                 }
             };
             for cidr in cidrs.split(',').map(str::trim).filter(|c| !c.is_empty()) {
-                let net: IpNet = cidr.parse().map_err(|e: ipnet::AddrParseError| DstError::BadCidr {
-                    name: name.to_string(),
-                    cidr: cidr.to_string(),
-                    reason: e.to_string(),
-                })?;
+                let net: IpNet =
+                    cidr.parse()
+                        .map_err(|e: ipnet::AddrParseError| DstError::BadCidr {
+                            name: name.to_string(),
+                            cidr: cidr.to_string(),
+                            reason: e.to_string(),
+                        })?;
                 t.prefixes.push((net.trunc(), idx as u32));
             }
         }
@@ -82,7 +95,10 @@ impl DstTable {
 
     /// Label value of class `idx` as reported by the kernel.
     pub fn name(&self, idx: usize) -> &str {
-        self.names.get(idx).map(String::as_str).unwrap_or(UNMATCHED_NAME)
+        self.names
+            .get(idx)
+            .map(String::as_str)
+            .unwrap_or(UNMATCHED_NAME)
     }
 
     /// Entries for the kernel's LPM trie: (key bytes, class index).
@@ -92,7 +108,10 @@ impl DstTable {
             .iter()
             .map(|(net, idx)| {
                 let (addr, plen) = match net {
-                    IpNet::V4(n) => (n.addr().to_ipv6_mapped().octets(), u32::from(n.prefix_len()) + 96),
+                    IpNet::V4(n) => (
+                        n.addr().to_ipv6_mapped().octets(),
+                        u32::from(n.prefix_len()) + 96,
+                    ),
                     IpNet::V6(n) => (n.addr().octets(), u32::from(n.prefix_len())),
                 };
                 let mut key = [0u8; 20];
@@ -113,14 +132,18 @@ impl DstTable {
         let mut best: Option<(u8, u32)> = None;
         for (net, idx) in &self.prefixes {
             let (hit, len) = match net {
-                IpNet::V4(n) => (mapped.to_ipv4_mapped().is_some_and(|a| n.contains(&a)), n.prefix_len() + 96),
+                IpNet::V4(n) => (
+                    mapped.to_ipv4_mapped().is_some_and(|a| n.contains(&a)),
+                    n.prefix_len() + 96,
+                ),
                 IpNet::V6(n) => (n.contains(&mapped), n.prefix_len()),
             };
             if hit && best.is_none_or(|(l, _)| len > l) {
                 best = Some((len, *idx));
             }
         }
-        best.map(|(_, i)| self.name(i as usize)).unwrap_or(UNMATCHED_NAME)
+        best.map(|(_, i)| self.name(i as usize))
+            .unwrap_or(UNMATCHED_NAME)
     }
 }
 
@@ -141,26 +164,55 @@ mod tests {
 
     #[test]
     fn user_names_longest_prefix_and_repeat() {
-        let t = DstTable::parse(["cluster=10.42.0.0/16", "private=10.0.0.0/8", "cluster=fd00::/8"]).unwrap();
+        let t = DstTable::parse([
+            "cluster=10.42.0.0/16",
+            "private=10.0.0.0/8",
+            "cluster=fd00::/8",
+        ])
+        .unwrap();
         assert_eq!(t.classify("10.42.9.9".parse().unwrap()), "cluster");
         assert_eq!(t.classify("10.43.0.1".parse().unwrap()), "private");
         assert_eq!(t.classify("fd00::5".parse().unwrap()), "cluster");
         assert_eq!(t.classify("1.1.1.1".parse().unwrap()), UNMATCHED_NAME);
         let keys = t.lpm_entries();
         assert_eq!(keys.len(), 3);
-        assert_eq!(u32::from_ne_bytes(keys[0].0[..4].try_into().unwrap()), 16 + 96);
-        assert_eq!(&keys[0].0[4..], &"::ffff:10.42.0.0".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        assert_eq!(
+            u32::from_ne_bytes(keys[0].0[..4].try_into().unwrap()),
+            16 + 96
+        );
+        assert_eq!(
+            &keys[0].0[4..],
+            &"::ffff:10.42.0.0"
+                .parse::<std::net::Ipv6Addr>()
+                .unwrap()
+                .octets()
+        );
         assert_eq!(keys[2].1, 0);
     }
 
     #[test]
     fn bad_specs_are_named() {
-        assert_eq!(DstTable::parse(["nocidr"]), Err(DstError::Syntax("nocidr".into())));
-        assert!(matches!(DstTable::parse(["x=10.0.0.0/33"]), Err(DstError::BadCidr { .. })));
-        assert!(matches!(DstTable::parse(["bad name=10.0.0.0/8"]), Err(DstError::BadName(_))));
-        assert!(matches!(DstTable::parse(["other=10.0.0.0/8"]), Err(DstError::BadName(_))));
+        assert_eq!(
+            DstTable::parse(["nocidr"]),
+            Err(DstError::Syntax("nocidr".into()))
+        );
+        assert!(matches!(
+            DstTable::parse(["x=10.0.0.0/33"]),
+            Err(DstError::BadCidr { .. })
+        ));
+        assert!(matches!(
+            DstTable::parse(["bad name=10.0.0.0/8"]),
+            Err(DstError::BadName(_))
+        ));
+        assert!(matches!(
+            DstTable::parse(["other=10.0.0.0/8"]),
+            Err(DstError::BadName(_))
+        ));
         let many: Vec<String> = (0..16).map(|i| format!("n{i}=10.{i}.0.0/16")).collect();
-        assert_eq!(DstTable::parse(many.iter().map(String::as_str)), Err(DstError::TooMany));
+        assert_eq!(
+            DstTable::parse(many.iter().map(String::as_str)),
+            Err(DstError::TooMany)
+        );
         let err = DstTable::parse(["x=nonsense"]).unwrap_err().to_string();
         assert!(err.contains("nonsense"), "{err}");
     }

@@ -11,7 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use prometheus::core::{Collector as PromCollector, Desc};
-use prometheus::proto::{Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{
+    Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
+};
 use prometheus::{Encoder, Registry, TextEncoder};
 
 use crate::collect::{Owner, OwnerStats, Shared};
@@ -40,16 +42,43 @@ pub struct AgentCollector {
 }
 
 impl AgentCollector {
-    pub fn new(shared: Arc<Mutex<Shared>>, pods: PodStore, dst: DstTable, probes: Vec<ProbeStatus>) -> Self {
+    pub fn new(
+        shared: Arc<Mutex<Shared>>,
+        pods: PodStore,
+        dst: DstTable,
+        probes: Vec<ProbeStatus>,
+    ) -> Self {
         let descs = vec![
-            Desc::new(SCHED.into(), "Run-queue wait of tasks being scheduled in, per pod/container".into(), vec![], HashMap::new()),
-            Desc::new(RTT.into(), "TCP smoothed RTT sampled per received segment, by socket owner".into(), vec![], HashMap::new()),
-            Desc::new(RETRANS.into(), "TCP segments retransmitted, by socket owner".into(), vec![], HashMap::new()),
+            Desc::new(
+                SCHED.into(),
+                "Run-queue wait of tasks being scheduled in, per pod/container".into(),
+                vec![],
+                HashMap::new(),
+            ),
+            Desc::new(
+                RTT.into(),
+                "TCP smoothed RTT sampled per received segment, by socket owner".into(),
+                vec![],
+                HashMap::new(),
+            ),
+            Desc::new(
+                RETRANS.into(),
+                "TCP segments retransmitted, by socket owner".into(),
+                vec![],
+                HashMap::new(),
+            ),
         ]
         .into_iter()
         .filter_map(Result::ok)
         .collect();
-        AgentCollector { shared, pods, dst, probes, last_scrape_seconds: Mutex::new(0.0), descs }
+        AgentCollector {
+            shared,
+            pods,
+            dst,
+            probes,
+            last_scrape_seconds: Mutex::new(0.0),
+            descs,
+        }
     }
 
     /// Label set of an owner: pods by namespace/name/container when the API
@@ -61,20 +90,37 @@ impl AgentCollector {
                 Some(meta) => {
                     l.insert("namespace", meta.namespace.clone());
                     l.insert("pod", meta.name.clone());
-                    let c = container_id.as_ref().and_then(|c| meta.containers.get(c)).cloned().unwrap_or_default();
+                    let c = container_id
+                        .as_ref()
+                        .and_then(|c| meta.containers.get(c))
+                        .cloned()
+                        .unwrap_or_default();
                     l.insert("container", c);
                 }
                 None => {
                     l.insert("namespace", String::new());
                     l.insert("pod", uid.clone());
-                    l.insert("container", container_id.as_deref().map(|c| c[..c.len().min(12)].to_string()).unwrap_or_default());
+                    l.insert(
+                        "container",
+                        container_id
+                            .as_deref()
+                            .map(|c| c[..c.len().min(12)].to_string())
+                            .unwrap_or_default(),
+                    );
                 }
             },
             Owner::Slice(s) => {
                 l.insert("namespace", String::new());
                 l.insert("pod", String::new());
                 l.insert("container", String::new());
-                l.insert("slice", if s.is_empty() { "/".to_string() } else { s.clone() });
+                l.insert(
+                    "slice",
+                    if s.is_empty() {
+                        "/".to_string()
+                    } else {
+                        s.clone()
+                    },
+                );
             }
             Owner::Unattributed => {
                 l.insert("namespace", String::new());
@@ -131,7 +177,10 @@ impl AgentCollector {
                     }
                     for ((dir, reason), n) in &o.tc_drops {
                         let mut l = base.clone();
-                        l.insert("direction", dir.map(|d| d.as_str()).unwrap_or("").to_string());
+                        l.insert(
+                            "direction",
+                            dir.map(|d| d.as_str()).unwrap_or("").to_string(),
+                        );
                         l.insert("reason", reason.clone());
                         *tc_drops.entry(l).or_default() += n;
                     }
@@ -144,13 +193,24 @@ impl AgentCollector {
             }
         }
         let mut out = vec![
-            histogram_family(SCHED, "Run-queue wait of tasks being scheduled in (switched-in task's cgroup)", sched),
-            histogram_family(RTT, "TCP smoothed RTT per received segment, attributed to the socket's owner", rtt),
+            histogram_family(
+                SCHED,
+                "Run-queue wait of tasks being scheduled in (switched-in task's cgroup)",
+                sched,
+            ),
+            histogram_family(
+                RTT,
+                "TCP smoothed RTT per received segment, attributed to the socket's owner",
+                rtt,
+            ),
             family(
                 RETRANS,
                 "TCP segments retransmitted (as counted by TcpRetransSegs), by socket owner",
                 MetricType::COUNTER,
-                retrans.into_iter().map(|(l, v)| counter(&l, v as f64)).collect(),
+                retrans
+                    .into_iter()
+                    .map(|(l, v)| counter(&l, v as f64))
+                    .collect(),
             ),
         ];
         out.push(family(
@@ -163,7 +223,10 @@ impl AgentCollector {
             TC_DROPS,
             "Packets dropped in the tc/qdisc layer, by the kernel's drop reason",
             MetricType::COUNTER,
-            tc_drops.into_iter().map(|(l, v)| counter(&l, v as f64)).collect(),
+            tc_drops
+                .into_iter()
+                .map(|(l, v)| counter(&l, v as f64))
+                .collect(),
         ));
         out.push(family(
             BW_LIMIT,
@@ -171,14 +234,26 @@ impl AgentCollector {
             MetricType::GAUGE,
             limits,
         ));
-        let g = |name: &str, help: &str, v: f64| family(name, help, MetricType::GAUGE, vec![gauge(&Labels::new(), v)]);
+        let g = |name: &str, help: &str, v: f64| {
+            family(
+                name,
+                help,
+                MetricType::GAUGE,
+                vec![gauge(&Labels::new(), v)],
+            )
+        };
         out.push(family(
             "gpufeed_probe_up",
             "1 if the probe is loaded and attached, 0 if the kernel lacks what it needs",
             MetricType::GAUGE,
             self.probes
                 .iter()
-                .map(|p| gauge(&Labels::from([("probe", p.name.to_string())]), if p.up { 1.0 } else { 0.0 }))
+                .map(|p| {
+                    gauge(
+                        &Labels::from([("probe", p.name.to_string())]),
+                        if p.up { 1.0 } else { 0.0 },
+                    )
+                })
                 .collect(),
         ));
         out.push(family(
@@ -186,8 +261,14 @@ impl AgentCollector {
             "Cgroups holding an entry in each per-cgroup BPF storage map",
             MetricType::GAUGE,
             vec![
-                gauge(&Labels::from([("map", "sched_hist".to_string())]), stats.sched_entries as f64),
-                gauge(&Labels::from([("map", "tcp_stats".to_string())]), stats.tcp_entries as f64),
+                gauge(
+                    &Labels::from([("map", "sched_hist".to_string())]),
+                    stats.sched_entries as f64,
+                ),
+                gauge(
+                    &Labels::from([("map", "tcp_stats".to_string())]),
+                    stats.tcp_entries as f64,
+                ),
             ],
         ));
         out.push(family(
@@ -195,22 +276,53 @@ impl AgentCollector {
             "Owners (pods/containers, slices) with series",
             MetricType::GAUGE,
             vec![
-                gauge(&Labels::from([("kind", "pod".to_string())]), stats.owners_pod as f64),
-                gauge(&Labels::from([("kind", "slice".to_string())]), stats.owners_slice as f64),
+                gauge(
+                    &Labels::from([("kind", "pod".to_string())]),
+                    stats.owners_pod as f64,
+                ),
+                gauge(
+                    &Labels::from([("kind", "slice".to_string())]),
+                    stats.owners_slice as f64,
+                ),
             ],
         ));
-        out.push(g("gpufeed_tc_interfaces", "Pod interfaces the tc programs are attached to", stats.tc_interfaces as f64));
+        out.push(g(
+            "gpufeed_tc_interfaces",
+            "Pod interfaces the tc programs are attached to",
+            stats.tc_interfaces as f64,
+        ));
         out.push(family(
             "gpufeed_tc_drop_overflow_total",
             "tc/qdisc drops not recorded because the drop map was full",
             MetricType::COUNTER,
             vec![counter(&Labels::new(), stats.tc_drop_overflow as f64)],
         ));
-        out.push(g("gpufeed_cgroups", "Live cgroups in the cgroup v2 hierarchy", stats.cgroups as f64));
-        out.push(g("gpufeed_pods_known", "Pods known from the Kubernetes API", self.pods.len() as f64));
-        out.push(g("gpufeed_kube_synced", "1 once the pod list from the Kubernetes API was received", if self.pods.synced() { 1.0 } else { 0.0 }));
-        out.push(g("gpufeed_tick_duration_seconds", "Time the last map-reading tick took", stats.last_tick_seconds));
-        out.push(family("gpufeed_ticks_total", "Map-reading ticks done", MetricType::COUNTER, vec![counter(&Labels::new(), stats.ticks as f64)]));
+        out.push(g(
+            "gpufeed_cgroups",
+            "Live cgroups in the cgroup v2 hierarchy",
+            stats.cgroups as f64,
+        ));
+        out.push(g(
+            "gpufeed_pods_known",
+            "Pods known from the Kubernetes API",
+            self.pods.len() as f64,
+        ));
+        out.push(g(
+            "gpufeed_kube_synced",
+            "1 once the pod list from the Kubernetes API was received",
+            if self.pods.synced() { 1.0 } else { 0.0 },
+        ));
+        out.push(g(
+            "gpufeed_tick_duration_seconds",
+            "Time the last map-reading tick took",
+            stats.last_tick_seconds,
+        ));
+        out.push(family(
+            "gpufeed_ticks_total",
+            "Map-reading ticks done",
+            MetricType::COUNTER,
+            vec![counter(&Labels::new(), stats.ticks as f64)],
+        ));
         out.push(family(
             "gpufeed_sched_negative_deltas_total",
             "Run-queue waits dropped because the clock went backwards across CPUs",
@@ -230,11 +342,24 @@ impl AgentCollector {
             "gpufeed_build_info",
             "Build information",
             MetricType::GAUGE,
-            vec![gauge(&Labels::from([("version", env!("CARGO_PKG_VERSION").to_string())]), 1.0)],
+            vec![gauge(
+                &Labels::from([("version", env!("CARGO_PKG_VERSION").to_string())]),
+                1.0,
+            )],
         ));
-        let prev = *self.last_scrape_seconds.lock().unwrap_or_else(|e| e.into_inner());
-        out.push(g("gpufeed_scrape_duration_seconds", "Time the previous scrape of this collector took", prev));
-        *self.last_scrape_seconds.lock().unwrap_or_else(|e| e.into_inner()) = started.elapsed().as_secs_f64();
+        let prev = *self
+            .last_scrape_seconds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        out.push(g(
+            "gpufeed_scrape_duration_seconds",
+            "Time the previous scrape of this collector took",
+            prev,
+        ));
+        *self
+            .last_scrape_seconds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = started.elapsed().as_secs_f64();
         out
     }
 
@@ -346,7 +471,11 @@ pub fn render(registry: &Registry) -> String {
 }
 
 /// Serves /metrics and /healthz until the process ends.
-pub async fn serve(listener: tokio::net::TcpListener, registry: Registry, healthy: Arc<dyn Fn() -> bool + Send + Sync>) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    registry: Registry,
+    healthy: Arc<dyn Fn() -> bool + Send + Sync>,
+) -> std::io::Result<()> {
     use axum::http::{header, StatusCode};
     use axum::routing::get;
     let reg = registry.clone();
@@ -356,8 +485,16 @@ pub async fn serve(listener: tokio::net::TcpListener, registry: Registry, health
             get(move || {
                 let reg = reg.clone();
                 async move {
-                    let body = tokio::task::spawn_blocking(move || render(&reg)).await.unwrap_or_default();
-                    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body)
+                    let body = tokio::task::spawn_blocking(move || render(&reg))
+                        .await
+                        .unwrap_or_default();
+                    (
+                        [(
+                            header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )],
+                        body,
+                    )
                 }
             }),
         )
@@ -365,12 +502,20 @@ pub async fn serve(listener: tokio::net::TcpListener, registry: Registry, health
             "/healthz",
             get(move || {
                 let ok = healthy();
-                async move { if ok { (StatusCode::OK, "ok\n") } else { (StatusCode::SERVICE_UNAVAILABLE, "stalled\n") } }
+                async move {
+                    if ok {
+                        (StatusCode::OK, "ok\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "stalled\n")
+                    }
+                }
             }),
         );
     axum::serve(listener, app).await
 }
 
 pub fn bind_error(addr: SocketAddr, e: std::io::Error) -> anyhow::Error {
-    anyhow::anyhow!("cannot listen on {addr} for /metrics: {e} (choose another with --metrics-listen)")
+    anyhow::anyhow!(
+        "cannot listen on {addr} for /metrics: {e} (choose another with --metrics-listen)"
+    )
 }

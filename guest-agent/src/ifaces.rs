@@ -47,7 +47,10 @@ impl std::str::FromStr for NodeDevices {
             "none" | "" => Ok(NodeDevices::None),
             list => {
                 let names: Vec<String> = list.split(',').map(|n| n.trim().to_string()).collect();
-                if let Some(bad) = names.iter().find(|n| n.is_empty() || n.len() > 15 || n.contains('/')) {
+                if let Some(bad) = names
+                    .iter()
+                    .find(|n| n.is_empty() || n.len() > 15 || n.contains('/'))
+                {
                     return Err(format!("{bad:?} is not an interface name"));
                 }
                 Ok(NodeDevices::Names(names))
@@ -91,7 +94,9 @@ pub fn discover(pods: &HashMap<String, Vec<i32>>, node: &NodeDevices) -> io::Res
     let mut by_nsid: HashMap<i32, (String, u32)> = HashMap::new();
     for (uid, pids) in pods {
         for pid in pids {
-            let Ok(f) = File::open(format!("/proc/{pid}/ns/net")) else { continue };
+            let Ok(f) = File::open(format!("/proc/{pid}/ns/net")) else {
+                continue;
+            };
             let Ok(meta) = f.metadata() else { continue };
             let ino = meta.ino() as u32;
             if ino == own {
@@ -104,12 +109,23 @@ pub fn discover(pods: &HashMap<String, Vec<i32>>, node: &NodeDevices) -> io::Res
         }
     }
     let mut d = Discovery::default();
-    d.node_devices = links.iter().filter(|l| node.wants(l)).map(|l| (l.ifindex, l.name.clone())).collect();
+    d.node_devices = links
+        .iter()
+        .filter(|l| node.wants(l))
+        .map(|l| (l.ifindex, l.name.clone()))
+        .collect();
     for l in links.into_iter().filter(|l| l.kind == "veth") {
         d.host_veths.insert(l.ifindex);
-        let (Some(nsid), Some(peer)) = (l.peer_netnsid, l.peer_ifindex) else { continue };
+        let (Some(nsid), Some(peer)) = (l.peer_netnsid, l.peer_ifindex) else {
+            continue;
+        };
         if let Some((uid, ino)) = by_nsid.get(&nsid) {
-            d.pods.push(PodIface { uid: uid.clone(), host_ifindex: l.ifindex, pod_netns: *ino, pod_ifindex: peer });
+            d.pods.push(PodIface {
+                uid: uid.clone(),
+                host_ifindex: l.ifindex,
+                pod_netns: *ino,
+                pod_ifindex: peer,
+            });
         }
     }
     Ok(d)
@@ -123,13 +139,31 @@ mod tests {
     fn node_device_specs() {
         assert_eq!("auto".parse::<NodeDevices>(), Ok(NodeDevices::Auto));
         assert_eq!("none".parse::<NodeDevices>(), Ok(NodeDevices::None));
-        assert_eq!("eth0, bond0".parse::<NodeDevices>(), Ok(NodeDevices::Names(vec!["eth0".into(), "bond0".into()])));
+        assert_eq!(
+            "eth0, bond0".parse::<NodeDevices>(),
+            Ok(NodeDevices::Names(vec!["eth0".into(), "bond0".into()]))
+        );
         assert!("eth0,,x".parse::<NodeDevices>().is_err());
-        assert!("averyveryverylongname".parse::<NodeDevices>().unwrap_err().contains("not an interface name"));
-        let veth = netlink::Link { ifindex: 9, name: "vethx".into(), kind: "veth".into(), peer_ifindex: None, peer_netnsid: None };
+        assert!("averyveryverylongname"
+            .parse::<NodeDevices>()
+            .unwrap_err()
+            .contains("not an interface name"));
+        let veth = netlink::Link {
+            ifindex: 9,
+            name: "vethx".into(),
+            kind: "veth".into(),
+            peer_ifindex: None,
+            peer_netnsid: None,
+        };
         assert!(!NodeDevices::Auto.wants(&veth));
         assert!(NodeDevices::Names(vec!["vethx".into()]).wants(&veth));
-        let lo = netlink::Link { ifindex: 1, name: "lo".into(), kind: String::new(), peer_ifindex: None, peer_netnsid: None };
+        let lo = netlink::Link {
+            ifindex: 1,
+            name: "lo".into(),
+            kind: String::new(),
+            peer_ifindex: None,
+            peer_netnsid: None,
+        };
         assert!(!NodeDevices::Auto.wants(&lo));
     }
 }

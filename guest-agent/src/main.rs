@@ -1,8 +1,8 @@
 //! gpufeed-guest: per-pod eBPF probes served to Prometheus.
 
 mod bandwidth;
-mod cgroups;
 mod certs;
+mod cgroups;
 mod collect;
 mod dst;
 mod exporter;
@@ -28,7 +28,11 @@ use crate::probes::ProbeStatus;
 pub const DEFAULT_METRICS_PORT: u16 = 9745;
 
 #[derive(Parser)]
-#[command(name = "gpufeed-guest", version, about = "Is the GPU getting fed in time? Per-pod eBPF probes for GPU nodes.")]
+#[command(
+    name = "gpufeed-guest",
+    version,
+    about = "Is the GPU getting fed in time? Per-pod eBPF probes for GPU nodes."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -110,7 +114,8 @@ fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             // kube's client logs every failed request at ERROR; our watcher says it once.
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,kube_client=off,netlink_packet_route=error".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube_client=off,netlink_packet_route=error".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -135,10 +140,22 @@ struct Selected {
 }
 
 fn select_probes(spec: &str) -> anyhow::Result<Selected> {
-    let mut s = Selected { sched: false, rtt: false, retrans: false, tc: false };
+    let mut s = Selected {
+        sched: false,
+        rtt: false,
+        retrans: false,
+        tc: false,
+    };
     for p in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match p {
-            "all" => s = Selected { sched: true, rtt: true, retrans: true, tc: true },
+            "all" => {
+                s = Selected {
+                    sched: true,
+                    rtt: true,
+                    retrans: true,
+                    tc: true,
+                }
+            }
             "none" => {}
             probes::sched::NAME => s.sched = true,
             probes::tcp::RTT => s.rtt = true,
@@ -156,8 +173,12 @@ fn select_probes(spec: &str) -> anyhow::Result<Selected> {
 }
 
 fn node_name(arg: Option<String>) -> String {
-    arg.or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_string()))
-        .unwrap_or_default()
+    arg.or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+    })
+    .unwrap_or_default()
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -169,7 +190,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let cgroup_root = match args.cgroup_root {
         Some(p) => p,
-        None => cgroups::cgroup2_mount().context("cannot find the cgroup v2 hierarchy (is cgroup2 mounted?)")?,
+        None => cgroups::cgroup2_mount()
+            .context("cannot find the cgroup v2 hierarchy (is cgroup2 mounted?)")?,
     };
     let any_probe = selected.sched || selected.rtt || selected.retrans || selected.tc;
     if any_probe {
@@ -190,7 +212,11 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let sched = if selected.sched {
         match probes::sched::SchedProbe::load(&btf, args.sched_method).map_err(load_error)? {
             Ok(p) => {
-                statuses.push(ProbeStatus { name: probes::sched::NAME, up: true, reason: None });
+                statuses.push(ProbeStatus {
+                    name: probes::sched::NAME,
+                    up: true,
+                    reason: None,
+                });
                 Some(p)
             }
             Err(st) => {
@@ -204,7 +230,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let tcp = if selected.rtt || selected.retrans {
         let (p, st) = probes::tcp::TcpProbe::load(&btf, &dst).map_err(load_error)?;
         statuses.extend(st.into_iter().filter(|s| {
-            (s.name == probes::tcp::RTT && selected.rtt) || (s.name == probes::tcp::RETRANS && selected.retrans)
+            (s.name == probes::tcp::RTT && selected.rtt)
+                || (s.name == probes::tcp::RETRANS && selected.retrans)
         }));
         p
     } else {
@@ -217,9 +244,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         if !read_addrs {
             tracing::info!("lockdown=confidentiality: tc drops are attributed by socket and device only, not by IP");
         }
-        let (p, st) = probes::tc::TcProbe::load(&btf, args.tc_attach, read_addrs).map_err(load_error)?;
+        let (p, st) =
+            probes::tc::TcProbe::load(&btf, args.tc_attach, read_addrs).map_err(load_error)?;
         statuses.extend(st);
-        Some(collect::TcState::new(p, args.node_devices.clone()).context("finding the agent's network namespace")?)
+        Some(
+            collect::TcState::new(p, args.node_devices.clone())
+                .context("finding the agent's network namespace")?,
+        )
     } else {
         None
     };
@@ -239,7 +270,12 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         pods.clone(),
         args.pod_grace,
     );
-    collector.tick().with_context(|| format!("cannot read the cgroup hierarchy at {}", cgroup_root.display()))?;
+    collector.tick().with_context(|| {
+        format!(
+            "cannot read the cgroup hierarchy at {}",
+            cgroup_root.display()
+        )
+    })?;
 
     let registry = prometheus::Registry::new();
     registry.register(Box::new(exporter::AgentCollector::new(
@@ -255,24 +291,31 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     {
         let last = last_tick_ms.clone();
         let interval = args.interval;
-        std::thread::Builder::new().name("tick".into()).spawn(move || {
-            let mut next = Instant::now() + interval;
-            loop {
-                std::thread::sleep(next.saturating_duration_since(Instant::now()));
-                next += interval;
-                if let Err(e) = collector.tick() {
-                    tracing::warn!("reading the cgroup hierarchy failed: {e}");
-                    continue;
+        std::thread::Builder::new()
+            .name("tick".into())
+            .spawn(move || {
+                let mut next = Instant::now() + interval;
+                loop {
+                    std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                    next += interval;
+                    if let Err(e) = collector.tick() {
+                        tracing::warn!("reading the cgroup hierarchy failed: {e}");
+                        continue;
+                    }
+                    last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
-                last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
-            }
-        })?;
+            })?;
     }
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         if !args.no_kube {
-            let cfg = pods::WatchConfig { node_name: node_name(args.node_name) };
+            let cfg = pods::WatchConfig {
+                node_name: node_name(args.node_name),
+            };
             tracing::info!(node = %cfg.node_name, "watching this node's pods");
             tokio::spawn(pods::run_watcher(pods.clone(), cfg));
         }
@@ -281,7 +324,11 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             Some(listen) => {
                 let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
                 hc.journal = args.event_journal.clone();
-                Some(hub::serve(hc, &registry).await.context("starting the hub (--quic-listen)")?)
+                Some(
+                    hub::serve(hc, &registry)
+                        .await
+                        .context("starting the hub (--quic-listen)")?,
+                )
             }
             None => None,
         };

@@ -73,7 +73,10 @@ fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkM
 
 /// All links of the calling thread's network namespace.
 pub fn links() -> io::Result<Vec<Link>> {
-    let msgs = request(RouteNetlinkMessage::GetLink(LinkMessage::default()), NLM_F_DUMP)?;
+    let msgs = request(
+        RouteNetlinkMessage::GetLink(LinkMessage::default()),
+        NLM_F_DUMP,
+    )?;
     Ok(msgs
         .into_iter()
         .filter_map(|m| match m {
@@ -140,6 +143,9 @@ mod tests {
     fn lists_loopback() {
         // every namespace has lo at ifindex 1
         let links = links().expect("rtnetlink dump");
-        assert!(links.iter().any(|l| l.name == "lo" && l.ifindex == 1), "{links:?}");
+        assert!(
+            links.iter().any(|l| l.name == "lo" && l.ifindex == 1),
+            "{links:?}"
+        );
     }
 }

@@ -20,7 +20,10 @@ pub fn missing(status: &str, btf: &Path) -> Vec<String> {
     let has = |c: u32| caps & (1u64 << c) != 0;
     // Kernels >= 5.8 split CAP_BPF and CAP_PERFMON out of CAP_SYS_ADMIN; either works.
     if !has(CAP_BPF) && !has(CAP_SYS_ADMIN) {
-        out.push("missing capability CAP_BPF (grant CAP_BPF and CAP_PERFMON, or run as root)".to_string());
+        out.push(
+            "missing capability CAP_BPF (grant CAP_BPF and CAP_PERFMON, or run as root)"
+                .to_string(),
+        );
     }
     if !has(CAP_PERFMON) && !has(CAP_SYS_ADMIN) {
         out.push("missing capability CAP_PERFMON (needed to attach tracing programs)".to_string());
@@ -55,8 +58,14 @@ mod tests {
         let none = "CapEff:\t0000000000000000\n";
         let m = missing(none, btf);
         assert_eq!(m.len(), 2);
-        assert!(m[0].contains("CAP_BPF") && m[1].contains("CAP_PERFMON"), "{m:?}");
-        let bpf_perfmon = format!("CapEff:\t{:016x}\n", (1u64 << CAP_BPF) | (1u64 << CAP_PERFMON));
+        assert!(
+            m[0].contains("CAP_BPF") && m[1].contains("CAP_PERFMON"),
+            "{m:?}"
+        );
+        let bpf_perfmon = format!(
+            "CapEff:\t{:016x}\n",
+            (1u64 << CAP_BPF) | (1u64 << CAP_PERFMON)
+        );
         assert!(missing(&bpf_perfmon, btf).is_empty());
         let no_btf = missing(root, Path::new("/nonexistent/vmlinux"));
         assert_eq!(no_btf.len(), 1);

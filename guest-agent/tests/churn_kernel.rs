@@ -18,13 +18,28 @@ fn counts(agent: &Agent) -> (f64, f64, usize) {
 #[test]
 fn five_hundred_pods_created_and_deleted_return_to_baseline() {
     let Some(_lock) = require_root() else { return };
-    let agent = Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "sched_latency", "--pod-grace", "1s"], &[]);
+    let agent = Agent::start(
+        &[
+            "--interval",
+            "200ms",
+            "--no-kube",
+            "--probes",
+            "sched_latency",
+            "--pod-grace",
+            "1s",
+        ],
+        &[],
+    );
     std::thread::sleep(Duration::from_millis(500));
     let base = counts(&agent);
     let sb = CgroupSandbox::new();
     let pods: Vec<Pod> = (0..500)
         .map(|i| {
-            let layout = if i % 2 == 0 { Layout::Cgroupfs } else { Layout::Systemd };
+            let layout = if i % 2 == 0 {
+                Layout::Cgroupfs
+            } else {
+                Layout::Systemd
+            };
             let qos = ["burstable", "besteffort", "guaranteed"][i % 3];
             Pod::new(&sb, layout, qos, &random_uid(), &random_cid())
         })
@@ -47,8 +62,14 @@ fn five_hundred_pods_created_and_deleted_return_to_baseline() {
     })
     .expect("agent saw 500 new pods");
     eprintln!("baseline owners/entries/series {base:?}, with 500 pods {peak:?}");
-    assert!(peak.1 >= base.1 + 500.0, "each pod cgroup holds a map entry");
-    assert!(peak.2 >= base.2 + 500 * 28, "each pod has a histogram series");
+    assert!(
+        peak.1 >= base.1 + 500.0,
+        "each pod cgroup holds a map entry"
+    );
+    assert!(
+        peak.2 >= base.2 + 500 * 28,
+        "each pod has a histogram series"
+    );
 
     drop(pods); // removes every pod's cgroups
     let back = wait_for(Duration::from_secs(20), || {
@@ -56,6 +77,7 @@ fn five_hundred_pods_created_and_deleted_return_to_baseline() {
         (c.0 <= base.0 && c.1 <= base.1 && c.2 <= base.2).then_some(c)
     });
     eprintln!("after deletion: {back:?}");
-    let back = back.unwrap_or_else(|| panic!("back to baseline {base:?}; now {:?}", counts(&agent)));
+    let back =
+        back.unwrap_or_else(|| panic!("back to baseline {base:?}; now {:?}", counts(&agent)));
     assert_eq!(back.0, base.0);
 }

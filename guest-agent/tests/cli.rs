@@ -10,10 +10,18 @@ fn guest() -> Command {
 
 #[test]
 fn unprivileged_start_names_the_missing_capability() {
-    let Some(_lock) = common::require_root() else { return };
+    let Some(_lock) = common::require_root() else {
+        return;
+    };
     // drop to nobody with no capabilities at all
     let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+        ])
         .arg(env!("CARGO_BIN_EXE_gpufeed-guest"))
         .args(["run", "--metrics-listen", "127.0.0.1:0", "--no-kube"])
         .output()
@@ -28,17 +36,29 @@ fn unprivileged_start_names_the_missing_capability() {
 
 #[test]
 fn bad_flags_get_clear_errors() {
-    let out = guest().args(["run", "--interval", "10ms"]).output().unwrap();
+    let out = guest()
+        .args(["run", "--interval", "10ms"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("outside 100ms..60s"));
 
-    let out = guest().args(["run", "--probes", "sched_latency,gpu", "--no-kube"]).output().unwrap();
+    let out = guest()
+        .args(["run", "--probes", "sched_latency,gpu", "--no-kube"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("unknown probe \"gpu\""), "{err}");
 
-    let out = guest().args(["run", "--dst", "cluster=10.0.0.0/33", "--no-kube"]).output().unwrap();
+    let out = guest()
+        .args(["run", "--dst", "cluster=10.0.0.0/33", "--no-kube"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("10.0.0.0/33") && err.contains("cluster"), "{err}");
+    assert!(
+        err.contains("10.0.0.0/33") && err.contains("cluster"),
+        "{err}"
+    );
 }

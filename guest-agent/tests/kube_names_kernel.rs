@@ -17,8 +17,16 @@ const VLLM_NAME: &str = "vllm-llama3-8b-6f9c7d5b8-x2k4q";
 /// taken from the recorded list.
 fn vllm_fixture() -> (String, String) {
     let list: serde_json::Value = serde_json::from_str(&fixture("pods-list.json")).unwrap();
-    let pod = list["items"].as_array().unwrap().iter().find(|p| p["metadata"]["uid"] == VLLM_UID).unwrap().clone();
-    let cid = pod["status"]["containerStatuses"][0]["containerID"].as_str().unwrap();
+    let pod = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["metadata"]["uid"] == VLLM_UID)
+        .unwrap()
+        .clone();
+    let cid = pod["status"]["containerStatuses"][0]["containerID"]
+        .as_str()
+        .unwrap();
     let cid = cid.strip_prefix("containerd://").unwrap().to_string();
     let deleted = serde_json::json!({"type": "DELETED", "object": pod}).to_string();
     (cid, deleted)
@@ -28,7 +36,12 @@ fn vllm_fixture() -> (String, String) {
 async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
     let Some(_lock) = require_root() else { return };
     let (cid, deleted) = vllm_fixture();
-    let kube = FakeKube::start(NODE, fixture("pods-list.json"), fixture_lines("pods-watch.jsonl")).await;
+    let kube = FakeKube::start(
+        NODE,
+        fixture("pods-list.json"),
+        fixture_lines("pods-watch.jsonl"),
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = kube.write_kubeconfig(dir.path());
 
@@ -36,14 +49,29 @@ async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
     // the vllm container in the systemd layout, a pod unknown to the API in cgroupfs
     let mut vllm = Pod::new(&sb, Layout::Systemd, "burstable", VLLM_UID, &cid);
     let stranger_uid = random_uid();
-    let mut stranger = Pod::new(&sb, Layout::Cgroupfs, "besteffort", &stranger_uid, &random_cid());
+    let mut stranger = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "besteffort",
+        &stranger_uid,
+        &random_cid(),
+    );
     vllm.spawn("while :; do sleep 0.01; done");
     stranger.spawn("while :; do sleep 0.01; done");
 
     let kc = kubeconfig.to_str().unwrap().to_string();
     let agent = tokio::task::spawn_blocking(move || {
         Agent::start(
-            &["--interval", "200ms", "--probes", "sched_latency", "--node-name", NODE, "--pod-grace", "3s"],
+            &[
+                "--interval",
+                "200ms",
+                "--probes",
+                "sched_latency",
+                "--node-name",
+                NODE,
+                "--pod-grace",
+                "3s",
+            ],
             &[("KUBECONFIG", &kc)],
         )
     })
@@ -51,17 +79,34 @@ async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
     .unwrap();
 
     let sched_count = "ebpf_sched_latency_microseconds_count";
-    let want = [("namespace", "inference"), ("pod", VLLM_NAME), ("container", "vllm")];
-    let named = wait_for(Duration::from_secs(15), || value(&agent.scrape(), sched_count, &want));
-    assert!(named.is_some_and(|v| v > 0.0), "vllm series labelled from the API");
+    let want = [
+        ("namespace", "inference"),
+        ("pod", VLLM_NAME),
+        ("container", "vllm"),
+    ];
+    let named = wait_for(Duration::from_secs(15), || {
+        value(&agent.scrape(), sched_count, &want)
+    });
+    assert!(
+        named.is_some_and(|v| v > 0.0),
+        "vllm series labelled from the API"
+    );
     let s = agent.scrape();
     assert_eq!(value(&s, "gpufeed_kube_synced", &[]), Some(1.0));
     // the pod the API does not know is labelled by UID
-    assert!(value(&s, sched_count, &[("namespace", ""), ("pod", &stranger_uid)]).is_some());
+    assert!(value(
+        &s,
+        sched_count,
+        &[("namespace", ""), ("pod", &stranger_uid)]
+    )
+    .is_some());
     // no series carries the raw UID of a pod the API named
     assert!(find(&s, sched_count, &[("pod", VLLM_UID)]).is_empty());
     // the field selector reached the API
-    assert!(kube.requests().iter().any(|r| r.param("fieldSelector") == Some(&format!("spec.nodeName={NODE}"))));
+    assert!(kube
+        .requests()
+        .iter()
+        .any(|r| r.param("fieldSelector") == Some(&format!("spec.nodeName={NODE}"))));
 
     // The API deletes the pod and kubelet removes its cgroups.
     kube.push_event(deleted);
@@ -73,10 +118,17 @@ async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
         "series stay during the grace period ({:?} after deletion)",
         t0.elapsed()
     );
-    let gone = wait_for(Duration::from_secs(8), || value(&agent.scrape(), sched_count, &want).is_none().then_some(t0.elapsed()));
+    let gone = wait_for(Duration::from_secs(8), || {
+        value(&agent.scrape(), sched_count, &want)
+            .is_none()
+            .then_some(t0.elapsed())
+    });
     let after = gone.expect("deleted pod's series vanish");
     eprintln!("deleted pod's series vanished {after:?} after deletion (grace 3s)");
-    assert!(after >= Duration::from_secs(3), "not before the grace period");
+    assert!(
+        after >= Duration::from_secs(3),
+        "not before the grace period"
+    );
     // the other pod is untouched
     assert!(value(&agent.scrape(), sched_count, &[("pod", &stranger_uid)]).is_some());
     drop(agent);

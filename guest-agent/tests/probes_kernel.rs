@@ -14,7 +14,10 @@ const RETRANS: &str = "ebpf_tcp_retransmissions_total";
 
 fn pod_labels(p: &Pod) -> [(&'static str, String); 2] {
     // Without a Kubernetes API, pods are labelled by UID and short container id.
-    [("pod", p.uid.clone()), ("container", p.container_id[..12].to_string())]
+    [
+        ("pod", p.uid.clone()),
+        ("container", p.container_id[..12].to_string()),
+    ]
 }
 
 fn sel<'a>(l: &'a [(&'static str, String); 2]) -> Vec<(&'static str, &'a str)> {
@@ -42,16 +45,49 @@ fn sched_latency_from_wakeup_stamps_agrees_with_schedstat() {
 /// pod; the busy pod's histogram sum against its tasks' schedstat run_delay.
 fn sched_latency_case(method: &str) {
     let sb = CgroupSandbox::new();
-    let agent =
-        Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "sched_latency", "--sched-method", method], &[]);
-    assert!(agent.log.lock().unwrap().contains(&method.replace('-', "_")), "agent uses the {method} source");
-    let mut busy = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
-    let mut idle = Pod::new(&sb, Layout::Systemd, "besteffort", &random_uid(), &random_cid());
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let agent = Agent::start(
+        &[
+            "--interval",
+            "200ms",
+            "--no-kube",
+            "--probes",
+            "sched_latency",
+            "--sched-method",
+            method,
+        ],
+        &[],
+    );
+    assert!(
+        agent
+            .log
+            .lock()
+            .unwrap()
+            .contains(&method.replace('-', "_")),
+        "agent uses the {method} source"
+    );
+    let mut busy = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "burstable",
+        &random_uid(),
+        &random_cid(),
+    );
+    let mut idle = Pod::new(
+        &sb,
+        Layout::Systemd,
+        "besteffort",
+        &random_uid(),
+        &random_cid(),
+    );
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let busy_cpu = cpus - 1;
     // four spinning tasks on one CPU: each waits ~3/4 of the time
     for _ in 0..4 {
-        busy.spawn(&format!("exec taskset -c {busy_cpu} sh -c 'while :; do :; done'"));
+        busy.spawn(&format!(
+            "exec taskset -c {busy_cpu} sh -c 'while :; do :; done'"
+        ));
     }
     idle.spawn("exec taskset -c 0 sh -c 'while :; do sleep 0.02; done'");
     std::thread::sleep(Duration::from_secs(1));
@@ -76,9 +112,16 @@ fn sched_latency_case(method: &str) {
     let ours_us = sum1 - sum0;
     let kernel_us = (d1 - d0) as f64 / 1000.0;
     eprintln!("[{method}] busy pod: histogram sum delta {ours_us:.0} us, schedstat run_delay delta {kernel_us:.0} us");
-    assert!(kernel_us > 3_000_000.0, "4 tasks on one CPU for 3 s wait for seconds, got {kernel_us} us");
+    assert!(
+        kernel_us > 3_000_000.0,
+        "4 tasks on one CPU for 3 s wait for seconds, got {kernel_us} us"
+    );
     let err = (ours_us - kernel_us).abs() / kernel_us;
-    assert!(err < 0.10, "histogram sum {ours_us} vs schedstat {kernel_us}: {:.1}% apart", err * 100.0);
+    assert!(
+        err < 0.10,
+        "histogram sum {ours_us} vs schedstat {kernel_us}: {:.1}% apart",
+        err * 100.0
+    );
 
     let busy_p99 = hist_quantile(&s1, SCHED, &sel(&bl), 0.99).unwrap();
     let il = pod_labels(&idle);
@@ -86,13 +129,20 @@ fn sched_latency_case(method: &str) {
     let idle_count = value(&s1, &format!("{SCHED}_count"), &sel(&il)).unwrap();
     eprintln!("p99 busy {busy_p99} us, idle {idle_p99} us ({idle_count} idle samples)");
     let idle_mean = value(&s1, &format!("{SCHED}_sum"), &sel(&il)).unwrap() / idle_count;
-    let busy_mean = ours_us / (value(&s1, &format!("{SCHED}_count"), &sel(&bl)).unwrap()
-        - value(&s0, &format!("{SCHED}_count"), &sel(&bl)).unwrap());
+    let busy_mean = ours_us
+        / (value(&s1, &format!("{SCHED}_count"), &sel(&bl)).unwrap()
+            - value(&s0, &format!("{SCHED}_count"), &sel(&bl)).unwrap());
     eprintln!("mean wait busy {busy_mean:.0} us, idle {idle_mean:.0} us");
     assert!(idle_count >= 50.0, "the idle pod wakes every 20 ms");
     assert!(busy_p99 >= 4_000.0, "busy p99 {busy_p99} us");
-    assert!(busy_p99 >= 4.0 * idle_p99, "busy p99 {busy_p99} us not far above idle p99 {idle_p99} us");
-    assert!(busy_mean >= 10.0 * idle_mean, "busy mean wait {busy_mean} us vs idle {idle_mean} us");
+    assert!(
+        busy_p99 >= 4.0 * idle_p99,
+        "busy p99 {busy_p99} us not far above idle p99 {idle_p99} us"
+    );
+    assert!(
+        busy_mean >= 10.0 * idle_mean,
+        "busy mean wait {busy_mean} us vs idle {idle_mean} us"
+    );
     // both layouts resolved to their pod, not to a slice
     assert!(find(&s1, &format!("{SCHED}_count"), &[("slice", "gpufeed-test")]).is_empty());
     busy.signal_all(libc::SIGCONT);
@@ -104,7 +154,10 @@ fn ss_rtt_us(ns: &str, dst: &str) -> Option<f64> {
     // pick the socket with the most bytes_acked (the data connection)
     let mut best: Option<(u64, f64)> = None;
     for line in out.lines() {
-        let rtt = line.split_whitespace().find_map(|w| w.strip_prefix("rtt:")).and_then(|r| r.split('/').next()?.parse::<f64>().ok());
+        let rtt = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("rtt:"))
+            .and_then(|r| r.split('/').next()?.parse::<f64>().ok());
         let acked = line
             .split_whitespace()
             .find_map(|w| w.strip_prefix("bytes_acked:"))
@@ -127,11 +180,34 @@ fn tcp_rtt_agrees_with_ss_and_silent_pod_has_none() {
     let (srv_ns, srv_ip, srv_if) = net.server();
     // Queueing delay on the way to the server: a 20 Mbit/s token bucket with
     // ~25 ms of queue; a bulk upload keeps it filled.
-    sh(&format!("tc qdisc add dev {srv_if} root tbf rate 20mbit burst 16kb latency 25ms"));
+    sh(&format!(
+        "tc qdisc add dev {srv_if} root tbf rate 20mbit burst 16kb latency 25ms"
+    ));
     let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
-    let agent = Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "tcp_rtt,tcp_retransmit"], &[]);
-    let mut talker = Pod::new(&sb, Layout::Systemd, "burstable", &random_uid(), &random_cid());
-    let mut silent = Pod::new(&sb, Layout::Cgroupfs, "guaranteed", &random_uid(), &random_cid());
+    let agent = Agent::start(
+        &[
+            "--interval",
+            "200ms",
+            "--no-kube",
+            "--probes",
+            "tcp_rtt,tcp_retransmit",
+        ],
+        &[],
+    );
+    let mut talker = Pod::new(
+        &sb,
+        Layout::Systemd,
+        "burstable",
+        &random_uid(),
+        &random_cid(),
+    );
+    let mut silent = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "guaranteed",
+        &random_uid(),
+        &random_cid(),
+    );
     net.join(&mut talker);
     net.join(&mut silent);
     silent.spawn("exec sleep 30");
@@ -156,18 +232,36 @@ fn tcp_rtt_agrees_with_ss_and_silent_pod_has_none() {
         std::thread::sleep(Duration::from_millis(150));
     }
     let s1 = agent.scrape();
-    let (sum1, cnt1) =
-        (value(&s1, &format!("{RTT}_sum"), &want).unwrap(), value(&s1, &format!("{RTT}_count"), &want).unwrap());
+    let (sum1, cnt1) = (
+        value(&s1, &format!("{RTT}_sum"), &want).unwrap(),
+        value(&s1, &format!("{RTT}_count"), &want).unwrap(),
+    );
     let ours = (sum1 - sum0) / (cnt1 - cnt0);
     let theirs = ss.iter().sum::<f64>() / ss.len() as f64;
-    eprintln!("mean srtt: ours {ours:.0} us over {} samples, ss {theirs:.0} us over {} readings", cnt1 - cnt0, ss.len());
+    eprintln!(
+        "mean srtt: ours {ours:.0} us over {} samples, ss {theirs:.0} us over {} readings",
+        cnt1 - cnt0,
+        ss.len()
+    );
     assert!(ss.len() >= 10, "ss saw the socket");
-    assert!(theirs > 2_000.0, "the shaped link adds queueing delay (ss {theirs} us)");
-    assert!((ours - theirs).abs() / theirs < 0.20, "ours {ours} us vs ss {theirs} us");
+    assert!(
+        theirs > 2_000.0,
+        "the shaped link adds queueing delay (ss {theirs} us)"
+    );
+    assert!(
+        (ours - theirs).abs() / theirs < 0.20,
+        "ours {ours} us vs ss {theirs} us"
+    );
 
     let sl = pod_labels(&silent);
-    assert!(find(&s1, &format!("{RTT}_count"), &sel(&sl)).is_empty(), "the silent pod has no RTT series");
-    assert!(find(&s1, RETRANS, &sel(&sl)).is_empty(), "the silent pod has no TCP series at all");
+    assert!(
+        find(&s1, &format!("{RTT}_count"), &sel(&sl)).is_empty(),
+        "the silent pod has no RTT series"
+    );
+    assert!(
+        find(&s1, RETRANS, &sel(&sl)).is_empty(),
+        "the silent pod has no TCP series at all"
+    );
 }
 
 #[test]
@@ -179,12 +273,35 @@ fn retransmits_equal_nstat_and_clean_pod_shows_zero() {
     let (clean_ns, clean_ip, _) = net.server();
     // A token bucket with almost no queue in front of the lossy server: an
     // upload overflows it and loses segments, which the pod retransmits.
-    sh(&format!("tc qdisc add dev {lossy_if} root tbf rate 10mbit burst 10kb limit 12kb"));
+    sh(&format!(
+        "tc qdisc add dev {lossy_if} root tbf rate 10mbit burst 10kb limit 12kb"
+    ));
     let _s1 = spawn_in_ns(&lossy_ns, "exec iperf3 -s -1");
     let _s2 = spawn_in_ns(&clean_ns, "exec iperf3 -s -1");
-    let agent = Agent::start(&["--interval", "200ms", "--no-kube", "--probes", "tcp_rtt,tcp_retransmit"], &[]);
-    let mut lossy = Pod::new(&sb, Layout::Cgroupfs, "besteffort", &random_uid(), &random_cid());
-    let mut clean = Pod::new(&sb, Layout::Systemd, "guaranteed", &random_uid(), &random_cid());
+    let agent = Agent::start(
+        &[
+            "--interval",
+            "200ms",
+            "--no-kube",
+            "--probes",
+            "tcp_rtt,tcp_retransmit",
+        ],
+        &[],
+    );
+    let mut lossy = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "besteffort",
+        &random_uid(),
+        &random_cid(),
+    );
+    let mut clean = Pod::new(
+        &sb,
+        Layout::Systemd,
+        "guaranteed",
+        &random_uid(),
+        &random_cid(),
+    );
     net.join(&mut lossy);
     net.join(&mut clean);
     std::thread::sleep(Duration::from_millis(300));
@@ -208,12 +325,38 @@ fn retransmits_equal_nstat_and_clean_pod_shows_zero() {
     let cl = pod_labels(&clean);
     let ours_lossy = value(&s, RETRANS, &sel(&ll)).expect("lossy pod has a retransmit series");
     let ours_clean = value(&s, RETRANS, &sel(&cl)).expect("clean pod has a retransmit series (0)");
-    eprintln!("lost in kernel: {:?}", value(&s, "gpufeed_bpf_storage_alloc_failures_total", &[("probe", "tcp")]));
-    eprintln!("retransmits: lossy ours {ours_lossy} nstat {}, clean ours {ours_clean} nstat {}", l1 - l0, c1 - c0);
-    assert!(l1 - l0 >= 10, "the shaped link dropped segments (nstat {})", l1 - l0);
-    assert_eq!(ours_lossy as u64, l1 - l0, "retransmits equal the namespace's TcpRetransSegs delta");
+    eprintln!(
+        "lost in kernel: {:?}",
+        value(
+            &s,
+            "gpufeed_bpf_storage_alloc_failures_total",
+            &[("probe", "tcp")]
+        )
+    );
+    eprintln!(
+        "retransmits: lossy ours {ours_lossy} nstat {}, clean ours {ours_clean} nstat {}",
+        l1 - l0,
+        c1 - c0
+    );
+    assert!(
+        l1 - l0 >= 10,
+        "the shaped link dropped segments (nstat {})",
+        l1 - l0
+    );
+    assert_eq!(
+        ours_lossy as u64,
+        l1 - l0,
+        "retransmits equal the namespace's TcpRetransSegs delta"
+    );
     assert_eq!(c1 - c0, 0, "the clean path did not retransmit");
     assert_eq!(ours_clean, 0.0);
-    let d: Vec<_> = find(&s, RETRANS, &sel(&ll)).iter().map(|x| x.label("dst").to_string()).collect();
-    assert_eq!(d, ["private"], "10.213.x.x classifies as the default 'private' destination");
+    let d: Vec<_> = find(&s, RETRANS, &sel(&ll))
+        .iter()
+        .map(|x| x.label("dst").to_string())
+        .collect();
+    assert_eq!(
+        d,
+        ["private"],
+        "10.213.x.x classifies as the default 'private' destination"
+    );
 }

@@ -15,10 +15,14 @@ fn shipped_promql() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut out = Vec::new();
     for dir in ["docs", "talos"] {
-        let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else {
+            continue;
+        };
         for e in entries.flatten() {
             let p = e.path();
-            let Ok(text) = std::fs::read_to_string(&p) else { continue };
+            let Ok(text) = std::fs::read_to_string(&p) else {
+                continue;
+            };
             let mut inside = false;
             let mut cur = String::new();
             for line in text.lines() {
@@ -47,7 +51,9 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
     let mut servers = Vec::new();
     for _ in 0..2 {
         let (ns, ip, hif) = net.server();
-        sh(&format!("tc qdisc add dev {hif} root tbf rate 50mbit burst 32kb latency 10ms"));
+        sh(&format!(
+            "tc qdisc add dev {hif} root tbf rate 50mbit burst 32kb latency 10ms"
+        ));
         servers.push((spawn_in_ns(&ns, "exec iperf3 -s"), ip));
     }
     let agent = Agent::start(&["--interval", "500ms", "--no-kube"], &[]);
@@ -55,18 +61,29 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
 
     let mut busy = Vec::new();
     for i in 0..2 {
-        let layout = if i == 0 { Layout::Cgroupfs } else { Layout::Systemd };
+        let layout = if i == 0 {
+            Layout::Cgroupfs
+        } else {
+            Layout::Systemd
+        };
         let mut p = Pod::new(&sb, layout, "burstable", &random_uid(), &random_cid());
         net.join(&mut p);
         p.spawn("exec sh -c 'while :; do :; done'");
         p.spawn(&format!("exec iperf3 -c {} -t 30 -b 5M", servers[i].1));
         busy.push(p);
     }
-    let mut quiet = Pod::new(&sb, Layout::Cgroupfs, "besteffort", &random_uid(), &random_cid());
+    let mut quiet = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "besteffort",
+        &random_uid(),
+        &random_cid(),
+    );
     quiet.spawn("exec sleep 60");
     let busy_uids: BTreeSet<String> = busy.iter().map(|p| p.uid.clone()).collect();
 
-    let rtt = "rate(ebpf_tcp_rtt_microseconds_sum[10s]) / rate(ebpf_tcp_rtt_microseconds_count[10s])";
+    let rtt =
+        "rate(ebpf_tcp_rtt_microseconds_sum[10s]) / rate(ebpf_tcp_rtt_microseconds_count[10s])";
     let p99 = "histogram_quantile(0.99, rate(ebpf_sched_latency_microseconds_bucket[10s]))";
     let pods_of = |res: &[serde_json::Value]| -> Vec<String> {
         res.iter()
@@ -82,14 +99,24 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
         (a.len() >= 2 && b.len() >= 2).then_some((a, b))
     });
     let (mut a, mut b) = ready.unwrap_or_else(|| {
-        panic!("both busy pods appear in both queries: rtt {:?}\np99 {:?}", prom.query(rtt), prom.query(p99))
+        panic!(
+            "both busy pods appear in both queries: rtt {:?}\np99 {:?}",
+            prom.query(rtt),
+            prom.query(p99)
+        )
     });
     a.sort();
     b.sort();
     let want: Vec<String> = busy_uids.iter().cloned().collect();
-    assert_eq!(a, want, "RTT query: exactly one series per busy pod (the quiet pod has none)");
+    assert_eq!(
+        a, want,
+        "RTT query: exactly one series per busy pod (the quiet pod has none)"
+    );
     for s in prom.query(rtt).unwrap() {
-        if s["metric"]["pod"].as_str().is_some_and(|p| busy_uids.contains(p)) {
+        if s["metric"]["pod"]
+            .as_str()
+            .is_some_and(|p| busy_uids.contains(p))
+        {
             let v: f64 = s["value"][1].as_str().unwrap().parse().unwrap();
             assert!(v > 10.0 && v < 1_000_000.0, "mean RTT {v} us is plausible");
             assert_eq!(s["metric"]["dst"], "private");
@@ -97,7 +124,11 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
     }
     // p99 of the busy pods: one each; the quiet pod may show up only if it ran
     let busy_p99: Vec<&String> = b.iter().filter(|p| busy_uids.contains(*p)).collect();
-    assert_eq!(busy_p99, want.iter().collect::<Vec<_>>(), "p99 query: one series per busy pod");
+    assert_eq!(
+        busy_p99,
+        want.iter().collect::<Vec<_>>(),
+        "p99 query: one series per busy pod"
+    );
 
     let shipped = shipped_promql();
     assert!(shipped.len() >= 2, "docs ship PromQL examples");

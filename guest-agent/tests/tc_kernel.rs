@@ -23,9 +23,18 @@ const BYTES: &str = "ebpf_tc_bytes_total";
 const DROPS: &str = "ebpf_tc_dropped_packets_total";
 
 /// A pod object in the API's shape, with IP and annotations.
-fn pod_json(ns: &str, name: &str, uid: &str, cid: &str, ip: &str, annotations: &[(&str, &str)]) -> serde_json::Value {
-    let ann: serde_json::Map<String, serde_json::Value> =
-        annotations.iter().map(|(k, v)| (k.to_string(), serde_json::Value::from(*v))).collect();
+fn pod_json(
+    ns: &str,
+    name: &str,
+    uid: &str,
+    cid: &str,
+    ip: &str,
+    annotations: &[(&str, &str)],
+) -> serde_json::Value {
+    let ann: serde_json::Map<String, serde_json::Value> = annotations
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .collect();
     serde_json::json!({
         "metadata": {"name": name, "namespace": ns, "uid": uid, "resourceVersion": "100",
                      "creationTimestamp": "2026-11-29T10:00:00Z", "labels": {"app": name}, "annotations": ann},
@@ -43,8 +52,10 @@ fn pod_list(items: Vec<serde_json::Value>) -> String {
 }
 
 fn wait_attached(agent: &Agent, n: f64) {
-    wait_for(Duration::from_secs(15), || (value(&agent.scrape(), "gpufeed_tc_interfaces", &[])? >= n).then_some(()))
-        .unwrap_or_else(|| panic!("tc programs attached to {n} pod interfaces"));
+    wait_for(Duration::from_secs(15), || {
+        (value(&agent.scrape(), "gpufeed_tc_interfaces", &[])? >= n).then_some(())
+    })
+    .unwrap_or_else(|| panic!("tc programs attached to {n} pod interfaces"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,23 +76,51 @@ async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annota
     // What the CNI bandwidth plugin does for egress-bandwidth=50M: a token bucket
     // on the pod's traffic (here on the pod side of its veth).
     let ns_a = capped.netns.clone().unwrap();
-    sh(&format!("ip netns exec {ns_a} tc qdisc add dev eth0 root tbf rate 50mbit burst 32kb latency 50ms"));
+    sh(&format!(
+        "ip netns exec {ns_a} tc qdisc add dev eth0 root tbf rate 50mbit burst 32kb latency 50ms"
+    ));
     let list = pod_list(vec![
-        pod_json("inference", "capped", &uid_a, &cid_a, capped.ip.as_deref().unwrap(),
-                 &[("kubernetes.io/egress-bandwidth", "50M")]),
-        pod_json("inference", "free", &uid_b, &cid_b, free.ip.as_deref().unwrap(), &[]),
-        pod_json("batch", "typo", &random_uid(), &random_cid(), "10.213.250.9",
-                 &[("kubernetes.io/ingress-bandwidth", "50X")]),
+        pod_json(
+            "inference",
+            "capped",
+            &uid_a,
+            &cid_a,
+            capped.ip.as_deref().unwrap(),
+            &[("kubernetes.io/egress-bandwidth", "50M")],
+        ),
+        pod_json(
+            "inference",
+            "free",
+            &uid_b,
+            &cid_b,
+            free.ip.as_deref().unwrap(),
+            &[],
+        ),
+        pod_json(
+            "batch",
+            "typo",
+            &random_uid(),
+            &random_cid(),
+            "10.213.250.9",
+            &[("kubernetes.io/ingress-bandwidth", "50X")],
+        ),
     ]);
     let kube = FakeKube::start(NODE, list, vec![]).await;
     let dir = tempfile::tempdir().unwrap();
-    let kc = kube.write_kubeconfig(dir.path()).to_str().unwrap().to_string();
+    let kc = kube
+        .write_kubeconfig(dir.path())
+        .to_str()
+        .unwrap()
+        .to_string();
     // processes that hold the pods' namespaces and cgroups until the traffic starts
     capped.spawn("exec sleep 60");
     free.spawn("exec sleep 60");
 
     let agent = tokio::task::spawn_blocking(move || {
-        Agent::start(&["--interval", "500ms", "--probes", "tc", "--node-name", NODE], &[("KUBECONFIG", &kc)])
+        Agent::start(
+            &["--interval", "500ms", "--probes", "tc", "--node-name", NODE],
+            &[("KUBECONFIG", &kc)],
+        )
     })
     .await
     .unwrap();
@@ -98,8 +137,18 @@ async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annota
         value(s, BYTES, &w).unwrap_or(0.0)
     };
     let s0 = agent.scrape();
-    let c0 = [if_stat(&hif_a, "rx_bytes"), if_stat(&hif_a, "tx_bytes"), if_stat(&hif_b, "rx_bytes"), if_stat(&hif_b, "tx_bytes")];
-    let m0 = [metric(&s0, &sel_a, "egress"), metric(&s0, &sel_a, "ingress"), metric(&s0, &sel_b, "egress"), metric(&s0, &sel_b, "ingress")];
+    let c0 = [
+        if_stat(&hif_a, "rx_bytes"),
+        if_stat(&hif_a, "tx_bytes"),
+        if_stat(&hif_b, "rx_bytes"),
+        if_stat(&hif_b, "tx_bytes"),
+    ];
+    let m0 = [
+        metric(&s0, &sel_a, "egress"),
+        metric(&s0, &sel_a, "ingress"),
+        metric(&s0, &sel_b, "egress"),
+        metric(&s0, &sel_b, "ingress"),
+    ];
 
     let t0 = Instant::now();
     let pa = capped.spawn(&format!("exec iperf3 -c {ip1} -t 8"));
@@ -107,41 +156,96 @@ async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annota
     let pb = free.spawn(&format!("exec iperf3 -c {ip2} -t 8 -b 500M"));
     // rate over a window inside the upload, as Prometheus computes it
     std::thread::sleep(Duration::from_secs(2).saturating_sub(t0.elapsed()));
-    let (a2, i2) = (metric(&agent.scrape(), &sel_a, "egress"), if_stat(&hif_a, "rx_bytes"));
+    let (a2, i2) = (
+        metric(&agent.scrape(), &sel_a, "egress"),
+        if_stat(&hif_a, "rx_bytes"),
+    );
     std::thread::sleep(Duration::from_secs(7).saturating_sub(t0.elapsed()));
-    let (a7, i7) = (metric(&agent.scrape(), &sel_a, "egress"), if_stat(&hif_a, "rx_bytes"));
-    eprintln!("2..7 s: agent {:.1} Mbit/s, interface {:.1} Mbit/s", (a7 - a2) * 8.0 / 5e6, (i7 - i2) as f64 * 8.0 / 5e6);
-    let rate_a = prom.scalar("rate(ebpf_tc_bytes_total{pod=\"capped\",direction=\"egress\"}[5s]) * 8").expect("capped rate");
-    let rate_b = prom.scalar("rate(ebpf_tc_bytes_total{pod=\"free\",direction=\"egress\"}[5s]) * 8").expect("free rate");
+    let (a7, i7) = (
+        metric(&agent.scrape(), &sel_a, "egress"),
+        if_stat(&hif_a, "rx_bytes"),
+    );
+    eprintln!(
+        "2..7 s: agent {:.1} Mbit/s, interface {:.1} Mbit/s",
+        (a7 - a2) * 8.0 / 5e6,
+        (i7 - i2) as f64 * 8.0 / 5e6
+    );
+    let rate_a = prom
+        .scalar("rate(ebpf_tc_bytes_total{pod=\"capped\",direction=\"egress\"}[5s]) * 8")
+        .expect("capped rate");
+    let rate_b = prom
+        .scalar("rate(ebpf_tc_bytes_total{pod=\"free\",direction=\"egress\"}[5s]) * 8")
+        .expect("free rate");
     let ratio = prom
         .scalar("rate(ebpf_tc_bytes_total{pod=\"capped\",direction=\"egress\"}[5s]) * 8 / gpufeed_bandwidth_limit_bits_per_second")
         .expect("rate divided by the annotated limit");
-    eprintln!("egress rate: capped {:.1} Mbit/s (limit ratio {ratio:.3}), free {:.1} Mbit/s", rate_a / 1e6, rate_b / 1e6);
-    assert!((rate_a - 50e6).abs() / 50e6 < 0.10, "capped pod at {rate_a} bit/s, want 50 Mbit/s ± 10%");
+    eprintln!(
+        "egress rate: capped {:.1} Mbit/s (limit ratio {ratio:.3}), free {:.1} Mbit/s",
+        rate_a / 1e6,
+        rate_b / 1e6
+    );
+    assert!(
+        (rate_a - 50e6).abs() / 50e6 < 0.10,
+        "capped pod at {rate_a} bit/s, want 50 Mbit/s ± 10%"
+    );
     assert!((ratio - 1.0).abs() < 0.10, "rate / limit = {ratio}");
-    assert!(rate_b > 3.0 * 50e6, "uncapped pod {rate_b} bit/s is far above the cap");
+    assert!(
+        rate_b > 3.0 * 50e6,
+        "uncapped pod {rate_b} bit/s is far above the cap"
+    );
 
     capped.wait_exit(pa, Duration::from_secs(20));
     free.wait_exit(pb, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(1500));
     let s1 = agent.scrape();
-    let c1 = [if_stat(&hif_a, "rx_bytes"), if_stat(&hif_a, "tx_bytes"), if_stat(&hif_b, "rx_bytes"), if_stat(&hif_b, "tx_bytes")];
-    let m1 = [metric(&s1, &sel_a, "egress"), metric(&s1, &sel_a, "ingress"), metric(&s1, &sel_b, "egress"), metric(&s1, &sel_b, "ingress")];
-    for (i, what) in ["capped egress (host rx)", "capped ingress (host tx)", "free egress (host rx)", "free ingress (host tx)"].iter().enumerate() {
+    let c1 = [
+        if_stat(&hif_a, "rx_bytes"),
+        if_stat(&hif_a, "tx_bytes"),
+        if_stat(&hif_b, "rx_bytes"),
+        if_stat(&hif_b, "tx_bytes"),
+    ];
+    let m1 = [
+        metric(&s1, &sel_a, "egress"),
+        metric(&s1, &sel_a, "ingress"),
+        metric(&s1, &sel_b, "egress"),
+        metric(&s1, &sel_b, "ingress"),
+    ];
+    for (i, what) in [
+        "capped egress (host rx)",
+        "capped ingress (host tx)",
+        "free egress (host rx)",
+        "free ingress (host tx)",
+    ]
+    .iter()
+    .enumerate()
+    {
         let ours = m1[i] - m0[i];
         let theirs = (c1[i] - c0[i]) as f64;
         eprintln!("{what}: ours {ours} bytes, interface {theirs} bytes");
         assert!(theirs > 100_000.0, "{what}: traffic flowed");
-        assert!((ours - theirs).abs() / theirs < 0.01, "{what}: ours {ours} vs interface {theirs}");
+        assert!(
+            (ours - theirs).abs() / theirs < 0.01,
+            "{what}: ours {ours} vs interface {theirs}"
+        );
     }
 
     // limits from annotations, and a clear warning for the bad one
-    let lim = value(&s1, "gpufeed_bandwidth_limit_bits_per_second", &[("pod", "capped"), ("direction", "egress")]);
+    let lim = value(
+        &s1,
+        "gpufeed_bandwidth_limit_bits_per_second",
+        &[("pod", "capped"), ("direction", "egress")],
+    );
     assert_eq!(lim, Some(50e6));
-    assert!(find(&s1, "gpufeed_bandwidth_limit_bits_per_second", &[("pod", "typo")]).is_empty());
+    assert!(find(
+        &s1,
+        "gpufeed_bandwidth_limit_bits_per_second",
+        &[("pod", "typo")]
+    )
+    .is_empty());
     let log = agent.log.lock().unwrap().clone();
     assert!(
-        log.lines().any(|l| l.contains("WARN") && l.contains("batch/typo") && l.contains("50X")),
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("batch/typo") && l.contains("50X")),
         "warning names the pod and the value:\n{log}"
     );
 }
@@ -163,12 +267,26 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     let mut net = TestNet::new();
     let (srv, srv_ip, _) = net.server();
     let _s = spawn_in_ns(&srv, "exec iperf3 -s");
-    let mut flooder = Pod::new(&sb, Layout::Cgroupfs, "besteffort", &random_uid(), &random_cid());
-    let mut bystander = Pod::new(&sb, Layout::Systemd, "burstable", &random_uid(), &random_cid());
+    let mut flooder = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "besteffort",
+        &random_uid(),
+        &random_cid(),
+    );
+    let mut bystander = Pod::new(
+        &sb,
+        Layout::Systemd,
+        "burstable",
+        &random_uid(),
+        &random_cid(),
+    );
     net.join(&mut flooder);
     net.join(&mut bystander);
     let ns = flooder.netns.clone().unwrap();
-    sh(&format!("ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 10mbit burst 10kb limit 20kb"));
+    sh(&format!(
+        "ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 10mbit burst 10kb limit 20kb"
+    ));
     flooder.spawn("exec sleep 60");
     bystander.spawn("exec sleep 60");
     let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc"], &[]);
@@ -183,19 +301,43 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     let total: f64 = ours.iter().map(|x| x.value).sum();
     let reasons: Vec<&str> = ours.iter().map(|x| x.label("reason")).collect();
     eprintln!("drops: ours {total} ({reasons:?}), tc -s qdisc {}", d1 - d0);
-    assert!(d1 - d0 > 100, "the token bucket overflowed ({} drops)", d1 - d0);
+    assert!(
+        d1 - d0 > 100,
+        "the token bucket overflowed ({} drops)",
+        d1 - d0
+    );
     assert_eq!(total as u64, d1 - d0, "drops equal the qdisc's own counter");
-    assert!(reasons.iter().all(|r| r.starts_with("qdisc_")), "kernel reason names: {reasons:?}");
-    assert!(find(&s, DROPS, &[("pod", &bystander.uid)]).is_empty(), "no drops for the bystander");
-    assert!(find(&s, DROPS, &[("pod", "")]).is_empty(), "every drop attributed");
+    assert!(
+        reasons.iter().all(|r| r.starts_with("qdisc_")),
+        "kernel reason names: {reasons:?}"
+    );
+    assert!(
+        find(&s, DROPS, &[("pod", &bystander.uid)]).is_empty(),
+        "no drops for the bystander"
+    );
+    assert!(
+        find(&s, DROPS, &[("pod", "")]).is_empty(),
+        "every drop attributed"
+    );
 }
 
 /// tcx link of the foreign program, attached the way another agent would.
 fn attach_foreign(prog: &libbpf_rs::ProgramMut<'_>, ifindex: u32) -> OwnedFd {
     let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
     opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
-    let r = unsafe { libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), ifindex as i32, libbpf_sys::BPF_TCX_INGRESS, &opts) };
-    assert!(r >= 0, "attaching the foreign program: {}", std::io::Error::from_raw_os_error(-r));
+    let r = unsafe {
+        libbpf_sys::bpf_link_create(
+            prog.as_fd().as_raw_fd(),
+            ifindex as i32,
+            libbpf_sys::BPF_TCX_INGRESS,
+            &opts,
+        )
+    };
+    assert!(
+        r >= 0,
+        "attaching the foreign program: {}",
+        std::io::Error::from_raw_os_error(-r)
+    );
     unsafe { OwnedFd::from_raw_fd(r) }
 }
 
@@ -213,15 +355,27 @@ fn foreign_program_case(attach: &str) {
             sink.display()
         ),
     );
-    let mut pod = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
+    let mut pod = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "burstable",
+        &random_uid(),
+        &random_cid(),
+    );
     net.join(&mut pod);
     pod.spawn("exec sleep 60");
     let hif = pod.host_if.clone().unwrap();
-    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{hif}/ifindex")).unwrap().trim().parse().unwrap();
+    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{hif}/ifindex"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
 
     // someone else's program is there first (tcx, or a clsact filter)
     let mut storage = MaybeUninit::uninit();
-    let open = foreign::TcForeignSkelBuilder::default().open(&mut storage).unwrap();
+    let open = foreign::TcForeignSkelBuilder::default()
+        .open(&mut storage)
+        .unwrap();
     let skel = open.load().unwrap();
     let _link;
     let _hook_guard;
@@ -241,33 +395,73 @@ fn foreign_program_case(attach: &str) {
         _hook_guard = Some(h);
     }
     let counts = |i: u32| -> u64 {
-        let v = skel.maps.foreign_counts.lookup(&i.to_ne_bytes(), MapFlags::ANY).unwrap().unwrap();
+        let v = skel
+            .maps
+            .foreign_counts
+            .lookup(&i.to_ne_bytes(), MapFlags::ANY)
+            .unwrap()
+            .unwrap();
         u64::from_ne_bytes(v[..8].try_into().unwrap())
     };
 
-    let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc", "--tc-attach", attach], &[]);
+    let agent = Agent::start(
+        &[
+            "--interval",
+            "300ms",
+            "--no-kube",
+            "--probes",
+            "tc",
+            "--tc-attach",
+            attach,
+        ],
+        &[],
+    );
     wait_attached(&agent, 1.0);
     let seen0 = counts(0);
     let rx0 = if_stat(&hif, "rx_bytes");
     // 200 datagrams to the port the foreign program drops, then a TCP upload
-    let u = pod.spawn(&format!("exec bash -c 'for i in $(seq 200); do echo dropme > /dev/udp/{srv_ip}/9; done'"));
+    let u = pod.spawn(&format!(
+        "exec bash -c 'for i in $(seq 200); do echo dropme > /dev/udp/{srv_ip}/9; done'"
+    ));
     pod.wait_exit(u, Duration::from_secs(10));
     let t = pod.spawn(&format!("exec iperf3 -c {srv_ip} -t 2"));
     pod.wait_exit(t, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(900));
     let rx1 = if_stat(&hif, "rx_bytes");
 
-    let received = std::fs::read_to_string(&sink).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
+    let received = std::fs::read_to_string(&sink)
+        .ok()
+        .and_then(|t| t.parse::<u64>().ok())
+        .unwrap_or(0);
     let _ = std::fs::remove_file(&sink);
-    eprintln!("[{attach}] foreign program: saw {} packets, dropped {}; sink received {received}", counts(0) - seen0, counts(1));
-    assert_eq!(counts(1), 200, "the foreign program still dropped every port-9 datagram");
+    eprintln!(
+        "[{attach}] foreign program: saw {} packets, dropped {}; sink received {received}",
+        counts(0) - seen0,
+        counts(1)
+    );
+    assert_eq!(
+        counts(1),
+        200,
+        "the foreign program still dropped every port-9 datagram"
+    );
     assert_eq!(received, 0, "its drop verdict held");
-    assert!(counts(0) - seen0 > 1000, "the foreign program kept running for the TCP upload too");
-    let ours = value(&agent.scrape(), BYTES, &[("pod", &pod.uid), ("direction", "egress")]).unwrap();
+    assert!(
+        counts(0) - seen0 > 1000,
+        "the foreign program kept running for the TCP upload too"
+    );
+    let ours = value(
+        &agent.scrape(),
+        BYTES,
+        &[("pod", &pod.uid), ("direction", "egress")],
+    )
+    .unwrap();
     let theirs = (rx1 - rx0) as f64;
     eprintln!("[{attach}] ours {ours} bytes, interface {theirs}");
     assert!(theirs > 1_000_000.0);
-    assert!((ours - theirs).abs() / theirs < 0.01, "ours {ours} vs interface {theirs}");
+    assert!(
+        (ours - theirs).abs() / theirs < 0.01,
+        "ours {ours} vs interface {theirs}"
+    );
     drop(agent);
     if let Some(mut h) = _hook_guard {
         let _ = h.detach();
@@ -305,13 +499,20 @@ impl NodeDevice {
              ip addr add {local}/24 dev {name} && ip link set {name} up && \
              ip -n {ns} addr add {server_ip}/24 dev eth0 && ip -n {ns} link set eth0 up && ip -n {ns} link set lo up"
         ));
-        NodeDevice { name, ns, server_ip }
+        NodeDevice {
+            name,
+            ns,
+            server_ip,
+        }
     }
 }
 
 impl Drop for NodeDevice {
     fn drop(&mut self) {
-        sh_quiet(&format!("ip netns pids {} | xargs -r kill -9; ip netns del {}", self.ns, self.ns));
+        sh_quiet(&format!(
+            "ip netns pids {} | xargs -r kill -9; ip netns del {}",
+            self.ns, self.ns
+        ));
         sh_quiet(&format!("ip link del {}", self.name));
     }
 }
@@ -323,26 +524,80 @@ fn host_network_pod_bytes_by_socket_on_node_devices() {
     let node = NodeDevice::new();
     let _srv = spawn_in_ns(&node.ns, "exec iperf3 -s");
     // a hostNetwork pod: its own cgroups, the node's network namespace
-    let mut hostnet = Pod::new(&sb, Layout::Cgroupfs, "burstable", &random_uid(), &random_cid());
-    let mut bystander = Pod::new(&sb, Layout::Systemd, "besteffort", &random_uid(), &random_cid());
+    let mut hostnet = Pod::new(
+        &sb,
+        Layout::Cgroupfs,
+        "burstable",
+        &random_uid(),
+        &random_cid(),
+    );
+    let mut bystander = Pod::new(
+        &sb,
+        Layout::Systemd,
+        "besteffort",
+        &random_uid(),
+        &random_cid(),
+    );
     bystander.spawn("exec sleep 60");
-    let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc", "--node-devices", &node.name], &[]);
-    wait_for(Duration::from_secs(10), || agent.log.lock().unwrap().contains("counting hostNetwork").then_some(()))
-        .expect("node device attached");
-    let (tx0, rx0) = (if_stat(&node.name, "tx_bytes"), if_stat(&node.name, "rx_bytes"));
+    let agent = Agent::start(
+        &[
+            "--interval",
+            "300ms",
+            "--no-kube",
+            "--probes",
+            "tc",
+            "--node-devices",
+            &node.name,
+        ],
+        &[],
+    );
+    wait_for(Duration::from_secs(10), || {
+        agent
+            .log
+            .lock()
+            .unwrap()
+            .contains("counting hostNetwork")
+            .then_some(())
+    })
+    .expect("node device attached");
+    let (tx0, rx0) = (
+        if_stat(&node.name, "tx_bytes"),
+        if_stat(&node.name, "rx_bytes"),
+    );
     let up = hostnet.spawn(&format!("exec iperf3 -c {} -t 2", node.server_ip));
     hostnet.wait_exit(up, Duration::from_secs(20));
     let down = hostnet.spawn(&format!("exec iperf3 -c {} -t 2 -R", node.server_ip));
     hostnet.wait_exit(down, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(900));
-    let (tx1, rx1) = (if_stat(&node.name, "tx_bytes"), if_stat(&node.name, "rx_bytes"));
+    let (tx1, rx1) = (
+        if_stat(&node.name, "tx_bytes"),
+        if_stat(&node.name, "rx_bytes"),
+    );
     let s = agent.scrape();
-    let eg = value(&s, BYTES, &[("pod", &hostnet.uid), ("direction", "egress")]).expect("egress series");
-    let ing = value(&s, BYTES, &[("pod", &hostnet.uid), ("direction", "ingress")]).expect("ingress series");
+    let eg =
+        value(&s, BYTES, &[("pod", &hostnet.uid), ("direction", "egress")]).expect("egress series");
+    let ing = value(
+        &s,
+        BYTES,
+        &[("pod", &hostnet.uid), ("direction", "ingress")],
+    )
+    .expect("ingress series");
     let (dev_tx, dev_rx) = ((tx1 - tx0) as f64, (rx1 - rx0) as f64);
     eprintln!("hostNetwork pod: egress ours {eg} device tx {dev_tx}; ingress ours {ing} device rx {dev_rx}");
-    assert!(dev_tx > 10_000_000.0 && dev_rx > 10_000_000.0, "traffic flowed both ways");
-    assert!((eg - dev_tx).abs() / dev_tx < 0.01, "egress {eg} vs device tx {dev_tx}");
-    assert!((ing - dev_rx).abs() / dev_rx < 0.01, "ingress {ing} vs device rx {dev_rx}");
-    assert!(find(&s, BYTES, &[("pod", &bystander.uid)]).is_empty(), "the idle pod has no bytes");
+    assert!(
+        dev_tx > 10_000_000.0 && dev_rx > 10_000_000.0,
+        "traffic flowed both ways"
+    );
+    assert!(
+        (eg - dev_tx).abs() / dev_tx < 0.01,
+        "egress {eg} vs device tx {dev_tx}"
+    );
+    assert!(
+        (ing - dev_rx).abs() / dev_rx < 0.01,
+        "ingress {ing} vs device rx {dev_rx}"
+    );
+    assert!(
+        find(&s, BYTES, &[("pod", &bystander.uid)]).is_empty(),
+        "the idle pod has no bytes"
+    );
 }

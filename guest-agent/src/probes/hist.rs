@@ -35,7 +35,11 @@ pub struct Hist {
 
 impl Default for Hist {
     fn default() -> Self {
-        Hist { buckets: [0; SLOTS], sum_ns: 0, count: 0 }
+        Hist {
+            buckets: [0; SLOTS],
+            sum_ns: 0,
+            count: 0,
+        }
     }
 }
 
@@ -45,7 +49,9 @@ impl Hist {
         if b.len() < HIST_BYTES {
             return None;
         }
-        let mut words = b.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().unwrap()));
+        let mut words = b
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()));
         let mut h = Hist::default();
         for slot in h.buckets.iter_mut() {
             *slot = words.next()?;
@@ -93,20 +99,6 @@ impl Hist {
         }
         out
     }
-
-    /// Quantile estimate (upper bound of the bucket holding it), in microseconds.
-    #[cfg(test)]
-    pub fn quantile_upper_us(&self, q: f64) -> f64 {
-        let rank = (q * self.count as f64).ceil() as u64;
-        let mut acc = 0;
-        for i in 0..BUCKETS {
-            acc += self.buckets[i];
-            if acc >= rank {
-                return upper_bound_us(i);
-            }
-        }
-        f64::INFINITY
-    }
 }
 
 #[cfg(test)]
@@ -134,7 +126,10 @@ mod tests {
             }
         }
         assert!((upper_bound_us(0) - 1.024).abs() < 1e-9);
-        assert!(upper_bound_us(BUCKETS - 1) > 16e6, "top bucket covers ~16 s");
+        assert!(
+            upper_bound_us(BUCKETS - 1) > 16e6,
+            "top bucket covers ~16 s"
+        );
     }
 
     #[test]

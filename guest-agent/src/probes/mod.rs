@@ -29,9 +29,17 @@ pub struct ProbeStatus {
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
     #[error("{probe}: {what} failed: {source}")]
-    Libbpf { probe: &'static str, what: &'static str, source: libbpf_rs::Error },
+    Libbpf {
+        probe: &'static str,
+        what: &'static str,
+        source: libbpf_rs::Error,
+    },
     #[error("{probe}: {what} failed: {source}")]
-    Io { probe: &'static str, what: &'static str, source: std::io::Error },
+    Io {
+        probe: &'static str,
+        what: &'static str,
+        source: std::io::Error,
+    },
 }
 
 impl ProbeError {
@@ -46,8 +54,15 @@ impl ProbeError {
     }
 }
 
-pub(crate) fn err(probe: &'static str, what: &'static str) -> impl FnOnce(libbpf_rs::Error) -> ProbeError {
-    move |source| ProbeError::Libbpf { probe, what, source }
+pub(crate) fn err(
+    probe: &'static str,
+    what: &'static str,
+) -> impl FnOnce(libbpf_rs::Error) -> ProbeError {
+    move |source| ProbeError::Libbpf {
+        probe,
+        what,
+        source,
+    }
 }
 
 /// Kernel BTF, loaded once, to decide which hooks exist before loading programs.
@@ -64,7 +79,9 @@ impl KernelBtf {
 
     /// Whether the kernel has tcx attachment (6.6).
     pub fn has_tcx(&self) -> bool {
-        self.0.as_ref().is_some_and(|b| b.type_by_name::<Struct<'_>>("tcx_entry").is_some())
+        self.0
+            .as_ref()
+            .is_some_and(|b| b.type_by_name::<Struct<'_>>("tcx_entry").is_some())
     }
 
     /// Whether the scheduler keeps per-task run-queue timestamps
@@ -79,13 +96,17 @@ impl KernelBtf {
 
     fn has_member(&self, ty: &str, member: &str) -> bool {
         self.0.as_ref().is_some_and(|b| {
-            b.type_by_name::<Struct<'_>>(ty).is_some_and(|t| t.iter().any(|m| m.name.is_some_and(|n| n == member)))
+            b.type_by_name::<Struct<'_>>(ty)
+                .is_some_and(|t| t.iter().any(|m| m.name.is_some_and(|n| n == member)))
         })
     }
 
     /// Whether the kernel has the tracepoint that `tp_btf/<name>` attaches to.
     pub fn has_tracepoint(&self, name: &str) -> bool {
-        self.0.as_ref().is_some_and(|b| b.type_by_name::<Typedef<'_>>(&format!("btf_trace_{name}")).is_some())
+        self.0.as_ref().is_some_and(|b| {
+            b.type_by_name::<Typedef<'_>>(&format!("btf_trace_{name}"))
+                .is_some()
+        })
     }
 }
 
@@ -105,7 +126,12 @@ pub fn percpu_sum(map: &MapHandle, index: u32) -> u64 {
     map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)
         .ok()
         .flatten()
-        .map(|cpus| cpus.iter().filter_map(|b| b.get(..8)).map(|b| u64::from_ne_bytes(b.try_into().unwrap())).sum())
+        .map(|cpus| {
+            cpus.iter()
+                .filter_map(|b| b.get(..8))
+                .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
+                .sum()
+        })
         .unwrap_or(0)
 }
 

@@ -35,7 +35,10 @@ pub struct SchedProbe {
 
 impl SchedProbe {
     /// Loads and attaches; `Ok(Err(status))` when the kernel lacks a hook.
-    pub fn load(btf: &KernelBtf, method: Method) -> Result<Result<SchedProbe, ProbeStatus>, ProbeError> {
+    pub fn load(
+        btf: &KernelBtf,
+        method: Method,
+    ) -> Result<Result<SchedProbe, ProbeStatus>, ProbeError> {
         let use_sched_info = match method {
             Method::Auto => btf.has_sched_info(),
             Method::SchedInfo => {
@@ -53,8 +56,11 @@ impl SchedProbe {
             }
             Method::Stamp => false,
         };
-        let hooks: &[&str] =
-            if use_sched_info { &["sched_switch"] } else { &["sched_wakeup", "sched_wakeup_new", "sched_switch"] };
+        let hooks: &[&str] = if use_sched_info {
+            &["sched_switch"]
+        } else {
+            &["sched_wakeup", "sched_wakeup_new", "sched_switch"]
+        };
         if let Some(missing) = hooks.iter().find(|h| !btf.has_tracepoint(h)) {
             return Ok(Err(ProbeStatus {
                 name: NAME,
@@ -63,19 +69,42 @@ impl SchedProbe {
             }));
         }
         let mut storage = MaybeUninit::uninit();
-        let mut open = skel::SchedSkelBuilder::default().open(&mut storage).map_err(err(NAME, "open"))?;
+        let mut open = skel::SchedSkelBuilder::default()
+            .open(&mut storage)
+            .map_err(err(NAME, "open"))?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.use_sched_info = use_sched_info;
         }
         open.progs.sched_wakeup.set_autoload(!use_sched_info);
         open.progs.sched_wakeup_new.set_autoload(!use_sched_info);
         let skel = open.load().map_err(err(NAME, "load"))?;
-        let mut links = vec![skel.progs.sched_switch.attach().map_err(err(NAME, "attach sched_switch"))?];
+        let mut links = vec![skel
+            .progs
+            .sched_switch
+            .attach()
+            .map_err(err(NAME, "attach sched_switch"))?];
         if !use_sched_info {
-            links.push(skel.progs.sched_wakeup.attach().map_err(err(NAME, "attach sched_wakeup"))?);
-            links.push(skel.progs.sched_wakeup_new.attach().map_err(err(NAME, "attach sched_wakeup_new"))?);
+            links.push(
+                skel.progs
+                    .sched_wakeup
+                    .attach()
+                    .map_err(err(NAME, "attach sched_wakeup"))?,
+            );
+            links.push(
+                skel.progs
+                    .sched_wakeup_new
+                    .attach()
+                    .map_err(err(NAME, "attach sched_wakeup_new"))?,
+            );
         }
-        tracing::info!(method = if use_sched_info { "sched_info" } else { "stamp" }, "run-queue latency source");
+        tracing::info!(
+            method = if use_sched_info {
+                "sched_info"
+            } else {
+                "stamp"
+            },
+            "run-queue latency source"
+        );
         Ok(Ok(SchedProbe {
             hist: handle(NAME, &skel.maps.sched_hist)?,
             stats: handle(NAME, &skel.maps.sched_stats)?,
@@ -85,7 +114,10 @@ impl SchedProbe {
 
     /// The cumulative histogram of one cgroup, if it has one.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<Hist> {
-        lookup_cgroup(&self.hist, cgroup_dir).ok().flatten().and_then(|b| Hist::from_bytes(&b))
+        lookup_cgroup(&self.hist, cgroup_dir)
+            .ok()
+            .flatten()
+            .and_then(|b| Hist::from_bytes(&b))
     }
 
     /// (negative deltas dropped, storage allocation failures)

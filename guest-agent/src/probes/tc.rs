@@ -98,11 +98,21 @@ pub struct TcProbe {
 /// without the SKB_DROP_REASON_ prefix, read from the running kernel's BTF.
 pub fn tc_drop_reasons(btf: &KernelBtf) -> HashMap<u32, String> {
     let mut out = HashMap::new();
-    if let Some(e) = btf.btf().and_then(|b| b.type_by_name::<Enum<'_>>("skb_drop_reason")) {
+    if let Some(e) = btf
+        .btf()
+        .and_then(|b| b.type_by_name::<Enum<'_>>("skb_drop_reason"))
+    {
         for m in e.iter() {
-            let Some(name) = m.name.and_then(|n| n.to_str()) else { continue };
-            let Some(short) = name.strip_prefix("SKB_DROP_REASON_") else { continue };
-            if ["QDISC_", "TC_", "FQ_", "CAKE_"].iter().any(|p| short.starts_with(p)) {
+            let Some(name) = m.name.and_then(|n| n.to_str()) else {
+                continue;
+            };
+            let Some(short) = name.strip_prefix("SKB_DROP_REASON_") else {
+                continue;
+            };
+            if ["QDISC_", "TC_", "FQ_", "CAKE_"]
+                .iter()
+                .any(|p| short.starts_with(p))
+            {
                 out.insert(m.value as u32, short.to_ascii_lowercase());
             }
         }
@@ -120,7 +130,9 @@ impl TcProbe {
         let reasons = tc_drop_reasons(btf);
         let drops_up = has_kfree && !reasons.is_empty();
         let mut storage = MaybeUninit::uninit();
-        let mut open = skel::TcSkelBuilder::default().open(&mut storage).map_err(err(OBJ, "open"))?;
+        let mut open = skel::TcSkelBuilder::default()
+            .open(&mut storage)
+            .map_err(err(OBJ, "open"))?;
         open.progs.kfree_skb.set_autoload(drops_up);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.read_addrs = read_addrs;
@@ -133,15 +145,28 @@ impl TcProbe {
                     .update(&r.to_ne_bytes(), &[1u8], MapFlags::ANY)
                     .map_err(err(DROPS, "filling tc_reasons"))?;
             }
-            Some(skel.progs.kfree_skb.attach().map_err(err(DROPS, "attach kfree_skb"))?)
+            Some(
+                skel.progs
+                    .kfree_skb
+                    .attach()
+                    .map_err(err(DROPS, "attach kfree_skb"))?,
+            )
         } else {
             None
         };
         let dup = |p: &libbpf_rs::ProgramMut<'_>| -> Result<OwnedFd, ProbeError> {
-            p.as_fd().try_clone_to_owned().map_err(|e| ProbeError::Io { probe: BYTES, what: "dup program fd", source: e })
+            p.as_fd().try_clone_to_owned().map_err(|e| ProbeError::Io {
+                probe: BYTES,
+                what: "dup program fd",
+                source: e,
+            })
         };
         let statuses = vec![
-            ProbeStatus { name: BYTES, up: true, reason: None },
+            ProbeStatus {
+                name: BYTES,
+                up: true,
+                reason: None,
+            },
             ProbeStatus {
                 name: DROPS,
                 up: drops_up,
@@ -161,7 +186,11 @@ impl TcProbe {
             node_egress_prog: dup(&skel.progs.tc_node_egress)?,
             if_bytes: handle(OBJ, &skel.maps.if_bytes)?,
             cg_bytes: handle(OBJ, &skel.maps.cg_bytes)?,
-            drops: if drops_up { Some(handle(OBJ, &skel.maps.drops)?) } else { None },
+            drops: if drops_up {
+                Some(handle(OBJ, &skel.maps.drops)?)
+            } else {
+                None
+            },
             overflow: handle(OBJ, &skel.maps.drop_overflow)?,
             _drop_link: drop_link,
             reasons,
@@ -181,7 +210,10 @@ impl TcProbe {
     }
 
     pub fn reason_name(&self, reason: u32) -> String {
-        self.reasons.get(&reason).cloned().unwrap_or_else(|| format!("reason_{reason}"))
+        self.reasons
+            .get(&reason)
+            .cloned()
+            .unwrap_or_else(|| format!("reason_{reason}"))
     }
 
     /// Starts counting a host-side pod interface: creates its counter entry,
@@ -195,7 +227,13 @@ impl TcProbe {
         let zero = vec![vec![0u8; 32]; libbpf_rs::num_possible_cpus().map_err(io::Error::other)?];
         self.if_bytes
             .update_percpu(&ifindex.to_ne_bytes(), &zero, MapFlags::NO_EXIST)
-            .or_else(|e| if e.kind() == libbpf_rs::ErrorKind::AlreadyExists { Ok(()) } else { Err(e) })
+            .or_else(|e| {
+                if e.kind() == libbpf_rs::ErrorKind::AlreadyExists {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
             .map_err(io::Error::other)?;
         let progs = [
             self.ingress_prog.try_clone()?,
@@ -223,7 +261,10 @@ impl TcProbe {
         let att = match self.mode {
             AttachMode::Clsact => {
                 let mut hooks = Vec::new();
-                for (fd, point) in [(ingress_prog, libbpf_rs::TC_INGRESS), (egress_prog, libbpf_rs::TC_EGRESS)] {
+                for (fd, point) in [
+                    (ingress_prog, libbpf_rs::TC_INGRESS),
+                    (egress_prog, libbpf_rs::TC_EGRESS),
+                ] {
                     let mut h = TcHookBuilder::new(fd.as_fd())
                         .ifindex(ifindex as i32)
                         .replace(false)
@@ -239,13 +280,18 @@ impl TcProbe {
             }
             _ => {
                 let mut links = Vec::new();
-                for (fd, ty) in [(ingress_prog, libbpf_sys::BPF_TCX_INGRESS), (egress_prog, libbpf_sys::BPF_TCX_EGRESS)] {
+                for (fd, ty) in [
+                    (ingress_prog, libbpf_sys::BPF_TCX_INGRESS),
+                    (egress_prog, libbpf_sys::BPF_TCX_EGRESS),
+                ] {
                     // SAFETY: zeroed is a valid bpf_link_create_opts; sz tells libbpf its size.
                     let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
                     opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
                     opts.flags = libbpf_sys::BPF_F_BEFORE;
                     // SAFETY: plain syscall wrapper; fds are valid for the call.
-                    let r = unsafe { libbpf_sys::bpf_link_create(fd.as_raw_fd(), ifindex as i32, ty, &opts) };
+                    let r = unsafe {
+                        libbpf_sys::bpf_link_create(fd.as_raw_fd(), ifindex as i32, ty, &opts)
+                    };
                     if r < 0 {
                         return Err(io::Error::from_raw_os_error(-r));
                     }
@@ -274,7 +320,11 @@ impl TcProbe {
     }
 
     pub fn read(&self, ifindex: u32) -> Option<IfBytes> {
-        let cpus = self.if_bytes.lookup_percpu(&ifindex.to_ne_bytes(), MapFlags::ANY).ok().flatten()?;
+        let cpus = self
+            .if_bytes
+            .lookup_percpu(&ifindex.to_ne_bytes(), MapFlags::ANY)
+            .ok()
+            .flatten()?;
         Some(sum_percpu(&cpus))
     }
 
@@ -284,8 +334,15 @@ impl TcProbe {
         let keys: Vec<Vec<u8>> = self.cg_bytes.keys().collect();
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
-            let Some(id) = k.get(..8).map(|b| u64::from_ne_bytes(b.try_into().unwrap())) else { continue };
-            let Ok(Some(cpus)) = self.cg_bytes.lookup_percpu(&k, MapFlags::ANY) else { continue };
+            let Some(id) = k
+                .get(..8)
+                .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
+            else {
+                continue;
+            };
+            let Ok(Some(cpus)) = self.cg_bytes.lookup_percpu(&k, MapFlags::ANY) else {
+                continue;
+            };
             out.push((id, sum_percpu(&cpus)));
         }
         out
@@ -299,11 +356,15 @@ impl TcProbe {
     /// Takes every drop counted since the last call (read and delete at once,
     /// so nothing counted in between is lost).
     pub fn drain_drops(&self) -> Vec<(DropKey, u64)> {
-        let Some(map) = &self.drops else { return Vec::new() };
+        let Some(map) = &self.drops else {
+            return Vec::new();
+        };
         let keys: Vec<Vec<u8>> = map.keys().collect();
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
-            let Ok(Some(v)) = map.lookup_and_delete(&k) else { continue };
+            let Ok(Some(v)) = map.lookup_and_delete(&k) else {
+                continue;
+            };
             if let (Some(key), Some(n)) = (decode_drop_key(&k), v.get(..8)) {
                 out.push((key, u64::from_ne_bytes(n.try_into().unwrap())));
             }
@@ -330,7 +391,11 @@ impl Drop for TcProbe {
 fn sum_percpu(cpus: &[Vec<u8>]) -> IfBytes {
     let mut b = IfBytes::default();
     for c in cpus {
-        let w = |i: usize| c.get(i * 8..i * 8 + 8).map(|s| u64::from_ne_bytes(s.try_into().unwrap())).unwrap_or(0);
+        let w = |i: usize| {
+            c.get(i * 8..i * 8 + 8)
+                .map(|s| u64::from_ne_bytes(s.try_into().unwrap()))
+                .unwrap_or(0)
+        };
         b.egress_bytes += w(0);
         b.egress_packets += w(1);
         b.ingress_bytes += w(2);

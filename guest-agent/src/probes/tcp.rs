@@ -32,9 +32,13 @@ impl TcpCgroup {
         if b.len() < hists + MAX_DST * 8 {
             return None;
         }
-        let rtt = (0..MAX_DST).map(|i| Hist::from_bytes(&b[i * HIST_BYTES..])).collect::<Option<Vec<_>>>()?;
-        let retrans_segs =
-            b[hists..hists + MAX_DST * 8].chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().unwrap())).collect();
+        let rtt = (0..MAX_DST)
+            .map(|i| Hist::from_bytes(&b[i * HIST_BYTES..]))
+            .collect::<Option<Vec<_>>>()?;
+        let retrans_segs = b[hists..hists + MAX_DST * 8]
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
         Some(TcpCgroup { rtt, retrans_segs })
     }
 }
@@ -48,9 +52,13 @@ pub struct TcpProbe {
 impl TcpProbe {
     /// Loads the object with whichever of its two hooks the kernel has; the
     /// statuses say which are up. `Ok((None, ..))` when neither is.
-    pub fn load(btf: &KernelBtf, dst: &DstTable) -> Result<(Option<TcpProbe>, Vec<ProbeStatus>), ProbeError> {
+    pub fn load(
+        btf: &KernelBtf,
+        dst: &DstTable,
+    ) -> Result<(Option<TcpProbe>, Vec<ProbeStatus>), ProbeError> {
         let has_rtt = btf.has_tracepoint("tcp_probe");
-        let has_retrans = btf.has_tracepoint("tcp_retransmit_skb") && btf.has_tracepoint("tcp_destroy_sock");
+        let has_retrans =
+            btf.has_tracepoint("tcp_retransmit_skb") && btf.has_tracepoint("tcp_destroy_sock");
         // optional: SYN-ACK retransmits of listeners
         let has_synack = has_retrans && btf.has_tracepoint("tcp_retransmit_synack");
         let missing = |name, hook: &str| ProbeStatus {
@@ -59,9 +67,21 @@ impl TcpProbe {
             reason: Some(format!("kernel has no BTF tracepoint {hook}")),
         };
         let statuses = vec![
-            if has_rtt { ProbeStatus { name: RTT, up: true, reason: None } } else { missing(RTT, "tcp_probe") },
+            if has_rtt {
+                ProbeStatus {
+                    name: RTT,
+                    up: true,
+                    reason: None,
+                }
+            } else {
+                missing(RTT, "tcp_probe")
+            },
             if has_retrans {
-                ProbeStatus { name: RETRANS, up: true, reason: None }
+                ProbeStatus {
+                    name: RETRANS,
+                    up: true,
+                    reason: None,
+                }
             } else {
                 missing(RETRANS, "tcp_retransmit_skb/tcp_destroy_sock")
             },
@@ -70,7 +90,9 @@ impl TcpProbe {
             return Ok((None, statuses));
         }
         let mut storage = MaybeUninit::uninit();
-        let mut open = skel::TcpSkelBuilder::default().open(&mut storage).map_err(err(OBJ, "open"))?;
+        let mut open = skel::TcpSkelBuilder::default()
+            .open(&mut storage)
+            .map_err(err(OBJ, "open"))?;
         open.progs.tcp_probe.set_autoload(has_rtt);
         open.progs.tcp_retransmit_skb.set_autoload(has_retrans);
         open.progs.tcp_destroy_sock.set_autoload(has_retrans);
@@ -78,14 +100,34 @@ impl TcpProbe {
         let skel = open.load().map_err(err(OBJ, "load"))?;
         let mut links = Vec::new();
         if has_rtt {
-            links.push(skel.progs.tcp_probe.attach().map_err(err(RTT, "attach tcp_probe"))?);
+            links.push(
+                skel.progs
+                    .tcp_probe
+                    .attach()
+                    .map_err(err(RTT, "attach tcp_probe"))?,
+            );
         }
         if has_retrans {
-            links.push(skel.progs.tcp_retransmit_skb.attach().map_err(err(RETRANS, "attach tcp_retransmit_skb"))?);
-            links.push(skel.progs.tcp_destroy_sock.attach().map_err(err(RETRANS, "attach tcp_destroy_sock"))?);
+            links.push(
+                skel.progs
+                    .tcp_retransmit_skb
+                    .attach()
+                    .map_err(err(RETRANS, "attach tcp_retransmit_skb"))?,
+            );
+            links.push(
+                skel.progs
+                    .tcp_destroy_sock
+                    .attach()
+                    .map_err(err(RETRANS, "attach tcp_destroy_sock"))?,
+            );
         }
         if has_synack {
-            links.push(skel.progs.tcp_retransmit_synack.attach().map_err(err(RETRANS, "attach tcp_retransmit_synack"))?);
+            links.push(
+                skel.progs
+                    .tcp_retransmit_synack
+                    .attach()
+                    .map_err(err(RETRANS, "attach tcp_retransmit_synack"))?,
+            );
         }
         for (key, idx) in dst.lpm_entries() {
             skel.maps
@@ -109,6 +151,9 @@ impl TcpProbe {
     }
 
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {
-        lookup_cgroup(&self.stats, cgroup_dir).ok().flatten().and_then(|b| TcpCgroup::from_bytes(&b))
+        lookup_cgroup(&self.stats, cgroup_dir)
+            .ok()
+            .flatten()
+            .and_then(|b| TcpCgroup::from_bytes(&b))
     }
 }

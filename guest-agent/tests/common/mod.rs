@@ -20,7 +20,11 @@ static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A short unique tag (interface names are limited to 15 bytes).
 pub fn uniq() -> String {
-    format!("{}{}", std::process::id() % 100_000, SEQ.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{}{}",
+        std::process::id() % 100_000,
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Kernel tests measure latency and rates: they must not run beside each
@@ -53,16 +57,29 @@ pub fn require_root() -> Option<KernelLock> {
 }
 
 pub fn sh(cmd: &str) -> String {
-    let out = Command::new("sh").arg("-c").arg(cmd).output().expect("running sh");
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .output()
+        .expect("running sh");
     if !out.status.success() {
-        panic!("`{cmd}` failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        panic!(
+            "`{cmd}` failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Like `sh` but ignores failure (cleanup paths).
 pub fn sh_quiet(cmd: &str) {
-    let _ = Command::new("sh").arg("-c").arg(cmd).stdout(Stdio::null()).stderr(Stdio::null()).status();
+    let _ = Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
 }
 
 pub fn cgroup2_root() -> PathBuf {
@@ -108,7 +125,9 @@ impl Drop for CgroupSandbox {
 
 /// Moves every task out to the root cgroup and removes the directories bottom-up.
 pub fn remove_cgroup_tree(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
             remove_cgroup_tree(&e.path());
@@ -145,14 +164,27 @@ pub struct Pod {
 
 pub fn random_uid() -> String {
     let mut b = [0u8; 16];
-    std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut b).unwrap();
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut b)
+        .unwrap();
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 pub fn random_cid() -> String {
     let mut b = [0u8; 32];
-    std::fs::File::open("/dev/urandom").unwrap().read_exact(&mut b).unwrap();
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut b)
+        .unwrap();
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -176,7 +208,8 @@ impl Pod {
                 let pod = if qos == "guaranteed" {
                     base.join(format!("kubepods-pod{u}.slice"))
                 } else {
-                    base.join(format!("kubepods-{qos}.slice")).join(format!("kubepods-{qos}-pod{u}.slice"))
+                    base.join(format!("kubepods-{qos}.slice"))
+                        .join(format!("kubepods-{qos}-pod{u}.slice"))
                 };
                 let ctr = pod.join(format!("cri-containerd-{cid}.scope"));
                 (pod, ctr)
@@ -201,7 +234,10 @@ impl Pod {
     pub fn spawn(&mut self, cmd: &str) -> u32 {
         let procs = self.cgroup.join("cgroup.procs");
         let inner = match &self.netns {
-            Some(ns) => format!("exec ip netns exec {ns} sh -c '{}'", cmd.replace('\'', "'\\''")),
+            Some(ns) => format!(
+                "exec ip netns exec {ns} sh -c '{}'",
+                cmd.replace('\'', "'\\''")
+            ),
             None => format!("exec sh -c '{}'", cmd.replace('\'', "'\\''")),
         };
         let script = format!("echo $$ > {} && {inner}", procs.display());
@@ -219,17 +255,28 @@ impl Pod {
         // (same pid throughout): return once it is there (or already done)
         let procs_path = self.cgroup.join("cgroup.procs");
         let joined = wait_for(Duration::from_secs(5), || {
-            let there = std::fs::read_to_string(&procs_path).ok()?.lines().any(|l| l.trim() == pid.to_string());
+            let there = std::fs::read_to_string(&procs_path)
+                .ok()?
+                .lines()
+                .any(|l| l.trim() == pid.to_string());
             (there || matches!(child.try_wait(), Ok(Some(_)))).then_some(())
         });
         self.children.push(child);
-        assert!(joined.is_some(), "spawned process {pid} joined {}", procs_path.display());
+        assert!(
+            joined.is_some(),
+            "spawned process {pid} joined {}",
+            procs_path.display()
+        );
         pid
     }
 
     /// Waits for a process started with `spawn` to exit.
     pub fn wait_exit(&mut self, pid: u32, timeout: Duration) {
-        let child = self.children.iter_mut().find(|c| c.id() == pid).expect("a child of this pod");
+        let child = self
+            .children
+            .iter_mut()
+            .find(|c| c.id() == pid)
+            .expect("a child of this pod");
         let done = wait_for(timeout, || child.try_wait().ok().flatten().map(|_| ()));
         assert!(done.is_some(), "process {pid} exited within {timeout:?}");
     }
@@ -247,10 +294,16 @@ impl Pod {
     pub fn run_delay_ns(&self) -> u64 {
         let mut total = 0;
         for pid in self.pids() {
-            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                continue;
+            };
             for t in tasks.flatten() {
                 if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-                    total += s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                    total += s
+                        .split_whitespace()
+                        .nth(1)
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .unwrap_or(0);
                 }
             }
         }
@@ -309,8 +362,16 @@ impl TestNet {
         let bridge = format!("gfb{tag}");
         // a /24 per test network inside 10.213.0.0/16
         let subnet = (SEQ.fetch_add(1, Ordering::Relaxed) % 250) as u8 + 1;
-        sh(&format!("ip link add {bridge} type bridge && ip link set {bridge} up"));
-        TestNet { bridge, subnet, next_host: 1, namespaces: Vec::new(), links: vec![] }
+        sh(&format!(
+            "ip link add {bridge} type bridge && ip link set {bridge} up"
+        ));
+        TestNet {
+            bridge,
+            subnet,
+            next_host: 1,
+            namespaces: Vec::new(),
+            links: vec![],
+        }
     }
 
     fn attach(&mut self, ns: &str) -> (String, String) {
@@ -351,7 +412,9 @@ impl TestNet {
 impl Drop for TestNet {
     fn drop(&mut self) {
         for ns in &self.namespaces {
-            sh_quiet(&format!("ip netns pids {ns} | xargs -r kill -9; ip netns del {ns}"));
+            sh_quiet(&format!(
+                "ip netns pids {ns} | xargs -r kill -9; ip netns del {ns}"
+            ));
         }
         for l in &self.links {
             sh_quiet(&format!("ip link del {l}"));
@@ -384,7 +447,11 @@ pub fn spawn_in_ns(ns: &str, cmd: &str) -> Proc {
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The agent binary running with the given extra arguments.
@@ -399,12 +466,19 @@ impl Agent {
         let port = free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
-        cmd.arg("run").arg("--metrics-listen").arg(addr.to_string()).args(args);
+        cmd.arg("run")
+            .arg("--metrics-listen")
+            .arg(addr.to_string())
+            .args(args);
         cmd.env("RUST_LOG", "info").env_remove("KUBECONFIG");
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let stderr = child.stderr.take().unwrap();
         let l2 = log.clone();
@@ -424,11 +498,17 @@ impl Agent {
             }
             if let Ok(Some(status)) = agent.child.try_wait() {
                 std::thread::sleep(Duration::from_millis(100)); // let the log reader catch up
-                panic!("agent exited ({status}); log:\n{}", agent.log.lock().unwrap());
+                panic!(
+                    "agent exited ({status}); log:\n{}",
+                    agent.log.lock().unwrap()
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("agent did not become healthy; log:\n{}", agent.log.lock().unwrap());
+        panic!(
+            "agent did not become healthy; log:\n{}",
+            agent.log.lock().unwrap()
+        );
     }
 
     pub fn try_get(&self, path: &str) -> Option<String> {
@@ -503,7 +583,10 @@ pub fn parse_metrics(text: &str) -> Vec<Sample> {
                 while !s.is_empty() {
                     let (k, rest) = s.split_once("=\"").unwrap();
                     let end = rest.find('"').unwrap();
-                    labels.insert(k.trim_start_matches(',').to_string(), rest[..end].to_string());
+                    labels.insert(
+                        k.trim_start_matches(',').to_string(),
+                        rest[..end].to_string(),
+                    );
                     s = &rest[end + 1..];
                     s = s.trim_start_matches(',');
                 }
@@ -511,14 +594,21 @@ pub fn parse_metrics(text: &str) -> Vec<Sample> {
             }
             None => (series.to_string(), BTreeMap::new()),
         };
-        out.push(Sample { name, labels, value });
+        out.push(Sample {
+            name,
+            labels,
+            value,
+        });
     }
     out
 }
 
 /// Samples of `name` whose labels include all of `want`.
 pub fn find<'a>(samples: &'a [Sample], name: &str, want: &[(&str, &str)]) -> Vec<&'a Sample> {
-    samples.iter().filter(|s| s.name == name && want.iter().all(|(k, v)| s.label(k) == *v)).collect()
+    samples
+        .iter()
+        .filter(|s| s.name == name && want.iter().all(|(k, v)| s.label(k) == *v))
+        .collect()
 }
 
 pub fn value(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> Option<f64> {
@@ -534,7 +624,12 @@ pub fn value(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> Option<f6
 pub fn hist_quantile(samples: &[Sample], base: &str, want: &[(&str, &str)], q: f64) -> Option<f64> {
     let mut buckets: Vec<(f64, f64)> = find(samples, &format!("{base}_bucket"), want)
         .iter()
-        .map(|s| (s.label("le").parse::<f64>().unwrap_or(f64::INFINITY), s.value))
+        .map(|s| {
+            (
+                s.label("le").parse::<f64>().unwrap_or(f64::INFINITY),
+                s.value,
+            )
+        })
         .collect();
     if buckets.is_empty() {
         return None;
@@ -592,14 +687,22 @@ impl Prometheus {
         let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let child = Command::new("prometheus")
             .arg(format!("--config.file={}", cfg.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
             .arg(format!("--web.listen-address={addr}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("prometheus (Debian package) is installed");
-        let p = Prometheus { _proc: Proc(child), addr, _dir: dir };
-        wait_for(Duration::from_secs(30), || http_get(p.addr, "/-/ready")).expect("prometheus ready");
+        let p = Prometheus {
+            _proc: Proc(child),
+            addr,
+            _dir: dir,
+        };
+        wait_for(Duration::from_secs(30), || http_get(p.addr, "/-/ready"))
+            .expect("prometheus ready");
         // Prometheus takes a few seconds after "ready" before its first scrape:
         // wait for it, so that later rate() windows hold a sample every second
         wait_for(Duration::from_secs(30), || {
@@ -614,10 +717,17 @@ impl Prometheus {
     pub fn query(&self, q: &str) -> Result<Vec<serde_json::Value>, String> {
         let enc: String = q
             .bytes()
-            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .map(|b| {
+                if b.is_ascii_alphanumeric() {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
             .collect();
         let body = http_get_any(self.addr, &format!("/api/v1/query?query={enc}"));
-        let v: serde_json::Value = serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
         if v["status"] != "success" {
             return Err(v["error"].to_string());
         }
@@ -632,9 +742,10 @@ pub fn http_get_any(addr: std::net::SocketAddr, path: &str) -> String {
     write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
     let mut buf = String::new();
     s.read_to_string(&mut buf).unwrap();
-    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+    buf.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
 }
-
 
 impl Prometheus {
     /// The single value of an instant query that must return exactly one series.
@@ -649,5 +760,9 @@ impl Prometheus {
 
 /// Interface counter of a device in the root namespace.
 pub fn if_stat(dev: &str, stat: &str) -> u64 {
-    std::fs::read_to_string(format!("/sys/class/net/{dev}/statistics/{stat}")).unwrap().trim().parse().unwrap()
+    std::fs::read_to_string(format!("/sys/class/net/{dev}/statistics/{stat}"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
 }
