@@ -136,19 +136,26 @@ async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annota
         w.push(("direction", dir));
         value(s, BYTES, &w).unwrap_or(0.0)
     };
-    let s0 = agent.scrape();
-    let c0 = [
-        if_stat(&hif_a, "rx_bytes"),
-        if_stat(&hif_a, "tx_bytes"),
-        if_stat(&hif_b, "rx_bytes"),
-        if_stat(&hif_b, "tx_bytes"),
-    ];
-    let m0 = [
-        metric(&s0, &sel_a, "egress"),
-        metric(&s0, &sel_a, "ingress"),
-        metric(&s0, &sel_b, "egress"),
-        metric(&s0, &sel_b, "ingress"),
-    ];
+    // (interface counters, our series) for: capped egress = host rx, capped
+    // ingress = host tx, and the same for the free pod
+    let snapshot = || -> ([u64; 4], [f64; 4]) {
+        let s = agent.scrape();
+        (
+            [
+                if_stat(&hif_a, "rx_bytes"),
+                if_stat(&hif_a, "tx_bytes"),
+                if_stat(&hif_b, "rx_bytes"),
+                if_stat(&hif_b, "tx_bytes"),
+            ],
+            [
+                metric(&s, &sel_a, "egress"),
+                metric(&s, &sel_a, "ingress"),
+                metric(&s, &sel_b, "egress"),
+                metric(&s, &sel_b, "ingress"),
+            ],
+        )
+    };
+    let (c0, m0) = snapshot();
 
     let t0 = Instant::now();
     let pa = capped.spawn(&format!("exec iperf3 -c {ip1} -t 8"));
@@ -197,19 +204,8 @@ async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annota
     capped.wait_exit(pa, Duration::from_secs(20));
     free.wait_exit(pb, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(1500));
+    let (c1, m1) = snapshot();
     let s1 = agent.scrape();
-    let c1 = [
-        if_stat(&hif_a, "rx_bytes"),
-        if_stat(&hif_a, "tx_bytes"),
-        if_stat(&hif_b, "rx_bytes"),
-        if_stat(&hif_b, "tx_bytes"),
-    ];
-    let m1 = [
-        metric(&s1, &sel_a, "egress"),
-        metric(&s1, &sel_a, "ingress"),
-        metric(&s1, &sel_b, "egress"),
-        metric(&s1, &sel_b, "ingress"),
-    ];
     for (i, what) in [
         "capped egress (host rx)",
         "capped ingress (host tx)",
@@ -250,9 +246,12 @@ async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annota
     );
 }
 
-/// `tc -s qdisc` dropped counter of a device inside a namespace.
-fn qdisc_dropped(ns: &str, dev: &str) -> u64 {
-    let out = sh(&format!("ip netns exec {ns} tc -s qdisc show dev {dev}"));
+/// `tc -s qdisc` dropped counter of a device, inside a namespace or (None) the root one.
+fn qdisc_dropped(ns: Option<&str>, dev: &str) -> u64 {
+    let prefix = ns
+        .map(|n| format!("ip netns exec {n} "))
+        .unwrap_or_default();
+    let out = sh(&format!("{prefix}tc -s qdisc show dev {dev}"));
     out.split_whitespace()
         .skip_while(|w| *w != "(dropped")
         .nth(1)
@@ -291,11 +290,11 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     bystander.spawn("exec sleep 60");
     let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc"], &[]);
     wait_attached(&agent, 2.0);
-    let d0 = qdisc_dropped(&ns, "eth0");
+    let d0 = qdisc_dropped(Some(&ns), "eth0");
     let f = flooder.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 3"));
     flooder.wait_exit(f, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(1000));
-    let d1 = qdisc_dropped(&ns, "eth0");
+    let d1 = qdisc_dropped(Some(&ns), "eth0");
     let s = agent.scrape();
     let ours = find(&s, DROPS, &[("pod", &flooder.uid), ("direction", "egress")]);
     let total: f64 = ours.iter().map(|x| x.value).sum();
@@ -600,4 +599,105 @@ fn host_network_pod_bytes_by_socket_on_node_devices() {
         find(&s, BYTES, &[("pod", &bystander.uid)]).is_empty(),
         "the idle pod has no bytes"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drops_without_socket_or_pod_device_go_by_pod_ip_else_unattributed() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv, srv_ip, srv_if) = net.server();
+    // The cap sits on the server's side of the bridge: packets reach it
+    // forwarded, without their socket, on a device that is no pod's.
+    sh(&format!(
+        "tc qdisc add dev {srv_if} root tbf rate 10mbit burst 10kb limit 20kb"
+    ));
+    let _s = spawn_in_ns(&srv, "exec iperf3 -s");
+    let (uid_k, cid_k) = (random_uid(), random_cid());
+    let mut known = Pod::new(&sb, Layout::Cgroupfs, "burstable", &uid_k, &cid_k);
+    let mut unknown = Pod::new(
+        &sb,
+        Layout::Systemd,
+        "besteffort",
+        &random_uid(),
+        &random_cid(),
+    );
+    net.join(&mut known);
+    net.join(&mut unknown);
+    let list = pod_list(vec![pod_json(
+        "inference",
+        "known",
+        &uid_k,
+        &cid_k,
+        known.ip.as_deref().unwrap(),
+        &[],
+    )]);
+    let kube = FakeKube::start(NODE, list, vec![]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let kc = kube
+        .write_kubeconfig(dir.path())
+        .to_str()
+        .unwrap()
+        .to_string();
+    let agent = tokio::task::spawn_blocking(move || {
+        Agent::start(
+            &[
+                "--interval",
+                "300ms",
+                "--probes",
+                "tc",
+                "--node-name",
+                NODE,
+                "--node-devices",
+                "none",
+            ],
+            &[("KUBECONFIG", &kc)],
+        )
+    })
+    .await
+    .unwrap();
+    wait_for(Duration::from_secs(15), || {
+        (value(&agent.scrape(), "gpufeed_kube_synced", &[])? == 1.0).then_some(())
+    })
+    .expect("pod list received");
+
+    let flood = |pod: &mut Pod| -> u64 {
+        let d0 = qdisc_dropped(None, &srv_if);
+        let p = pod.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 2"));
+        pod.wait_exit(p, Duration::from_secs(20));
+        std::thread::sleep(Duration::from_millis(800));
+        qdisc_dropped(None, &srv_if) - d0
+    };
+    let by_ip = flood(&mut known);
+    let s = agent.scrape();
+    let ours_known = value(
+        &s,
+        DROPS,
+        &[
+            ("namespace", "inference"),
+            ("pod", "known"),
+            ("direction", "egress"),
+        ],
+    );
+    let unattributed = flood(&mut unknown);
+    let s = agent.scrape();
+    let ours_none = value(&s, DROPS, &[("namespace", ""), ("pod", "")]);
+    eprintln!(
+        "drops at the server's cap: known pod {by_ip} (ours by IP {ours_known:?}), unknown pod {unattributed} (ours unattributed {ours_none:?})"
+    );
+    assert!(
+        by_ip > 100 && unattributed > 100,
+        "both floods overflowed the cap"
+    );
+    assert_eq!(
+        ours_known,
+        Some(by_ip as f64),
+        "attributed by the packets' source IP"
+    );
+    assert_eq!(
+        ours_none,
+        Some(unattributed as f64),
+        "counted with empty pod labels, not lost"
+    );
+    assert!(find(&s, DROPS, &[("pod", &unknown.uid)]).is_empty());
 }
