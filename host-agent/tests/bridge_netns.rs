@@ -217,7 +217,11 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
         );
     }
     // Directions: VM 101 sent 40 MiB to VM 100, and VM 100 sent 40 MiB to CT 102 (-R).
-    let mb = 0.95 * 40.0 * 1024.0 * 1024.0;
+    // iperf3 -n counts bytes written into the socket; when the server ends the test, what still
+    // sits in the sender's buffer never crosses the bridge (seen: 37.4 MiB of 40 on a loaded
+    // machine). The byte totals are checked exactly against the interface counters above; here
+    // only which side sent and which received matters, so half the transfer is the bar.
+    let mb = 0.5 * 40.0 * 1024.0 * 1024.0;
     let v = |port: &str, vmid: &str, dir: &str| sample(&m, name, port, vmid, dir);
     let (r101, t101) = (v("fwpr101p0", "101", "rx"), v("fwpr101p0", "101", "tx"));
     let (r102, t102) = (v("veth102i0", "102", "rx"), v("veth102i0", "102", "tx"));
