@@ -42,8 +42,6 @@ async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
         fixture_lines("pods-watch.jsonl"),
     )
     .await;
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = kube.write_kubeconfig(dir.path());
 
     let sb = CgroupSandbox::new();
     // the vllm container in the systemd layout, a pod unknown to the API in cgroupfs
@@ -59,24 +57,20 @@ async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
     vllm.spawn("while :; do sleep 0.01; done");
     stranger.spawn("while :; do sleep 0.01; done");
 
-    let kc = kubeconfig.to_str().unwrap().to_string();
-    let agent = tokio::task::spawn_blocking(move || {
-        Agent::start(
-            &[
-                "--interval",
-                "200ms",
-                "--probes",
-                "sched_latency",
-                "--node-name",
-                NODE,
-                "--pod-grace",
-                "3s",
-            ],
-            &[("KUBECONFIG", &kc)],
-        )
-    })
-    .await
-    .unwrap();
+    let (agent, _kc) = agent_with_kube(
+        &kube,
+        &[
+            "--interval",
+            "200ms",
+            "--probes",
+            "sched_latency",
+            "--node-name",
+            NODE,
+            "--pod-grace",
+            "3s",
+        ],
+    )
+    .await;
 
     let sched_count = "ebpf_sched_latency_microseconds_count";
     let want = [

@@ -106,24 +106,15 @@ async fn shaped_pod_rate_in_prometheus_bytes_match_interface_counters_and_annota
         ),
     ]);
     let kube = FakeKube::start(NODE, list, vec![]).await;
-    let dir = tempfile::tempdir().unwrap();
-    let kc = kube
-        .write_kubeconfig(dir.path())
-        .to_str()
-        .unwrap()
-        .to_string();
     // processes that hold the pods' namespaces and cgroups until the traffic starts
     capped.spawn("exec sleep 60");
     free.spawn("exec sleep 60");
 
-    let agent = tokio::task::spawn_blocking(move || {
-        Agent::start(
-            &["--interval", "500ms", "--probes", "tc", "--node-name", NODE],
-            &[("KUBECONFIG", &kc)],
-        )
-    })
-    .await
-    .unwrap();
+    let (agent, _kc) = agent_with_kube(
+        &kube,
+        &["--interval", "500ms", "--probes", "tc", "--node-name", NODE],
+    )
+    .await;
     wait_attached(&agent, 2.0);
     let prom = Prometheus::start(agent.addr);
 
@@ -633,29 +624,20 @@ async fn drops_without_socket_or_pod_device_go_by_pod_ip_else_unattributed() {
         &[],
     )]);
     let kube = FakeKube::start(NODE, list, vec![]).await;
-    let dir = tempfile::tempdir().unwrap();
-    let kc = kube
-        .write_kubeconfig(dir.path())
-        .to_str()
-        .unwrap()
-        .to_string();
-    let agent = tokio::task::spawn_blocking(move || {
-        Agent::start(
-            &[
-                "--interval",
-                "300ms",
-                "--probes",
-                "tc",
-                "--node-name",
-                NODE,
-                "--node-devices",
-                "none",
-            ],
-            &[("KUBECONFIG", &kc)],
-        )
-    })
-    .await
-    .unwrap();
+    let (agent, _kc) = agent_with_kube(
+        &kube,
+        &[
+            "--interval",
+            "300ms",
+            "--probes",
+            "tc",
+            "--node-name",
+            NODE,
+            "--node-devices",
+            "none",
+        ],
+    )
+    .await;
     wait_for(Duration::from_secs(15), || {
         (value(&agent.scrape(), "gpufeed_kube_synced", &[])? == 1.0).then_some(())
     })

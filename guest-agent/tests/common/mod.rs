@@ -520,6 +520,28 @@ impl Agent {
     }
 }
 
+/// The agent pointed at a fake API server (its kubeconfig lives in the
+/// returned directory, which must outlive the agent).
+pub async fn agent_with_kube(
+    kube: &fake_kube::FakeKube,
+    args: &[&str],
+) -> (Agent, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let kc = kube
+        .write_kubeconfig(dir.path())
+        .to_str()
+        .unwrap()
+        .to_string();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let agent = tokio::task::spawn_blocking(move || {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        Agent::start(&a, &[("KUBECONFIG", &kc)])
+    })
+    .await
+    .unwrap();
+    (agent, dir)
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
