@@ -1,0 +1,583 @@
+//! Keeps `talos/` true to the binary: every YAML document parses; the DaemonSet's and the
+//! extension service's arguments are parsed by the real `gpufeed-guest run` (with `--help`
+//! last, clap parses and validates every flag and value, then prints help instead of running);
+//! RBAC, capabilities, ports, mounts and the TLS Secret agree with the binary and with
+//! `gpufeed-guest certs init`; the PrometheusRule passes `promtool check rules` and its unit
+//! tests (`promtool test rules`), refers only to series the agents export, and promtool does
+//! reject a broken expression (so this test can fail). Needs no root; needs `promtool`
+//! (Debian package `prometheus`).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpufeed-guest");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn talos() -> PathBuf {
+    repo().join("talos")
+}
+
+/// Every document of every `talos/*.yaml`, with its file name.
+fn documents() -> Vec<(String, Value)> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(talos())
+        .expect("talos/ exists")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5, "talos/ has too few manifests: {files:?}");
+    let mut out = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let mut n = 0;
+        for de in serde_yaml::Deserializer::from_str(&text) {
+            let v = Value::deserialize(de).unwrap_or_else(|e| panic!("{name}: {e}"));
+            if v.is_null() {
+                continue; // a comment-only document before the first `---`
+            }
+            out.push((name.clone(), v));
+            n += 1;
+        }
+        assert!(n > 0, "{name}: no YAML documents");
+    }
+    out
+}
+
+fn of_kind<'a>(docs: &'a [(String, Value)], kind: &str) -> Vec<&'a Value> {
+    docs.iter()
+        .filter(|(_, v)| v["kind"].as_str() == Some(kind))
+        .map(|(_, v)| v)
+        .collect()
+}
+
+fn one<'a>(docs: &'a [(String, Value)], kind: &str) -> &'a Value {
+    let v = of_kind(docs, kind);
+    assert_eq!(v.len(), 1, "expected exactly one {kind}");
+    v[0]
+}
+
+fn strs(v: &Value) -> Vec<String> {
+    v.as_sequence()
+        .unwrap_or_else(|| panic!("not a list: {v:?}"))
+        .iter()
+        .map(|x| x.as_str().expect("string").to_string())
+        .collect()
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("NODE_NAME")
+        .output()
+        .expect("running gpufeed-guest")
+}
+
+fn run_help() -> String {
+    let o = run(&["run", "--help"]);
+    assert!(o.status.success());
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// Parses `args` (without the leading `run`) with the real binary.
+fn parse_with_binary(args: &[String]) -> Output {
+    let mut a: Vec<&str> = vec!["run"];
+    a.extend(args.iter().map(String::as_str));
+    a.push("--help"); // last: everything before it is parsed and validated first
+    run(&a)
+}
+
+/// `--name=value` / `--name value` → value.
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    let eq = format!("{name}=");
+    args.iter().enumerate().find_map(|(i, a)| {
+        if let Some(v) = a.strip_prefix(&eq) {
+            Some(v)
+        } else if a == name {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            None
+        }
+    })
+}
+
+fn port_of(addr: &str) -> u64 {
+    addr.rsplit_once(':').unwrap().1.parse().unwrap()
+}
+
+/// The `[default: X]` of a flag in `run --help`.
+fn help_default(help: &str, flag: &str) -> String {
+    let at = help
+        .find(&format!("{flag} <"))
+        .unwrap_or_else(|| panic!("{flag} not in --help"));
+    let rest = &help[at..];
+    let end = rest[2..].find("\n      --").map_or(rest.len(), |e| e + 2);
+    let d = rest[..end].find("[default: ").expect("has a default") + "[default: ".len();
+    rest[d..d + rest[d..].find(']').unwrap()].to_string()
+}
+
+/// Checks arguments against the binary; returns them without the leading `run`.
+fn check_args(what: &str, args: Vec<String>, help: &str) -> Vec<String> {
+    assert_eq!(
+        args.first().map(String::as_str),
+        Some("run"),
+        "{what}: first arg"
+    );
+    let args = args[1..].to_vec();
+    for a in &args {
+        if let Some(f) = a.strip_prefix("--") {
+            let name = f.split('=').next().unwrap();
+            assert!(
+                help.contains(&format!("--{name} ")) || help.contains(&format!("--{name}\n")),
+                "{what}: --{name} is not a flag of `gpufeed-guest run`"
+            );
+        }
+    }
+    let o = parse_with_binary(&args);
+    assert!(
+        o.status.success(),
+        "{what}: `gpufeed-guest run` rejects {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    args
+}
+
+/// What `gpufeed-guest certs init` writes: (Secret name, namespace, data keys, guest dir files).
+fn certs_init_output() -> (String, String, BTreeSet<String>, BTreeSet<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let o = run(&[
+        "certs",
+        "init",
+        "--out",
+        dir.path().to_str().unwrap(),
+        "--guest-addr",
+        "10.0.0.20:7845",
+        "--host",
+        "pve1",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(dir.path().join("gpufeed-guest-tls.yaml")).unwrap();
+    let s: Value = serde_yaml::from_str(&text).unwrap();
+    assert_eq!(s["kind"].as_str(), Some("Secret"));
+    let keys = s["stringData"]
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect();
+    let files = std::fs::read_dir(dir.path().join("guest"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    (
+        s["metadata"]["name"].as_str().unwrap().to_string(),
+        s["metadata"]["namespace"].as_str().unwrap().to_string(),
+        keys,
+        files,
+    )
+}
+
+fn walk<'a>(v: &'a Value, path: &str, f: &mut dyn FnMut(&str, &'a Value)) {
+    f(path, v);
+    match v {
+        Value::Mapping(m) => {
+            for (k, x) in m {
+                walk(x, &format!("{path}.{}", k.as_str().unwrap_or("?")), f);
+            }
+        }
+        Value::Sequence(s) => {
+            for (i, x) in s.iter().enumerate() {
+                walk(x, &format!("{path}[{i}]"), f);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn daemonset_matches_the_binary() {
+    let docs = documents();
+    let help = run_help();
+
+    // Nothing anywhere runs privileged.
+    for (file, d) in &docs {
+        walk(d, "", &mut |p, v| {
+            assert!(
+                !(p.ends_with(".privileged") && v.as_bool() == Some(true)),
+                "{file}: {p} is privileged: true"
+            );
+        });
+    }
+
+    let ns = one(&docs, "Namespace");
+    let ns_name = ns["metadata"]["name"].as_str().unwrap();
+    assert_eq!(
+        ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"].as_str(),
+        Some("privileged")
+    );
+
+    // The Secret `certs init` writes lands in this namespace under the name the pod mounts.
+    let (secret, secret_ns, secret_keys, guest_files) = certs_init_output();
+    assert_eq!(secret_ns, ns_name, "certs init's default namespace");
+    assert_eq!(
+        secret_keys, guest_files,
+        "Secret keys = the guest --tls-dir files"
+    );
+
+    // RBAC: pods only, read only.
+    let role = one(&docs, "ClusterRole");
+    let rules = role["rules"].as_sequence().unwrap();
+    assert!(!rules.is_empty());
+    let allowed: BTreeSet<&str> = ["get", "list", "watch"].into();
+    for r in rules {
+        assert_eq!(strs(&r["apiGroups"]), [""], "core API group only");
+        assert_eq!(strs(&r["resources"]), ["pods"], "pods only");
+        for v in strs(&r["verbs"]) {
+            assert!(
+                allowed.contains(v.as_str()),
+                "verb {v} beyond get/list/watch"
+            );
+        }
+    }
+    let sa = one(&docs, "ServiceAccount");
+    let binding = one(&docs, "ClusterRoleBinding");
+    assert_eq!(binding["roleRef"]["name"], role["metadata"]["name"]);
+    assert_eq!(binding["subjects"][0]["name"], sa["metadata"]["name"]);
+    assert_eq!(binding["subjects"][0]["namespace"].as_str(), Some(ns_name));
+
+    let ds = one(&docs, "DaemonSet");
+    assert_eq!(ds["metadata"]["namespace"].as_str(), Some(ns_name));
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], sa["metadata"]["name"]);
+    assert_eq!(pod["hostNetwork"].as_bool(), Some(true));
+    assert_eq!(pod["hostPID"].as_bool(), Some(true));
+    let containers = pod["containers"].as_sequence().unwrap();
+    assert_eq!(containers.len(), 1);
+    let c = &containers[0];
+    assert!(strs(&c["command"])[0].ends_with("/gpufeed-guest"));
+
+    let args = check_args("DaemonSet", strs(&c["args"]), &help);
+
+    // NODE_NAME from the downward API, read by the binary as --node-name.
+    assert!(help.contains("[env: NODE_NAME=]"));
+    let env = c["env"].as_sequence().unwrap();
+    let node = env
+        .iter()
+        .find(|e| e["name"].as_str() == Some("NODE_NAME"))
+        .expect("NODE_NAME");
+    assert_eq!(
+        node["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+        Some("spec.nodeName")
+    );
+
+    // Least capabilities, exactly the documented set; no escalation; read-only root.
+    let sc = &c["securityContext"];
+    assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
+    assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
+    assert_eq!(strs(&sc["capabilities"]["drop"]), ["ALL"]);
+    let caps: BTreeSet<String> = strs(&sc["capabilities"]["add"]).into_iter().collect();
+    let want: BTreeSet<String> = ["BPF", "PERFMON", "NET_ADMIN", "SYS_PTRACE"]
+        .map(String::from)
+        .into();
+    assert_eq!(caps, want);
+
+    // Ports: the metrics port is the binary's default; the QUIC port is the one it listens on.
+    let ports = c["ports"].as_sequence().unwrap();
+    let port = |name: &str| {
+        ports
+            .iter()
+            .find(|p| p["name"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("port {name}"))
+    };
+    let default_metrics = help_default(&help, "--metrics-listen");
+    let metrics_port = port_of(&default_metrics);
+    assert_eq!(metrics_port, 9745);
+    assert_eq!(
+        port("metrics")["containerPort"].as_u64(),
+        Some(metrics_port)
+    );
+    assert_eq!(port("metrics")["protocol"].as_str(), Some("TCP"));
+    if let Some(m) = flag(&args, "--metrics-listen") {
+        assert_eq!(port_of(m), metrics_port);
+    }
+    let quic = flag(&args, "--quic-listen").expect("the DaemonSet runs the hub");
+    assert_eq!(port("quic")["containerPort"].as_u64(), Some(port_of(quic)));
+    assert_eq!(port("quic")["protocol"].as_str(), Some("UDP"));
+    assert!(
+        help.contains(&format!("e.g. {quic}")),
+        "QUIC port as documented in --help"
+    );
+
+    for probe in ["livenessProbe", "readinessProbe"] {
+        assert_eq!(
+            c[probe]["httpGet"]["path"].as_str(),
+            Some("/healthz"),
+            "{probe}"
+        );
+        assert_eq!(
+            c[probe]["httpGet"]["port"].as_str(),
+            Some("metrics"),
+            "{probe}"
+        );
+    }
+    let lim = &c["resources"]["limits"]["memory"];
+    assert!(lim.is_string() && c["resources"]["requests"]["memory"].is_string());
+
+    // Mounts behind the flags.
+    let mounts = c["volumeMounts"].as_sequence().unwrap();
+    let volumes = pod["volumes"].as_sequence().unwrap();
+    let volume_at = |path: &str| -> (&Value, &Value) {
+        let m = mounts
+            .iter()
+            .find(|m| m["mountPath"].as_str() == Some(path))
+            .unwrap_or_else(|| panic!("nothing mounted at {path}"));
+        let v = volumes
+            .iter()
+            .find(|v| v["name"] == m["name"])
+            .unwrap_or_else(|| panic!("no volume {:?}", m["name"]));
+        (m, v)
+    };
+    let cg =
+        flag(&args, "--cgroup-root").expect("--cgroup-root: the container's own view is wrong");
+    let (m, v) = volume_at(cg);
+    assert_eq!(m["readOnly"].as_bool(), Some(true));
+    assert_eq!(v["hostPath"]["path"].as_str(), Some("/sys/fs/cgroup"));
+    let (m, v) = volume_at("/sys/kernel/security");
+    assert_eq!(m["readOnly"].as_bool(), Some(true));
+    assert_eq!(v["hostPath"]["path"].as_str(), Some("/sys/kernel/security"));
+    let tls =
+        flag(&args, "--tls-dir").map_or_else(|| help_default(&help, "--tls-dir"), String::from);
+    let (m, v) = volume_at(&tls);
+    assert_eq!(m["readOnly"].as_bool(), Some(true));
+    assert_eq!(v["secret"]["secretName"].as_str(), Some(secret.as_str()));
+    let journal = flag(&args, "--event-journal").expect("--event-journal");
+    let (m, v) = volume_at(Path::new(journal).parent().unwrap().to_str().unwrap());
+    assert_ne!(m["readOnly"].as_bool(), Some(true));
+    assert!(v["emptyDir"].is_mapping(), "journal on an emptyDir");
+
+    // Service and PodMonitor reach the metrics port of these pods.
+    let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
+    let svc = one(&docs, "Service");
+    assert_eq!(svc["spec"]["clusterIP"].as_str(), Some("None"));
+    assert_eq!(svc["spec"]["selector"], *pod_labels);
+    assert_eq!(svc["spec"]["ports"][0]["port"].as_u64(), Some(metrics_port));
+    assert_eq!(
+        svc["spec"]["ports"][0]["targetPort"].as_str(),
+        Some("metrics")
+    );
+    let pm = one(&docs, "PodMonitor");
+    assert_eq!(pm["apiVersion"].as_str(), Some("monitoring.coreos.com/v1"));
+    assert_eq!(pm["spec"]["selector"]["matchLabels"], *pod_labels);
+    let ep = &pm["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(ep["port"].as_str(), Some("metrics"));
+    assert_eq!(ep["path"].as_str(), Some("/metrics"));
+    // The rules select job="gpufeed-guest": the PodMonitor's jobLabel gives it.
+    let job_label = pm["spec"]["jobLabel"].as_str().unwrap();
+    assert_eq!(pod_labels[job_label].as_str(), Some("gpufeed-guest"));
+
+    // The negative controls: the binary does reject what it should.
+    let mut bad = args.clone();
+    bad.push("--no-such-flag".into());
+    assert!(!parse_with_binary(&bad).status.success());
+    let mut bad = args.clone();
+    bad.push("--interval=0s".into());
+    assert!(!parse_with_binary(&bad).status.success());
+}
+
+#[test]
+fn extension_service_matches_the_binary() {
+    let docs = documents();
+    let help = run_help();
+    let ext = docs
+        .iter()
+        .find(|(f, _)| f == "extension-service.yaml")
+        .map(|(_, v)| v)
+        .expect("talos/extension-service.yaml");
+    let name = ext["name"].as_str().unwrap();
+    assert!(name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_'));
+    assert!(ext["container"]["entrypoint"]
+        .as_str()
+        .unwrap()
+        .ends_with("/gpufeed-guest"));
+    assert!(["always", "never", "untilSuccess"].contains(&ext["restart"].as_str().unwrap()));
+    let args = check_args("extension service", strs(&ext["container"]["args"]), &help);
+    let mounts = ext["container"]["mounts"].as_sequence().unwrap();
+    let at = |dest: &str| {
+        mounts
+            .iter()
+            .find(|m| m["destination"].as_str() == Some(dest))
+            .unwrap_or_else(|| panic!("nothing mounted at {dest}"))
+    };
+    let cg = at(flag(&args, "--cgroup-root").expect("--cgroup-root"));
+    assert_eq!(cg["source"].as_str(), Some("/sys/fs/cgroup"));
+    assert!(strs(&cg["options"]).contains(&"ro".to_string()));
+    let journal = flag(&args, "--event-journal").expect("--event-journal");
+    let j = at(Path::new(journal).parent().unwrap().to_str().unwrap());
+    assert!(strs(&j["options"]).contains(&"rw".to_string()));
+
+    // Its ExtensionServiceConfig provides exactly the guest --tls-dir files.
+    let cfg = one(&docs, "ExtensionServiceConfig");
+    assert_eq!(cfg["name"].as_str(), Some(name));
+    let tls =
+        flag(&args, "--tls-dir").map_or_else(|| help_default(&help, "--tls-dir"), String::from);
+    let paths: BTreeSet<String> = cfg["configFiles"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|f| f["mountPath"].as_str().unwrap().to_string())
+        .collect();
+    let (_, _, _, guest_files) = certs_init_output();
+    let want: BTreeSet<String> = guest_files.iter().map(|f| format!("{tls}/{f}")).collect();
+    assert_eq!(paths, want);
+
+    // Firewall rules of the machine-config patch open exactly the agent's ports.
+    let rules = of_kind(&docs, "NetworkRuleConfig");
+    let mut opened: BTreeSet<(u64, String)> = BTreeSet::new();
+    for r in rules {
+        for p in r["portSelector"]["ports"].as_sequence().unwrap() {
+            opened.insert((
+                p.as_u64().unwrap(),
+                r["portSelector"]["protocol"].as_str().unwrap().into(),
+            ));
+        }
+        assert!(!r["ingress"].as_sequence().unwrap().is_empty());
+    }
+    // ... which are the DaemonSet's: hosts and Prometheus see one agent either way.
+    let ds = one(&docs, "DaemonSet");
+    let ds_args = strs(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    let quic = port_of(flag(&ds_args, "--quic-listen").unwrap());
+    assert_eq!(
+        port_of(flag(&args, "--quic-listen").expect("--quic-listen")),
+        quic
+    );
+    let metrics = port_of(&help_default(&help, "--metrics-listen"));
+    if let Some(m) = flag(&args, "--metrics-listen") {
+        assert_eq!(port_of(m), metrics);
+    }
+    assert_eq!(
+        opened,
+        BTreeSet::from([(quic, "udp".into()), (metrics, "tcp".into())])
+    );
+}
+
+fn promtool(args: &[&str], dir: &Path) -> Output {
+    Command::new("promtool")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("promtool (Debian package `prometheus`) must be installed")
+}
+
+/// The metric names an expression reads (recording rules, with `:`, excluded).
+fn series_names(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for ch in expr.chars().chain(std::iter::once(' ')) {
+        if ch.is_ascii_alphanumeric() || ch == '_' || ch == ':' {
+            cur.push(ch);
+        } else {
+            if (cur.starts_with("ebpf_") || cur.starts_with("gpufeed_")) && !cur.contains(':') {
+                out.push(cur.clone());
+            }
+            cur.clear();
+        }
+    }
+    out
+}
+
+fn source_text() -> String {
+    let mut text = std::fs::read_to_string(repo().join("docs/metrics.md")).unwrap();
+    text += &std::fs::read_to_string(repo().join("host-agent/src/metrics.rs")).unwrap();
+    fn rs(dir: &Path, text: &mut String) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                rs(&p, text);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                *text += &std::fs::read_to_string(&p).unwrap();
+            }
+        }
+    }
+    rs(&repo().join("guest-agent/src"), &mut text);
+    text
+}
+
+#[test]
+fn prometheus_rules_pass_promtool() {
+    let docs = documents();
+    let pr = one(&docs, "PrometheusRule");
+    assert_eq!(pr["apiVersion"].as_str(), Some("monitoring.coreos.com/v1"));
+    let groups = pr["spec"]["groups"].clone();
+
+    // Every series an expression reads is one the agents export.
+    let sources = source_text();
+    let mut exprs = Vec::new();
+    for g in groups.as_sequence().unwrap() {
+        for r in g["rules"].as_sequence().unwrap() {
+            exprs.push(r["expr"].as_str().expect("expr").to_string());
+        }
+    }
+    assert!(exprs.len() >= 10, "{} rules", exprs.len());
+    for e in &exprs {
+        for s in series_names(e) {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suf| s.strip_suffix(suf))
+                .unwrap_or(&s);
+            assert!(
+                sources.contains(&format!("\"{base}\"")) || sources.contains(&format!("`{base}`")),
+                "{s} (in `{e}`) is not a series the agents export"
+            );
+        }
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut file = serde_yaml::Mapping::new();
+    file.insert("groups".into(), groups.clone());
+    std::fs::write(
+        dir.path().join("rules.yaml"),
+        serde_yaml::to_string(&file).unwrap(),
+    )
+    .unwrap();
+    let o = promtool(&["check", "rules", "rules.yaml"], dir.path());
+    assert!(
+        o.status.success(),
+        "promtool check rules: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::copy(
+        talos().join("tests/prometheus-rules.promtool.yaml"),
+        dir.path().join("tests.yaml"),
+    )
+    .unwrap();
+    let o = promtool(&["test", "rules", "tests.yaml"], dir.path());
+    assert!(
+        o.status.success(),
+        "promtool test rules: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    // Negative control: one expression broken, and promtool must say so.
+    let mut broken = groups;
+    broken[0]["rules"][0]["expr"] = "rate(ebpf_tc_bytes_total[5m]".into();
+    let mut file = serde_yaml::Mapping::new();
+    file.insert("groups".into(), broken);
+    std::fs::write(
+        dir.path().join("broken.yaml"),
+        serde_yaml::to_string(&file).unwrap(),
+    )
+    .unwrap();
+    let o = promtool(&["check", "rules", "broken.yaml"], dir.path());
+    assert!(!o.status.success(), "promtool accepted a broken expression");
+}
