@@ -10,11 +10,12 @@ use std::time::Duration;
 
 use common::*;
 
-/// Every ```promql block in the shipped docs and manifests.
+/// Every expression shipped to users: ```promql blocks in docs/ and talos/
+/// Markdown, and every `expr` of the rule files in talos/.
 fn shipped_promql() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut out = Vec::new();
-    for dir in ["docs", "talos"] {
+    for dir in ["docs", "talos", "talos/tests"] {
         let Ok(entries) = std::fs::read_dir(root.join(dir)) else {
             continue;
         };
@@ -23,6 +24,17 @@ fn shipped_promql() -> Vec<(String, String)> {
             let Ok(text) = std::fs::read_to_string(&p) else {
                 continue;
             };
+            let name = p.display().to_string();
+            if name.ends_with(".yaml") || name.ends_with(".yml") {
+                if !name.contains("prometheus-rules") {
+                    continue;
+                }
+                for doc in serde_yaml::Deserializer::from_str(&text) {
+                    let v: serde_yaml::Value = serde::Deserialize::deserialize(doc).unwrap();
+                    collect_exprs(&v, &name, &mut out);
+                }
+                continue;
+            }
             let mut inside = false;
             let mut cur = String::new();
             for line in text.lines() {
@@ -31,7 +43,7 @@ fn shipped_promql() -> Vec<(String, String)> {
                     cur.clear();
                 } else if inside && line.trim_start().starts_with("```") {
                     inside = false;
-                    out.push((p.display().to_string(), cur.trim().to_string()));
+                    out.push((name.clone(), cur.trim().to_string()));
                 } else if inside {
                     cur.push_str(line);
                     cur.push('\n');
@@ -40,6 +52,24 @@ fn shipped_promql() -> Vec<(String, String)> {
         }
     }
     out
+}
+
+fn collect_exprs(v: &serde_yaml::Value, file: &str, out: &mut Vec<(String, String)>) {
+    match v {
+        serde_yaml::Value::Mapping(m) => {
+            for (k, val) in m {
+                if k.as_str() == Some("expr") {
+                    if let Some(e) = val.as_str() {
+                        out.push((file.to_string(), e.trim().to_string()));
+                    }
+                } else {
+                    collect_exprs(val, file, out);
+                }
+            }
+        }
+        serde_yaml::Value::Sequence(s) => s.iter().for_each(|x| collect_exprs(x, file, out)),
+        _ => {}
+    }
 }
 
 #[test]
@@ -131,7 +161,18 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
     );
 
     let shipped = shipped_promql();
-    assert!(shipped.len() >= 2, "docs ship PromQL examples");
+    assert!(
+        shipped.iter().filter(|(f, _)| f.ends_with(".md")).count() >= 2,
+        "docs ship PromQL examples"
+    );
+    assert!(
+        shipped
+            .iter()
+            .filter(|(f, _)| f.contains("prometheus-rules"))
+            .count()
+            >= 10,
+        "talos rules are checked"
+    );
     for (file, q) in shipped {
         if let Err(e) = prom.query(&q) {
             panic!("PromQL in {file} does not evaluate: {e}\n{q}");
