@@ -244,8 +244,16 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         if !read_addrs {
             tracing::info!("lockdown=confidentiality: tc drops are attributed by socket and device only, not by IP");
         }
-        let (p, st) =
-            probes::tc::TcProbe::load(&btf, args.tc_attach, read_addrs).map_err(load_error)?;
+        let (p, st) = match probes::tc::TcProbe::load(&btf, args.tc_attach, read_addrs) {
+            Ok(loaded) => loaded,
+            // The lockdown mode may be unreadable (no securityfs): a refused
+            // bpf_probe_read_kernel then shows up as a failed load. Fail safe.
+            Err(e) if read_addrs => {
+                tracing::info!("tc: loading with packet-header reads failed ({e}); retrying without the IP fallback");
+                probes::tc::TcProbe::load(&btf, args.tc_attach, false).map_err(load_error)?
+            }
+            Err(e) => return Err(load_error(e)),
+        };
         statuses.extend(st);
         Some(
             collect::TcState::new(p, args.node_devices.clone())
