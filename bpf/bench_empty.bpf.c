@@ -26,3 +26,10 @@ int BPF_PROG(empty_switch, bool preempt, struct task_struct *prev, struct task_s
 {
 	return 0;
 }
+
+/* The floor for the tc benchmark: a tc program that only says "next". */
+SEC("tc")
+int empty_tc(struct __sk_buff *skb)
+{
+	return -1; /* TCX_NEXT / TC_ACT_UNSPEC */
+}
