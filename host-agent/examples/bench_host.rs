@@ -1,12 +1,16 @@
-//! Benchmark (not a test): idle CPU and RSS of the release binary at default intervals, and
-//! link change → event latency. Writes nothing; prints a Markdown table.
+//! Benchmark (not a test): idle CPU, wake-ups and RSS of the release binary at default
+//! intervals, and link change → event latency. Writes nothing; prints a Markdown table.
+//! `BENCH_BIN=path` measures another build of the binary; `BENCH_KMSG=device` makes the agent
+//! read the machine's `/dev/kmsg` instead of the recorded file; the bridge sampler reads a
+//! `vmbr0` with three Proxmox-named ports in a network namespace made for the run (root and
+//! iproute2), or the machine's own links with `BENCH_BRIDGE=host`.
 //!
 //!   cargo build --release -p gpufeed-host
 //!   cargo run --release -p gpufeed-host --example bench_host -- [IDLE_SECONDS] [SAMPLES]
 //!
 //! The agent reads the recorded TB4-eGPU + plain-slot tree (`--root`, 18 PCI devices, AER
 //! files, a Thunderbolt router, 2 VMs) at the default intervals, while the bridge sampler runs
-//! on the live host's rtnetlink every 100 ms.
+//! on a live rtnetlink every 100 ms.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -34,6 +38,74 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
+/// CPU time of all live threads in ns (`/proc/<pid>/task/*/schedstat`, first field): exact,
+/// where utime + stime are sampled at the scheduler tick (100 Hz here).
+fn proc_cpu_ns(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Wake-ups (voluntary + involuntary context switches) of all live threads.
+fn proc_switches(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
+}
+
+/// A network namespace with a Proxmox-like `vmbr0` and three ports (a VM tap, a firewall
+/// port, a container veth), removed on drop.
+struct BenchNetns(String);
+
+impl BenchNetns {
+    fn new() -> Option<BenchNetns> {
+        let ns = format!("gpufeed-bench-{}", std::process::id());
+        let ip = |args: &[&str]| {
+            Command::new("ip")
+                .args(args)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !ip(&["netns", "add", &ns]) {
+            return None;
+        }
+        let me = BenchNetns(ns.clone());
+        let ok = ip(&["-n", &ns, "link", "add", "vmbr0", "type", "bridge"])
+            && ip(&["-n", &ns, "link", "set", "vmbr0", "up"])
+            && [
+                ("tap100i0", "p100"),
+                ("fwpr101p0", "p101"),
+                ("veth102i0", "p102"),
+            ]
+            .iter()
+            .all(|(port, peer)| {
+                ip(&[
+                    "-n", &ns, "link", "add", port, "type", "veth", "peer", "name", peer,
+                ]) && ip(&["-n", &ns, "link", "set", port, "master", "vmbr0", "up"])
+                    && ip(&["-n", &ns, "link", "set", peer, "up"])
+            });
+        ok.then_some(me)
+    }
+}
+
+impl Drop for BenchNetns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
 struct Kill(std::process::Child);
 impl Drop for Kill {
     fn drop(&mut self) {
@@ -48,15 +120,32 @@ fn main() {
     let samples: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(10);
     let target = std::env::var("CARGO_TARGET_DIR")
         .unwrap_or_else(|_| format!("{}/../target", env!("CARGO_MANIFEST_DIR")));
-    let bin = format!("{target}/release/gpufeed-host");
+    let bin = std::env::var("BENCH_BIN").unwrap_or(format!("{target}/release/gpufeed-host"));
     assert!(std::path::Path::new(&bin).exists(), "build {bin} first");
     let t = common::Tree::new();
     common::topology(&t);
     common::pve_basic(&t);
+    // BENCH_KMSG=device: read the machine's /dev/kmsg (a character device, as on a real host)
+    // instead of the recorded file.
+    if std::env::var("BENCH_KMSG").as_deref() == Ok("device") {
+        std::fs::remove_file(t.p("dev/kmsg")).unwrap();
+        std::os::unix::fs::symlink("/dev/kmsg", t.p("dev/kmsg")).unwrap();
+    }
     let cfg = t.p("host.toml");
+    // The bridge sampler reads vmbr0 with three ports in a network namespace of its own (as
+    // on a Proxmox host); BENCH_BRIDGE=host: the machine's own links instead (no bridge on a
+    // plain machine, so the sampler only looks for one once per period).
+    let netns = match std::env::var("BENCH_BRIDGE").as_deref() {
+        Ok("host") => None,
+        _ => Some(BenchNetns::new().expect("ip netns with vmbr0 (root and iproute2 needed)")),
+    };
+    let bridge = match &netns {
+        Some(n) => format!("[bridge]\nnetns = \"/run/netns/{}\"\n", n.0),
+        None => String::new(),
+    };
     std::fs::write(
         &cfg,
-        "host_id = \"testnode\"\n[thunderbolt]\nuevents = false\n",
+        format!("host_id = \"testnode\"\n[thunderbolt]\nuevents = false\n{bridge}"),
     )
     .unwrap();
 
@@ -76,6 +165,7 @@ fn main() {
     std::thread::sleep(Duration::from_secs(5));
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let c0 = proc_cpu_ticks(pid);
+    let (ns0, sw0) = (proc_cpu_ns(pid), proc_switches(pid));
     let t0 = Instant::now();
     let mut rss_max = 0;
     while t0.elapsed() < Duration::from_secs(idle_s) {
@@ -83,6 +173,9 @@ fn main() {
         rss_max = rss_max.max(rss_kib(pid));
     }
     let cpu = (proc_cpu_ticks(pid) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu_exact = (proc_cpu_ns(pid) - ns0) as f64 / 1e9 / wall;
+    let wakeups = (proc_switches(pid) - sw0) as f64 / wall;
     drop(child);
 
     // Link change → event latency at the default 1000 ms poll.
@@ -131,9 +224,14 @@ fn main() {
     println!("| figure | value |");
     println!("|---|---|");
     println!(
-        "| idle CPU, default intervals, {idle_s} s | {:.3}% of one core |",
+        "| idle CPU, default intervals, {idle_s} s (utime+stime, 100 Hz ticks) | {:.3}% of one core |",
         cpu * 100.0
     );
+    println!(
+        "| idle CPU, default intervals, {idle_s} s (schedstat run time, ns) | {:.3}% of one core |",
+        cpu_exact * 100.0
+    );
+    println!("| context switches (wake-ups) per second | {wakeups:.1} |");
     println!(
         "| peak RSS during idle run | {:.1} MiB |",
         rss_max as f64 / 1024.0

@@ -52,6 +52,9 @@ pub struct Agent {
     pub recent: Arc<RecentKmsg>,
     pub topo: Arc<TopoCell>,
     host_id: String,
+    /// Common phase of the pollers' timers: intervals that divide each other fire in the same
+    /// wake-up (pcie, aer and vm each second, thunderbolt every other, host every fifth).
+    phase: tokio::time::Instant,
 }
 
 /// Handle of a running agent; dropping it stops the loops.
@@ -114,7 +117,16 @@ impl Agent {
             topo: Arc::new(TopoCell::default()),
             host_id,
             cfg,
+            phase: tokio::time::Instant::now(),
         }
+    }
+
+    /// A poller's timer: first tick at once, then on the agent's common phase. A late tick is
+    /// skipped rather than shifting the phase (`Skip`), which keeps the timers coalesced.
+    fn ticker(&self, period_ms: u64) -> tokio::time::Interval {
+        let mut iv = tokio::time::interval_at(self.phase, Duration::from_millis(period_ms.max(1)));
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        iv
     }
 
     /// Node name used for `mapping=` entries.
@@ -212,10 +224,8 @@ impl Agent {
         let (disc_tx, mut disc_rx) = mpsc::channel::<()>(8);
         {
             let me = self.clone();
-            let every = Duration::from_millis(self.cfg.discovery.rescan_interval_ms);
+            let mut iv = self.ticker(self.cfg.discovery.rescan_interval_ms);
             running.tasks.push(tokio::spawn(async move {
-                let mut iv = tokio::time::interval(every);
-                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 iv.tick().await;
                 let mut open = true;
                 loop {
@@ -517,9 +527,7 @@ impl Agent {
             on(&m, &mut running, "vm");
             let me = self.clone();
             running.tasks.push(tokio::spawn(async move {
-                let mut iv =
-                    tokio::time::interval(Duration::from_millis(me.cfg.vm.poll_interval_ms));
-                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut iv = me.ticker(me.cfg.vm.poll_interval_ms);
                 iv.tick().await;
                 loop {
                     iv.tick().await;
@@ -558,8 +566,7 @@ impl Agent {
             on(&m, &mut running, "host");
             let me = self.clone();
             running.tasks.push(tokio::spawn(async move {
-                let mut iv = tokio::time::interval(Duration::from_millis(me.cfg.host.interval_ms));
-                iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let mut iv = me.ticker(me.cfg.host.interval_ms);
                 loop {
                     iv.tick().await;
                     hs.poll(&me.roots, &me.metrics);
@@ -577,8 +584,7 @@ impl Agent {
     ) -> JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut iv = tokio::time::interval(Duration::from_millis(me.cfg.pcie.poll_interval_ms));
-            iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut iv = me.ticker(me.cfg.pcie.poll_interval_ms);
             iv.tick().await;
             let mut open = true;
             loop {
@@ -613,8 +619,7 @@ impl Agent {
     ) -> JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut iv = tokio::time::interval(Duration::from_millis(me.cfg.aer.poll_interval_ms));
-            iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut iv = me.ticker(me.cfg.aer.poll_interval_ms);
             iv.tick().await;
             let window = Duration::from_millis(me.cfg.aer.kmsg_context_ms);
             let mut open = true;
@@ -656,9 +661,7 @@ impl Agent {
     fn spawn_tb(self: &Arc<Self>, mut p: TbPoller, mut rx: mpsc::Receiver<Poke>) -> JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut iv =
-                tokio::time::interval(Duration::from_millis(me.cfg.thunderbolt.poll_interval_ms));
-            iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut iv = me.ticker(me.cfg.thunderbolt.poll_interval_ms);
             iv.tick().await;
             let mut open = true;
             loop {

@@ -41,6 +41,7 @@ pub fn wire(data: &[u8]) {
     }
     let mut rows = Vec::new();
     let _ = crate::watch::bridge::parse_dump_chunk(data, 7, &mut rows);
+    let _ = crate::watch::bridge::parse_newlink(data);
 }
 
 /// Agent configuration (TOML).

@@ -15,6 +15,8 @@ use std::time::Duration;
 pub struct AerPoller {
     counters: HashMap<(String, AerSeverity, String), u64>,
     totals: HashMap<(String, AerSeverity), u64>,
+    /// Last text of each `aer_dev_*` file: an unchanged file (the usual case) is not parsed.
+    texts: HashMap<(String, AerSeverity), String>,
 }
 
 /// True if any device of the topology has AER counter files.
@@ -56,6 +58,13 @@ impl AerPoller {
                 let Some(text) = read_attr(&dir.join(file)) else {
                     continue;
                 };
+                match self.texts.get_mut(&(bdf.clone(), sev)) {
+                    Some(t) if *t == text => continue, // no counter moved
+                    Some(t) => t.clone_from(&text),
+                    None => {
+                        self.texts.insert((bdf.clone(), sev), text.clone());
+                    }
+                }
                 for (name, value) in parse_aer_counters(&text) {
                     if name.starts_with("TOTAL_ERR_") {
                         continue; // sum of the named lines (can undercount); not a named error

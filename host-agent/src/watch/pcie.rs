@@ -6,7 +6,7 @@ use crate::metrics::{vmid_label, Metrics};
 use crate::roots::Roots;
 use crate::sysfs::{parse_link_speed, parse_link_width, read_attr};
 use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinkState {
@@ -19,6 +19,8 @@ pub struct LinkState {
 #[derive(Debug, Default)]
 pub struct PciePoller {
     state: HashMap<String, LinkState>,
+    /// Links whose maxima in `state` were read while the device stayed present.
+    max_valid: HashSet<String>,
     /// Devices skipped on the last poll because they were runtime-suspended.
     pub suspended_skips: u64,
 }
@@ -31,19 +33,28 @@ pub fn runtime_suspended(roots: &Roots, bdf: &str) -> bool {
     )
 }
 
-/// Read a link's state from its downstream-end device. The link's maximum is the lower of the
-/// two ends' maxima (a x16 GPU behind a x4 port has a x4 link).
-pub fn read_link(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<LinkState> {
+/// Current speed (MT/s) and width of the link above `bdf`, from the device's `current_link_*`.
+pub fn read_current(roots: &Roots, bdf: &str) -> Option<(Option<u32>, u8)> {
     let d = roots.pci_devices().join(bdf);
     let cur_speed = read_attr(&d.join("current_link_speed"))?;
     let cur_width = read_attr(&d.join("current_link_width"))?;
+    Some((
+        parse_link_speed(&cur_speed),
+        parse_link_width(&cur_width).unwrap_or(0),
+    ))
+}
+
+/// The link's maximum: the lower of the two ends' `max_link_*` (a x16 GPU behind a x4 port has
+/// a x4 link). These come from the Link Capabilities registers and do not change while the
+/// device is present.
+pub fn read_max(roots: &Roots, bdf: &str, parent: Option<&str>) -> (Option<u32>, u8) {
     let max_of = |dev: &std::path::Path| {
         (
             read_attr(&dev.join("max_link_speed")).and_then(|s| parse_link_speed(&s)),
             read_attr(&dev.join("max_link_width")).and_then(|s| parse_link_width(&s)),
         )
     };
-    let (mut ms, mut mw) = max_of(&d);
+    let (mut ms, mut mw) = max_of(&roots.pci_devices().join(bdf));
     if let Some(p) = parent {
         let (ps, pw) = max_of(&roots.pci_devices().join(p));
         ms = match (ms, ps) {
@@ -55,11 +66,18 @@ pub fn read_link(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<LinkS
             (a, b) => a.or(b),
         };
     }
+    (ms, mw.unwrap_or(0))
+}
+
+/// Read a link's state from its downstream-end device ([`read_current`] and [`read_max`]).
+pub fn read_link(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<LinkState> {
+    let (speed, width) = read_current(roots, bdf)?;
+    let (max_speed, max_width) = read_max(roots, bdf, parent);
     Some(LinkState {
-        speed: parse_link_speed(&cur_speed),
-        width: parse_link_width(&cur_width).unwrap_or(0),
-        max_speed: ms,
-        max_width: mw.unwrap_or(0),
+        speed,
+        width,
+        max_speed,
+        max_width,
     })
 }
 
@@ -103,8 +121,27 @@ impl PciePoller {
                 self.suspended_skips += 1;
                 continue;
             }
-            let Some(new) = read_link(roots, &link.child, link.parent.as_deref()) else {
+            let Some((speed, width)) = read_current(roots, &link.child) else {
+                self.max_valid.remove(&link.child); // gone: read the maxima again when it is back
                 continue;
+            };
+            // The maxima are read on first sight and again with every change of the current
+            // values (a re-plugged device shows one), not on every poll.
+            let known = self
+                .state
+                .get(&link.child)
+                .filter(|o| o.speed == speed && o.width == width)
+                .filter(|_| self.max_valid.contains(&link.child));
+            let (max_speed, max_width) = match known {
+                Some(o) => (o.max_speed, o.max_width),
+                None => read_max(roots, &link.child, link.parent.as_deref()),
+            };
+            self.max_valid.insert(link.child.clone());
+            let new = LinkState {
+                speed,
+                width,
+                max_speed,
+                max_width,
             };
             let vm = vmid_label(link.vmid);
             let labels = [link.child.as_str(), vm.as_str()];
@@ -162,5 +199,7 @@ impl PciePoller {
     pub fn retain(&mut self, links: &[Link]) {
         self.state
             .retain(|k, _| links.iter().any(|l| &l.child == k));
+        self.max_valid
+            .retain(|k| links.iter().any(|l| &l.child == k));
     }
 }
