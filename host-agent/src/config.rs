@@ -405,6 +405,68 @@ mod tests {
         assert!(e.contains("devices[1]") && e.contains("gpu0"), "{e}");
     }
 
+    /// The commented `[stream]` example of the shipped config, uncommented, parses; its values
+    /// are `StreamConfig`'s defaults and the example guest.
+    #[test]
+    fn shipped_stream_example_matches_stream_config() {
+        let text = include_str!("../../systemd/host.toml");
+        let at = text
+            .find("\n# [stream]\n")
+            .expect("commented [stream] example");
+        let mut t = text[..at + 1].to_string();
+        for line in text[at + 1..].lines() {
+            let l = line
+                .strip_prefix('#')
+                .expect("only comments after [stream]");
+            t.push_str(l.strip_prefix(' ').unwrap_or(l));
+            t.push('\n');
+        }
+        let c = Config::parse(&t, Path::new("host.toml")).unwrap();
+        let s = c.stream.expect("[stream] parsed");
+        let d = crate::stream::StreamConfig::default();
+        assert_eq!((&s.ca, &s.cert, &s.key), (&d.ca, &d.cert, &d.key));
+        assert_eq!(s.spool_dir, d.spool_dir);
+        assert_eq!(s.spool_dir, Path::new("/var/lib/gpufeed/spool"));
+        assert_eq!(
+            (s.memory_events, s.disk_max_bytes, s.segment_bytes),
+            (d.memory_events, d.disk_max_bytes, d.segment_bytes)
+        );
+        assert_eq!(
+            (s.reconnect_min_ms, s.reconnect_max_ms, s.connect_timeout_ms),
+            (d.reconnect_min_ms, d.reconnect_max_ms, d.connect_timeout_ms)
+        );
+        assert_eq!(
+            (
+                s.idle_timeout_ms,
+                s.keep_alive_ms,
+                s.batch_bytes,
+                s.coalesce_us
+            ),
+            (
+                d.idle_timeout_ms,
+                d.keep_alive_ms,
+                d.batch_bytes,
+                d.coalesce_us
+            )
+        );
+        assert_eq!(s.guests.len(), 1);
+        let g = &s.guests[0];
+        assert_eq!(
+            (g.label(), g.endpoint.as_str()),
+            ("talos-gpu", "10.0.0.20:7845")
+        );
+        assert_eq!(g.server_name(), "10.0.0.20");
+        assert_eq!(
+            (g.vmids.clone(), g.devices.clone()),
+            (vec![100], vec!["0000:01:00.0".to_string()])
+        );
+        // Commented out, it is off.
+        assert!(Config::parse(text, Path::new("host.toml"))
+            .unwrap()
+            .stream
+            .is_none());
+    }
+
     #[test]
     fn shipped_default_config_is_valid() {
         let text = include_str!("../../systemd/host.toml");
