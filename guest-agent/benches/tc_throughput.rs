@@ -66,8 +66,14 @@ fn attach_tcx(prog: &libbpf_rs::ProgramMut<'_>, ifindex: u32) -> Vec<OwnedFd> {
         .map(|ty| {
             let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
             opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
-            let r = unsafe { libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), ifindex as i32, ty, &opts) };
-            assert!(r >= 0, "tcx attach: {}", std::io::Error::from_raw_os_error(-r));
+            let r = unsafe {
+                libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), ifindex as i32, ty, &opts)
+            };
+            assert!(
+                r >= 0,
+                "tcx attach: {}",
+                std::io::Error::from_raw_os_error(-r)
+            );
             unsafe { OwnedFd::from_raw_fd(r) }
         })
         .collect()
@@ -99,9 +105,17 @@ fn main() {
     std::thread::sleep(Duration::from_millis(300));
 
     let hif = pod.host_if.clone().unwrap();
-    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{hif}/ifindex")).unwrap().trim().parse().unwrap();
+    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{hif}/ifindex"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let mut storage = MaybeUninit::uninit();
-    let skel = empty::BenchEmptySkelBuilder::default().open(&mut storage).unwrap().load().unwrap();
+    let skel = empty::BenchEmptySkelBuilder::default()
+        .open(&mut storage)
+        .unwrap()
+        .load()
+        .unwrap();
 
     let (mut without, mut with, mut floor) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_packet = Vec::new();
@@ -129,12 +143,25 @@ fn main() {
         per_packet.push((b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64);
         drop(agent);
     }
-    let (w, o, f) = (median(with.clone()), median(without.clone()), median(floor.clone()));
+    let (w, o, f) = (
+        median(with.clone()),
+        median(without.clone()),
+        median(floor.clone()),
+    );
     println!("| configuration | iperf3 over veth, Gbit/s: median of {ROUNDS} (all runs, 4 s each) | of without |");
     println!("|---|---|---|");
     println!("| without tc programs | {o:.2} ({without:.2?}) | 100% |");
-    println!("| empty tcx programs (floor) | {f:.2} ({floor:.2?}) | {:.1}% |", f / o * 100.0);
-    println!("| with gpufeed tc programs | {w:.2} ({with:.2?}) | {:.1}% |", w / o * 100.0);
+    println!(
+        "| empty tcx programs (floor) | {f:.2} ({floor:.2?}) | {:.1}% |",
+        f / o * 100.0
+    );
+    println!(
+        "| with gpufeed tc programs | {w:.2} ({with:.2?}) | {:.1}% |",
+        w / o * 100.0
+    );
     println!();
-    println!("BPF ns per packet (both directions, run time / run count): {:.0}", median(per_packet));
+    println!(
+        "BPF ns per packet (both directions, run time / run count): {:.0}",
+        median(per_packet)
+    );
 }
