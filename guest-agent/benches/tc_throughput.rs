@@ -14,7 +14,6 @@ mod empty {
 mod common;
 
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
 use std::time::Duration;
 
@@ -57,26 +56,6 @@ fn tc_prog_stats() -> (u64, u64) {
         }
     }
     t
-}
-
-/// tcx links of a program on both directions of an interface.
-fn attach_tcx(prog: &libbpf_rs::ProgramMut<'_>, ifindex: u32) -> Vec<OwnedFd> {
-    [libbpf_sys::BPF_TCX_INGRESS, libbpf_sys::BPF_TCX_EGRESS]
-        .into_iter()
-        .map(|ty| {
-            let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
-            opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
-            let r = unsafe {
-                libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), ifindex as i32, ty, &opts)
-            };
-            assert!(
-                r >= 0,
-                "tcx attach: {}",
-                std::io::Error::from_raw_os_error(-r)
-            );
-            unsafe { OwnedFd::from_raw_fd(r) }
-        })
-        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -122,7 +101,11 @@ fn main() {
     for _ in 0..ROUNDS {
         without.push(iperf_gbps(&mut pod, &srv_ip));
         {
-            let _links = attach_tcx(&skel.progs.empty_tc, ifindex);
+            let _links = attach_tcx(
+                &skel.progs.empty_tc,
+                ifindex,
+                &[libbpf_sys::BPF_TCX_INGRESS, libbpf_sys::BPF_TCX_EGRESS],
+            );
             floor.push(iperf_gbps(&mut pod, &srv_ip));
         }
         let agent = Agent::start(

@@ -10,7 +10,7 @@ mod foreign {
 }
 
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use common::fake_kube::FakeKube;
@@ -311,26 +311,6 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     );
 }
 
-/// tcx link of the foreign program, attached the way another agent would.
-fn attach_foreign(prog: &libbpf_rs::ProgramMut<'_>, ifindex: u32) -> OwnedFd {
-    let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
-    opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
-    let r = unsafe {
-        libbpf_sys::bpf_link_create(
-            prog.as_fd().as_raw_fd(),
-            ifindex as i32,
-            libbpf_sys::BPF_TCX_INGRESS,
-            &opts,
-        )
-    };
-    assert!(
-        r >= 0,
-        "attaching the foreign program: {}",
-        std::io::Error::from_raw_os_error(-r)
-    );
-    unsafe { OwnedFd::from_raw_fd(r) }
-}
-
 fn foreign_program_case(attach: &str) {
     let sb = CgroupSandbox::new();
     let mut net = TestNet::new();
@@ -370,7 +350,11 @@ fn foreign_program_case(attach: &str) {
     let _link;
     let _hook_guard;
     if attach == "tcx" {
-        _link = Some(attach_foreign(&skel.progs.foreign, ifindex));
+        _link = Some(attach_tcx(
+            &skel.progs.foreign,
+            ifindex,
+            &[libbpf_sys::BPF_TCX_INGRESS],
+        ));
         _hook_guard = None;
     } else {
         let mut h = libbpf_rs::TcHookBuilder::new(skel.progs.foreign.as_fd())

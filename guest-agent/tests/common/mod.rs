@@ -788,3 +788,33 @@ pub fn if_stat(dev: &str, stat: &str) -> u64 {
         .parse()
         .unwrap()
 }
+
+/// Attaches a tc program with tcx (the way another agent, say Cilium, would:
+/// appended, no flags) to the given hooks of an interface; the links detach
+/// when dropped.
+pub fn attach_tcx(
+    prog: &libbpf_rs::ProgramMut<'_>,
+    ifindex: u32,
+    hooks: &[libbpf_sys::bpf_attach_type],
+) -> Vec<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsFd, AsRawFd, FromRawFd};
+    hooks
+        .iter()
+        .map(|&ty| {
+            // SAFETY: zeroed is a valid bpf_link_create_opts; sz tells libbpf its size.
+            let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+            opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
+            // SAFETY: a plain syscall wrapper; the program fd is valid for the call.
+            let r = unsafe {
+                libbpf_sys::bpf_link_create(prog.as_fd().as_raw_fd(), ifindex as i32, ty, &opts)
+            };
+            assert!(
+                r >= 0,
+                "tcx attach: {}",
+                std::io::Error::from_raw_os_error(-r)
+            );
+            // SAFETY: r is a new link fd we own.
+            unsafe { std::os::fd::OwnedFd::from_raw_fd(r) }
+        })
+        .collect()
+}
