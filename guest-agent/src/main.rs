@@ -118,6 +118,8 @@ fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| "info,kube_client=off,netlink_packet_route=error".into()),
         )
         .with_writer(std::io::stderr)
+        // colours only for a person at a terminal, not in kubectl logs or journald
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.cmd {
         Cmd::Run(args) => run(args),

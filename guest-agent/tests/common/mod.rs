@@ -463,12 +463,12 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(args: &[&str], env: &[(&str, &str)]) -> Agent {
-        let port = free_port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        // port 0: the agent picks a free port and logs it, so no other process
+        // can take the port between choosing and binding it
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
         cmd.arg("run")
             .arg("--metrics-listen")
-            .arg(addr.to_string())
+            .arg("127.0.0.1:0")
             .args(args);
         cmd.env("RUST_LOG", "info").env_remove("KUBECONFIG");
         for (k, v) in env {
@@ -489,6 +489,27 @@ impl Agent {
                 l2.lock().unwrap().push('\n');
             }
         });
+        let listening = |log: &str| -> Option<SocketAddr> {
+            let line = log.lines().find(|l| l.contains("serving /metrics"))?;
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix("addr=")?.parse().ok())
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = loop {
+            if let Some(a) = listening(&log.lock().unwrap()) {
+                break a;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                std::thread::sleep(Duration::from_millis(100)); // let the log reader catch up
+                panic!("agent exited ({status}); log:\n{}", log.lock().unwrap());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent did not start listening; log:\n{}",
+                log.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
         let agent = Agent { child, addr, log };
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut agent = agent;
