@@ -72,13 +72,7 @@ fn main() {
     let mut net = TestNet::new();
     let (srv, srv_ip, _) = net.server();
     let _s = spawn_in_ns(&srv, "exec iperf3 -s");
-    let mut pod = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "burstable",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     net.join(&mut pod);
     pod.spawn("exec sleep 600");
     std::thread::sleep(Duration::from_millis(300));

@@ -18,7 +18,7 @@ use prometheus::{Encoder, Registry, TextEncoder};
 
 use crate::collect::{Owner, OwnerStats, Shared};
 use crate::dst::{DstTable, MAX_DST};
-use crate::pods::PodStore;
+use crate::pods::{PodMeta, PodStore};
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
 use crate::probes::ProbeStatus;
 
@@ -31,6 +31,9 @@ pub const BW_LIMIT: &str = "gpufeed_bandwidth_limit_bits_per_second";
 
 /// Labels of one exported series, in a fixed order.
 type Labels = BTreeMap<&'static str, String>;
+
+/// Pod metadata looked up during one scrape, by pod UID.
+type Metas = HashMap<String, Option<PodMeta>>;
 
 pub struct AgentCollector {
     shared: Arc<Mutex<Shared>>,
@@ -83,10 +86,15 @@ impl AgentCollector {
 
     /// Label set of an owner: pods by namespace/name/container when the API
     /// knows them, by UID otherwise; everything else by its top-level slice.
-    fn owner_labels(&self, owner: &Owner) -> Labels {
+    /// `metas` caches the pod store's answers for one scrape: a pod is looked
+    /// up (and its metadata cloned) once, not once per container and series.
+    fn owner_labels(&self, owner: &Owner, metas: &mut Metas) -> Labels {
         let mut l = Labels::default();
         match owner {
-            Owner::Pod { uid, container_id } => match self.pods.get(uid) {
+            Owner::Pod { uid, container_id } => match metas
+                .entry(uid.clone())
+                .or_insert_with(|| self.pods.get(uid))
+            {
                 Some(meta) => {
                     l.insert("namespace", meta.namespace.clone());
                     l.insert("pod", meta.name.clone());
@@ -131,24 +139,11 @@ impl AgentCollector {
         l
     }
 
-    /// Pod-level labels (namespace, pod) of a pod UID.
-    fn pod_labels(&self, uid: &str) -> Labels {
-        match self.pods.get(uid) {
-            Some(m) => Labels::from([("namespace", m.namespace), ("pod", m.name)]),
-            None => Labels::from([("namespace", String::new()), ("pod", uid.to_string())]),
-        }
-    }
-
-    /// Labels of tc series: interfaces belong to pods, not containers.
-    fn tc_labels(&self, owner: &Owner) -> Labels {
-        match owner {
-            Owner::Pod { uid, .. } => self.pod_labels(uid),
-            other => {
-                let mut l = self.owner_labels(other);
-                l.remove("container");
-                l
-            }
-        }
+    /// Labels of tc and bandwidth series: interfaces belong to pods, not containers.
+    fn pod_level_labels(&self, owner: &Owner, metas: &mut Metas) -> Labels {
+        let mut l = self.owner_labels(owner, metas);
+        l.remove("container");
+        l
     }
 
     fn families(&self) -> Vec<MetricFamily> {
@@ -161,15 +156,16 @@ impl AgentCollector {
         let mut tc_bytes: BTreeMap<Labels, u64> = BTreeMap::default();
         let mut tc_drops: BTreeMap<Labels, u64> = BTreeMap::default();
         let mut limits: Vec<Metric> = Vec::new();
+        let mut metas = Metas::new();
         let stats;
         {
             let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
             stats = shared.stats.clone();
             for (owner, o) in &shared.owners {
-                let labels = self.owner_labels(owner);
+                let labels = self.owner_labels(owner, &mut metas);
                 self.add_owner(&labels, o, &mut sched, &mut rtt, &mut retrans);
                 if !o.tc_bytes.is_empty() || !o.tc_drops.is_empty() {
-                    let base = self.tc_labels(owner);
+                    let base = self.pod_level_labels(owner, &mut metas);
                     for (dir, n) in &o.tc_bytes {
                         let mut l = base.clone();
                         l.insert("direction", dir.as_str().to_string());
@@ -187,7 +183,11 @@ impl AgentCollector {
                 }
             }
             for b in &shared.bandwidth {
-                let mut l = self.pod_labels(&b.uid);
+                let pod = Owner::Pod {
+                    uid: b.uid.clone(),
+                    container_id: None,
+                };
+                let mut l = self.pod_level_labels(&pod, &mut metas);
                 l.insert("direction", b.direction.as_str().to_string());
                 limits.push(gauge(&l, b.bits_per_second));
             }

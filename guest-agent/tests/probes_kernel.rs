@@ -65,20 +65,8 @@ fn sched_latency_case(method: &str) {
             .contains(&method.replace('-', "_")),
         "agent uses the {method} source"
     );
-    let mut busy = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "burstable",
-        &random_uid(),
-        &random_cid(),
-    );
-    let mut idle = Pod::new(
-        &sb,
-        Layout::Systemd,
-        "besteffort",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut busy = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut idle = Pod::random(&sb, Layout::Systemd, "besteffort");
     let cpus = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
@@ -194,20 +182,8 @@ fn tcp_rtt_agrees_with_ss_and_silent_pod_has_none() {
         ],
         &[],
     );
-    let mut talker = Pod::new(
-        &sb,
-        Layout::Systemd,
-        "burstable",
-        &random_uid(),
-        &random_cid(),
-    );
-    let mut silent = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "guaranteed",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut talker = Pod::random(&sb, Layout::Systemd, "burstable");
+    let mut silent = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
     net.join(&mut talker);
     net.join(&mut silent);
     silent.spawn("exec sleep 30");
@@ -288,20 +264,8 @@ fn retransmits_equal_nstat_and_clean_pod_shows_zero() {
         ],
         &[],
     );
-    let mut lossy = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "besteffort",
-        &random_uid(),
-        &random_cid(),
-    );
-    let mut clean = Pod::new(
-        &sb,
-        Layout::Systemd,
-        "guaranteed",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut lossy = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+    let mut clean = Pod::random(&sb, Layout::Systemd, "guaranteed");
     net.join(&mut lossy);
     net.join(&mut clean);
     std::thread::sleep(Duration::from_millis(300));

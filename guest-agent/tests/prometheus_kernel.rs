@@ -102,13 +102,7 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
         p.spawn(&format!("exec iperf3 -c {} -t 30 -b 5M", servers[i].1));
         busy.push(p);
     }
-    let mut quiet = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "besteffort",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut quiet = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
     quiet.spawn("exec sleep 60");
     let busy_uids: BTreeSet<String> = busy.iter().map(|p| p.uid.clone()).collect();
 

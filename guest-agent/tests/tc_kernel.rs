@@ -257,20 +257,8 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     let mut net = TestNet::new();
     let (srv, srv_ip, _) = net.server();
     let _s = spawn_in_ns(&srv, "exec iperf3 -s");
-    let mut flooder = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "besteffort",
-        &random_uid(),
-        &random_cid(),
-    );
-    let mut bystander = Pod::new(
-        &sb,
-        Layout::Systemd,
-        "burstable",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut flooder = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+    let mut bystander = Pod::random(&sb, Layout::Systemd, "burstable");
     net.join(&mut flooder);
     net.join(&mut bystander);
     let ns = flooder.netns.clone().unwrap();
@@ -325,13 +313,7 @@ fn foreign_program_case(attach: &str) {
             sink.display()
         ),
     );
-    let mut pod = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "burstable",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     net.join(&mut pod);
     pod.spawn("exec sleep 60");
     let hif = pod.host_if.clone().unwrap();
@@ -498,20 +480,8 @@ fn host_network_pod_bytes_by_socket_on_node_devices() {
     let node = NodeDevice::new();
     let _srv = spawn_in_ns(&node.ns, "exec iperf3 -s");
     // a hostNetwork pod: its own cgroups, the node's network namespace
-    let mut hostnet = Pod::new(
-        &sb,
-        Layout::Cgroupfs,
-        "burstable",
-        &random_uid(),
-        &random_cid(),
-    );
-    let mut bystander = Pod::new(
-        &sb,
-        Layout::Systemd,
-        "besteffort",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut hostnet = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut bystander = Pod::random(&sb, Layout::Systemd, "besteffort");
     bystander.spawn("exec sleep 60");
     let agent = Agent::start(
         &[
@@ -590,13 +560,7 @@ async fn drops_without_socket_or_pod_device_go_by_pod_ip_else_unattributed() {
     let _s = spawn_in_ns(&srv, "exec iperf3 -s");
     let (uid_k, cid_k) = (random_uid(), random_cid());
     let mut known = Pod::new(&sb, Layout::Cgroupfs, "burstable", &uid_k, &cid_k);
-    let mut unknown = Pod::new(
-        &sb,
-        Layout::Systemd,
-        "besteffort",
-        &random_uid(),
-        &random_cid(),
-    );
+    let mut unknown = Pod::random(&sb, Layout::Systemd, "besteffort");
     net.join(&mut known);
     net.join(&mut unknown);
     let list = pod_list(vec![pod_json(

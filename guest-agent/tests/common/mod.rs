@@ -228,6 +228,11 @@ impl Pod {
         }
     }
 
+    /// A pod with a fresh random UID and container id.
+    pub fn random(sb: &CgroupSandbox, layout: Layout, qos: &str) -> Pod {
+        Pod::new(sb, layout, qos, &random_uid(), &random_cid())
+    }
+
     /// Runs `cmd` (a shell command) inside the container cgroup (and the pod's
     /// netns, if any). The process moves itself into the cgroup before exec, so
     /// the test harness needs no unsafe pre_exec code.
