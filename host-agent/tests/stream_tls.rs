@@ -12,10 +12,24 @@ use stream_support::*;
 
 const REJ: &str = "gpufeed_stream_frames_rejected_total";
 
+/// A connection that got its Welcome, with its stream kept open: dropping the stream would end
+/// the session at once, and the hub's `connected` gauge with it.
+struct Admitted {
+    _ep: quinn::Endpoint,
+    _conn: quinn::Connection,
+    _streams: (quinn::SendStream, quinn::RecvStream),
+}
+
+impl std::fmt::Debug for Admitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Admitted")
+    }
+}
+
 async fn try_connect(
     hub_addr: std::net::SocketAddr,
     cfg: rustls::ClientConfig,
-) -> Result<quinn::Connection, String> {
+) -> Result<Admitted, String> {
     let (ep, cc) = raw_client(cfg);
     let conn = ep
         .connect_with(cc, hub_addr, "127.0.0.1")
@@ -36,7 +50,11 @@ async fn try_connect(
     loop {
         if let Some(m) = d.next_frame().unwrap() {
             return match m {
-                Message::Welcome(_) => Ok(conn),
+                Message::Welcome(_) => Ok(Admitted {
+                    _ep: ep,
+                    _conn: conn,
+                    _streams: (s, r),
+                }),
                 m => Err(format!("{m:?}")),
             };
         }
