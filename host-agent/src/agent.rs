@@ -14,9 +14,7 @@ use crate::watch::pcie::PciePoller;
 use crate::watch::thunderbolt::TbPoller;
 use crate::watch::vm::VmPoller;
 use crate::watch::{RecentKmsg, Topology};
-use gpufeed_shared::event::{
-    AerDetail, DeviceMapped, HostEvent, PciErrorRecovery, PciHotplug, Source, ThunderboltTunnel,
-};
+use gpufeed_shared::event::{AerDetail, DeviceMapped, HostEvent, PciHotplug, Source};
 use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
@@ -308,40 +306,22 @@ impl Agent {
                     let (tb_tx, aer_tx, disc_tx) = (tb_tx.clone(), aer_tx.clone(), disc_tx.clone());
                     running.tasks.push(tokio::spawn(async move {
                         while let Some(u) = urx.recv().await {
-                            let subsystem = u.get("SUBSYSTEM").unwrap_or("");
-                            if u.action == "overrun" {
-                                let _ = tb_tx.try_send(Poke::Port(String::new(), Source::Uevent));
-                                let _ = disc_tx.try_send(());
-                                continue;
+                            let r = crate::uevent::react(&u);
+                            if let Some(t) = r.tunnel {
+                                me.bus.emit(HostEvent::ThunderboltTunnel(t));
                             }
-                            if subsystem == "thunderbolt" {
-                                if let Some(ev) = u.get("TUNNEL_EVENT") {
-                                    let dev =
-                                        u.devpath.rsplit('/').next().unwrap_or("").to_string();
-                                    me.bus.emit(HostEvent::ThunderboltTunnel(ThunderboltTunnel {
-                                        device: dev,
-                                        event: ev.to_string(),
-                                        details: u.get("TUNNEL_DETAILS").map(String::from),
-                                    }));
-                                }
+                            if let Some(mut rec) = r.recovery {
+                                rec.vmid = me.topo.get().vmid_of(&rec.bdf);
+                                me.bus.emit(HostEvent::PciErrorRecovery(rec));
+                            }
+                            if r.poke_thunderbolt {
                                 let _ = tb_tx.try_send(Poke::Port(String::new(), Source::Uevent));
-                                if u.action == "add" || u.action == "remove" {
-                                    let _ = disc_tx.try_send(());
-                                }
-                            } else if subsystem == "pci" {
-                                if let Some(ev) = u.get("ERROR_EVENT") {
-                                    let bdf = u.get("PCI_SLOT_NAME").unwrap_or("").to_string();
-                                    me.bus.emit(HostEvent::PciErrorRecovery(PciErrorRecovery {
-                                        vmid: me.topo.get().vmid_of(&bdf),
-                                        bdf,
-                                        event: ev.to_string(),
-                                        device_online: u.get("DEVICE_ONLINE").map(|v| v == "1"),
-                                    }));
-                                    let _ = aer_tx.try_send(Poke::Tick);
-                                }
-                                if u.action == "add" || u.action == "remove" {
-                                    let _ = disc_tx.try_send(());
-                                }
+                            }
+                            if r.poke_aer {
+                                let _ = aer_tx.try_send(Poke::Tick);
+                            }
+                            if r.rediscover {
+                                let _ = disc_tx.try_send(());
                             }
                         }
                     }));
