@@ -139,9 +139,13 @@ fn main() {
         Ok("host") => None,
         _ => Some(BenchNetns::new().expect("ip netns with vmbr0 (root and iproute2 needed)")),
     };
+    // BENCH_SAMPLE_MS: another bridge sample interval than the default.
+    let sample = std::env::var("BENCH_SAMPLE_MS")
+        .map(|ms| format!("sample_interval_ms = {ms}\n"))
+        .unwrap_or_default();
     let bridge = match &netns {
-        Some(n) => format!("[bridge]\nnetns = \"/run/netns/{}\"\n", n.0),
-        None => String::new(),
+        Some(n) => format!("[bridge]\nnetns = \"/run/netns/{}\"\n{sample}", n.0),
+        None => format!("[bridge]\n{sample}"),
     };
     std::fs::write(
         &cfg,

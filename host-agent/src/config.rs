@@ -184,7 +184,7 @@ impl Default for BridgeConfig {
         BridgeConfig {
             enabled: true,
             bridges: Vec::new(),
-            sample_interval_ms: 100,
+            sample_interval_ms: 200,
             period_ms: 1000,
             netns: None,
         }
@@ -362,7 +362,7 @@ mod tests {
     fn defaults_parse_from_empty() {
         let c = Config::parse("", Path::new("x.toml")).unwrap();
         assert_eq!(c.pcie.poll_interval_ms, 1000);
-        assert_eq!(c.bridge.sample_interval_ms, 100);
+        assert_eq!(c.bridge.sample_interval_ms, 200);
         assert_eq!(c.metrics_listen.port(), 9847);
     }
 

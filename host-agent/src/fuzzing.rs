@@ -42,6 +42,11 @@ pub fn wire(data: &[u8]) {
     let mut rows = Vec::new();
     let _ = crate::watch::bridge::parse_dump_chunk(data, 7, &mut rows);
     let _ = crate::watch::bridge::parse_newlink(data);
+    let mut stats = Vec::new();
+    let _ = crate::watch::bridge::parse_stats_chunk(data, 7, &mut stats);
+    if let Some(u) = crate::uevent::parse_uevent(data) {
+        let _ = crate::uevent::react(&u);
+    }
 }
 
 /// Agent configuration (TOML).

@@ -149,6 +149,25 @@ fn parsers_never_panic_on_random_and_mutated_input() {
             m.extend_from_slice(&[0u8; 8]);
             m
         },
+        // netlink: one RTM_NEWSTATS (if_stats_msg + IFLA_STATS_LINK_64 of 25 counters)
+        {
+            let mut m = Vec::new();
+            let len = 16 + 12 + 4 + 25 * 8;
+            m.extend_from_slice(&(len as u32).to_ne_bytes());
+            m.extend_from_slice(&92u16.to_ne_bytes());
+            m.extend_from_slice(&[2, 0]);
+            m.extend_from_slice(&7u32.to_ne_bytes());
+            m.extend_from_slice(&0u32.to_ne_bytes());
+            m.extend_from_slice(&[0, 0, 0, 0]);
+            m.extend_from_slice(&5u32.to_ne_bytes());
+            m.extend_from_slice(&1u32.to_ne_bytes());
+            m.extend_from_slice(&((4 + 25 * 8) as u16).to_ne_bytes());
+            m.extend_from_slice(&1u16.to_ne_bytes());
+            for i in 0..25u64 {
+                m.extend_from_slice(&(i * 1000).to_ne_bytes());
+            }
+            m
+        },
     ];
     let dir = tempfile::tempdir().unwrap();
     let mut rng = Rng(0x9E3779B97F4A7C15);
