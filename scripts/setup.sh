@@ -10,6 +10,9 @@ packages=(
   iproute2 iperf3 prometheus util-linux procps
   # host agent packaging checks
   dpkg-dev systemd
+  # the container image (scripts/build-image.sh) and the DaemonSet run by a real runtime
+  # (runc: Debian's crun refuses hybrid cgroup hosts)
+  buildah podman runc
 )
 
 if [ "$(id -u)" -ne 0 ]; then

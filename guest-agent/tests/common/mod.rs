@@ -479,6 +479,13 @@ impl Agent {
         for (k, v) in env {
             cmd.env(k, v);
         }
+        Agent::launch(cmd)
+    }
+
+    /// Runs any command that starts the agent with its log on stderr (the binary itself, or a
+    /// container runtime running the image) and waits until it serves `/healthz` at the
+    /// address its log names.
+    pub fn launch(mut cmd: Command) -> Agent {
         let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -1,0 +1,370 @@
+//! The DaemonSet of `talos/gpufeed-guest.yaml`, run for real: the image that
+//! `scripts/build-image.sh` builds, started by a container runtime (podman with runc) with
+//! exactly the manifest's security context (capabilities dropped to its list, read-only root,
+//! no privilege escalation, its user), host network and PID namespaces, and its volumes. The
+//! probes must all come up, and a pod's bytes, run-queue latency and RTT must appear, the bytes
+//! equal to the pod veth's own counters. A capability the manifest grants must be needed: the
+//! same container without CAP_BPF must fail with the agent's clear message.
+//!
+//! Where this machine differs from a Kubernetes node, and what stands in:
+//! * `seccompProfile: RuntimeDefault` is containerd's default profile, which allows `bpf` to
+//!   holders of CAP_BPF and `perf_event_open` to holders of CAP_PERFMON. Debian 12's podman
+//!   profile allows them only with CAP_SYS_ADMIN, so the test runs podman's profile with those
+//!   two rules changed to containerd's.
+//! * The `cgroup` hostPath `/sys/fs/cgroup` is this machine's cgroup2 mount (a hybrid host
+//!   mounts it at `/sys/fs/cgroup/unified`); the Secret is a `certs init` directory; an
+//!   emptyDir is a temporary directory; the listen ports are 127.0.0.1:0 instead of the fixed
+//!   ones, which other processes on this machine may hold.
+//! * runc, not crun: crun refuses hybrid cgroup hosts.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use serde::Deserialize;
+use serde_yaml::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_gpufeed-guest");
+const BYTES: &str = "ebpf_tc_bytes_total";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// The pod template spec of the DaemonSet.
+fn daemonset_pod_spec() -> Value {
+    let text = std::fs::read_to_string(repo().join("talos/gpufeed-guest.yaml")).unwrap();
+    for de in serde_yaml::Deserializer::from_str(&text) {
+        let v = Value::deserialize(de).unwrap();
+        if v["kind"].as_str() == Some("DaemonSet") {
+            return v["spec"]["template"]["spec"].clone();
+        }
+    }
+    panic!("talos/gpufeed-guest.yaml has no DaemonSet");
+}
+
+/// Removes the image and any container left behind, even when the test fails.
+struct Image(String);
+impl Drop for Image {
+    fn drop(&mut self) {
+        sh_quiet(&format!("podman rmi -f {} >/dev/null 2>&1", self.0));
+    }
+}
+struct Container(String);
+impl Drop for Container {
+    fn drop(&mut self) {
+        sh_quiet(&format!("podman rm -f -t 0 {} >/dev/null 2>&1", self.0));
+    }
+}
+
+/// containerd's RuntimeDefault, as far as this agent is concerned: podman's default profile
+/// with `bpf` allowed to CAP_BPF and `perf_event_open` to CAP_PERFMON.
+fn runtime_default_seccomp(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string("/usr/share/containers/seccomp.json")
+        .expect("podman's default seccomp profile (containers-common)");
+    let mut p: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rules = p["syscalls"].as_array_mut().unwrap();
+    for r in rules.iter_mut() {
+        if r["action"] == "SCMP_ACT_ERRNO" {
+            let names = r["names"].as_array_mut().unwrap();
+            names.retain(|n| n != "bpf" && n != "perf_event_open");
+        }
+    }
+    rules.retain(|r| !r["names"].as_array().unwrap().is_empty());
+    for (call, cap) in [("bpf", "CAP_BPF"), ("perf_event_open", "CAP_PERFMON")] {
+        rules.push(serde_json::json!({
+            "names": [call], "action": "SCMP_ACT_ALLOW", "includes": {"caps": [cap]}
+        }));
+    }
+    let out = dir.join("seccomp-runtime-default.json");
+    std::fs::write(&out, serde_json::to_vec(&p).unwrap()).unwrap();
+    out
+}
+
+/// `podman run` arguments that reproduce the DaemonSet's pod spec. Panics on anything in the
+/// manifest it does not know how to reproduce, so the test cannot silently run something else.
+fn podman_args(spec: &Value, image: &str, name: &str, tls: &Path, scratch: &Path) -> Vec<String> {
+    let c = &spec["containers"][0];
+    let sc = &c["securityContext"];
+    let mut a: Vec<String> = vec![
+        "--runtime".into(),
+        "runc".into(),
+        "run".into(),
+        "--rm".into(),
+        "--name".into(),
+        name.into(),
+        // this machine's hard limits are below podman's defaults
+        "--ulimit".into(),
+        "nofile=4096:4096".into(),
+        "--ulimit".into(),
+        "nproc=4096:4096".into(),
+    ];
+    if spec["hostNetwork"].as_bool() == Some(true) {
+        a.extend(["--network".into(), "host".into()]);
+    }
+    if spec["hostPID"].as_bool() == Some(true) {
+        a.extend(["--pid".into(), "host".into()]);
+    }
+    assert_ne!(
+        sc["privileged"].as_bool(),
+        Some(true),
+        "the DaemonSet must not be privileged"
+    );
+    let caps = &sc["capabilities"];
+    let drop: Vec<&str> = caps["drop"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(drop, ["ALL"], "capabilities.drop");
+    a.extend(["--cap-drop".into(), "all".into()]);
+    for cap in caps["add"].as_sequence().unwrap() {
+        a.extend(["--cap-add".into(), cap.as_str().unwrap().to_string()]);
+    }
+    if sc["readOnlyRootFilesystem"].as_bool() == Some(true) {
+        // Kubernetes mounts no tmpfs on a read-only root; podman would by default
+        a.extend(["--read-only".into(), "--read-only-tmpfs=false".into()]);
+    }
+    if sc["allowPrivilegeEscalation"].as_bool() == Some(false) {
+        a.extend(["--security-opt".into(), "no-new-privileges".into()]);
+    }
+    if let Some(uid) = sc["runAsUser"].as_u64() {
+        a.extend(["--user".into(), uid.to_string()]);
+    }
+    match sc["seccompProfile"]["type"].as_str() {
+        Some("RuntimeDefault") => a.extend([
+            "--security-opt".into(),
+            format!("seccomp={}", runtime_default_seccomp(scratch).display()),
+        ]),
+        other => panic!("seccompProfile {other:?}: not reproduced by this test"),
+    }
+    for e in c["env"].as_sequence().into_iter().flatten() {
+        let k = e["name"].as_str().unwrap();
+        let v = if let Some(v) = e["value"].as_str() {
+            v.to_string()
+        } else if e["valueFrom"]["fieldRef"]["fieldPath"].as_str() == Some("spec.nodeName") {
+            "container-test-node".to_string()
+        } else {
+            panic!("env {k}: not reproduced by this test");
+        };
+        a.extend(["--env".into(), format!("{k}={v}")]);
+    }
+    for m in c["volumeMounts"].as_sequence().unwrap() {
+        let vname = m["name"].as_str().unwrap();
+        let vol = spec["volumes"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"].as_str() == Some(vname))
+            .unwrap_or_else(|| panic!("volumeMount {vname} has no volume"));
+        let src: PathBuf = if let Some(p) = vol["hostPath"]["path"].as_str() {
+            if p == "/sys/fs/cgroup" {
+                cgroup2_root()
+            } else {
+                PathBuf::from(p)
+            }
+        } else if vol["secret"].is_mapping() {
+            tls.to_path_buf()
+        } else if vol["emptyDir"].is_mapping() {
+            let d = scratch.join(vname);
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        } else {
+            panic!("volume {vname}: kind not reproduced by this test");
+        };
+        let ro = if m["readOnly"].as_bool() == Some(true) {
+            ":ro"
+        } else {
+            ""
+        };
+        a.extend([
+            "--volume".into(),
+            format!("{}:{}{ro}", src.display(), m["mountPath"].as_str().unwrap()),
+        ]);
+    }
+    let command = c["command"].as_sequence().unwrap();
+    assert_eq!(command.len(), 1, "command is the binary alone");
+    a.extend([
+        "--entrypoint".into(),
+        command[0].as_str().unwrap().to_string(),
+    ]);
+    a.push(image.into());
+    for arg in c["args"].as_sequence().unwrap() {
+        let arg = arg.as_str().unwrap();
+        let arg = if arg.starts_with("--metrics-listen=") {
+            "--metrics-listen=127.0.0.1:0"
+        } else if arg.starts_with("--quic-listen=") {
+            "--quic-listen=127.0.0.1:0"
+        } else {
+            arg
+        };
+        a.push(arg.into());
+    }
+    a
+}
+
+fn podman(args: &[String]) -> Command {
+    let mut cmd = Command::new("podman");
+    cmd.args(args);
+    cmd
+}
+
+#[test]
+fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
+    let Some(_lock) = require_root() else { return };
+    for tool in ["podman", "buildah", "runc"] {
+        if !have(tool) {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "{tool} is not installed (scripts/setup.sh installs it)"
+            );
+            eprintln!("SKIP: {tool} is not installed");
+            return;
+        }
+    }
+    let tag = uniq();
+    let image = format!("localhost/gpufeed-guest:test-{tag}");
+    let out = Command::new(repo().join("scripts/build-image.sh"))
+        .args(["--binary", BIN, "--tag", &image])
+        .output()
+        .unwrap();
+    let _image = Image(image.clone());
+    assert!(
+        out.status.success(),
+        "build-image.sh: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let scratch = tempfile::tempdir().unwrap();
+    let certs = scratch.path().join("certs");
+    let status = Command::new(BIN)
+        .args(["certs", "init", "--out"])
+        .arg(&certs)
+        .args(["--guest-addr", "127.0.0.1:7845", "--host", "pve1"])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let spec = daemonset_pod_spec();
+
+    // Without CAP_BPF the agent must stop with its one-line reason: the manifest's grant is
+    // needed, and a missing one is diagnosed.
+    let name = format!("gf-ct-nobpf-{tag}");
+    let _c = Container(name.clone());
+    let mut args = podman_args(&spec, &image, &name, &certs.join("guest"), scratch.path());
+    let i = args
+        .iter()
+        .position(|a| a == "BPF")
+        .expect("the manifest adds BPF");
+    args.drain(i - 1..=i);
+    let out = podman(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "ran without CAP_BPF: {err}");
+    assert!(err.contains("grant CAP_BPF"), "{err}");
+
+    // As the manifest says.
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (server_ns, server_ip, _) = net.server();
+    let _server = spawn_in_ns(&server_ns, "exec iperf3 -s");
+    let name = format!("gf-ct-{tag}");
+    let _c = Container(name.clone());
+    let args = podman_args(&spec, &image, &name, &certs.join("guest"), scratch.path());
+    let agent = Agent::launch(podman(&args));
+    let s = agent.scrape();
+    for probe in [
+        "sched_latency",
+        "tcp_rtt",
+        "tcp_retransmit",
+        "tc_bytes",
+        "tc_drops",
+    ] {
+        assert_eq!(
+            value(&s, "gpufeed_probe_up", &[("probe", probe)]),
+            Some(1.0),
+            "probe {probe} in the container"
+        );
+    }
+
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    net.join(&mut pod);
+    let uid = pod.uid.clone();
+    let hif = pod.host_if.clone().unwrap();
+    pod.spawn("exec sleep 120");
+    // The agent found the pod's veth (through /proc/<pid>/ns/net of a host pid: hostPID and
+    // SYS_PTRACE) and attached to it (NET_ADMIN): the pod's series exist.
+    let attached = wait_for(Duration::from_secs(20), || {
+        value(
+            &agent.scrape(),
+            BYTES,
+            &[("pod", &uid), ("direction", "egress")],
+        )
+    });
+    assert!(
+        attached.is_some(),
+        "pod {uid} bytes never appeared; log:\n{}",
+        agent.log.lock().unwrap()
+    );
+    let egress = || {
+        value(
+            &agent.scrape(),
+            BYTES,
+            &[("pod", &uid), ("direction", "egress")],
+        )
+        .unwrap()
+    };
+    let ingress = || {
+        value(
+            &agent.scrape(),
+            BYTES,
+            &[("pod", &uid), ("direction", "ingress")],
+        )
+        .unwrap_or(0.0)
+    };
+    let (e0, i0) = (egress(), ingress());
+    let (rx0, tx0) = (if_stat(&hif, "rx_bytes"), if_stat(&hif, "tx_bytes"));
+    let client = pod.spawn(&format!("exec iperf3 -c {server_ip} -t 3 -b 40M"));
+    pod.spawn("exec sh -c 'while :; do :; done'");
+    pod.spawn("exec sh -c 'while :; do :; done'");
+    pod.wait_exit(client, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(2500)); // two map-reading intervals
+    let (de, di) = (egress() - e0, ingress() - i0);
+    let (drx, dtx) = (
+        (if_stat(&hif, "rx_bytes") - rx0) as f64,
+        (if_stat(&hif, "tx_bytes") - tx0) as f64,
+    );
+    eprintln!("pod egress {de} vs veth rx {drx}; ingress {di} vs veth tx {dtx}");
+    assert!(drx > 10e6, "iperf3 sent {drx} bytes");
+    assert!(
+        (de - drx).abs() <= drx * 0.01,
+        "egress {de} vs veth rx {drx}"
+    );
+    assert!(
+        (di - dtx).abs() <= dtx * 0.01,
+        "ingress {di} vs veth tx {dtx}"
+    );
+
+    let s = agent.scrape();
+    let waits = value(
+        &s,
+        "ebpf_sched_latency_microseconds_count",
+        &[("pod", &uid)],
+    )
+    .unwrap_or(0.0);
+    assert!(waits > 100.0, "two spinning threads waited {waits} times");
+    let rtts = value(&s, "ebpf_tcp_rtt_microseconds_count", &[("pod", &uid)]).unwrap_or(0.0);
+    assert!(rtts > 100.0, "iperf3 gave {rtts} RTT samples");
+}
