@@ -8,6 +8,10 @@
 #   scripts/build-image.sh --tag NAME:TAG        another image name
 #   scripts/build-image.sh --archive FILE        also write an OCI archive (for `skopeo copy
 #                                                oci-archive:FILE docker://REGISTRY/...`)
+#   scripts/build-image.sh --talos-extension     build the Talos system extension instead:
+#                                                /manifest.yaml, and under /rootfs the service
+#                                                definition (talos/extension-service.yaml) and
+#                                                its container root with the same files
 #
 # The image lands in the local containers storage (podman/buildah, /var/lib/containers).
 set -euo pipefail
@@ -16,12 +20,14 @@ cd "$(dirname "$0")/.."
 binary=""
 tag=""
 archive=""
+extension=false
 while [ $# -gt 0 ]; do
     case "$1" in
         --binary) binary="$2"; shift 2 ;;
         --tag) tag="$2"; shift 2 ;;
         --archive) archive="$2"; shift 2 ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        --talos-extension) extension=true; shift ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "build-image: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -31,7 +37,11 @@ command -v buildah >/dev/null || {
     exit 1
 }
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n1)
-tag=${tag:-gpufeed-guest:$version}
+if $extension; then
+    tag=${tag:-gpufeed-guest-extension:$version}
+else
+    tag=${tag:-gpufeed-guest:$version}
+fi
 if [ -z "$binary" ]; then
     export PATH="$HOME/.cargo/bin:$PATH"
     cargo build --release -p gpufeed-guest
@@ -47,24 +57,57 @@ cleanup() {
 trap cleanup EXIT
 root=$(buildah mount "$ctr")
 
-install -D -m 0755 "$binary" "$root/usr/local/bin/gpufeed-guest"
-# The loader and every library ldd resolves, at the same paths as on the build machine.
-for lib in $(ldd "$binary" | grep -o '/[^ )]*'); do
-    install -D -m 0755 "$(readlink -f "$lib")" "$root$lib"
-done
-# The agent writes its event journal under /var/lib/gpufeed (a volume in the DaemonSet) and
-# nothing else: the root filesystem can be read-only.
-mkdir -p "$root/var/lib/gpufeed" "$root/etc/gpufeed/tls" "$root/tmp"
-chmod 1777 "$root/tmp"
+# The agent's container root at $1: the binary, the loader and every library ldd resolves (at
+# the same paths as on the build machine), and the directories the mounts land on, which a
+# read-only root cannot have created for it.
+container_root() {
+    install -D -m 0755 "$binary" "$1/usr/local/bin/gpufeed-guest"
+    for lib in $(ldd "$binary" | grep -o '/[^ )]*'); do
+        install -D -m 0755 "$(readlink -f "$lib")" "$1$lib"
+    done
+    mkdir -p "$1/var/lib/gpufeed" "$1/etc/gpufeed/tls" "$1/host/sys/fs/cgroup" \
+        "$1/sys" "$1/proc" "$1/dev" "$1/tmp"
+    chmod 1777 "$1/tmp"
+}
 
-buildah config \
-    --entrypoint '["/usr/local/bin/gpufeed-guest"]' \
-    --cmd run \
-    --port 9745/tcp --port 7845/udp \
-    --label org.opencontainers.image.title=gpufeed-guest \
-    --label org.opencontainers.image.version="$version" \
-    --label org.opencontainers.image.description="gpufeed guest agent: per-pod eBPF probes and the host event hub" \
-    "$ctr"
+if $extension; then
+    # Talos system extension: the service definition is read from
+    # /usr/local/etc/containers/<name>.yaml and its root is /usr/local/lib/containers/<name>.
+    name=$(sed -n 's/^name: *//p' talos/extension-service.yaml)
+    install -D -m 0644 talos/extension-service.yaml "$root/rootfs/usr/local/etc/containers/$name.yaml"
+    container_root "$root/rootfs/usr/local/lib/containers/$name"
+    cat > "$root/manifest.yaml" <<EOF
+version: v1alpha1
+metadata:
+  name: $name
+  version: "$version"
+  author: gpufeed
+  description: |
+    gpufeed guest agent as an extension service: per-pod eBPF probes and the host event hub.
+  compatibility:
+    talos:
+      # ExtensionServiceConfig (the TLS files) and the configuration dependency
+      version: ">= v1.7.0"
+EOF
+else
+    container_root "$root"
+fi
+
+if $extension; then
+    buildah config \
+        --label org.opencontainers.image.title=gpufeed-guest-extension \
+        --label org.opencontainers.image.version="$version" \
+        "$ctr"
+else
+    buildah config \
+        --entrypoint '["/usr/local/bin/gpufeed-guest"]' \
+        --cmd run \
+        --port 9745/tcp --port 7845/udp \
+        --label org.opencontainers.image.title=gpufeed-guest \
+        --label org.opencontainers.image.version="$version" \
+        --label org.opencontainers.image.description="gpufeed guest agent: per-pod eBPF probes and the host event hub" \
+        "$ctr"
+fi
 buildah commit --quiet --rm "$ctr" "$tag" >/dev/null
 trap - EXIT
 echo "build-image: $tag ($(du -sh "$binary" | cut -f1) binary)"
