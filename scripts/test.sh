@@ -7,4 +7,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export PATH="$HOME/.cargo/bin:/root/.cargo/bin:$PATH"
 cargo build --workspace --all-targets
+# lints and formatting first: cheap, and a red one says exactly what to fix
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+cargo fmt --all --check
 cargo test --workspace --no-fail-fast

@@ -10,7 +10,6 @@ mod empty {
 }
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::mem::MaybeUninit;

@@ -603,7 +603,7 @@ impl Collector {
                 Some(dir),
             );
         }
-        for uid in [by_ip(k.saddr), by_ip(k.daddr)].into_iter().flatten() {
+        if let Some(uid) = by_ip(k.saddr).or_else(|| by_ip(k.daddr)) {
             let dir = ip_dir(&uid);
             return (
                 Owner::Pod {

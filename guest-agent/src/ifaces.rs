@@ -63,7 +63,7 @@ impl NodeDevices {
     fn wants(&self, l: &netlink::Link) -> bool {
         match self {
             NodeDevices::None => false,
-            NodeDevices::Names(n) => n.iter().any(|x| *x == l.name),
+            NodeDevices::Names(n) => n.contains(&l.name),
             NodeDevices::Auto => {
                 l.name != "lo"
                     && l.kind.is_empty()
@@ -108,12 +108,14 @@ pub fn discover(pods: &HashMap<String, Vec<i32>>, node: &NodeDevices) -> io::Res
             }
         }
     }
-    let mut d = Discovery::default();
-    d.node_devices = links
-        .iter()
-        .filter(|l| node.wants(l))
-        .map(|l| (l.ifindex, l.name.clone()))
-        .collect();
+    let mut d = Discovery {
+        node_devices: links
+            .iter()
+            .filter(|l| node.wants(l))
+            .map(|l| (l.ifindex, l.name.clone()))
+            .collect(),
+        ..Default::default()
+    };
     for l in links.into_iter().filter(|l| l.kind == "veth") {
         d.host_veths.insert(l.ifindex);
         let (Some(nsid), Some(peer)) = (l.peer_netnsid, l.peer_ifindex) else {

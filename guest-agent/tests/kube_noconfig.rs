@@ -1,7 +1,6 @@
 //! `run_watcher` without any Kubernetes configuration: one warning, quiet retries, and it picks
 //! up a kubeconfig that appears later. Its own test binary because it sets KUBECONFIG.
 
-#[allow(dead_code, unused_imports)]
 #[path = "../src/pods/mod.rs"]
 mod pods;
 

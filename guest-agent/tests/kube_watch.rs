@@ -1,7 +1,6 @@
 //! The pod watcher against recorded kube-apiserver v1.30 JSON served over local HTTP to the
 //! real kube-rs client.
 
-#[allow(dead_code, unused_imports)]
 #[path = "../src/pods/mod.rs"]
 mod pods;
 

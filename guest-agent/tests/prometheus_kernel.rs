@@ -90,16 +90,14 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
     let prom = Prometheus::start(agent.addr);
 
     let mut busy = Vec::new();
-    for i in 0..2 {
-        let layout = if i == 0 {
-            Layout::Cgroupfs
-        } else {
-            Layout::Systemd
-        };
+    for (layout, (_, server_ip)) in [Layout::Cgroupfs, Layout::Systemd]
+        .into_iter()
+        .zip(&servers)
+    {
         let mut p = Pod::new(&sb, layout, "burstable", &random_uid(), &random_cid());
         net.join(&mut p);
         p.spawn("exec sh -c 'while :; do :; done'");
-        p.spawn(&format!("exec iperf3 -c {} -t 30 -b 5M", servers[i].1));
+        p.spawn(&format!("exec iperf3 -c {server_ip} -t 30 -b 5M"));
         busy.push(p);
     }
     let mut quiet = Pod::random(&sb, Layout::Cgroupfs, "besteffort");

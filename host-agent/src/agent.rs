@@ -492,18 +492,10 @@ impl Agent {
 
         // VMs.
         if self.cfg.vm.enabled {
-            let mut p = VmPoller::new();
+            let mut p = VmPoller::new(self.cfg.vm.qmp);
             let vmids = VmPoller::vmids(&self.roots, &self.topo.vmids());
             let t = self.topo.get();
-            p.poll(
-                &self.roots,
-                &vmids,
-                self.cfg.vm.qmp,
-                &t,
-                &self.recent,
-                Duration::ZERO,
-                &m,
-            );
+            p.poll(&self.roots, &vmids, &t, &self.recent, Duration::ZERO, &m);
             on(&m, &mut running, "vm");
             let me = self.clone();
             running.tasks.push(tokio::spawn(async move {
@@ -518,15 +510,7 @@ impl Agent {
                         let vmids = VmPoller::vmids(&me2.roots, &me2.topo.vmids());
                         let t = me2.topo.get();
                         let w = Duration::from_millis(me2.cfg.vm.cause_window_ms);
-                        let evs = p2.poll(
-                            &me2.roots,
-                            &vmids,
-                            me2.cfg.vm.qmp,
-                            &t,
-                            &me2.recent,
-                            w,
-                            &me2.metrics,
-                        );
+                        let evs = p2.poll(&me2.roots, &vmids, &t, &me2.recent, w, &me2.metrics);
                         (p2, evs)
                     })
                     .await

@@ -26,7 +26,7 @@ pub fn normalize_bdf(s: &str) -> Option<String> {
     let hex = |x: &str, max_len: usize| {
         !x.is_empty() && x.len() <= max_len && x.bytes().all(|b| b.is_ascii_hexdigit())
     };
-    if !hex(dom, 4) || !hex(bus, 2) || !hex(dev, 2) || !(func.len() == 1 && hex(func, 1)) {
+    if !(hex(dom, 4) && hex(bus, 2) && hex(dev, 2) && func.len() == 1 && hex(func, 1)) {
         return None;
     }
     let d = u32::from_str_radix(dom, 16).ok()?;

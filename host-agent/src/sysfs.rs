@@ -76,7 +76,7 @@ pub fn parse_aer_counters(text: &str) -> Vec<(String, u64)> {
         if line.is_empty() {
             continue;
         }
-        let Some((name, val)) = line.rsplit_once(|c: char| c == ' ' || c == '\t') else {
+        let Some((name, val)) = line.rsplit_once([' ', '\t']) else {
             continue;
         };
         let name = name.trim();

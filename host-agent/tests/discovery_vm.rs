@@ -149,7 +149,7 @@ async fn vm_stop_with_aer_cause_and_run_delay() {
     t.write("run/qemu-server/100.pid", "4242\n");
     t.write(
         "proc/4242/cmdline",
-        "/usr/bin/kvm\0-id\0100\0-name\0gpu,debug-threads=on\0",
+        "/usr/bin/kvm\0-id\x00100\0-name\0gpu,debug-threads=on\0",
     );
     t.write("proc/4242/comm", "kvm\n");
     for (tid, comm, wait) in [

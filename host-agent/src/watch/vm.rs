@@ -110,11 +110,16 @@ pub fn map_qmp_status(s: &str) -> VmRunState {
 pub struct VmPoller {
     states: BTreeMap<u32, VmRunState>,
     wait_ns: BTreeMap<u32, (u32, u64)>,
+    /// Ask QEMU's QMP socket for the run state (paused vs running).
+    qmp: bool,
 }
 
 impl VmPoller {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(qmp: bool) -> Self {
+        Self {
+            qmp,
+            ..Self::default()
+        }
     }
 
     /// VMIDs with a config or a pid file.
@@ -139,7 +144,6 @@ impl VmPoller {
         &mut self,
         roots: &Roots,
         vmids: &BTreeSet<u32>,
-        qmp: bool,
         topo: &Topology,
         recent: &RecentKmsg,
         cause_window: Duration,
@@ -151,7 +155,7 @@ impl VmPoller {
             let mut detail = None;
             let state = match pid {
                 None => VmRunState::Stopped,
-                Some(_) if qmp => {
+                Some(_) if self.qmp => {
                     let sock = roots.run().join(format!("qemu-server/{vmid}.qmp"));
                     match qmp_status(&sock, Duration::from_millis(300)) {
                         Some(s) => {

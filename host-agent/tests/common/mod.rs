@@ -432,9 +432,11 @@ pub fn pve_basic(t: &Tree) {
 }
 
 pub fn base_config(t: &Tree, poll_ms: u64) -> gpufeed_host::config::Config {
-    let mut c = gpufeed_host::config::Config::default();
-    c.host_id = Some("testnode".into());
-    c.root = t.root().to_path_buf();
+    let mut c = gpufeed_host::config::Config {
+        host_id: Some("testnode".into()),
+        root: t.root().to_path_buf(),
+        ..Default::default()
+    };
     c.pcie.poll_interval_ms = poll_ms;
     c.aer.poll_interval_ms = poll_ms;
     c.thunderbolt.poll_interval_ms = poll_ms;
