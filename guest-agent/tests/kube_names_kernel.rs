@@ -78,22 +78,26 @@ async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
         ("pod", VLLM_NAME),
         ("container", "vllm"),
     ];
-    let named = wait_for(Duration::from_secs(15), || {
-        value(&agent.scrape(), sched_count, &want)
+    // Both pods' first samples: they need not land in the same map-reading interval.
+    let stranger_labels = [("namespace", ""), ("pod", stranger_uid.as_str())];
+    let s = wait_for(Duration::from_secs(15), || {
+        let s = agent.scrape();
+        let named = value(&s, sched_count, &want).is_some_and(|v| v > 0.0);
+        let by_uid = value(&s, sched_count, &stranger_labels).is_some();
+        (named && by_uid).then_some(s)
     });
-    assert!(
-        named.is_some_and(|v| v > 0.0),
-        "vllm series labelled from the API"
-    );
-    let s = agent.scrape();
+    let s = s.unwrap_or_else(|| {
+        panic!(
+            "vllm labelled from the API and the stranger by UID: {:?}",
+            agent
+                .try_get("/metrics")
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.starts_with(sched_count))
+                .collect::<Vec<_>>()
+        )
+    });
     assert_eq!(value(&s, "gpufeed_kube_synced", &[]), Some(1.0));
-    // the pod the API does not know is labelled by UID
-    assert!(value(
-        &s,
-        sched_count,
-        &[("namespace", ""), ("pod", &stranger_uid)]
-    )
-    .is_some());
     // no series carries the raw UID of a pod the API named
     assert!(find(&s, sched_count, &[("pod", VLLM_UID)]).is_empty());
     // the field selector reached the API
