@@ -21,7 +21,7 @@ run() { # crate dir, target
     echo "== $1: $2 (${secs}s)"
     (cd "$1" && cargo fuzz run "$2" --sanitizer none --release -- \
         -max_total_time="$secs" -print_final_stats=1 2>&1) |
-        grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|Done|==|.*(panicked|ERROR|crash))' || true
+        grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb|#[0-9]+[[:space:]]+DONE|==[0-9]+==|.*(panicked|crash))' || true
     # cargo fuzz exits non-zero on a crash; grep above only filters what is printed
     (cd "$1" && ls fuzz/artifacts/"$2" 2>/dev/null | grep -q . ) &&
         { echo "fuzz.sh: $1 $2 found a crash: $1/fuzz/artifacts/$2/" >&2; exit 1; }
