@@ -365,10 +365,14 @@ fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
     };
     let (e0, i0) = (egress(), ingress());
     let (rx0, tx0) = (if_stat(&hif, "rx_bytes"), if_stat(&hif, "tx_bytes"));
-    let client = pod.spawn(&format!("exec iperf3 -c {server_ip} -t 3 -b 40M"));
+    // An upload, then a download (-R): megabytes both ways, so that 1% is far more than a
+    // stray packet between reading the agent and reading the veth.
+    let client = pod.spawn(&format!(
+        "exec sh -c 'iperf3 -c {server_ip} -t 3 -b 40M && iperf3 -c {server_ip} -t 2 -b 40M -R'"
+    ));
     pod.spawn("exec sh -c 'while :; do :; done'");
     pod.spawn("exec sh -c 'while :; do :; done'");
-    pod.wait_exit(client, Duration::from_secs(20));
+    pod.wait_exit(client, Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(2500)); // two map-reading intervals
     let (de, di) = (egress() - e0, ingress() - i0);
     let (drx, dtx) = (
@@ -377,6 +381,7 @@ fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
     );
     eprintln!("pod egress {de} vs veth rx {drx}; ingress {di} vs veth tx {dtx}");
     assert!(drx > 10e6, "iperf3 sent {drx} bytes");
+    assert!(dtx > 5e6, "iperf3 -R received {dtx} bytes");
     assert!(
         (de - drx).abs() <= drx * 0.01,
         "egress {de} vs veth rx {drx}"
