@@ -269,6 +269,24 @@ fn podman_args(spec: &Value, image: &str, name: &str, tls: &Path, scratch: &Path
     a
 }
 
+/// Every probe loaded and attached (`gpufeed_probe_up` 1), `context` naming how it was run.
+fn assert_all_probes_up(agent: &Agent, context: &str) {
+    let s = agent.scrape();
+    for probe in [
+        "sched_latency",
+        "tcp_rtt",
+        "tcp_retransmit",
+        "tc_bytes",
+        "tc_drops",
+    ] {
+        assert_eq!(
+            value(&s, "gpufeed_probe_up", &[("probe", probe)]),
+            Some(1.0),
+            "probe {probe} {context}"
+        );
+    }
+}
+
 fn podman(args: &[String]) -> Command {
     let mut cmd = Command::new("podman");
     cmd.args(args);
@@ -313,20 +331,7 @@ fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
     let _c = Container(name.clone());
     let args = podman_args(&spec, &image, &name, &certs.join("guest"), scratch.path());
     let agent = Agent::launch(podman(&args));
-    let s = agent.scrape();
-    for probe in [
-        "sched_latency",
-        "tcp_rtt",
-        "tcp_retransmit",
-        "tc_bytes",
-        "tc_drops",
-    ] {
-        assert_eq!(
-            value(&s, "gpufeed_probe_up", &[("probe", probe)]),
-            Some(1.0),
-            "probe {probe} in the container"
-        );
-    }
+    assert_all_probes_up(&agent, "in the container");
 
     let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     net.join(&mut pod);
@@ -556,20 +561,7 @@ fn talos_extension_image_layout_and_service_run() {
     let (server_ns, server_ip, _) = net.server();
     let _server = spawn_in_ns(&server_ns, "exec iperf3 -s");
     let agent = Agent::launch(podman(&args));
-    let s = agent.scrape();
-    for probe in [
-        "sched_latency",
-        "tcp_rtt",
-        "tcp_retransmit",
-        "tc_bytes",
-        "tc_drops",
-    ] {
-        assert_eq!(
-            value(&s, "gpufeed_probe_up", &[("probe", probe)]),
-            Some(1.0),
-            "probe {probe} in the extension service"
-        );
-    }
+    assert_all_probes_up(&agent, "in the extension service");
     let mut pod = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
     net.join(&mut pod);
     let uid = pod.uid.clone();

@@ -80,6 +80,29 @@ enum Poke {
     Aer(AerDetail),
 }
 
+/// A poller's wake-ups: its timer's ticks merged with the pokes sent to it. Once every sender
+/// is gone only the timer is left (a closed channel must not be polled again: it is always
+/// ready, and the loop would spin).
+struct Pokes {
+    timer: tokio::time::Interval,
+    rx: mpsc::Receiver<Poke>,
+    open: bool,
+}
+
+impl Pokes {
+    async fn next(&mut self) -> Poke {
+        loop {
+            tokio::select! {
+                _ = self.timer.tick() => return Poke::Tick,
+                r = self.rx.recv(), if self.open => match r {
+                    Some(p) => return p,
+                    None => self.open = false,
+                },
+            }
+        }
+    }
+}
+
 /// One-line description of a watcher that is off, logged once and emitted as an event.
 fn off(
     bus: &EventBus,
@@ -125,6 +148,18 @@ impl Agent {
         let mut iv = tokio::time::interval_at(self.phase, Duration::from_millis(period_ms.max(1)));
         iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         iv
+    }
+
+    /// The poller's timer (past its immediate first tick: the caller polled once already) and
+    /// its poke channel.
+    async fn pokes(&self, period_ms: u64, rx: mpsc::Receiver<Poke>) -> Pokes {
+        let mut timer = self.ticker(period_ms);
+        timer.tick().await;
+        Pokes {
+            timer,
+            rx,
+            open: true,
+        }
     }
 
     /// Node name used for `mapping=` entries.
@@ -541,21 +576,12 @@ impl Agent {
         running
     }
 
-    fn spawn_pcie(
-        self: &Arc<Self>,
-        mut p: PciePoller,
-        mut rx: mpsc::Receiver<Poke>,
-    ) -> JoinHandle<()> {
+    fn spawn_pcie(self: &Arc<Self>, mut p: PciePoller, rx: mpsc::Receiver<Poke>) -> JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut iv = me.ticker(me.cfg.pcie.poll_interval_ms);
-            iv.tick().await;
-            let mut open = true;
+            let mut pokes = me.pokes(me.cfg.pcie.poll_interval_ms, rx).await;
             loop {
-                let poke = tokio::select! {
-                    _ = iv.tick() => Poke::Tick,
-                    r = rx.recv(), if open => match r { Some(p) => p, None => { open = false; continue } },
-                };
+                let poke = pokes.next().await;
                 let t = me.topo.get();
                 let (links, source): (Vec<_>, _) = match &poke {
                     Poke::Port(port, src) if !port.is_empty() => (
@@ -576,22 +602,13 @@ impl Agent {
         })
     }
 
-    fn spawn_aer(
-        self: &Arc<Self>,
-        mut p: AerPoller,
-        mut rx: mpsc::Receiver<Poke>,
-    ) -> JoinHandle<()> {
+    fn spawn_aer(self: &Arc<Self>, mut p: AerPoller, rx: mpsc::Receiver<Poke>) -> JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut iv = me.ticker(me.cfg.aer.poll_interval_ms);
-            iv.tick().await;
+            let mut pokes = me.pokes(me.cfg.aer.poll_interval_ms, rx).await;
             let window = Duration::from_millis(me.cfg.aer.kmsg_context_ms);
-            let mut open = true;
             loop {
-                let poke = tokio::select! {
-                    _ = iv.tick() => Poke::Tick,
-                    r = rx.recv(), if open => match r { Some(p) => p, None => { open = false; continue } },
-                };
+                let poke = pokes.next().await;
                 let t = me.topo.get();
                 match poke {
                     Poke::Aer(d) => {
@@ -622,16 +639,14 @@ impl Agent {
         })
     }
 
-    fn spawn_tb(self: &Arc<Self>, mut p: TbPoller, mut rx: mpsc::Receiver<Poke>) -> JoinHandle<()> {
+    fn spawn_tb(self: &Arc<Self>, mut p: TbPoller, rx: mpsc::Receiver<Poke>) -> JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut iv = me.ticker(me.cfg.thunderbolt.poll_interval_ms);
-            iv.tick().await;
-            let mut open = true;
+            let mut pokes = me.pokes(me.cfg.thunderbolt.poll_interval_ms, rx).await;
             loop {
-                let source = tokio::select! {
-                    _ = iv.tick() => Source::Poll,
-                    r = rx.recv(), if open => match r { Some(Poke::Port(_, s)) => s, Some(_) => Source::Poll, None => { open = false; continue } },
+                let source = match pokes.next().await {
+                    Poke::Port(_, s) => s,
+                    _ => Source::Poll,
                 };
                 for ev in p.poll(&me.roots, &me.topo.get(), &me.metrics, source) {
                     me.bus.emit(ev);
