@@ -728,14 +728,22 @@ pub struct Prometheus {
 
 impl Prometheus {
     pub fn start(target: std::net::SocketAddr) -> Prometheus {
+        Prometheus::start_with(|_| {
+            format!(
+                "scrape_configs:\n  - job_name: gpufeed-guest\n    static_configs:\n      - targets: ['{target}']\n"
+            )
+        })
+    }
+
+    /// Prometheus (1 s global interval) with the `scrape_configs:` document that `configure`
+    /// returns; `configure` gets Prometheus's own directory, for any files the document names.
+    pub fn start_with(configure: impl FnOnce(&Path) -> String) -> Prometheus {
         let dir = tempfile::tempdir().unwrap();
+        let scrape_configs = configure(dir.path());
         let cfg = dir.path().join("prometheus.yml");
         std::fs::write(
             &cfg,
-            format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-                 scrape_configs:\n  - job_name: gpufeed-guest\n    static_configs:\n      - targets: ['{target}']\n"
-            ),
+            format!("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n{scrape_configs}"),
         )
         .unwrap();
         let port = free_port();
