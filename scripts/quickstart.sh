@@ -1,30 +1,131 @@
 #!/usr/bin/env bash
-# Sets everything up on this machine and runs the local stack: the guest agent
-# (probes for every cgroup here) and a Prometheus on loopback that scrapes it.
-# Ctrl-C stops both.
+# The whole system on this machine: installs what is needed, builds, and runs
+#   * the host agent on this machine's real /sys, kernel log and bridges,
+#   * the guest agent with its real eBPF probes for every cgroup here,
+#   * the QUIC stream between them on loopback (certificates made into the state directory),
+#   * a Prometheus on loopback scraping both.
+# Ctrl-C stops everything. Options:
+#   --state DIR   keep certificates, spool and journal in DIR (default: a fresh temp dir,
+#                 removed at exit)
+#   --check       start everything, wait until the guest has the host stream connected and
+#                 Prometheus has scraped both agents, print the URLs, stop (for tests and CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+state=""
+check=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --state) state="$2"; shift 2 ;;
+    --check) check=1; shift ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "quickstart.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+if [ "$(id -u)" -ne 0 ]; then
+  echo "quickstart.sh: run as root (the probes need CAP_BPF and CAP_PERFMON)" >&2
+  exit 1
+fi
+
 ./scripts/setup.sh
 export PATH="$HOME/.cargo/bin:/root/.cargo/bin:$PATH"
-cargo build --release -p gpufeed-guest
+echo "quickstart: building the release binaries (a few minutes the first time)"
+cargo build --release -p gpufeed-guest -p gpufeed-host
 
-metrics=127.0.0.1:9745
-prom=127.0.0.1:9090
-state=$(mktemp -d /tmp/gpufeed-local.XXXXXX)
-cat > "$state/prometheus.yml" <<YAML
-global: { scrape_interval: 5s }
+guest_metrics=${GPUFEED_GUEST_METRICS:-127.0.0.1:9745}
+host_metrics=${GPUFEED_HOST_METRICS:-127.0.0.1:9847}
+quic=${GPUFEED_QUIC:-127.0.0.1:7845}
+prom=${GPUFEED_PROMETHEUS:-127.0.0.1:9090}
+keep_state=1
+if [ -z "$state" ]; then
+  state=$(mktemp -d /tmp/gpufeed-quickstart.XXXXXX)
+  keep_state=0
+fi
+mkdir -p "$state"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  [ "$keep_state" = 1 ] || rm -rf "$state"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+bin=./target/release
+host=$(hostname)
+if [ ! -f "$state/certs/ca.pem" ]; then
+  "$bin/gpufeed-guest" certs init --out "$state/certs" --guest-addr "$quic" --host "$host" >/dev/null
+fi
+# The generated host configuration, with the spool in the state directory and the metrics
+# address of this stack.
+{
+  echo "metrics_listen = \"$host_metrics\""
+  sed "s#^spool_dir = .*#spool_dir = \"$state/spool\"#" "$state/certs/host-$host.toml"
+} >"$state/host.toml"
+
+"$bin/gpufeed-host" run --config "$state/host.toml" >"$state/host.log" 2>&1 &
+pids+=($!)
+"$bin/gpufeed-guest" run --metrics-listen "$guest_metrics" --quic-listen "$quic" \
+  --tls-dir "$state/certs/guest" --event-journal "$state/journal.jsonl" --no-kube \
+  >"$state/guest.log" 2>&1 &
+pids+=($!)
+
+cat >"$state/prometheus.yml" <<YAML
+global: { scrape_interval: 5s, evaluation_interval: 5s }
 scrape_configs:
   - job_name: gpufeed-guest
-    static_configs: [ { targets: ['$metrics'] } ]
+    honor_labels: true
+    static_configs: [ { targets: ['$guest_metrics'] } ]
+  - job_name: gpufeed-host
+    static_configs: [ { targets: ['$host_metrics'] } ]
 YAML
-prometheus --config.file="$state/prometheus.yml" --storage.tsdb.path="$state/data" \
+prometheus --config.file="$state/prometheus.yml" --storage.tsdb.path="$state/prometheus" \
   --web.listen-address="$prom" >"$state/prometheus.log" 2>&1 &
-prom_pid=$!
-trap 'kill $prom_pid 2>/dev/null; rm -rf "$state"' EXIT
+pids+=($!)
+
+# Wait for a value in a /metrics text, for up to $3 seconds.
+wait_metric() {
+  local url=$1 pattern=$2 secs=$3
+  for _ in $(seq "$secs"); do
+    if curl -fsS "$url" 2>/dev/null | grep -qE "$pattern"; then return 0; fi
+    for p in "${pids[@]}"; do
+      if ! kill -0 "$p" 2>/dev/null; then
+        echo "quickstart: a process exited early; logs in $state:" >&2
+        tail -n 20 "$state"/*.log >&2
+        return 1
+      fi
+    done
+    sleep 1
+  done
+  echo "quickstart: timed out waiting for $pattern at $url" >&2
+  tail -n 20 "$state"/*.log >&2
+  return 1
+}
+wait_metric "http://$guest_metrics/metrics" '^gpufeed_probe_up\{probe="sched_latency"\} 1' 60
+wait_metric "http://$guest_metrics/metrics" "^gpufeed_stream_connected\\{[^}]*host=\"$host\"[^}]*\\} 1" 60
+wait_metric "http://$host_metrics/metrics" '^gpufeed_host_stream_connected\{[^}]*guest="guest"[^}]*\} 1' 30
 
 cat <<MSG
-gpufeed local stack
-  guest agent metrics  http://$metrics/metrics
-  Prometheus           http://$prom/  (try: histogram_quantile(0.99, rate(ebpf_sched_latency_microseconds_bucket[5m])))
+gpufeed on this machine (state and logs in $state)
+  guest agent   http://$guest_metrics/metrics
+  host agent    http://$host_metrics/metrics   (events live: $bin/gpufeed-host watch --config $state/host.toml)
+  host → guest  QUIC with mutual TLS on $quic
+  Prometheus    http://$prom/   (try: histogram_quantile(0.99, rate(ebpf_sched_latency_microseconds_bucket[5m])))
 MSG
-./target/release/gpufeed-guest run --metrics-listen "$metrics" "$@"
+
+if [ "$check" = 1 ]; then
+  for _ in $(seq 60); do
+    if curl -fsS "http://$prom/api/v1/query?query=up" 2>/dev/null | grep -q '"gpufeed-host"' &&
+       [ "$(curl -fsS "http://$prom/api/v1/query?query=sum(up)" | grep -o '"[0-9]*"]' | tr -dc 0-9)" = 2 ]; then
+      echo "quickstart: check passed (both agents up in Prometheus, host stream connected)"
+      exit 0
+    fi
+    sleep 1
+  done
+  echo "quickstart: Prometheus did not scrape both agents" >&2
+  exit 1
+fi
+echo "Ctrl-C stops everything."
+wait -n "${pids[@]}"
+echo "quickstart: a process exited; logs in $state" >&2
+exit 1

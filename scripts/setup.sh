@@ -7,7 +7,7 @@ packages=(
   # building the BPF programs (libbpf-cargo: clang; libbpf-sys: libelf, zlib)
   clang llvm libelf-dev zlib1g-dev pkg-config build-essential
   # tests: namespaces, veth, bridges, qdiscs, traffic, counters, a real Prometheus
-  iproute2 iperf3 prometheus util-linux procps
+  iproute2 iperf3 prometheus util-linux procps curl
   # host agent packaging checks
   dpkg-dev systemd
   # the container image (scripts/build-image.sh) and the DaemonSet run by a real runtime
