@@ -27,7 +27,7 @@ pub fn sysfs(data: &[u8]) {
     let _ = crate::watch::hoststats::parse_psi(&s);
     let _ = crate::discovery::normalize_bdf(&s);
     let _ = crate::discovery::parse_hostpci_id(&s);
-    let _ = crate::watch::bridge::parse_port_name(&s);
+    let _ = crate::portname::parse_port_name(&s);
 }
 
 /// uevent messages, tracefs lines and rtnetlink dumps.
@@ -40,10 +40,10 @@ pub fn wire(data: &[u8]) {
         }
     }
     let mut rows = Vec::new();
-    let _ = crate::watch::bridge::parse_dump_chunk(data, 7, &mut rows);
-    let _ = crate::watch::bridge::parse_newlink(data);
+    let _ = crate::rtnetlink::parse_dump_chunk(data, 7, &mut rows);
+    let _ = crate::rtnetlink::parse_newlink(data);
     let mut stats = Vec::new();
-    let _ = crate::watch::bridge::parse_stats_chunk(data, 7, &mut stats);
+    let _ = crate::rtnetlink::parse_stats_chunk(data, 7, &mut stats);
     if let Some(u) = crate::uevent::parse_uevent(data) {
         let _ = crate::uevent::react(&u);
     }

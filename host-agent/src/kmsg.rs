@@ -165,7 +165,7 @@ fn tap_vmid(text: &str) -> Option<u32> {
         let mut from = 0;
         while let Some(i) = text.get(from..).and_then(|t| t.find(pfx)) {
             let start = from + i + pfx.len();
-            if let Some(p) = crate::watch::bridge::parse_port_name(
+            if let Some(p) = crate::portname::parse_port_name(
                 text.get(from + i..)
                     .unwrap_or("")
                     .split(|c: char| !c.is_ascii_alphanumeric())
