@@ -34,11 +34,13 @@ pub fn sysfs(data: &[u8]) {
 pub fn wire(data: &[u8]) {
     let _ = crate::uevent::parse_uevent(data);
     let s = String::from_utf8_lossy(data);
+    let formats = kernel_formats();
     for line in s.lines() {
-        if let Some(r) = crate::tracefs::parse_line(line) {
-            let _ = crate::tracefs::aer_detail(&r);
+        for f in &formats {
+            let _ = crate::tracefs::decode(f, line);
         }
     }
+    let _ = crate::tracefs::Format::parse(&s);
     let mut rows = Vec::new();
     let _ = crate::rtnetlink::parse_dump_chunk(data, 7, &mut rows);
     let _ = crate::rtnetlink::parse_newlink(data);
@@ -47,6 +49,18 @@ pub fn wire(data: &[u8]) {
     if let Some(u) = crate::uevent::parse_uevent(data) {
         let _ = crate::uevent::react(&u);
     }
+}
+
+/// The recorded `format` files of the three tracepoints the agent decodes.
+fn kernel_formats() -> Vec<crate::tracefs::Format> {
+    [
+        include_str!("../tests/fixtures/tracefs/ras-aer_event.format"),
+        include_str!("../tests/fixtures/tracefs/pci-pcie_link_event.format"),
+        include_str!("../tests/fixtures/tracefs/pci-pci_hp_event.format"),
+    ]
+    .iter()
+    .filter_map(|t| crate::tracefs::Format::parse(t).ok())
+    .collect()
 }
 
 /// Agent configuration (TOML).

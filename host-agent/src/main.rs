@@ -4,7 +4,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use gpufeed_host::agent::Agent;
 use gpufeed_host::config::{Config, DEFAULT_PATH};
-use gpufeed_shared::event::{HostEvent, Stamped};
+use gpufeed_shared::event::Stamped;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -303,133 +303,8 @@ fn print_event(ev: &Stamped, json: bool) {
         secs,
         ms,
         ev.event.kind_name(),
-        describe(&ev.event)
+        gpufeed_host::watch::describe(&ev.event)
     );
-}
-
-fn vm(v: Option<u32>) -> String {
-    v.map(|v| format!(" vm {v}")).unwrap_or_default()
-}
-
-/// One line for a person.
-fn describe(e: &HostEvent) -> String {
-    use gpufeed_host::sysfs::fmt_speed;
-    match e {
-        HostEvent::PcieLinkChange(l) => format!(
-            "{}{}: {} x{} -> {} x{} ({}{}, max {} x{})",
-            l.bdf,
-            vm(l.vmid),
-            fmt_speed(l.old_speed_mts),
-            l.old_width,
-            fmt_speed(l.new_speed_mts),
-            l.new_width,
-            l.class.as_str(),
-            if l.degraded { ", degraded" } else { "" },
-            fmt_speed(l.max_speed_mts),
-            l.max_width
-        ),
-        HostEvent::AerCounter(a) => format!(
-            "{}{}: {} {} +{} (total {}){}",
-            a.bdf,
-            vm(a.vmid),
-            a.severity.as_str(),
-            a.error,
-            a.delta,
-            a.total,
-            if a.kmsg_context.is_empty() {
-                String::new()
-            } else {
-                format!(" [{}]", a.kmsg_context.join(" | "))
-            }
-        ),
-        HostEvent::AerRootPortTotal(a) => format!(
-            "{}: root port {} +{} (total {})",
-            a.bdf,
-            a.severity.as_str(),
-            a.delta,
-            a.total
-        ),
-        HostEvent::AerTrace(d) => format!(
-            "{}: {} status {:#010x}",
-            d.dev_name,
-            d.severity.as_str(),
-            d.status
-        ),
-        HostEvent::PciErrorRecovery(r) => format!(
-            "{}{}: {} online={:?}",
-            r.bdf,
-            vm(r.vmid),
-            r.event,
-            r.device_online
-        ),
-        HostEvent::PciHotplug(h) => format!("{} slot {}: {}", h.port, h.slot, h.event),
-        HostEvent::ThunderboltDevice(t) => {
-            let i = t.new.as_ref().or(t.old.as_ref());
-            format!(
-                "{} {} {} {}{}",
-                t.device,
-                t.action.as_str(),
-                i.and_then(|i| i.vendor_name.clone()).unwrap_or_default(),
-                i.and_then(|i| i.device_name.clone()).unwrap_or_default(),
-                match (&t.old, &t.new) {
-                    (Some(o), Some(n)) => format!(
-                        " rx {}x{:?} -> {}x{:?}, tx {}x{:?} -> {}x{:?}",
-                        o.rx_lanes.unwrap_or(0),
-                        o.rx_speed_gbps_x10.map(|v| v as f64 / 10.0),
-                        n.rx_lanes.unwrap_or(0),
-                        n.rx_speed_gbps_x10.map(|v| v as f64 / 10.0),
-                        o.tx_lanes.unwrap_or(0),
-                        o.tx_speed_gbps_x10.map(|v| v as f64 / 10.0),
-                        n.tx_lanes.unwrap_or(0),
-                        n.tx_speed_gbps_x10.map(|v| v as f64 / 10.0)
-                    ),
-                    _ => String::new(),
-                }
-            )
-        }
-        HostEvent::ThunderboltTunnel(t) => format!(
-            "{}: tunnel {} {}",
-            t.device,
-            t.event,
-            t.details.clone().unwrap_or_default()
-        ),
-        HostEvent::Kmsg(k) => format!("[{}]{} {}", k.class.as_str(), vm(k.vmid), k.text),
-        HostEvent::KmsgLost { count } => format!("{count} kernel log records lost"),
-        HostEvent::VmState(v) => format!(
-            "vm {}: {} -> {}{}{}",
-            v.vmid,
-            v.old.as_str(),
-            v.new.as_str(),
-            v.detail
-                .as_ref()
-                .map(|d| format!(" ({d})"))
-                .unwrap_or_default(),
-            if v.cause.is_empty() {
-                String::new()
-            } else {
-                format!(" cause: {}", v.cause.join(" | "))
-            }
-        ),
-        HostEvent::BridgePort(b) => format!(
-            "{} port {}{} {}",
-            b.bridge,
-            b.port,
-            vm(b.vmid),
-            b.action.as_str()
-        ),
-        HostEvent::DeviceMapped(d) => format!(
-            "{}{} ({}): path {}{}",
-            d.bdf,
-            vm(d.vmid),
-            d.origin,
-            d.path.join(" <- "),
-            d.thunderbolt_router
-                .as_ref()
-                .map(|t| format!(", thunderbolt router {t}"))
-                .unwrap_or_default()
-        ),
-        HostEvent::WatcherDisabled { watcher, reason } => format!("{watcher} off: {reason}"),
-    }
 }
 
 #[cfg(test)]

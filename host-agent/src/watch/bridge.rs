@@ -7,12 +7,18 @@
 //! interface's own rx/tx. The highest per-window byte rate in each period is the microburst
 //! figure.
 
-use crate::metrics::{vmid_label, Metrics};
+use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
+use super::vm_suffix;
+use crate::config::{range, Invalid};
+use crate::metrics::{self, vmid_label};
 use crate::portname::parse_port_name;
 use crate::rtnetlink::{bridges_and_ports, dump_links, dump_stats, refresh, Counters, LinkRow};
 use gpufeed_shared::event::{BridgePortChange, DeviceAction, HostEvent};
+use prometheus::{GaugeVec, IntCounterVec, Registry};
+use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
 struct PortState {
@@ -66,7 +72,12 @@ impl BridgeSampler {
     }
 
     /// Feed one dump taken at `now`; updates metrics, returns port appear/disappear events.
-    pub fn step(&mut self, rows: &[LinkRow], now: Instant, metrics: &Metrics) -> Vec<HostEvent> {
+    pub fn step(
+        &mut self,
+        rows: &[LinkRow],
+        now: Instant,
+        metrics: &BridgeMetrics,
+    ) -> Vec<HostEvent> {
         let bridges: HashMap<u32, &str> = rows
             .iter()
             .filter(|r| r.is_bridge && (self.bridges.is_empty() || self.bridges.contains(&r.name)))
@@ -124,10 +135,10 @@ impl BridgeSampler {
                 ),
             ] {
                 let l = [*bridge, r.name.as_str(), vm.as_str(), dir];
-                metrics.bridge_bytes.with_label_values(&l).inc_by(b);
-                metrics.bridge_packets.with_label_values(&l).inc_by(p);
-                metrics.bridge_drops.with_label_values(&l).inc_by(dr);
-                metrics.bridge_errors.with_label_values(&l).inc_by(e);
+                metrics.bytes.with_label_values(&l).inc_by(b);
+                metrics.packets.with_label_values(&l).inc_by(p);
+                metrics.drops.with_label_values(&l).inc_by(dr);
+                metrics.errors.with_label_values(&l).inc_by(e);
             }
             let (mut mrx, mut mtx) = prev
                 .map(|p| (p.max_rx_rate, p.max_tx_rate))
@@ -138,11 +149,11 @@ impl BridgeSampler {
             }
             if end_period {
                 metrics
-                    .bridge_microburst
+                    .microburst
                     .with_label_values(&[*bridge, r.name.as_str(), vm.as_str(), "rx"])
                     .set(mrx);
                 metrics
-                    .bridge_microburst
+                    .microburst
                     .with_label_values(&[*bridge, r.name.as_str(), vm.as_str(), "tx"])
                     .set(mtx);
                 mrx = 0.0;
@@ -181,7 +192,7 @@ impl BridgeSampler {
                 }));
                 let vm = vmid_label(p.vmid);
                 for dir in ["rx", "tx"] {
-                    let _ = metrics.bridge_microburst.remove_label_values(&[
+                    let _ = metrics.microburst.remove_label_values(&[
                         p.bridge.as_str(),
                         name.as_str(),
                         vm.as_str(),
@@ -201,8 +212,8 @@ impl BridgeSampler {
 /// Run the sampler on its own thread (optionally inside another network namespace).
 /// `ready` receives `Ok(())` after the first sample or the error that stopped it.
 pub fn spawn(
-    cfg: crate::config::BridgeConfig,
-    metrics: std::sync::Arc<Metrics>,
+    cfg: BridgeConfig,
+    metrics: BridgeMetrics,
     bus: std::sync::Arc<crate::events::EventBus>,
     ready: std::sync::mpsc::Sender<Result<(), String>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -298,13 +309,166 @@ pub fn spawn(
         })
 }
 
+// ---- The unit: configuration, series, start. ----
+
+/// `[bridge]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BridgeConfig {
+    pub enabled: bool,
+    /// Bridges to watch; empty = all bridges.
+    pub bridges: Vec<String>,
+    /// Counter sampling interval, 100..=1000 ms; the microburst window.
+    pub sample_interval_ms: u64,
+    /// Period over which the highest sample-window rate is kept as the microburst figure.
+    pub period_ms: u64,
+    /// Read the bridge of another network namespace (path such as `/run/netns/NAME`).
+    pub netns: Option<PathBuf>,
+}
+
+impl Default for BridgeConfig {
+    fn default() -> Self {
+        BridgeConfig {
+            enabled: true,
+            bridges: Vec::new(),
+            sample_interval_ms: 200,
+            period_ms: 1000,
+            netns: None,
+        }
+    }
+}
+
+impl BridgeConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range(
+            "bridge.sample_interval_ms",
+            self.sample_interval_ms,
+            100,
+            1000,
+        )?;
+        range("bridge.period_ms", self.period_ms, 100, 3_600_000)?;
+        if self.period_ms < self.sample_interval_ms {
+            return Err(Invalid {
+                key: "bridge.period_ms".into(),
+                problem: format!(
+                    "must be at least bridge.sample_interval_ms ({}), got {}",
+                    self.sample_interval_ms, self.period_ms
+                ),
+            });
+        }
+        for (i, b) in self.bridges.iter().enumerate() {
+            if b.is_empty() || b.len() > 15 || b.contains('/') {
+                return Err(Invalid {
+                    key: format!("bridge.bridges[{i}]"),
+                    problem: format!("`{b}` is not an interface name"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct BridgeMetrics {
+    pub bytes: IntCounterVec,
+    pub packets: IntCounterVec,
+    pub drops: IntCounterVec,
+    pub errors: IntCounterVec,
+    pub microburst: GaugeVec,
+}
+
+impl BridgeMetrics {
+    pub fn new(r: &Registry) -> BridgeMetrics {
+        const L: &[&str] = &["bridge", "port", "vmid", "direction"];
+        BridgeMetrics {
+            bytes: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_bytes_total",
+                "Bytes through a bridge port; direction from the VM's side for VM ports",
+                L,
+            ),
+            packets: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_packets_total",
+                "Packets through a bridge port",
+                L,
+            ),
+            drops: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_drops_total",
+                "Dropped packets on a bridge port",
+                L,
+            ),
+            errors: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_errors_total",
+                "Errors on a bridge port",
+                L,
+            ),
+            microburst: metrics::gauge_vec(
+                r,
+                "gpufeed_host_bridge_microburst_bytes_per_second",
+                "Highest sample-window byte rate in the last period",
+                L,
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "bridge",
+    new: |r| Box::new(BridgeWatcher(BridgeMetrics::new(r))),
+    describe,
+};
+
+struct BridgeWatcher(BridgeMetrics);
+
+impl Watcher for BridgeWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.bridge.enabled {
+                return Outcome::Skipped;
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            if let Err(e) = spawn(a.cfg.bridge.clone(), self.0, a.bus.clone(), tx, cx.stop) {
+                return Outcome::Off(format!("cannot start thread: {e}"));
+            }
+            // The sampler runs on its own thread (it may enter another network namespace);
+            // wait for its first sample off the runtime thread.
+            let first =
+                tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(5)))
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok());
+            match first {
+                Some(Ok(())) => Outcome::On(Vec::new()),
+                Some(Err(e)) => Outcome::Off(e),
+                None => Outcome::Off("no first sample within 5 s".into()),
+            }
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    let HostEvent::BridgePort(b) = e else {
+        return None;
+    };
+    Some(format!(
+        "{} port {}{} {}",
+        b.bridge,
+        b.port,
+        vm_suffix(b.vmid),
+        b.action.as_str()
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn directions_deltas_and_microburst() {
-        let m = Metrics::new("t");
+        let m = BridgeMetrics::new(&Registry::new());
         let mut s = BridgeSampler::new(vec!["vmbr0".into()], std::time::Duration::from_millis(300));
         let row = |idx, name: &str, master, rx, tx| LinkRow {
             index: idx,
@@ -330,7 +494,7 @@ mod tests {
             )
             .is_empty());
         let v = |dir| {
-            m.bridge_bytes
+            m.bytes
                 .with_label_values(&["vmbr0", "tap100i0", "100", dir])
                 .get()
         };
@@ -378,7 +542,7 @@ mod tests {
         s2.step(&rows(110_000), t0 + ms(200), &m);
         s2.step(&rows(120_000), t0 + ms(300), &m);
         let mb = m
-            .bridge_microburst
+            .microburst
             .with_label_values(&["vmbr0", "tap100i0", "100", "rx"])
             .get();
         assert!((mb - 1_000_000.0).abs() < 1.0, "{mb}");

@@ -1,5 +1,11 @@
-//! Watchers. Each has a synchronous `poll`-style core that returns events (tested against
-//! recorded trees) and is driven by [`crate::agent`].
+//! Watchers, one unit each. A unit file holds the watcher's configuration section (its serde
+//! struct, defaults and checks), its series (a `*Metrics` struct registered by the unit), its
+//! synchronous `poll`-style core that returns events (tested against recorded trees) and the
+//! loop that drives that core, all tied together by a [`unit::Unit`] in [`UNITS`].
+//!
+//! Adding a watcher: a new file here with those parts and a `pub const UNIT`, its line in
+//! [`UNITS`], and its section's field in [`crate::config::Config`] (docs/host-agent.md walks
+//! through one).
 
 pub mod aer;
 pub mod bridge;
@@ -7,13 +13,43 @@ pub mod hoststats;
 pub mod kmsg;
 pub mod pcie;
 pub mod thunderbolt;
+pub mod tracepoints;
+pub mod uevents;
+pub mod unit;
 pub mod vm;
 
 use crate::discovery::{DeviceTopology, Link};
-use gpufeed_shared::event::KmsgRecord;
+use gpufeed_shared::event::{HostEvent, KmsgRecord};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// The watchers, in the order the agent starts them (and lists them in its logs).
+pub const UNITS: &[unit::Unit] = &[
+    pcie::UNIT,
+    aer::UNIT,
+    thunderbolt::UNIT,
+    uevents::UNIT,
+    tracepoints::UNIT,
+    kmsg::UNIT,
+    bridge::UNIT,
+    vm::UNIT,
+    hoststats::UNIT,
+];
+
+/// One line for a person: the unit that emits the event describes it.
+pub fn describe(e: &HostEvent) -> String {
+    UNITS
+        .iter()
+        .find_map(|u| (u.describe)(e))
+        .or_else(|| crate::agent::describe(e))
+        .unwrap_or_else(|| format!("{e:?}"))
+}
+
+/// ` vm <id>` when the event has a VM, for [`describe`].
+pub fn vm_suffix(v: Option<u32>) -> String {
+    v.map(|v| format!(" vm {v}")).unwrap_or_default()
+}
 
 /// Current view of the watched devices (replaced on every discovery scan).
 #[derive(Debug, Default, Clone)]
