@@ -164,6 +164,7 @@ impl Agent {
         }
         if first && !scan.pve_present {
             tracing::warn!(
+                watcher = "proxmox",
                 "proxmox: {} not found; proxmox watcher off (only devices from the agent's config are watched)",
                 self.roots.pve().display()
             );
@@ -185,6 +186,8 @@ impl Agent {
             if !d.present {
                 if !known.iter().any(|k| k.assignment.bdf == d.assignment.bdf) {
                     tracing::warn!(
+                        bdf = d.assignment.bdf,
+                        vmid = d.assignment.vmid,
                         "device {} ({} of VM {:?}) is not present in sysfs",
                         d.assignment.bdf,
                         d.assignment.origin,
@@ -227,6 +230,7 @@ impl Agent {
                 inbox: p.inbox,
                 stop: stop.clone(),
             };
+            tracing::trace!(watcher = p.name, "starting watcher");
             let enabled = self.metrics.watcher_enabled.with_label_values(&[p.name]);
             match p.watcher.start(cx).await {
                 Outcome::Skipped => {}
@@ -247,7 +251,11 @@ impl Agent {
 
     /// A watcher that is off: one warning, the gauge at 0, a `WatcherDisabled` event.
     fn off(&self, watcher: &str, reason: &str) {
-        tracing::warn!("{watcher}: {reason}; {watcher} watcher off");
+        tracing::warn!(
+            watcher,
+            reason,
+            "{watcher}: {reason}; {watcher} watcher off"
+        );
         self.metrics
             .watcher_enabled
             .with_label_values(&[watcher])

@@ -11,6 +11,7 @@ pub mod discovery;
 pub mod events;
 pub mod fuzzing;
 pub mod kmsg;
+pub mod logging;
 pub mod metrics;
 pub mod portname;
 pub mod roots;

@@ -68,73 +68,10 @@ impl Common {
     }
 }
 
-/// Dependencies whose log lines are kept only from `error` up unless `RUST_LOG` names them:
-/// netlink-packet-route warns on every link dump about attributes newer than itself
-/// (`IFLA_INET6_CONF` on current kernels), which is harmless.
-const QUIET_DEPS: &[&str] = &["netlink_packet_route"];
-
-/// The tracing filter: `RUST_LOG` (or `default`), plus `<dep>=error` for [`QUIET_DEPS`].
-fn log_filter(rust_log: Option<&str>, default: &str) -> String {
-    let mut f = rust_log
-        .filter(|s| !s.trim().is_empty())
-        .unwrap_or(default)
-        .to_string();
-    for dep in QUIET_DEPS {
-        if !f.contains(dep) {
-            f.push_str(&format!(",{dep}=error"));
-        }
-    }
-    f
-}
-
-/// The journal logger with [`QUIET_DEPS`] held to `error`.
-struct QuietDeps<L>(L);
-
-impl<L: log::Log> log::Log for QuietDeps<L> {
-    fn enabled(&self, m: &log::Metadata) -> bool {
-        (m.level() <= log::Level::Error || !QUIET_DEPS.iter().any(|d| m.target().starts_with(d)))
-            && self.0.enabled(m)
-    }
-    fn log(&self, r: &log::Record) {
-        if self.enabled(r.metadata()) {
-            self.0.log(r)
-        }
-    }
-    fn flush(&self) {
-        self.0.flush()
-    }
-}
-
-fn init_logging(quiet: bool) {
-    if std::env::var_os("JOURNAL_STREAM").is_some() {
-        if let Ok(j) = systemd_journal_logger::JournalLog::new() {
-            let j = j.with_syslog_identifier("gpufeed-host".into());
-            if log::set_boxed_logger(Box::new(QuietDeps(j))).is_ok() {
-                log::set_max_level(match std::env::var("RUST_LOG").as_deref() {
-                    Ok("debug") => log::LevelFilter::Debug,
-                    Ok("trace") => log::LevelFilter::Trace,
-                    Ok("warn") => log::LevelFilter::Warn,
-                    _ => log::LevelFilter::Info,
-                });
-                return; // tracing's `log` feature forwards events to the journal
-            }
-        }
-    }
-    let default = if quiet { "warn" } else { "info" };
-    let filter = tracing_subscriber::EnvFilter::new(log_filter(
-        std::env::var("RUST_LOG").ok().as_deref(),
-        default,
-    ));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let quiet = matches!(cli.cmd, Cmd::Watch { .. });
-    init_logging(quiet);
+    gpufeed_host::logging::init(if quiet { "warn" } else { "info" });
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -305,53 +242,4 @@ fn print_event(ev: &Stamped, json: bool) {
         ev.event.kind_name(),
         gpufeed_host::watch::describe(&ev.event)
     );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn default_filter_quiets_netlink_packet_route() {
-        assert_eq!(log_filter(None, "info"), "info,netlink_packet_route=error");
-        assert_eq!(
-            log_filter(Some(""), "warn"),
-            "warn,netlink_packet_route=error"
-        );
-        assert_eq!(
-            log_filter(Some("debug"), "info"),
-            "debug,netlink_packet_route=error"
-        );
-        // An explicit directive for it wins.
-        assert_eq!(
-            log_filter(Some("info,netlink_packet_route=warn"), "info"),
-            "info,netlink_packet_route=warn"
-        );
-    }
-
-    #[test]
-    fn journal_logger_drops_netlink_packet_route_warnings() {
-        use log::Log;
-        struct All;
-        impl Log for All {
-            fn enabled(&self, _: &log::Metadata) -> bool {
-                true
-            }
-            fn log(&self, _: &log::Record) {}
-            fn flush(&self) {}
-        }
-        let q = QuietDeps(All);
-        let md = |target: &'static str, level| {
-            log::MetadataBuilder::new()
-                .target(target)
-                .level(level)
-                .build()
-        };
-        assert!(!q.enabled(&md(
-            "netlink_packet_route::link::buffer_tool",
-            log::Level::Warn
-        )));
-        assert!(q.enabled(&md("netlink_packet_route::link", log::Level::Error)));
-        assert!(q.enabled(&md("gpufeed_host::watch::bridge", log::Level::Warn)));
-    }
 }
