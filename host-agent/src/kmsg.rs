@@ -1,4 +1,5 @@
-//! `/dev/kmsg` record parser and classifier (FIELD-NOTES §1.4–1.5). Never panics on any input.
+//! `/dev/kmsg` record parser and classifier (the record format is the kernel's
+//! `Documentation/ABI/testing/dev-kmsg`). Never panics on any input.
 //!
 //! Record: `prio,seq,usec,flag[,more..];text` followed by continuation lines starting with a
 //! space (` SUBSYSTEM=pci`, ` DEVICE=+pci:0000:00:1c.0`).
