@@ -22,7 +22,7 @@ use tracing_subscriber::EnvFilter;
 /// (`IFLA_INET6_CONF` on current kernels), which is harmless.
 const QUIET_DEPS: &[&str] = &["netlink_packet_route"];
 
-/// The filter directives: `RUST_LOG` (or `default`), plus `<dep>=error` for [`QUIET_DEPS`]
+/// The filter directives: `RUST_LOG` (or `default`), plus `<dep>=error` for the quiet dependencies
 /// that it does not name.
 pub fn log_filter(rust_log: Option<&str>, default: &str) -> String {
     let mut f = rust_log
