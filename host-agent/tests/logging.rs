@@ -24,10 +24,12 @@ fn setup() -> (Tree, std::path::PathBuf) {
     (t, cfg)
 }
 
-/// Run `gpufeed-host watch` on the tree for a second with `RUST_LOG` and return its stderr.
-fn stderr_with(rust_log: &str) -> String {
+/// Run `gpufeed-host watch` on the tree with `RUST_LOG` until a stderr line contains `until`
+/// (at most 20 s), stop it, and return its stderr.
+fn stderr_with(rust_log: &str, until: &str) -> String {
+    use std::io::BufRead;
     let (t, cfg) = setup();
-    let child = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .args(["watch", "--json", "--root"])
         .arg(t.root())
         .arg("--config")
@@ -38,19 +40,36 @@ fn stderr_with(rust_log: &str) -> String {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let out = child.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stderr).into_owned()
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut out = String::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while let Ok(line) =
+        rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        out.push_str(&line);
+        out.push('\n');
+        if line.contains(until) {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    out
 }
 
 #[test]
 fn rust_log_directives_are_per_module_and_per_level() {
-    let s = stderr_with("gpufeed_host::agent=trace");
+    // The last unit to start is `host`: by then every start-up event has been emitted.
+    let s = stderr_with("gpufeed_host::agent=trace", "watcher=\"host\"");
     assert!(
         s.lines().any(|l| l.contains("TRACE")
             && l.contains("gpufeed_host::agent")
@@ -60,7 +79,7 @@ fn rust_log_directives_are_per_module_and_per_level() {
     // Every event is logged at debug by gpufeed_host::events: not opened by the directive.
     assert!(!s.contains("DEBUG"), "debug of another module:\n{s}");
     // ...but it is there when asked for (the negative check above can fail).
-    let s = stderr_with("gpufeed_host::events=debug");
+    let s = stderr_with("gpufeed_host::events=debug", "WatcherDisabled");
     assert!(
         s.lines().any(|l| l.contains("DEBUG")
             && l.contains("gpufeed_host::events")
