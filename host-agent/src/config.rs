@@ -1,9 +1,15 @@
 //! Agent configuration: TOML, default path `/etc/gpufeed/host.toml`.
 //!
 //! Every key is optional and documented with its default in `systemd/host.toml`.
-//! Unknown keys are errors (`deny_unknown_fields`). The host→guest stream (issue 5) will add
-//! an optional `[stream]` section as `pub stream: Option<StreamConfig>` on [`Config`].
+//! Unknown keys are errors (`deny_unknown_fields`). Each section's struct, defaults and checks
+//! live with the code that reads it (a watcher's in its unit under [`crate::watch`]); this
+//! file composes them and names the file in errors.
 
+use crate::discovery::DiscoveryConfig;
+use crate::watch::{
+    aer::AerConfig, bridge::BridgeConfig, hoststats::HostConfig, kmsg::KmsgConfig,
+    pcie::PcieConfig, thunderbolt::ThunderboltConfig, vm::VmConfig,
+};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -39,83 +45,6 @@ pub struct Config {
     pub stream: Option<crate::stream::StreamConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DiscoveryConfig {
-    /// Re-read the Proxmox configs and sysfs topology this often.
-    pub rescan_interval_ms: u64,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PcieConfig {
-    pub enabled: bool,
-    pub poll_interval_ms: u64,
-    /// Use `pci:pcie_link_event` / `pci:pci_hp_event` tracepoints when the kernel has them.
-    pub tracepoints: bool,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AerConfig {
-    pub enabled: bool,
-    pub poll_interval_ms: u64,
-    /// Use the `ras:aer_event` tracepoint when present (exact time and status detail).
-    pub tracepoint: bool,
-    /// Attach kmsg records for the device seen within this window to counter events.
-    pub kmsg_context_ms: u64,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ThunderboltConfig {
-    pub enabled: bool,
-    /// sysfs rescan interval (uevents trigger an immediate rescan).
-    pub poll_interval_ms: u64,
-    /// Listen to kernel uevents (netlink) for add/remove/change.
-    pub uevents: bool,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct KmsgConfig {
-    pub enabled: bool,
-    /// Also classify records already in the ring buffer at start.
-    pub read_history: bool,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct BridgeConfig {
-    pub enabled: bool,
-    /// Bridges to watch; empty = all bridges.
-    pub bridges: Vec<String>,
-    /// Counter sampling interval, 100..=1000 ms; the microburst window.
-    pub sample_interval_ms: u64,
-    /// Period over which the highest sample-window rate is kept as the microburst figure.
-    pub period_ms: u64,
-    /// Read the bridge of another network namespace (path such as `/run/netns/NAME`).
-    pub netns: Option<PathBuf>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct VmConfig {
-    pub enabled: bool,
-    pub poll_interval_ms: u64,
-    /// Ask QEMU for running/paused through `/run/qemu-server/<vmid>.qmp` (brief connections).
-    pub qmp: bool,
-    /// Kernel log records (AER/vfio) this recent are attached as the cause of a stop.
-    pub cause_window_ms: u64,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct HostConfig {
-    pub enabled: bool,
-    pub interval_ms: u64,
-}
-
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -136,78 +65,6 @@ impl Default for Config {
         }
     }
 }
-impl Default for DiscoveryConfig {
-    fn default() -> Self {
-        DiscoveryConfig {
-            rescan_interval_ms: 30_000,
-        }
-    }
-}
-impl Default for PcieConfig {
-    fn default() -> Self {
-        PcieConfig {
-            enabled: true,
-            poll_interval_ms: 1000,
-            tracepoints: true,
-        }
-    }
-}
-impl Default for AerConfig {
-    fn default() -> Self {
-        AerConfig {
-            enabled: true,
-            poll_interval_ms: 1000,
-            tracepoint: true,
-            kmsg_context_ms: 5000,
-        }
-    }
-}
-impl Default for ThunderboltConfig {
-    fn default() -> Self {
-        ThunderboltConfig {
-            enabled: true,
-            poll_interval_ms: 2000,
-            uevents: true,
-        }
-    }
-}
-impl Default for KmsgConfig {
-    fn default() -> Self {
-        KmsgConfig {
-            enabled: true,
-            read_history: false,
-        }
-    }
-}
-impl Default for BridgeConfig {
-    fn default() -> Self {
-        BridgeConfig {
-            enabled: true,
-            bridges: Vec::new(),
-            sample_interval_ms: 200,
-            period_ms: 1000,
-            netns: None,
-        }
-    }
-}
-impl Default for VmConfig {
-    fn default() -> Self {
-        VmConfig {
-            enabled: true,
-            poll_interval_ms: 1000,
-            qmp: true,
-            cause_window_ms: 10_000,
-        }
-    }
-}
-impl Default for HostConfig {
-    fn default() -> Self {
-        HostConfig {
-            enabled: true,
-            interval_ms: 5000,
-        }
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -224,6 +81,26 @@ pub enum ConfigError {
         key: String,
         problem: String,
     },
+}
+
+/// A key of a section that is out of bounds; [`Config::validate`] adds the file name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    /// Full key, `section.key`.
+    pub key: String,
+    pub problem: String,
+}
+
+/// `key` must lie within `lo..=hi`.
+pub fn range(key: &str, v: u64, lo: u64, hi: u64) -> Result<(), Invalid> {
+    if v < lo || v > hi {
+        Err(Invalid {
+            key: key.to_string(),
+            problem: format!("must be between {lo} and {hi}, got {v}"),
+        })
+    } else {
+        Ok(())
+    }
 }
 
 impl Config {
@@ -262,71 +139,25 @@ impl Config {
             key: key.to_string(),
             problem,
         };
-        let range = |key: &str, v: u64, lo: u64, hi: u64| {
-            if v < lo || v > hi {
-                Err(bad(key, format!("must be between {lo} and {hi}, got {v}")))
-            } else {
-                Ok(())
-            }
-        };
-        range(
-            "pcie.poll_interval_ms",
-            self.pcie.poll_interval_ms,
-            10,
-            600_000,
-        )?;
-        range(
-            "aer.poll_interval_ms",
-            self.aer.poll_interval_ms,
-            10,
-            600_000,
-        )?;
-        range("aer.kmsg_context_ms", self.aer.kmsg_context_ms, 0, 600_000)?;
-        range(
-            "thunderbolt.poll_interval_ms",
-            self.thunderbolt.poll_interval_ms,
-            10,
-            600_000,
-        )?;
-        range(
-            "bridge.sample_interval_ms",
-            self.bridge.sample_interval_ms,
-            100,
-            1000,
-        )?;
-        range("bridge.period_ms", self.bridge.period_ms, 100, 3_600_000)?;
-        if self.bridge.period_ms < self.bridge.sample_interval_ms {
-            return Err(bad(
-                "bridge.period_ms",
-                format!(
-                    "must be at least bridge.sample_interval_ms ({}), got {}",
-                    self.bridge.sample_interval_ms, self.bridge.period_ms
-                ),
-            ));
-        }
-        range("vm.poll_interval_ms", self.vm.poll_interval_ms, 10, 600_000)?;
-        range("vm.cause_window_ms", self.vm.cause_window_ms, 0, 3_600_000)?;
-        range("host.interval_ms", self.host.interval_ms, 100, 3_600_000)?;
-        range(
-            "discovery.rescan_interval_ms",
-            self.discovery.rescan_interval_ms,
-            100,
-            86_400_000,
-        )?;
-        range("event_capacity", self.event_capacity as u64, 16, 1 << 20)?;
+        let section = |r: Result<(), Invalid>| r.map_err(|i| bad(&i.key, i.problem));
+        section(self.pcie.validate())?;
+        section(self.aer.validate())?;
+        section(self.thunderbolt.validate())?;
+        section(self.bridge.validate())?;
+        section(self.vm.validate())?;
+        section(self.host.validate())?;
+        section(self.discovery.validate())?;
+        section(range(
+            "event_capacity",
+            self.event_capacity as u64,
+            16,
+            1 << 20,
+        ))?;
         for (i, d) in self.devices.iter().enumerate() {
             if crate::discovery::normalize_bdf(d).is_none() {
                 return Err(bad(
                     &format!("devices[{i}]"),
                     format!("`{d}` is not a PCI address (DDDD:BB:DD.F or BB:DD.F)"),
-                ));
-            }
-        }
-        for (i, b) in self.bridge.bridges.iter().enumerate() {
-            if b.is_empty() || b.len() > 15 || b.contains('/') {
-                return Err(bad(
-                    &format!("bridge.bridges[{i}]"),
-                    format!("`{b}` is not an interface name"),
                 ));
             }
         }

@@ -5,9 +5,38 @@
 //! (`01:00.0`, `0000:01:00.0`, `01:00` = all functions, `host=A;B`, `mapping=<id>` through
 //! `/etc/pve/mapping/pci.cfg`), plus `devices` from the agent's config.
 
+use crate::config::{range, Invalid};
 use crate::roots::Roots;
+use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+
+/// `[discovery]`: how often the Proxmox configs and the sysfs topology are read again (a
+/// uevent of a PCI or Thunderbolt device also triggers a rescan).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    pub rescan_interval_ms: u64,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig {
+            rescan_interval_ms: 30_000,
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range(
+            "discovery.rescan_interval_ms",
+            self.rescan_interval_ms,
+            100,
+            86_400_000,
+        )
+    }
+}
 
 /// Normalize a PCI address to `dddd:bb:dd.f` (lower case). Accepts `bb:dd.f` (domain 0000).
 /// Returns `None` for anything else. A function-less `bb:dd` is handled by [`parse_hostpci_id`].

@@ -2,8 +2,8 @@
 //!
 //! [`EventBus::new`] is the one place where the channel is created; every watcher emits
 //! through [`EventBus::emit`], which stamps the event with the host's `CLOCK_REALTIME` and
-//! `CLOCK_MONOTONIC`. Consumers (the `watch` command, the metrics, the host→guest stream of
-//! issue 5) call [`EventBus::subscribe`] and get every event emitted after that call as a
+//! `CLOCK_MONOTONIC`. Consumers (the `watch` command, the metrics, the host→guest stream)
+//! call [`EventBus::subscribe`] and get every event emitted after that call as a
 //! [`Stamped`]. The channel is a `tokio::sync::broadcast`: a consumer that falls more than
 //! `capacity` events behind gets `RecvError::Lagged(n)` and must count those `n` as lost.
 

@@ -27,26 +27,40 @@ pub fn sysfs(data: &[u8]) {
     let _ = crate::watch::hoststats::parse_psi(&s);
     let _ = crate::discovery::normalize_bdf(&s);
     let _ = crate::discovery::parse_hostpci_id(&s);
-    let _ = crate::watch::bridge::parse_port_name(&s);
+    let _ = crate::portname::parse_port_name(&s);
 }
 
 /// uevent messages, tracefs lines and rtnetlink dumps.
 pub fn wire(data: &[u8]) {
     let _ = crate::uevent::parse_uevent(data);
     let s = String::from_utf8_lossy(data);
+    let formats = kernel_formats();
     for line in s.lines() {
-        if let Some(r) = crate::tracefs::parse_line(line) {
-            let _ = crate::tracefs::aer_detail(&r);
+        for f in &formats {
+            let _ = crate::tracefs::decode(f, line);
         }
     }
+    let _ = crate::tracefs::Format::parse(&s);
     let mut rows = Vec::new();
-    let _ = crate::watch::bridge::parse_dump_chunk(data, 7, &mut rows);
-    let _ = crate::watch::bridge::parse_newlink(data);
+    let _ = crate::rtnetlink::parse_dump_chunk(data, 7, &mut rows);
+    let _ = crate::rtnetlink::parse_newlink(data);
     let mut stats = Vec::new();
-    let _ = crate::watch::bridge::parse_stats_chunk(data, 7, &mut stats);
+    let _ = crate::rtnetlink::parse_stats_chunk(data, 7, &mut stats);
     if let Some(u) = crate::uevent::parse_uevent(data) {
         let _ = crate::uevent::react(&u);
     }
+}
+
+/// The recorded `format` files of the three tracepoints the agent decodes.
+fn kernel_formats() -> Vec<crate::tracefs::Format> {
+    [
+        include_str!("../tests/fixtures/tracefs/ras-aer_event.format"),
+        include_str!("../tests/fixtures/tracefs/pci-pcie_link_event.format"),
+        include_str!("../tests/fixtures/tracefs/pci-pci_hp_event.format"),
+    ]
+    .iter()
+    .filter_map(|t| crate::tracefs::Format::parse(t).ok())
+    .collect()
 }
 
 /// Agent configuration (TOML).

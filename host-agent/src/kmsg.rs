@@ -1,4 +1,5 @@
-//! `/dev/kmsg` record parser and classifier (FIELD-NOTES §1.4–1.5). Never panics on any input.
+//! `/dev/kmsg` record parser and classifier (the record format is the kernel's
+//! `Documentation/ABI/testing/dev-kmsg`). Never panics on any input.
 //!
 //! Record: `prio,seq,usec,flag[,more..];text` followed by continuation lines starting with a
 //! space (` SUBSYSTEM=pci`, ` DEVICE=+pci:0000:00:1c.0`).
@@ -165,7 +166,7 @@ fn tap_vmid(text: &str) -> Option<u32> {
         let mut from = 0;
         while let Some(i) = text.get(from..).and_then(|t| t.find(pfx)) {
             let start = from + i + pfx.len();
-            if let Some(p) = crate::watch::bridge::parse_port_name(
+            if let Some(p) = crate::portname::parse_port_name(
                 text.get(from + i..)
                     .unwrap_or("")
                     .split(|c: char| !c.is_ascii_alphanumeric())

@@ -1,4 +1,5 @@
-//! Parsers for sysfs attribute text (kernel formats in FIELD-NOTES §1.1–1.3).
+//! Parsers for sysfs attribute text: `current_link_speed`/`_width`, `aer_dev_*`, Thunderbolt
+//! `rx_speed`/`tx_speed` (the formats are quoted in the tests of each parser).
 //! Every parser takes arbitrary text and returns `None`/skips what it does not understand;
 //! none of them panics.
 

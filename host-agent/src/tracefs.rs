@@ -1,10 +1,11 @@
 //! Tracepoints through a private tracefs instance (`instances/gpufeed`, as rasdaemon does),
 //! with the `fields` option so each record prints `name=value` for every field of its
 //! `format` (decode by name). Used when present: `ras:aer_event`, `pci:pcie_link_event`,
-//! `pci:pci_hp_event`.
+//! `pci:pci_hp_event`. [`decode`] turns a line into a [`TraceEvent`] given the event's
+//! [`Format`]; the tracepoints watcher ([`crate::watch::tracepoints`]) acts on it.
 
 use crate::roots::Roots;
-use gpufeed_shared::event::{AerDetail, AerSeverity};
+use gpufeed_shared::event::{AerDetail, AerSeverity, PciHotplug};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -87,30 +88,195 @@ pub fn parse_line(line: &str) -> Option<TraceRecord> {
     })
 }
 
-/// `ras:aer_event` record → detail. severity: 0 non-fatal, 1 fatal, 2 corrected.
-pub fn aer_detail(r: &TraceRecord) -> Option<AerDetail> {
-    if r.event != "aer_event" {
-        return None;
+/// An event's `format` file, reduced to what decoding needs: the event name, the names of its
+/// own fields (the `common_*` ones are not printed with `options/fields`) and the value → name
+/// tables of its `__print_symbolic(REC->field, ...)` calls.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Format {
+    pub name: String,
+    pub fields: Vec<String>,
+    pub symbols: BTreeMap<String, BTreeMap<i64, String>>,
+}
+
+impl Format {
+    /// Parse the text of `events/<system>/<event>/format`.
+    pub fn parse(text: &str) -> Result<Format, DecodeError> {
+        let mut f = Format::default();
+        for line in text.lines() {
+            let line = line.trim();
+            if let Some(n) = line.strip_prefix("name:") {
+                f.name = n.trim().to_string();
+            } else if let Some(decl) = line.strip_prefix("field:") {
+                // `field:u32 tlp_header[4];\toffset:...`: the name is the declaration's last word.
+                let decl = decl.split(';').next().unwrap_or("");
+                let name = decl.rsplit(' ').next().unwrap_or("");
+                let name = name.split('[').next().unwrap_or("");
+                if !name.is_empty() && !name.starts_with("common_") {
+                    f.fields.push(name.to_string());
+                }
+            } else if let Some(fmt) = line.strip_prefix("print fmt:") {
+                f.symbols = print_symbolic_tables(fmt);
+            }
+        }
+        if f.name.is_empty() {
+            return Err(DecodeError::BadFormat);
+        }
+        Ok(f)
     }
-    let dev = r
-        .fields
-        .get("dev_name")?
-        .split_whitespace()
-        .next()?
-        .to_string();
-    let severity = match r.num("severity")? {
+}
+
+/// `__print_symbolic(REC->event, { 0, "LINK_UP" }, { 1, "LINK_DOWN" })` → event → {0: LINK_UP,
+/// 1: LINK_DOWN}. Entries whose value is not a number (an enum the kernel did not resolve) are
+/// left out.
+fn print_symbolic_tables(fmt: &str) -> BTreeMap<String, BTreeMap<i64, String>> {
+    let mut out = BTreeMap::new();
+    for call in fmt.split("__print_symbolic(REC->").skip(1) {
+        let Some((field, rest)) = call.split_once(',') else {
+            continue;
+        };
+        let mut table = BTreeMap::new();
+        // Entries run until the call's closing parenthesis; `{`/`}` delimit each.
+        let body = rest.split(')').next().unwrap_or("");
+        for entry in body.split('{').skip(1) {
+            let entry = entry.split('}').next().unwrap_or("");
+            let Some((v, name)) = entry.split_once(',') else {
+                continue;
+            };
+            let v = v.trim();
+            let parsed = match v.strip_prefix("0x") {
+                Some(h) => i64::from_str_radix(h, 16).ok(),
+                None => v.parse().ok(),
+            };
+            if let Some(v) = parsed {
+                table.insert(v, name.trim().trim_matches('"').to_string());
+            }
+        }
+        out.insert(field.trim().to_string(), table);
+    }
+    out
+}
+
+/// What a tracepoint record means to the agent.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TraceEvent {
+    /// `ras:aer_event`: a device reported an AER error.
+    Aer(AerDetail),
+    /// `pci:pcie_link_event`: the link below this port changed (re-read its links).
+    Link { port: String },
+    /// `pci:pci_hp_event`: a hotplug slot event.
+    Hotplug(PciHotplug),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("not a trace_pipe record")]
+    NotARecord,
+    #[error("format file without a `name:` line")]
+    BadFormat,
+    #[error("record of `{got}` decoded with the format of `{want}`")]
+    WrongEvent { want: String, got: String },
+    #[error("`{0}` is not an event the agent decodes")]
+    Unsupported(String),
+    #[error("{event}: field `{field}` is missing")]
+    MissingField { event: String, field: String },
+    #[error("{event}: field `{field}` has the unexpected value {value:?}")]
+    BadValue {
+        event: String,
+        field: String,
+        value: String,
+    },
+}
+
+/// Decode one `trace_pipe` line (written with `options/fields`) of the event `format`
+/// describes. Pure: the tracepoints watcher feeds it the kernel's lines, tests feed it
+/// recorded ones.
+pub fn decode(format: &Format, line: &str) -> Result<TraceEvent, DecodeError> {
+    decode_record(format, parse_line(line).ok_or(DecodeError::NotARecord)?)
+}
+
+/// [`decode`] of a line already split into fields.
+pub fn decode_record(format: &Format, r: TraceRecord) -> Result<TraceEvent, DecodeError> {
+    if r.event != format.name {
+        return Err(DecodeError::WrongEvent {
+            want: format.name.clone(),
+            got: r.event,
+        });
+    }
+    // Every field of the format is printed; one missing means the line is not what we think.
+    if let Some(f) = format.fields.iter().find(|f| !r.fields.contains_key(*f)) {
+        return Err(r.missing(f));
+    }
+    match r.event.as_str() {
+        "aer_event" => aer_detail(&r).map(TraceEvent::Aer),
+        "pcie_link_event" => Ok(TraceEvent::Link {
+            port: r.string("port_name")?,
+        }),
+        "pci_hp_event" => {
+            let n = r.number("event")?;
+            let event = format
+                .symbols
+                .get("event")
+                .and_then(|t| t.get(&(n as i64)))
+                .cloned()
+                .unwrap_or_else(|| n.to_string());
+            Ok(TraceEvent::Hotplug(PciHotplug {
+                port: r.string("port_name")?,
+                slot: r.string("slot")?,
+                event,
+            }))
+        }
+        other => Err(DecodeError::Unsupported(other.to_string())),
+    }
+}
+
+impl TraceRecord {
+    fn missing(&self, field: &str) -> DecodeError {
+        DecodeError::MissingField {
+            event: self.event.clone(),
+            field: field.to_string(),
+        }
+    }
+
+    fn string(&self, field: &str) -> Result<String, DecodeError> {
+        self.fields
+            .get(field)
+            .cloned()
+            .ok_or_else(|| self.missing(field))
+    }
+
+    fn number(&self, field: &str) -> Result<u64, DecodeError> {
+        let v = self.fields.get(field).ok_or_else(|| self.missing(field))?;
+        self.num(field).ok_or_else(|| DecodeError::BadValue {
+            event: self.event.clone(),
+            field: field.to_string(),
+            value: v.clone(),
+        })
+    }
+}
+
+/// `ras:aer_event` record → detail. severity: 0 non-fatal, 1 fatal, 2 corrected.
+fn aer_detail(r: &TraceRecord) -> Result<AerDetail, DecodeError> {
+    let dev = r.string("dev_name")?;
+    let dev = dev.split_whitespace().next().unwrap_or("").to_string();
+    let severity = match r.number("severity")? {
         0 => AerSeverity::NonFatal,
         1 => AerSeverity::Fatal,
         2 => AerSeverity::Correctable,
-        _ => return None,
+        n => {
+            return Err(DecodeError::BadValue {
+                event: r.event.clone(),
+                field: "severity".into(),
+                value: n.to_string(),
+            })
+        }
     };
-    let status = r.num("status").unwrap_or(0) as u32;
+    let status = r.number("status")? as u32;
     let tlp_header = if r.num("tlp_header_valid").unwrap_or(0) != 0 {
         r.fields.get("tlp_header").and_then(|v| parse_u32_array(v))
     } else {
         None
     };
-    Some(AerDetail {
+    Ok(AerDetail {
         dev_name: dev,
         severity,
         status,
@@ -137,63 +303,91 @@ fn parse_u32_array(v: &str) -> Option<[u32; 4]> {
     Some(out)
 }
 
-/// Set up the private instance and enable the events that exist. Returns the instance
-/// directory and the enabled events, or `None` when tracefs or none of the events is there.
-pub fn setup(roots: &Roots, want: &[(&str, &str)]) -> Option<(PathBuf, Vec<String>)> {
+/// The private instance with the events that were enabled in it.
+#[derive(Debug)]
+pub struct Instance {
+    pub dir: PathBuf,
+    /// `system:event` of each enabled event.
+    pub enabled: Vec<String>,
+    /// Their formats, by event name.
+    pub formats: BTreeMap<String, Format>,
+}
+
+/// Set up the private instance and enable the events that exist. `None` when tracefs or
+/// none of the events is there.
+pub fn setup(roots: &Roots, want: &[(&str, &str)]) -> Option<Instance> {
     let tracefs = roots.tracefs();
-    let available: Vec<(&str, &str)> = want
+    let formats: Vec<(&str, &str, Format)> = want
         .iter()
-        .copied()
-        .filter(|(sys, ev)| {
-            tracefs
-                .join("events")
-                .join(sys)
-                .join(ev)
-                .join("format")
-                .exists()
+        .filter_map(|&(sys, ev)| {
+            let path = tracefs.join("events").join(sys).join(ev).join("format");
+            let text = std::fs::read_to_string(&path).ok()?;
+            match Format::parse(&text) {
+                Ok(f) => Some((sys, ev, f)),
+                Err(e) => {
+                    tracing::warn!("tracefs: {}: {e}", path.display());
+                    None
+                }
+            }
         })
         .collect();
-    if available.is_empty() {
+    if formats.is_empty() {
         return None;
     }
-    let inst = tracefs.join("instances").join(INSTANCE);
-    if !inst.exists() {
-        if let Err(e) = std::fs::create_dir(&inst) {
-            tracing::warn!("tracefs: cannot create instance {}: {e}", inst.display());
+    let dir = tracefs.join("instances").join(INSTANCE);
+    if !dir.exists() {
+        if let Err(e) = std::fs::create_dir(&dir) {
+            tracing::warn!("tracefs: cannot create instance {}: {e}", dir.display());
             return None;
         }
     }
-    let _ = std::fs::write(inst.join("options/fields"), "1");
-    let _ = std::fs::write(inst.join("trace_clock"), "mono");
-    let mut enabled = Vec::new();
-    for (sys, ev) in available {
-        if std::fs::write(inst.join("events").join(sys).join(ev).join("enable"), "1").is_ok() {
-            enabled.push(format!("{sys}:{ev}"));
+    let _ = std::fs::write(dir.join("options/fields"), "1");
+    let _ = std::fs::write(dir.join("trace_clock"), "mono");
+    let mut inst = Instance {
+        dir,
+        enabled: Vec::new(),
+        formats: BTreeMap::new(),
+    };
+    for (sys, ev, f) in formats {
+        let enable = inst.dir.join("events").join(sys).join(ev).join("enable");
+        if std::fs::write(enable, "1").is_ok() {
+            inst.enabled.push(format!("{sys}:{ev}"));
+            inst.formats.insert(f.name.clone(), f);
         }
     }
-    if enabled.is_empty() {
+    if inst.enabled.is_empty() {
         return None;
     }
-    Some((inst, enabled))
+    Some(inst)
 }
 
-/// Read `trace_pipe` of the instance on a blocking thread and forward parsed records.
+/// Read `trace_pipe` of the instance on a blocking thread and forward decoded events; lines
+/// that do not decode are logged (debug) and skipped.
 pub fn spawn_reader(
-    inst: PathBuf,
-    tx: tokio::sync::mpsc::Sender<TraceRecord>,
+    inst: Instance,
+    tx: tokio::sync::mpsc::Sender<TraceEvent>,
 ) -> std::io::Result<()> {
     use std::io::BufRead;
-    let f = std::fs::File::open(inst.join("trace_pipe"))?;
+    let f = std::fs::File::open(inst.dir.join("trace_pipe"))?;
     std::thread::Builder::new()
         .name("tracefs".into())
         .spawn(move || {
             let r = std::io::BufReader::new(f);
             for line in r.lines() {
                 let Ok(line) = line else { return };
-                if let Some(rec) = parse_line(&line) {
-                    if tx.blocking_send(rec).is_err() {
-                        return;
+                let Some(rec) = parse_line(&line) else {
+                    continue;
+                };
+                let Some(format) = inst.formats.get(&rec.event) else {
+                    continue;
+                };
+                match decode_record(format, rec) {
+                    Ok(ev) => {
+                        if tx.blocking_send(ev).is_err() {
+                            return;
+                        }
                     }
+                    Err(e) => tracing::debug!("tracefs: {e}: {line}"),
                 }
             }
         })?;
@@ -206,21 +400,10 @@ mod tests {
 
     #[test]
     fn parses_fields_lines() {
-        let l = "     irq/122-aerdrv-98      [002] .....  5123.456789: aer_event: dev_name=0000:09:00.0 status=0x1000 (4096) severity=0x2 (2) tlp_header_valid=0x0 (0) tlp_header=ARRAY[00, 00, 00, 00, 00, 00, 00, 00, 00, 00, 00, 00, 00, 00, 00, 00]";
-        let r = parse_line(l).unwrap();
-        assert_eq!(r.event, "aer_event");
-        assert_eq!(r.ts_ns, Some(5_123_456_789_000));
-        let d = aer_detail(&r).unwrap();
-        assert_eq!(d.dev_name, "0000:09:00.0");
-        assert_eq!(d.severity, AerSeverity::Correctable);
-        assert_eq!(d.status, 0x1000);
-        assert_eq!(d.tlp_header, None);
-        let l2 = "kworker-1 [000] ..... 10.000001: aer_event: dev_name=0000:09:00.0 status=0x4000 (16384) severity=0x1 (1) tlp_header_valid=0x1 (1) tlp_header=ARRAY[4a, 00, 00, 01, 0f, 00, 00, 01, 00, 00, 20, 00, 00, 00, 00, 00]";
-        let d2 = aer_detail(&parse_line(l2).unwrap()).unwrap();
-        assert_eq!(d2.severity, AerSeverity::Fatal);
-        assert_eq!(d2.tlp_header, Some([0x0100004a, 0x0100000f, 0x00200000, 0]));
         let l3 = "sleep-13671   [000] .....   480.512863: sched_process_exec: filename=/usr/bin/sleep pid=0x3567 (13671) old_pid=0x3567 (13671)";
         let r3 = parse_line(l3).unwrap();
+        assert_eq!(r3.event, "sched_process_exec");
+        assert_eq!(r3.ts_ns, Some(480_512_863_000));
         assert_eq!(r3.num("pid"), Some(13671));
         assert_eq!(r3.fields["filename"], "/usr/bin/sleep");
         assert!(parse_line("garbage").is_none());

@@ -197,7 +197,7 @@ fn parsers_never_panic_on_random_and_mutated_input() {
     assert_eq!(n, 20_000);
     // Sanity: the netlink seed itself decodes to one row.
     let mut rows = Vec::new();
-    let done = gpufeed_host::watch::bridge::parse_dump_chunk(&seeds[10], 7, &mut rows).unwrap();
+    let done = gpufeed_host::rtnetlink::parse_dump_chunk(&seeds[10], 7, &mut rows).unwrap();
     assert!(done);
     assert_eq!(rows.len(), 1);
     assert_eq!((rows[0].name.as_str(), rows[0].master), ("tap1i0", Some(5)));

@@ -70,44 +70,36 @@ pub enum HostEvent {
 }
 
 impl HostEvent {
+    /// The variant's stable numeric id (see [`kind`]) and its short lower-case name (for logs,
+    /// the `kind` label of `gpufeed_host_events_total` and `watch`). The one match over the
+    /// variants: a new variant does not compile until it has both.
+    pub fn kind_entry(&self) -> (u16, &'static str) {
+        match self {
+            HostEvent::PcieLinkChange(_) => (kind::PCIE_LINK_CHANGE, "pcie_link_change"),
+            HostEvent::AerCounter(_) => (kind::AER_COUNTER, "aer_counter"),
+            HostEvent::AerRootPortTotal(_) => (kind::AER_ROOT_PORT_TOTAL, "aer_rootport_total"),
+            HostEvent::AerTrace(_) => (kind::AER_TRACE, "aer_trace"),
+            HostEvent::PciErrorRecovery(_) => (kind::PCI_ERROR_RECOVERY, "pci_error_recovery"),
+            HostEvent::PciHotplug(_) => (kind::PCI_HOTPLUG, "pci_hotplug"),
+            HostEvent::ThunderboltDevice(_) => (kind::THUNDERBOLT_DEVICE, "thunderbolt_device"),
+            HostEvent::ThunderboltTunnel(_) => (kind::THUNDERBOLT_TUNNEL, "thunderbolt_tunnel"),
+            HostEvent::Kmsg(_) => (kind::KMSG, "kmsg"),
+            HostEvent::KmsgLost { .. } => (kind::KMSG_LOST, "kmsg_lost"),
+            HostEvent::VmState(_) => (kind::VM_STATE, "vm_state"),
+            HostEvent::BridgePort(_) => (kind::BRIDGE_PORT, "bridge_port"),
+            HostEvent::DeviceMapped(_) => (kind::DEVICE_MAPPED, "device_mapped"),
+            HostEvent::WatcherDisabled { .. } => (kind::WATCHER_DISABLED, "watcher_disabled"),
+        }
+    }
+
     /// Stable numeric kind id (see [`kind`]).
     pub fn kind(&self) -> u16 {
-        match self {
-            HostEvent::PcieLinkChange(_) => kind::PCIE_LINK_CHANGE,
-            HostEvent::AerCounter(_) => kind::AER_COUNTER,
-            HostEvent::AerRootPortTotal(_) => kind::AER_ROOT_PORT_TOTAL,
-            HostEvent::AerTrace(_) => kind::AER_TRACE,
-            HostEvent::PciErrorRecovery(_) => kind::PCI_ERROR_RECOVERY,
-            HostEvent::PciHotplug(_) => kind::PCI_HOTPLUG,
-            HostEvent::ThunderboltDevice(_) => kind::THUNDERBOLT_DEVICE,
-            HostEvent::ThunderboltTunnel(_) => kind::THUNDERBOLT_TUNNEL,
-            HostEvent::Kmsg(_) => kind::KMSG,
-            HostEvent::KmsgLost { .. } => kind::KMSG_LOST,
-            HostEvent::VmState(_) => kind::VM_STATE,
-            HostEvent::BridgePort(_) => kind::BRIDGE_PORT,
-            HostEvent::DeviceMapped(_) => kind::DEVICE_MAPPED,
-            HostEvent::WatcherDisabled { .. } => kind::WATCHER_DISABLED,
-        }
+        self.kind_entry().0
     }
 
     /// Short lower-case name of the kind, for logs and `watch`.
     pub fn kind_name(&self) -> &'static str {
-        match self {
-            HostEvent::PcieLinkChange(_) => "pcie_link_change",
-            HostEvent::AerCounter(_) => "aer_counter",
-            HostEvent::AerRootPortTotal(_) => "aer_rootport_total",
-            HostEvent::AerTrace(_) => "aer_trace",
-            HostEvent::PciErrorRecovery(_) => "pci_error_recovery",
-            HostEvent::PciHotplug(_) => "pci_hotplug",
-            HostEvent::ThunderboltDevice(_) => "thunderbolt_device",
-            HostEvent::ThunderboltTunnel(_) => "thunderbolt_tunnel",
-            HostEvent::Kmsg(_) => "kmsg",
-            HostEvent::KmsgLost { .. } => "kmsg_lost",
-            HostEvent::VmState(_) => "vm_state",
-            HostEvent::BridgePort(_) => "bridge_port",
-            HostEvent::DeviceMapped(_) => "device_mapped",
-            HostEvent::WatcherDisabled { .. } => "watcher_disabled",
-        }
+        self.kind_entry().1
     }
 }
 
@@ -443,5 +435,11 @@ mod tests {
         assert_eq!(samples()[0].kind(), 1);
         assert_eq!(samples()[1].kind(), 10);
         assert_eq!(samples()[2].kind(), 14);
+    }
+
+    #[test]
+    fn kind_names_are_the_metric_labels() {
+        let names: Vec<&str> = samples().iter().map(HostEvent::kind_name).collect();
+        assert_eq!(names, ["pcie_link_change", "kmsg_lost", "watcher_disabled"]);
     }
 }

@@ -1,4 +1,7 @@
 //! Which guests an event concerns: by VMID and by PCI device (BDF).
+//!
+//! [`Route::of`] matches every event kind by name, without a wildcard: a new kind is a compile
+//! error here until its route is written.
 
 use gpufeed_shared::event::HostEvent;
 
@@ -42,9 +45,11 @@ impl Route {
                 bdf(&e.bdf);
                 r.vmids.extend(e.vmid);
             }
-            // Host-wide: Thunderbolt tunnels, kmsg loss, watcher state, and future kinds.
-            #[allow(unreachable_patterns)]
-            _ => {}
+            // Host-wide: every guest gets them. Listed one by one (no wildcard) so that a new
+            // kind does not compile until someone decides whom it concerns.
+            HostEvent::ThunderboltTunnel(_)
+            | HostEvent::KmsgLost { .. }
+            | HostEvent::WatcherDisabled { .. } => {}
         }
         r
     }

@@ -1,13 +1,18 @@
 //! AER counters: every named counter of `aer_dev_{correctable,nonfatal,fatal}` of every device
 //! on each watched path, and `aer_rootport_total_err_*` of root ports.
 
-use crate::metrics::{vmid_label, Metrics};
+use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
+use super::vm_suffix;
+use crate::config::{range, Invalid};
+use crate::metrics::{self, vmid_label};
 use crate::roots::Roots;
 use crate::sysfs::{parse_aer_counters, read_attr, read_u64, AER_DEV_FILES, AER_ROOTPORT_FILES};
 use crate::watch::{RecentKmsg, Topology};
 use gpufeed_shared::event::{
     AerCounter, AerDetail, AerRootPortTotal, AerSeverity, HostEvent, Source,
 };
+use prometheus::{IntCounterVec, Registry};
+use serde::Deserialize;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -41,7 +46,7 @@ impl AerPoller {
         &mut self,
         roots: &Roots,
         topo: &Topology,
-        metrics: &Metrics,
+        metrics: &AerMetrics,
         recent: &RecentKmsg,
         context_window: Duration,
         only: Option<&str>,
@@ -71,7 +76,7 @@ impl AerPoller {
                     }
                     let key = (bdf.clone(), sev, name.clone());
                     let prev = self.counters.insert(key, value);
-                    let c = metrics.aer_errors.with_label_values(&[
+                    let c = metrics.errors.with_label_values(&[
                         bdf.as_str(),
                         vm.as_str(),
                         sev.as_str(),
@@ -119,7 +124,7 @@ impl AerPoller {
                     };
                     let prev = self.totals.insert((bdf.clone(), sev), value);
                     let c = metrics
-                        .aer_rootport
+                        .rootport
                         .with_label_values(&[bdf.as_str(), sev.as_str()]);
                     match prev {
                         None => c.inc_by(value),
@@ -139,4 +144,150 @@ impl AerPoller {
         }
         out
     }
+}
+
+// ---- The unit: configuration, series, loop. ----
+
+/// `[aer]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AerConfig {
+    pub enabled: bool,
+    pub poll_interval_ms: u64,
+    /// Use the `ras:aer_event` tracepoint when present (exact time and status detail; read by
+    /// [`super::tracepoints`], which pokes this watcher).
+    pub tracepoint: bool,
+    /// Attach kmsg records for the device seen within this window to counter events.
+    pub kmsg_context_ms: u64,
+}
+
+impl Default for AerConfig {
+    fn default() -> Self {
+        AerConfig {
+            enabled: true,
+            poll_interval_ms: 1000,
+            tracepoint: true,
+            kmsg_context_ms: 5000,
+        }
+    }
+}
+
+impl AerConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range("aer.poll_interval_ms", self.poll_interval_ms, 10, 600_000)?;
+        range("aer.kmsg_context_ms", self.kmsg_context_ms, 0, 600_000)
+    }
+}
+
+pub struct AerMetrics {
+    pub errors: IntCounterVec,
+    pub rootport: IntCounterVec,
+}
+
+impl AerMetrics {
+    pub fn new(r: &Registry) -> AerMetrics {
+        AerMetrics {
+            errors: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_aer_errors_total",
+                "AER errors counted by the device (named counters of aer_dev_*)",
+                &["bdf", "vmid", "severity", "error"],
+            ),
+            rootport: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_aer_rootport_errors_total",
+                "AER errors counted by a root port for its hierarchy",
+                &["bdf", "severity"],
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "aer",
+    new: |r| Box::new(AerWatcher(AerMetrics::new(r))),
+    describe,
+};
+
+struct AerWatcher(AerMetrics);
+
+impl Watcher for AerWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.aer.enabled {
+                return Outcome::Skipped;
+            }
+            let m = self.0;
+            let t = a.topo.get();
+            if !t.aer_devices.is_empty() && !any_aer_files(&a.roots, &t) {
+                return Outcome::Off("no aer_dev_* files on the watched devices (kernel without AER support or no OS AER ownership)".into());
+            }
+            let mut p = AerPoller::new();
+            p.poll(&a.roots, &t, &m, &a.recent, Duration::ZERO, None, None);
+            Outcome::On(vec![tokio::spawn(async move {
+                let mut pokes = a.pokes(a.cfg.aer.poll_interval_ms, cx.inbox).await;
+                let window = Duration::from_millis(a.cfg.aer.kmsg_context_ms);
+                loop {
+                    let poke = pokes.next().await;
+                    let t = a.topo.get();
+                    match poke {
+                        // The tracepoint names the device: read its counters now and attach the
+                        // detail; a report that moved no counter is still worth an event.
+                        Poke::Aer(d) => {
+                            let evs = p.poll(
+                                &a.roots,
+                                &t,
+                                &m,
+                                &a.recent,
+                                window,
+                                Some(&d.dev_name),
+                                Some(&d),
+                            );
+                            if evs.is_empty() {
+                                a.bus.emit(HostEvent::AerTrace(d));
+                            }
+                            a.emit_all(evs);
+                        }
+                        Poke::Tick | Poke::Port(..) => {
+                            a.emit_all(p.poll(&a.roots, &t, &m, &a.recent, window, None, None))
+                        }
+                    }
+                }
+            })])
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    Some(match e {
+        HostEvent::AerCounter(a) => format!(
+            "{}{}: {} {} +{} (total {}){}",
+            a.bdf,
+            vm_suffix(a.vmid),
+            a.severity.as_str(),
+            a.error,
+            a.delta,
+            a.total,
+            if a.kmsg_context.is_empty() {
+                String::new()
+            } else {
+                format!(" [{}]", a.kmsg_context.join(" | "))
+            }
+        ),
+        HostEvent::AerRootPortTotal(a) => format!(
+            "{}: root port {} +{} (total {})",
+            a.bdf,
+            a.severity.as_str(),
+            a.delta,
+            a.total
+        ),
+        HostEvent::AerTrace(d) => format!(
+            "{}: {} status {:#010x}",
+            d.dev_name,
+            d.severity.as_str(),
+            d.status
+        ),
+        _ => return None,
+    })
 }

@@ -1,10 +1,5 @@
-//! Per-port counters of Linux bridges (vmbr0, ...) from rtnetlink, sampled every
-//! `sample_interval_ms`. Once per period an `RTM_GETLINK` dump (`IFLA_IFNAME`, `IFLA_MASTER`,
-//! `IFLA_LINKINFO`, `IFLA_STATS64`) finds the bridges and their ports; the samples in between
-//! are `RTM_GETSTATS` dumps asking for `IFLA_STATS_LINK_64` only. A link dump makes the kernel
-//! fill some forty attributes per interface (IPv6 device config, bridge port state, ...),
-//! which made it the agent's largest idle cost; a stats dump fills one. Messages are built
-//! and decoded by netlink-packet-route.
+//! Bridge watcher: per-port counters of Linux bridges (vmbr0, ...) sampled every
+//! `sample_interval_ms` from rtnetlink dumps ([`crate::rtnetlink`]).
 //!
 //! Ports named like Proxmox's (`tap<vmid>i<n>`, `fwpr<vmid>p<n>`, `veth<vmid>i<n>`) are
 //! attributed to their VMID and NIC, and their directions are reported from the VM's side:
@@ -12,318 +7,18 @@
 //! interface's own rx/tx. The highest per-window byte rate in each period is the microburst
 //! figure.
 
-use crate::metrics::{vmid_label, Metrics};
+use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
+use super::vm_suffix;
+use crate::config::{range, Invalid};
+use crate::metrics::{self, vmid_label};
+use crate::portname::parse_port_name;
+use crate::rtnetlink::{bridges_and_ports, dump_links, dump_stats, refresh, Counters, LinkRow};
 use gpufeed_shared::event::{BridgePortChange, DeviceAction, HostEvent};
-use netlink_packet_core::{
-    Emitable, NetlinkBuffer, NetlinkHeader, NetlinkMessage, NetlinkPayload, NlasIterator,
-    Parseable, ParseableParametrized, NLM_F_DUMP, NLM_F_REQUEST,
-};
-use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkHeader, LinkMessage, Stats64};
-use netlink_packet_route::stats::{StatsAttribute, StatsFilterMask, StatsMessage};
-use netlink_packet_route::RouteNetlinkMessage;
+use prometheus::{GaugeVec, IntCounterVec, Registry};
+use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
-
-/// `tap100i0` → (100, 0); `fwpr100p1` → (100, 1); `veth105i0` → (105, 0).
-pub fn parse_port_name(name: &str) -> Option<(u32, u32)> {
-    for (pfx, sep) in [("tap", 'i'), ("fwpr", 'p'), ("veth", 'i')] {
-        if let Some(rest) = name.strip_prefix(pfx) {
-            let (v, n) = rest.split_once(sep)?;
-            if v.is_empty() || n.is_empty() || v.len() > 9 || n.len() > 3 {
-                return None;
-            }
-            if !v.bytes().all(|b| b.is_ascii_digit()) || !n.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            return Some((v.parse().ok()?, n.parse().ok()?));
-        }
-    }
-    None
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Counters {
-    pub rx_bytes: u64,
-    pub tx_bytes: u64,
-    pub rx_packets: u64,
-    pub tx_packets: u64,
-    pub rx_dropped: u64,
-    pub tx_dropped: u64,
-    pub rx_errors: u64,
-    pub tx_errors: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkRow {
-    pub index: u32,
-    pub name: String,
-    pub master: Option<u32>,
-    pub is_bridge: bool,
-    pub stats: Counters,
-}
-
-fn invalid(e: impl std::fmt::Display) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::InvalidData, format!("netlink: {e}"))
-}
-
-// Kernel ABI attribute numbers (linux/if_link.h) of the attributes the sampler reads.
-const IFLA_IFNAME: u16 = 3;
-const IFLA_MASTER: u16 = 10;
-const IFLA_LINKINFO: u16 = 18;
-const IFLA_STATS64: u16 = 23;
-const IFLA_INFO_KIND: u16 = 1;
-
-fn counters(s: &Stats64) -> Counters {
-    Counters {
-        rx_bytes: s.rx_bytes,
-        tx_bytes: s.tx_bytes,
-        rx_packets: s.rx_packets,
-        tx_packets: s.tx_packets,
-        rx_dropped: s.rx_dropped,
-        tx_dropped: s.tx_dropped,
-        rx_errors: s.rx_errors,
-        tx_errors: s.tx_errors,
-    }
-}
-
-/// The fields the sampler uses from a fully decoded `RTM_NEWLINK` message.
-pub fn link_row(msg: &LinkMessage) -> LinkRow {
-    let mut row = LinkRow {
-        index: msg.header.index,
-        name: String::new(),
-        master: None,
-        is_bridge: false,
-        stats: Counters::default(),
-    };
-    for a in &msg.attributes {
-        apply(&mut row, a);
-    }
-    row
-}
-
-fn apply(row: &mut LinkRow, a: &LinkAttribute) {
-    match a {
-        // The crate strips one NUL; an attribute padded with more keeps the rest.
-        LinkAttribute::IfName(n) => row.name = n.trim_end_matches('\0').to_string(),
-        LinkAttribute::Controller(m) => row.master = Some(*m),
-        LinkAttribute::LinkInfo(infos) => {
-            row.is_bridge = infos.iter().any(|i| {
-                matches!(
-                    i,
-                    netlink_packet_route::link::LinkInfo::Kind(InfoKind::Bridge)
-                )
-            })
-        }
-        LinkAttribute::Stats64(s) => row.stats = counters(s),
-        _ => {}
-    }
-}
-
-/// Decode one `RTM_NEWLINK` payload (`struct ifinfomsg` + attributes) with netlink-packet-route,
-/// visiting only the four attributes the sampler uses. Decoding the whole message
-/// ([`LinkMessage`]) also parses `IFLA_AF_SPEC`, bridge and port `IFLA_INFO_DATA` and formats
-/// error contexts eagerly: about 20x the cost. `None` if the message or one of those
-/// attributes is malformed.
-pub fn parse_newlink(payload: &[u8]) -> Option<LinkRow> {
-    let header = LinkHeader::parse(payload).ok()?;
-    let family = header.interface_family;
-    let mut row = LinkRow {
-        index: header.index,
-        name: String::new(),
-        master: None,
-        is_bridge: false,
-        stats: Counters::default(),
-    };
-    for nla in NlasIterator::new(payload.get(header.buffer_len()..)?) {
-        let nla = nla.ok()?;
-        match nla.kind() {
-            IFLA_IFNAME | IFLA_MASTER => apply(
-                &mut row,
-                &LinkAttribute::parse_with_param(&nla, family).ok()?,
-            ),
-            // Shorter than the crate's struct on older kernels: the crate zero-fills.
-            IFLA_STATS64 => row.stats = counters(&Stats64::parse(nla.value()).ok()?),
-            IFLA_LINKINFO => {
-                for info in NlasIterator::new(nla.value()) {
-                    let info = info.ok()?;
-                    if info.kind() == IFLA_INFO_KIND {
-                        row.is_bridge = InfoKind::parse(&info).ok()? == InfoKind::Bridge;
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-    Some(row)
-}
-
-/// Walk a buffer of netlink messages of the dump with sequence `seq`, handing each data
-/// message (type, payload) to `on_msg`. Returns whether the dump ended (`NLMSG_DONE`); `Err`
-/// on `NLMSG_ERROR` or a broken message header.
-fn walk_dump_chunk(
-    buf: &[u8],
-    seq: u32,
-    mut on_msg: impl FnMut(u16, &[u8]),
-) -> std::io::Result<bool> {
-    let mut off = 0usize;
-    while off < buf.len() {
-        let rest = &buf[off..];
-        let hdr = NetlinkBuffer::new_checked(rest).map_err(invalid)?;
-        let len = hdr.length() as usize;
-        if hdr.sequence_number() == seq {
-            match hdr.message_type() {
-                libc::RTM_NEWLINK | libc::RTM_NEWSTATS => on_msg(hdr.message_type(), hdr.payload()),
-                _ => match NetlinkMessage::<RouteNetlinkMessage>::deserialize(&rest[..len]) {
-                    Ok(msg) => match msg.payload {
-                        NetlinkPayload::Done(_) => return Ok(true),
-                        NetlinkPayload::Error(e) => {
-                            return match e.code {
-                                None => Ok(true),
-                                Some(c) => Err(std::io::Error::from_raw_os_error(-c.get())),
-                            }
-                        }
-                        _ => {}
-                    },
-                    Err(e) => tracing::debug!("bridge: skipping a netlink message: {e}"),
-                },
-            }
-        }
-        off = match off.checked_add((len + 3) & !3) {
-            Some(o) => o,
-            None => break,
-        };
-    }
-    Ok(false)
-}
-
-/// Parse a buffer of netlink messages of a link dump with sequence `seq` ([`parse_newlink`]
-/// bodies). Appends the links to `rows` and returns whether the dump ended; a link message
-/// whose body does not decode is skipped.
-pub fn parse_dump_chunk(buf: &[u8], seq: u32, rows: &mut Vec<LinkRow>) -> std::io::Result<bool> {
-    walk_dump_chunk(buf, seq, |ty, payload| {
-        if ty != libc::RTM_NEWLINK {
-            return;
-        }
-        match parse_newlink(payload) {
-            Some(r) => rows.push(r),
-            None => tracing::debug!("bridge: skipping an undecodable RTM_NEWLINK"),
-        }
-    })
-}
-
-/// Parse a buffer of `RTM_NEWSTATS` messages of a stats dump with sequence `seq` into
-/// (ifindex, counters); returns whether the dump ended.
-pub fn parse_stats_chunk(
-    buf: &[u8],
-    seq: u32,
-    out: &mut Vec<(u32, Counters)>,
-) -> std::io::Result<bool> {
-    walk_dump_chunk(buf, seq, |ty, payload| {
-        if ty != libc::RTM_NEWSTATS {
-            return;
-        }
-        match StatsMessage::parse(payload) {
-            Ok(m) => {
-                for a in &m.attributes {
-                    if let StatsAttribute::Link64(s) = a {
-                        out.push((m.header.ifindex, counters(s)));
-                    }
-                }
-            }
-            Err(e) => tracing::debug!("bridge: skipping an undecodable RTM_NEWSTATS: {e}"),
-        }
-    })
-}
-
-fn send_dump(
-    sock: &netlink_sys::Socket,
-    seq: u32,
-    buf: &mut Vec<u8>,
-    msg: RouteNetlinkMessage,
-) -> std::io::Result<()> {
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-    header.sequence_number = seq;
-    let mut req = NetlinkMessage::new(header, NetlinkPayload::from(msg));
-    req.finalize();
-    buf.clear();
-    buf.resize(req.buffer_len(), 0);
-    req.serialize(buf);
-    sock.send(buf, 0)?;
-    Ok(())
-}
-
-/// Receive a dump's replies into `buf` chunk by chunk until `parse` sees its end.
-fn recv_dump(
-    sock: &netlink_sys::Socket,
-    buf: &mut Vec<u8>,
-    mut parse: impl FnMut(&[u8]) -> std::io::Result<bool>,
-) -> std::io::Result<()> {
-    loop {
-        buf.clear();
-        let n = sock.recv(buf, 0)?;
-        if parse(&buf[..n.min(buf.len())])? || n == 0 {
-            return Ok(());
-        }
-    }
-}
-
-/// Dump all links of the socket's network namespace (`RTM_GETLINK`, `NLM_F_DUMP`).
-pub fn dump_links(
-    sock: &netlink_sys::Socket,
-    seq: u32,
-    buf: &mut Vec<u8>,
-) -> std::io::Result<Vec<LinkRow>> {
-    send_dump(
-        sock,
-        seq,
-        buf,
-        RouteNetlinkMessage::GetLink(LinkMessage::default()),
-    )?;
-    let mut rows = Vec::new();
-    recv_dump(sock, buf, |chunk| parse_dump_chunk(chunk, seq, &mut rows))?;
-    Ok(rows)
-}
-
-/// The 64-bit counters of every link of the socket's network namespace (`RTM_GETSTATS`,
-/// `NLM_F_DUMP`, filter `IFLA_STATS_LINK_64`).
-pub fn dump_stats(
-    sock: &netlink_sys::Socket,
-    seq: u32,
-    buf: &mut Vec<u8>,
-) -> std::io::Result<Vec<(u32, Counters)>> {
-    let mut req = StatsMessage::default();
-    req.header.filter_mask = StatsFilterMask::Link64;
-    send_dump(sock, seq, buf, RouteNetlinkMessage::GetStats(req))?;
-    let mut out = Vec::new();
-    recv_dump(sock, buf, |chunk| parse_stats_chunk(chunk, seq, &mut out))?;
-    Ok(out)
-}
-
-/// The bridges selected by `names` (all bridges when empty) and the links enslaved to them.
-pub fn bridges_and_ports(all: Vec<LinkRow>, names: &[String]) -> Vec<LinkRow> {
-    let wanted: std::collections::HashSet<u32> = all
-        .iter()
-        .filter(|r| r.is_bridge && (names.is_empty() || names.contains(&r.name)))
-        .map(|r| r.index)
-        .collect();
-    all.into_iter()
-        .filter(|r| wanted.contains(&r.index) || r.master.is_some_and(|m| wanted.contains(&m)))
-        .collect()
-}
-
-/// Bring the counters of `rows` up to date from a stats dump, keyed by ifindex. A link missing
-/// from the dump is gone (deleted since the last link dump) and is dropped from the rows.
-pub fn refresh(rows: &mut Vec<LinkRow>, stats: &[(u32, Counters)]) {
-    let by_index: HashMap<u32, Counters> = stats.iter().copied().collect();
-    rows.retain_mut(|r| match by_index.get(&r.index) {
-        Some(c) => {
-            r.stats = *c;
-            true
-        }
-        None => false,
-    });
-}
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
 struct PortState {
@@ -377,7 +72,12 @@ impl BridgeSampler {
     }
 
     /// Feed one dump taken at `now`; updates metrics, returns port appear/disappear events.
-    pub fn step(&mut self, rows: &[LinkRow], now: Instant, metrics: &Metrics) -> Vec<HostEvent> {
+    pub fn step(
+        &mut self,
+        rows: &[LinkRow],
+        now: Instant,
+        metrics: &BridgeMetrics,
+    ) -> Vec<HostEvent> {
         let bridges: HashMap<u32, &str> = rows
             .iter()
             .filter(|r| r.is_bridge && (self.bridges.is_empty() || self.bridges.contains(&r.name)))
@@ -435,10 +135,10 @@ impl BridgeSampler {
                 ),
             ] {
                 let l = [*bridge, r.name.as_str(), vm.as_str(), dir];
-                metrics.bridge_bytes.with_label_values(&l).inc_by(b);
-                metrics.bridge_packets.with_label_values(&l).inc_by(p);
-                metrics.bridge_drops.with_label_values(&l).inc_by(dr);
-                metrics.bridge_errors.with_label_values(&l).inc_by(e);
+                metrics.bytes.with_label_values(&l).inc_by(b);
+                metrics.packets.with_label_values(&l).inc_by(p);
+                metrics.drops.with_label_values(&l).inc_by(dr);
+                metrics.errors.with_label_values(&l).inc_by(e);
             }
             let (mut mrx, mut mtx) = prev
                 .map(|p| (p.max_rx_rate, p.max_tx_rate))
@@ -449,11 +149,11 @@ impl BridgeSampler {
             }
             if end_period {
                 metrics
-                    .bridge_microburst
+                    .microburst
                     .with_label_values(&[*bridge, r.name.as_str(), vm.as_str(), "rx"])
                     .set(mrx);
                 metrics
-                    .bridge_microburst
+                    .microburst
                     .with_label_values(&[*bridge, r.name.as_str(), vm.as_str(), "tx"])
                     .set(mtx);
                 mrx = 0.0;
@@ -492,7 +192,7 @@ impl BridgeSampler {
                 }));
                 let vm = vmid_label(p.vmid);
                 for dir in ["rx", "tx"] {
-                    let _ = metrics.bridge_microburst.remove_label_values(&[
+                    let _ = metrics.microburst.remove_label_values(&[
                         p.bridge.as_str(),
                         name.as_str(),
                         vm.as_str(),
@@ -512,8 +212,8 @@ impl BridgeSampler {
 /// Run the sampler on its own thread (optionally inside another network namespace).
 /// `ready` receives `Ok(())` after the first sample or the error that stopped it.
 pub fn spawn(
-    cfg: crate::config::BridgeConfig,
-    metrics: std::sync::Arc<Metrics>,
+    cfg: BridgeConfig,
+    metrics: BridgeMetrics,
     bus: std::sync::Arc<crate::events::EventBus>,
     ready: std::sync::mpsc::Sender<Result<(), String>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -609,259 +309,166 @@ pub fn spawn(
         })
 }
 
+// ---- The unit: configuration, series, start. ----
+
+/// `[bridge]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BridgeConfig {
+    pub enabled: bool,
+    /// Bridges to watch; empty = all bridges.
+    pub bridges: Vec<String>,
+    /// Counter sampling interval, 100..=1000 ms; the microburst window.
+    pub sample_interval_ms: u64,
+    /// Period over which the highest sample-window rate is kept as the microburst figure.
+    pub period_ms: u64,
+    /// Read the bridge of another network namespace (path such as `/run/netns/NAME`).
+    pub netns: Option<PathBuf>,
+}
+
+impl Default for BridgeConfig {
+    fn default() -> Self {
+        BridgeConfig {
+            enabled: true,
+            bridges: Vec::new(),
+            sample_interval_ms: 200,
+            period_ms: 1000,
+            netns: None,
+        }
+    }
+}
+
+impl BridgeConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range(
+            "bridge.sample_interval_ms",
+            self.sample_interval_ms,
+            100,
+            1000,
+        )?;
+        range("bridge.period_ms", self.period_ms, 100, 3_600_000)?;
+        if self.period_ms < self.sample_interval_ms {
+            return Err(Invalid {
+                key: "bridge.period_ms".into(),
+                problem: format!(
+                    "must be at least bridge.sample_interval_ms ({}), got {}",
+                    self.sample_interval_ms, self.period_ms
+                ),
+            });
+        }
+        for (i, b) in self.bridges.iter().enumerate() {
+            if b.is_empty() || b.len() > 15 || b.contains('/') {
+                return Err(Invalid {
+                    key: format!("bridge.bridges[{i}]"),
+                    problem: format!("`{b}` is not an interface name"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct BridgeMetrics {
+    pub bytes: IntCounterVec,
+    pub packets: IntCounterVec,
+    pub drops: IntCounterVec,
+    pub errors: IntCounterVec,
+    pub microburst: GaugeVec,
+}
+
+impl BridgeMetrics {
+    pub fn new(r: &Registry) -> BridgeMetrics {
+        const L: &[&str] = &["bridge", "port", "vmid", "direction"];
+        BridgeMetrics {
+            bytes: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_bytes_total",
+                "Bytes through a bridge port; direction from the VM's side for VM ports",
+                L,
+            ),
+            packets: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_packets_total",
+                "Packets through a bridge port",
+                L,
+            ),
+            drops: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_drops_total",
+                "Dropped packets on a bridge port",
+                L,
+            ),
+            errors: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_bridge_errors_total",
+                "Errors on a bridge port",
+                L,
+            ),
+            microburst: metrics::gauge_vec(
+                r,
+                "gpufeed_host_bridge_microburst_bytes_per_second",
+                "Highest sample-window byte rate in the last period",
+                L,
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "bridge",
+    new: |r| Box::new(BridgeWatcher(BridgeMetrics::new(r))),
+    describe,
+};
+
+struct BridgeWatcher(BridgeMetrics);
+
+impl Watcher for BridgeWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.bridge.enabled {
+                return Outcome::Skipped;
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            if let Err(e) = spawn(a.cfg.bridge.clone(), self.0, a.bus.clone(), tx, cx.stop) {
+                return Outcome::Off(format!("cannot start thread: {e}"));
+            }
+            // The sampler runs on its own thread (it may enter another network namespace);
+            // wait for its first sample off the runtime thread.
+            let first =
+                tokio::task::spawn_blocking(move || rx.recv_timeout(Duration::from_secs(5)))
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok());
+            match first {
+                Some(Ok(())) => Outcome::On(Vec::new()),
+                Some(Err(e)) => Outcome::Off(e),
+                None => Outcome::Off("no first sample within 5 s".into()),
+            }
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    let HostEvent::BridgePort(b) = e else {
+        return None;
+    };
+    Some(format!(
+        "{} port {}{} {}",
+        b.bridge,
+        b.port,
+        vm_suffix(b.vmid),
+        b.action.as_str()
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn port_names() {
-        assert_eq!(parse_port_name("tap100i0"), Some((100, 0)));
-        assert_eq!(parse_port_name("fwpr101p2"), Some((101, 2)));
-        assert_eq!(parse_port_name("veth102i1"), Some((102, 1)));
-        assert_eq!(parse_port_name("tap100"), None);
-        assert_eq!(parse_port_name("tapxi0"), None);
-        assert_eq!(parse_port_name("enp1s0"), None);
-        assert_eq!(parse_port_name("vethab12"), None);
-    }
-
-    fn serialized(seq: u32, payload: NetlinkPayload<RouteNetlinkMessage>) -> Vec<u8> {
-        let mut h = NetlinkHeader::default();
-        h.sequence_number = seq;
-        let mut m = NetlinkMessage::new(h, payload);
-        m.finalize();
-        let mut b = vec![0u8; m.buffer_len()];
-        m.serialize(&mut b);
-        b
-    }
-
-    #[test]
-    fn decodes_newlink_stats64_master_and_kind() {
-        use netlink_packet_route::link::Stats64;
-        let mut port = LinkMessage::default();
-        port.header.index = 7;
-        port.attributes = vec![
-            LinkAttribute::IfName("tap100i0".into()),
-            LinkAttribute::Controller(3),
-            LinkAttribute::Stats64({
-                let mut st = Stats64::default();
-                st.rx_packets = 1;
-                st.tx_packets = 2;
-                st.rx_bytes = 3_000_000_000_000;
-                st.tx_bytes = 4;
-                st.rx_errors = 5;
-                st.tx_errors = 6;
-                st.rx_dropped = 7;
-                st.tx_dropped = 8;
-                st
-            }),
-        ];
-        let mut br = LinkMessage::default();
-        br.header.index = 3;
-        br.attributes = vec![
-            LinkAttribute::IfName("vmbr0".into()),
-            LinkAttribute::LinkInfo(vec![netlink_packet_route::link::LinkInfo::Kind(
-                InfoKind::Bridge,
-            )]),
-        ];
-        let mut buf = serialized(9, RouteNetlinkMessage::NewLink(port).into());
-        buf.extend(serialized(9, RouteNetlinkMessage::NewLink(br).into()));
-        // A message of another request is ignored.
-        buf.extend(serialized(
-            8,
-            RouteNetlinkMessage::NewLink(LinkMessage::default()).into(),
-        ));
-        let mut rows = Vec::new();
-        assert!(!parse_dump_chunk(&buf, 9, &mut rows).unwrap());
-        buf.extend(serialized(
-            9,
-            NetlinkPayload::Done(netlink_packet_core::DoneMessage::default()),
-        ));
-        rows.clear();
-        assert!(parse_dump_chunk(&buf, 9, &mut rows).unwrap());
-        assert_eq!(
-            rows,
-            vec![
-                LinkRow {
-                    index: 7,
-                    name: "tap100i0".into(),
-                    master: Some(3),
-                    is_bridge: false,
-                    stats: Counters {
-                        rx_bytes: 3_000_000_000_000,
-                        tx_bytes: 4,
-                        rx_packets: 1,
-                        tx_packets: 2,
-                        rx_dropped: 7,
-                        tx_dropped: 8,
-                        rx_errors: 5,
-                        tx_errors: 6,
-                    },
-                },
-                LinkRow {
-                    index: 3,
-                    name: "vmbr0".into(),
-                    master: None,
-                    is_bridge: true,
-                    stats: Counters::default(),
-                },
-            ]
-        );
-        // NLMSG_ERROR carries the errno; a truncated header is an error too.
-        let mut e = netlink_packet_core::ErrorMessage::default();
-        e.code = std::num::NonZeroI32::new(-libc::EPERM);
-        let err =
-            parse_dump_chunk(&serialized(9, NetlinkPayload::Error(e)), 9, &mut rows).unwrap_err();
-        assert_eq!(err.raw_os_error(), Some(libc::EPERM));
-        assert_eq!(
-            parse_dump_chunk(&buf[..10], 9, &mut rows)
-                .unwrap_err()
-                .kind(),
-            std::io::ErrorKind::InvalidData
-        );
-    }
-
-    #[test]
-    fn decodes_newstats_and_refreshes_rows() {
-        let stats_msg = |index: u32, rx: u64, tx: u64| {
-            let mut st = Stats64::default();
-            st.rx_bytes = rx;
-            st.tx_bytes = tx;
-            st.rx_dropped = 3;
-            let mut m = StatsMessage::default();
-            m.header.ifindex = index;
-            m.header.filter_mask = StatsFilterMask::Link64;
-            m.attributes = vec![StatsAttribute::Link64(st)];
-            RouteNetlinkMessage::NewStats(m).into()
-        };
-        let mut buf = serialized(4, stats_msg(3, 10, 20));
-        buf.extend(serialized(4, stats_msg(7, 1_000_000_000_000, 5)));
-        buf.extend(serialized(3, stats_msg(9, 1, 1))); // another request's
-        buf.extend(serialized(
-            4,
-            NetlinkPayload::Done(netlink_packet_core::DoneMessage::default()),
-        ));
-        let mut got = Vec::new();
-        assert!(parse_stats_chunk(&buf, 4, &mut got).unwrap());
-        assert_eq!(
-            got.iter()
-                .map(|(i, c)| (*i, c.rx_bytes, c.tx_bytes, c.rx_dropped))
-                .collect::<Vec<_>>(),
-            vec![(3, 10, 20, 3), (7, 1_000_000_000_000, 5, 3)]
-        );
-
-        // vmbr0 (3) with tap100i0 (7) and tap101i0 (8); vmbr1 (4) not selected; eth0 (2)
-        // enslaved to nothing.
-        let row = |index, name: &str, master, is_bridge| LinkRow {
-            index,
-            name: name.into(),
-            master,
-            is_bridge,
-            stats: Counters::default(),
-        };
-        let all = vec![
-            row(2, "eth0", None, false),
-            row(3, "vmbr0", None, true),
-            row(4, "vmbr1", None, true),
-            row(7, "tap100i0", Some(3), false),
-            row(8, "tap101i0", Some(3), false),
-            row(9, "tap102i0", Some(4), false),
-        ];
-        let mut rows = bridges_and_ports(all.clone(), &["vmbr0".into()]);
-        assert_eq!(
-            rows.iter().map(|r| r.index).collect::<Vec<_>>(),
-            vec![3, 7, 8]
-        );
-        assert_eq!(bridges_and_ports(all, &[]).len(), 5);
-        // tap101i0 (8) was deleted since the link dump: it is not in the stats dump.
-        refresh(&mut rows, &got);
-        assert_eq!(
-            rows.iter()
-                .map(|r| (r.index, r.stats.rx_bytes))
-                .collect::<Vec<_>>(),
-            vec![(3, 10), (7, 1_000_000_000_000)]
-        );
-    }
-
-    #[test]
-    fn dumps_live_loopback() {
-        let mut sock = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE).unwrap();
-        sock.bind_auto().unwrap();
-        sock.connect(&netlink_sys::SocketAddr::new(0, 0)).unwrap();
-        let mut buf = Vec::with_capacity(65536);
-        let rows = dump_links(&sock, 1, &mut buf).unwrap();
-        let lo = rows.iter().find(|r| r.name == "lo").expect("lo");
-        assert_eq!((lo.index, lo.master, lo.is_bridge), (1, None, false));
-        let sysfs = |f: &str| -> u64 {
-            std::fs::read_to_string(format!("/sys/class/net/lo/statistics/{f}"))
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap()
-        };
-        // Counters only grow: what the dump saw is at most what sysfs shows afterwards.
-        assert!(lo.stats.rx_packets <= sysfs("rx_packets"));
-        assert!(lo.stats.rx_bytes <= sysfs("rx_bytes"));
-        // The stats dump sees the same links, with counters no lower than the link dump's
-        // and no higher than sysfs shows afterwards.
-        let stats = dump_stats(&sock, 2, &mut buf).unwrap();
-        let lo_st = stats
-            .iter()
-            .find(|(i, _)| *i == 1)
-            .expect("lo in stats dump")
-            .1;
-        assert!(lo_st.rx_packets >= lo.stats.rx_packets);
-        assert!(lo_st.rx_packets <= sysfs("rx_packets"));
-        assert!(lo_st.tx_bytes >= lo.stats.tx_bytes && lo_st.tx_bytes <= sysfs("tx_bytes"));
-        let mut a: Vec<u32> = rows.iter().map(|r| r.index).collect();
-        let mut b: Vec<u32> = stats.iter().map(|(i, _)| *i).collect();
-        a.sort_unstable();
-        b.sort_unstable();
-        assert_eq!(a, b);
-    }
-
-    /// The selective decoder agrees with the crate's full decoder on every link the kernel
-    /// reports here (loopback, and whatever bridges, veths and taps the machine has).
-    #[test]
-    fn selective_decode_matches_full_decode_on_live_dump() {
-        let mut sock = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE).unwrap();
-        sock.bind_auto().unwrap();
-        sock.connect(&netlink_sys::SocketAddr::new(0, 0)).unwrap();
-        let mut buf = Vec::with_capacity(65536);
-        let mut h = NetlinkHeader::default();
-        h.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        h.sequence_number = 6;
-        let mut req = NetlinkMessage::new(
-            h,
-            NetlinkPayload::from(RouteNetlinkMessage::GetLink(LinkMessage::default())),
-        );
-        req.finalize();
-        let mut out = vec![0u8; req.buffer_len()];
-        req.serialize(&mut out);
-        sock.send(&out, 0).unwrap();
-        let mut n_links = 0;
-        'recv: loop {
-            buf.clear();
-            let n = sock.recv(&mut buf, 0).unwrap();
-            let mut off = 0;
-            while off < n {
-                let nb = NetlinkBuffer::new_checked(&buf[off..n]).unwrap();
-                let len = nb.length() as usize;
-                if nb.message_type() == libc::RTM_NEWLINK {
-                    let full = LinkMessage::parse(nb.payload()).unwrap();
-                    assert_eq!(parse_newlink(nb.payload()), Some(link_row(&full)));
-                    n_links += 1;
-                } else {
-                    break 'recv;
-                }
-                off += (len + 3) & !3;
-            }
-        }
-        assert!(n_links >= 1);
-    }
-
-    #[test]
     fn directions_deltas_and_microburst() {
-        let m = Metrics::new("t");
+        let m = BridgeMetrics::new(&Registry::new());
         let mut s = BridgeSampler::new(vec!["vmbr0".into()], std::time::Duration::from_millis(300));
         let row = |idx, name: &str, master, rx, tx| LinkRow {
             index: idx,
@@ -887,7 +494,7 @@ mod tests {
             )
             .is_empty());
         let v = |dir| {
-            m.bridge_bytes
+            m.bytes
                 .with_label_values(&["vmbr0", "tap100i0", "100", dir])
                 .get()
         };
@@ -935,7 +542,7 @@ mod tests {
         s2.step(&rows(110_000), t0 + ms(200), &m);
         s2.step(&rows(120_000), t0 + ms(300), &m);
         let mb = m
-            .bridge_microburst
+            .microburst
             .with_label_values(&["vmbr0", "tap100i0", "100", "rx"])
             .get();
         assert!((mb - 1_000_000.0).abs() < 1.0, "{mb}");

@@ -1,7 +1,11 @@
 //! Host CPU and memory (sysinfo) and pressure stall information (`/proc/pressure`).
 
-use crate::metrics::Metrics;
+use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
+use crate::config::{range, Invalid};
+use crate::metrics;
 use crate::roots::Roots;
+use prometheus::{CounterVec, Gauge, Registry};
+use serde::Deserialize;
 use std::collections::HashMap;
 
 /// Parse a PSI file: `some avg10=0.00 avg60=0.00 avg300=0.00 total=12345` (+ `full ...`).
@@ -39,19 +43,19 @@ impl HostStats {
         }
     }
 
-    pub fn poll(&mut self, roots: &Roots, m: &Metrics) {
+    pub fn poll(&mut self, roots: &Roots, m: &HostMetrics) {
         self.sys.refresh_cpu_usage();
         self.sys.refresh_memory();
-        m.host_cpu.set(self.sys.global_cpu_usage() as f64 / 100.0);
-        m.host_mem_total.set(self.sys.total_memory() as f64);
-        m.host_mem_available.set(self.sys.available_memory() as f64);
+        m.cpu.set(self.sys.global_cpu_usage() as f64 / 100.0);
+        m.mem_total.set(self.sys.total_memory() as f64);
+        m.mem_available.set(self.sys.available_memory() as f64);
         for res in ["cpu", "memory", "io"] {
             let Ok(t) = std::fs::read_to_string(roots.proc().join("pressure").join(res)) else {
                 continue;
             };
             for (kind, total) in parse_psi(&t) {
                 let prev = self.psi.insert((res.to_string(), kind.clone()), total);
-                let c = m.host_pressure.with_label_values(&[res, &kind]);
+                let c = m.pressure.with_label_values(&[res, &kind]);
                 let d = match prev {
                     Some(p) if total >= p => total - p,
                     Some(_) => 0,
@@ -60,6 +64,88 @@ impl HostStats {
                 c.inc_by(d as f64 / 1e6);
             }
         }
+    }
+}
+
+// ---- The unit: configuration, series, loop. ----
+
+/// `[host]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostConfig {
+    pub enabled: bool,
+    pub interval_ms: u64,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        HostConfig {
+            enabled: true,
+            interval_ms: 5000,
+        }
+    }
+}
+
+impl HostConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range("host.interval_ms", self.interval_ms, 100, 3_600_000)
+    }
+}
+
+pub struct HostMetrics {
+    pub cpu: Gauge,
+    pub mem_total: Gauge,
+    pub mem_available: Gauge,
+    pub pressure: CounterVec,
+}
+
+impl HostMetrics {
+    pub fn new(r: &Registry) -> HostMetrics {
+        HostMetrics {
+            cpu: metrics::gauge(r, "gpufeed_host_cpu_usage_ratio", "Host CPU usage 0..1"),
+            mem_total: metrics::gauge(r, "gpufeed_host_memory_total_bytes", "Host memory"),
+            mem_available: metrics::gauge(
+                r,
+                "gpufeed_host_memory_available_bytes",
+                "Host memory available",
+            ),
+            pressure: metrics::counter_vec(
+                r,
+                "gpufeed_host_pressure_stall_seconds_total",
+                "PSI stall time",
+                &["resource", "kind"],
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "host",
+    new: |r| Box::new(HostWatcher(HostMetrics::new(r))),
+    // Series only, no events.
+    describe: |_| None,
+};
+
+struct HostWatcher(HostMetrics);
+
+impl Watcher for HostWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.host.enabled {
+                return Outcome::Skipped;
+            }
+            let m = self.0;
+            let mut hs = HostStats::new();
+            hs.poll(&a.roots, &m);
+            Outcome::On(vec![tokio::spawn(async move {
+                let mut iv = a.ticker(a.cfg.host.interval_ms);
+                loop {
+                    iv.tick().await;
+                    hs.poll(&a.roots, &m);
+                }
+            })])
+        })
     }
 }
 

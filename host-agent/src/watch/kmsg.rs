@@ -3,10 +3,14 @@
 //! thread blocks in `read(2)`, so an idle kernel log costs no wake-ups. A regular file (a
 //! recorded stream under `--root`) is followed like `tail -f`, woken by inotify.
 
+use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
+use super::vm_suffix;
 use crate::kmsg::{classify, parse_record, RawRecord, SeqTracker};
-use crate::metrics::Metrics;
+use crate::metrics;
 use crate::watch::{RecentKmsg, Topology};
 use gpufeed_shared::event::{HostEvent, KmsgRecord};
+use prometheus::{IntCounter, IntCounterVec, Registry};
+use serde::Deserialize;
 use std::io::Read;
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
@@ -177,34 +181,28 @@ impl KmsgHandler {
         &mut self,
         msg: KmsgMsg,
         topo: &Topology,
-        metrics: &Metrics,
+        metrics: &KmsgMetrics,
         recent: &RecentKmsg,
     ) -> Vec<HostEvent> {
         let rec = match msg {
             KmsgMsg::Record(r) => r,
             KmsgMsg::Garbage => {
                 self.garbage += 1;
-                metrics
-                    .kmsg_records
-                    .with_label_values(&["unparsable"])
-                    .inc();
+                metrics.records.with_label_values(&["unparsable"]).inc();
                 return vec![];
             }
         };
         let mut out = Vec::new();
         let lost = self.seq.observe(rec.seq);
         if lost > 0 {
-            metrics.kmsg_lost.inc_by(lost);
+            metrics.lost.inc_by(lost);
             out.push(HostEvent::KmsgLost { count: lost });
         }
         let Some(c) = classify(&rec) else {
-            metrics.kmsg_records.with_label_values(&["other"]).inc();
+            metrics.records.with_label_values(&["other"]).inc();
             return out;
         };
-        metrics
-            .kmsg_records
-            .with_label_values(&[c.class.as_str()])
-            .inc();
+        metrics.records.with_label_values(&[c.class.as_str()]).inc();
         let vmid = c
             .vmid
             .or_else(|| c.bdf.as_deref().and_then(|b| topo.vmid_of(b)));
@@ -226,6 +224,89 @@ impl KmsgHandler {
     pub fn lost_total(&self) -> u64 {
         self.seq.lost_total
     }
+}
+
+// ---- The unit: configuration, series, loop. ----
+
+/// `[kmsg]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KmsgConfig {
+    pub enabled: bool,
+    /// Also classify records already in the ring buffer at start.
+    pub read_history: bool,
+}
+
+impl Default for KmsgConfig {
+    fn default() -> Self {
+        KmsgConfig {
+            enabled: true,
+            read_history: false,
+        }
+    }
+}
+
+pub struct KmsgMetrics {
+    pub records: IntCounterVec,
+    pub lost: IntCounter,
+}
+
+impl KmsgMetrics {
+    pub fn new(r: &Registry) -> KmsgMetrics {
+        KmsgMetrics {
+            records: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_kmsg_records_total",
+                "Kernel log records by class",
+                &["class"],
+            ),
+            lost: metrics::int_counter(
+                r,
+                "gpufeed_host_kmsg_lost_records_total",
+                "Kernel log records lost (sequence gaps)",
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "kmsg",
+    new: |r| Box::new(KmsgWatcher(KmsgMetrics::new(r))),
+    describe,
+};
+
+struct KmsgWatcher(KmsgMetrics);
+
+impl Watcher for KmsgWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.kmsg.enabled {
+                return Outcome::Skipped;
+            }
+            let path = a.roots.dev().join("kmsg");
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<KmsgMsg>(1024);
+            if let Err(e) = spawn_reader(&path, a.cfg.kmsg.read_history, tx) {
+                return Outcome::Off(format!("cannot open {}: {e}", path.display()));
+            }
+            let m = self.0;
+            Outcome::On(vec![tokio::spawn(async move {
+                let mut h = KmsgHandler::default();
+                while let Some(msg) = rx.recv().await {
+                    let t = a.topo.get();
+                    a.emit_all(h.handle(msg, &t, &m, &a.recent));
+                }
+            })])
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    Some(match e {
+        HostEvent::Kmsg(k) => format!("[{}]{} {}", k.class.as_str(), vm_suffix(k.vmid), k.text),
+        HostEvent::KmsgLost { count } => format!("{count} kernel log records lost"),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

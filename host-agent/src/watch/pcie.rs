@@ -1,11 +1,16 @@
 //! PCIe link speed/width poller. Reads `current_link_*` only when the device is not
 //! runtime-suspended (reading LNKSTA would resume a D3 device).
 
+use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
+use super::vm_suffix;
+use crate::config::{range, Invalid};
 use crate::discovery::Link;
-use crate::metrics::{vmid_label, Metrics};
+use crate::metrics::{self, vmid_label};
 use crate::roots::Roots;
-use crate::sysfs::{parse_link_speed, parse_link_width, read_attr};
+use crate::sysfs::{fmt_speed, parse_link_speed, parse_link_width, read_attr};
 use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
+use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Registry};
+use serde::Deserialize;
 use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,7 +117,7 @@ impl PciePoller {
         &mut self,
         roots: &Roots,
         links: &[Link],
-        metrics: &Metrics,
+        metrics: &PcieMetrics,
         source: Source,
     ) -> Vec<HostEvent> {
         let mut out = Vec::new();
@@ -145,20 +150,17 @@ impl PciePoller {
             };
             let vm = vmid_label(link.vmid);
             let labels = [link.child.as_str(), vm.as_str()];
+            metrics.speed.with_label_values(&labels).set(gts(new.speed));
             metrics
-                .pcie_speed
-                .with_label_values(&labels)
-                .set(gts(new.speed));
-            metrics
-                .pcie_width
+                .width
                 .with_label_values(&labels)
                 .set(new.width as i64);
             metrics
-                .pcie_max_speed
+                .max_speed
                 .with_label_values(&labels)
                 .set(gts(new.max_speed));
             metrics
-                .pcie_max_width
+                .max_width
                 .with_label_values(&labels)
                 .set(new.max_width as i64);
             let Some(old) = self.state.insert(link.child.clone(), new) else {
@@ -169,7 +171,7 @@ impl PciePoller {
             }
             let class = classify(link, &old, &new);
             metrics
-                .pcie_changes
+                .changes
                 .with_label_values(&[link.child.as_str(), vm.as_str(), class.as_str()])
                 .inc();
             let degraded = !link.virtual_tunnel
@@ -202,4 +204,149 @@ impl PciePoller {
         self.max_valid
             .retain(|k| links.iter().any(|l| &l.child == k));
     }
+}
+
+// ---- The unit: configuration, series, loop. ----
+
+/// `[pcie]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PcieConfig {
+    pub enabled: bool,
+    pub poll_interval_ms: u64,
+    /// Use `pci:pcie_link_event` / `pci:pci_hp_event` tracepoints when the kernel has them
+    /// (read by [`super::tracepoints`], which pokes this watcher).
+    pub tracepoints: bool,
+}
+
+impl Default for PcieConfig {
+    fn default() -> Self {
+        PcieConfig {
+            enabled: true,
+            poll_interval_ms: 1000,
+            tracepoints: true,
+        }
+    }
+}
+
+impl PcieConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range("pcie.poll_interval_ms", self.poll_interval_ms, 10, 600_000)
+    }
+}
+
+pub struct PcieMetrics {
+    pub speed: GaugeVec,
+    pub width: IntGaugeVec,
+    pub max_speed: GaugeVec,
+    pub max_width: IntGaugeVec,
+    pub changes: IntCounterVec,
+}
+
+impl PcieMetrics {
+    pub fn new(r: &Registry) -> PcieMetrics {
+        PcieMetrics {
+            speed: metrics::gauge_vec(
+                r,
+                "gpufeed_host_pcie_link_speed_gts",
+                "Current PCIe link speed in GT/s (0 = down)",
+                &["bdf", "vmid"],
+            ),
+            width: metrics::int_gauge_vec(
+                r,
+                "gpufeed_host_pcie_link_width",
+                "Current PCIe link width in lanes (0 = down)",
+                &["bdf", "vmid"],
+            ),
+            max_speed: metrics::gauge_vec(
+                r,
+                "gpufeed_host_pcie_link_max_speed_gts",
+                "Maximum PCIe link speed in GT/s",
+                &["bdf", "vmid"],
+            ),
+            max_width: metrics::int_gauge_vec(
+                r,
+                "gpufeed_host_pcie_link_max_width",
+                "Maximum PCIe link width in lanes",
+                &["bdf", "vmid"],
+            ),
+            changes: metrics::int_counter_vec(
+                r,
+                "gpufeed_host_pcie_link_changes_total",
+                "PCIe link changes by class",
+                &["bdf", "vmid", "change"],
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "pcie",
+    new: |r| Box::new(PcieWatcher(PcieMetrics::new(r))),
+    describe,
+};
+
+struct PcieWatcher(PcieMetrics);
+
+impl Watcher for PcieWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.pcie.enabled {
+                return Outcome::Skipped;
+            }
+            let m = self.0;
+            let mut p = PciePoller::new();
+            let t = a.topo.get();
+            if t.links.is_empty() {
+                tracing::info!(
+                    "pcie: no passed-through or configured devices yet; rescanning every {} ms",
+                    a.cfg.discovery.rescan_interval_ms
+                );
+            }
+            p.poll(&a.roots, &t.links, &m, Source::Poll);
+            Outcome::On(vec![tokio::spawn(async move {
+                let mut pokes = a.pokes(a.cfg.pcie.poll_interval_ms, cx.inbox).await;
+                loop {
+                    let poke = pokes.next().await;
+                    let t = a.topo.get();
+                    // A tracepoint names the port whose link changed: read only its links.
+                    let (links, source): (Vec<_>, _) = match &poke {
+                        Poke::Port(port, src) if !port.is_empty() => (
+                            t.links
+                                .iter()
+                                .filter(|l| l.parent.as_deref() == Some(port) || &l.child == port)
+                                .cloned()
+                                .collect(),
+                            *src,
+                        ),
+                        Poke::Port(..) | Poke::Tick | Poke::Aer(_) => {
+                            (t.links.clone(), Source::Poll)
+                        }
+                    };
+                    p.retain(&t.links);
+                    a.emit_all(p.poll(&a.roots, &links, &m, source));
+                }
+            })])
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    let HostEvent::PcieLinkChange(l) = e else {
+        return None;
+    };
+    Some(format!(
+        "{}{}: {} x{} -> {} x{} ({}{}, max {} x{})",
+        l.bdf,
+        vm_suffix(l.vmid),
+        fmt_speed(l.old_speed_mts),
+        l.old_width,
+        fmt_speed(l.new_speed_mts),
+        l.new_width,
+        l.class.as_str(),
+        if l.degraded { ", degraded" } else { "" },
+        fmt_speed(l.max_speed_mts),
+        l.max_width
+    ))
 }

@@ -2,12 +2,16 @@
 //! authorized, per-lane rx/tx speed and lanes. Rescanned on a timer and on every
 //! `SUBSYSTEM=thunderbolt` uevent; add/remove/change become events.
 
+use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
+use crate::config::{range, Invalid};
 use crate::discovery::is_router_name;
-use crate::metrics::Metrics;
+use crate::metrics;
 use crate::roots::Roots;
 use crate::sysfs::{parse_tb_speed, read_attr};
 use crate::watch::Topology;
 use gpufeed_shared::event::{DeviceAction, HostEvent, Source, ThunderboltDevice, ThunderboltInfo};
+use prometheus::{GaugeVec, IntGaugeVec, Registry};
+use serde::Deserialize;
 use std::collections::BTreeMap;
 
 pub fn read_router(roots: &Roots, name: &str) -> ThunderboltInfo {
@@ -40,31 +44,31 @@ pub struct TbPoller {
     state: Option<BTreeMap<String, ThunderboltInfo>>,
 }
 
-fn set_metrics(m: &Metrics, name: &str, i: &ThunderboltInfo) {
+fn set_metrics(m: &TbMetrics, name: &str, i: &ThunderboltInfo) {
     let f = |x: Option<u32>| x.map(|v| v as f64 / 10.0).unwrap_or(0.0);
-    m.tb_speed
+    m.speed
         .with_label_values(&[name, "rx"])
         .set(f(i.rx_speed_gbps_x10));
-    m.tb_speed
+    m.speed
         .with_label_values(&[name, "tx"])
         .set(f(i.tx_speed_gbps_x10));
-    m.tb_lanes
+    m.lanes
         .with_label_values(&[name, "rx"])
         .set(i.rx_lanes.unwrap_or(0) as i64);
-    m.tb_lanes
+    m.lanes
         .with_label_values(&[name, "tx"])
         .set(i.tx_lanes.unwrap_or(0) as i64);
-    m.tb_authorized
+    m.authorized
         .with_label_values(&[name])
         .set(i.authorized.unwrap_or(0) as i64);
 }
 
-fn clear_metrics(m: &Metrics, name: &str) {
+fn clear_metrics(m: &TbMetrics, name: &str) {
     for dir in ["rx", "tx"] {
-        let _ = m.tb_speed.remove_label_values(&[name, dir]);
-        let _ = m.tb_lanes.remove_label_values(&[name, dir]);
+        let _ = m.speed.remove_label_values(&[name, dir]);
+        let _ = m.lanes.remove_label_values(&[name, dir]);
     }
-    let _ = m.tb_authorized.remove_label_values(&[name]);
+    let _ = m.authorized.remove_label_values(&[name]);
 }
 
 impl TbPoller {
@@ -77,7 +81,7 @@ impl TbPoller {
         &mut self,
         roots: &Roots,
         topo: &Topology,
-        metrics: &Metrics,
+        metrics: &TbMetrics,
         source: Source,
     ) -> Vec<HostEvent> {
         let names = list_routers(roots).unwrap_or_default();
@@ -143,4 +147,134 @@ impl TbPoller {
         self.state = Some(now);
         out
     }
+}
+
+// ---- The unit: configuration, series, loop. ----
+
+/// `[thunderbolt]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ThunderboltConfig {
+    pub enabled: bool,
+    /// sysfs rescan interval (uevents trigger an immediate rescan).
+    pub poll_interval_ms: u64,
+    /// Listen to kernel uevents (netlink) for add/remove/change (the [`super::uevents`] unit).
+    pub uevents: bool,
+}
+
+impl Default for ThunderboltConfig {
+    fn default() -> Self {
+        ThunderboltConfig {
+            enabled: true,
+            poll_interval_ms: 2000,
+            uevents: true,
+        }
+    }
+}
+
+impl ThunderboltConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range(
+            "thunderbolt.poll_interval_ms",
+            self.poll_interval_ms,
+            10,
+            600_000,
+        )
+    }
+}
+
+pub struct TbMetrics {
+    pub speed: GaugeVec,
+    pub lanes: IntGaugeVec,
+    pub authorized: IntGaugeVec,
+}
+
+impl TbMetrics {
+    pub fn new(r: &Registry) -> TbMetrics {
+        TbMetrics {
+            speed: metrics::gauge_vec(
+                r,
+                "gpufeed_host_thunderbolt_link_speed_gbps",
+                "Thunderbolt/USB4 per-lane link speed in Gb/s",
+                &["device", "direction"],
+            ),
+            lanes: metrics::int_gauge_vec(
+                r,
+                "gpufeed_host_thunderbolt_lanes",
+                "Thunderbolt/USB4 lanes in use",
+                &["device", "direction"],
+            ),
+            authorized: metrics::int_gauge_vec(
+                r,
+                "gpufeed_host_thunderbolt_authorized",
+                "Thunderbolt router authorized value (0,1,2)",
+                &["device"],
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "thunderbolt",
+    new: |r| Box::new(TbWatcher(TbMetrics::new(r))),
+    describe,
+};
+
+struct TbWatcher(TbMetrics);
+
+impl Watcher for TbWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.thunderbolt.enabled {
+                return Outcome::Skipped;
+            }
+            if !a.roots.thunderbolt_devices().is_dir() {
+                return Outcome::Off(format!(
+                    "{} not found (no Thunderbolt/USB4 controller or driver)",
+                    a.roots.thunderbolt_devices().display()
+                ));
+            }
+            let m = self.0;
+            let mut p = TbPoller::new();
+            p.poll(&a.roots, &a.topo.get(), &m, Source::Poll);
+            Outcome::On(vec![tokio::spawn(async move {
+                let mut pokes = a.pokes(a.cfg.thunderbolt.poll_interval_ms, cx.inbox).await;
+                loop {
+                    let source = match pokes.next().await {
+                        Poke::Port(_, s) => s,
+                        Poke::Tick | Poke::Aer(_) => Source::Poll,
+                    };
+                    a.emit_all(p.poll(&a.roots, &a.topo.get(), &m, source));
+                }
+            })])
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    let HostEvent::ThunderboltDevice(t) = e else {
+        return None;
+    };
+    let i = t.new.as_ref().or(t.old.as_ref());
+    let lanes = |l: Option<u8>, s: Option<u32>| {
+        format!("{}x{:?}", l.unwrap_or(0), s.map(|v| v as f64 / 10.0))
+    };
+    Some(format!(
+        "{} {} {} {}{}",
+        t.device,
+        t.action.as_str(),
+        i.and_then(|i| i.vendor_name.clone()).unwrap_or_default(),
+        i.and_then(|i| i.device_name.clone()).unwrap_or_default(),
+        match (&t.old, &t.new) {
+            (Some(o), Some(n)) => format!(
+                " rx {} -> {}, tx {} -> {}",
+                lanes(o.rx_lanes, o.rx_speed_gbps_x10),
+                lanes(n.rx_lanes, n.rx_speed_gbps_x10),
+                lanes(o.tx_lanes, o.tx_speed_gbps_x10),
+                lanes(n.tx_lanes, n.tx_speed_gbps_x10),
+            ),
+            _ => String::new(),
+        }
+    ))
 }

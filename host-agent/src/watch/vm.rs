@@ -1,14 +1,19 @@
 //! VM state per VMID from `/run/qemu-server/<vmid>.pid` and `/proc/<pid>` (plus a brief QMP
 //! `query-status` for running/paused), and vCPU run delay from the QEMU threads' schedstat.
 
-use crate::metrics::Metrics;
+use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
+use crate::config::{range, Invalid};
+use crate::metrics;
 use crate::roots::Roots;
 use crate::watch::{RecentKmsg, Topology};
 use gpufeed_shared::event::{HostEvent, KmsgClass, VmRunState, VmStateChange};
+use prometheus::{CounterVec, IntGaugeVec, Registry};
+use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// PID of the VM's QEMU if the pid file names a live process that is this VM's QEMU.
@@ -147,7 +152,7 @@ impl VmPoller {
         topo: &Topology,
         recent: &RecentKmsg,
         cause_window: Duration,
-        metrics: &Metrics,
+        metrics: &VmMetrics,
     ) -> Vec<HostEvent> {
         let mut out = Vec::new();
         for &vmid in vmids {
@@ -176,7 +181,7 @@ impl VmPoller {
             };
             let id = vmid.to_string();
             metrics
-                .vm_up
+                .up
                 .with_label_values(&[&id])
                 .set((state == VmRunState::Running) as i64);
             for s in [
@@ -186,7 +191,7 @@ impl VmPoller {
                 VmRunState::Stopped,
             ] {
                 metrics
-                    .vm_state
+                    .state
                     .with_label_values(&[&id, s.as_str()])
                     .set((s == state) as i64);
             }
@@ -239,4 +244,139 @@ impl VmPoller {
         self.states.retain(|k, _| vmids.contains(k));
         out
     }
+}
+
+// ---- The unit: configuration, series, loop. ----
+
+/// `[vm]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VmConfig {
+    pub enabled: bool,
+    pub poll_interval_ms: u64,
+    /// Ask QEMU for running/paused through `/run/qemu-server/<vmid>.qmp` (brief connections).
+    pub qmp: bool,
+    /// Kernel log records (AER/vfio) this recent are attached as the cause of a stop.
+    pub cause_window_ms: u64,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            enabled: true,
+            poll_interval_ms: 1000,
+            qmp: true,
+            cause_window_ms: 10_000,
+        }
+    }
+}
+
+impl VmConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        range("vm.poll_interval_ms", self.poll_interval_ms, 10, 600_000)?;
+        range("vm.cause_window_ms", self.cause_window_ms, 0, 3_600_000)
+    }
+}
+
+pub struct VmMetrics {
+    pub up: IntGaugeVec,
+    pub state: IntGaugeVec,
+    pub vcpu_run_delay: CounterVec,
+}
+
+impl VmMetrics {
+    pub fn new(r: &Registry) -> VmMetrics {
+        VmMetrics {
+            up: metrics::int_gauge_vec(
+                r,
+                "gpufeed_host_vm_up",
+                "1 if the VM's QEMU process runs and the guest is running",
+                &["vmid"],
+            ),
+            state: metrics::int_gauge_vec(
+                r,
+                "gpufeed_host_vm_state",
+                "1 for the VM's current state",
+                &["vmid", "state"],
+            ),
+            vcpu_run_delay: metrics::counter_vec(
+                r,
+                "gpufeed_host_vcpu_run_delay_seconds_total",
+                "Time the VM's vCPU threads waited for a host CPU (schedstat)",
+                &["vmid"],
+            ),
+        }
+    }
+}
+
+pub const UNIT: Unit = Unit {
+    name: "vm",
+    new: |r| Box::new(VmWatcher(Arc::new(VmMetrics::new(r)))),
+    describe,
+};
+
+struct VmWatcher(Arc<VmMetrics>);
+
+impl Watcher for VmWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !a.cfg.vm.enabled {
+                return Outcome::Skipped;
+            }
+            let m = self.0;
+            let mut p = VmPoller::new(a.cfg.vm.qmp);
+            let vmids = VmPoller::vmids(&a.roots, &a.topo.vmids());
+            p.poll(
+                &a.roots,
+                &vmids,
+                &a.topo.get(),
+                &a.recent,
+                Duration::ZERO,
+                &m,
+            );
+            Outcome::On(vec![tokio::spawn(async move {
+                let mut iv = a.ticker(a.cfg.vm.poll_interval_ms);
+                iv.tick().await;
+                loop {
+                    iv.tick().await;
+                    let (a2, m2) = (a.clone(), m.clone());
+                    let mut p2 = std::mem::take(&mut p);
+                    // QMP and /proc reads may block briefly: keep them off the runtime thread.
+                    let (p3, evs) = tokio::task::spawn_blocking(move || {
+                        let vmids = VmPoller::vmids(&a2.roots, &a2.topo.vmids());
+                        let t = a2.topo.get();
+                        let w = Duration::from_millis(a2.cfg.vm.cause_window_ms);
+                        let evs = p2.poll(&a2.roots, &vmids, &t, &a2.recent, w, &m2);
+                        (p2, evs)
+                    })
+                    .await
+                    .unwrap_or_default();
+                    p = p3;
+                    a.emit_all(evs);
+                }
+            })])
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    let HostEvent::VmState(v) = e else {
+        return None;
+    };
+    Some(format!(
+        "vm {}: {} -> {}{}{}",
+        v.vmid,
+        v.old.as_str(),
+        v.new.as_str(),
+        v.detail
+            .as_ref()
+            .map(|d| format!(" ({d})"))
+            .unwrap_or_default(),
+        if v.cause.is_empty() {
+            String::new()
+        } else {
+            format!(" cause: {}", v.cause.join(" | "))
+        }
+    ))
 }

@@ -305,40 +305,13 @@ pub fn topology(t: &Tree) {
             true,
         ),
     );
-    t.add_pci(
-        GPU,
-        Dev {
-            bdf: "0000:0a:00.0",
-            class: "0x030000",
-            vendor: "0x10de",
-            device: "0x2bb1",
-            speed: "16.0 GT/s PCIe",
-            width: 4,
-            max_speed: "16.0 GT/s PCIe",
-            max_width: 16,
-            removable: true,
-            aer: true,
-            root_port: false,
-            driver: Some("vfio-pci"),
-        },
-    );
-    t.add_pci(
-        GPU_AUDIO,
-        Dev {
-            bdf: "0000:0a:00.1",
-            class: "0x040300",
-            vendor: "0x10de",
-            device: "0x22e8",
-            speed: "16.0 GT/s PCIe",
-            width: 4,
-            max_speed: "16.0 GT/s PCIe",
-            max_width: 16,
-            removable: true,
-            aer: true,
-            root_port: false,
-            driver: Some("vfio-pci"),
-        },
-    );
+    // The eGPU: a x16 card in a x4 enclosure.
+    for (path, bdf, class, device) in [
+        (GPU, "0000:0a:00.0", "0x030000", "0x2bb1"),
+        (GPU_AUDIO, "0000:0a:00.1", "0x040300", "0x22e8"),
+    ] {
+        t.add_pci(path, nvidia_vfio(bdf, class, device, 4, true));
+    }
     t.add_tb(
         &TB_ROUTER.replace("/0-0/0-1", ""),
         "domain0",
@@ -379,40 +352,12 @@ pub fn topology(t: &Tree) {
     );
     prp.root_port = true;
     t.add_pci(PLAIN_RP, prp);
-    t.add_pci(
-        PLAIN_GPU,
-        Dev {
-            bdf: "0000:01:00.0",
-            class: "0x030000",
-            vendor: "0x10de",
-            device: "0x2684",
-            speed: "16.0 GT/s PCIe",
-            width: 16,
-            max_speed: "16.0 GT/s PCIe",
-            max_width: 16,
-            removable: false,
-            aer: true,
-            root_port: false,
-            driver: Some("vfio-pci"),
-        },
-    );
-    t.add_pci(
-        PLAIN_AUDIO,
-        Dev {
-            bdf: "0000:01:00.1",
-            class: "0x040300",
-            vendor: "0x10de",
-            device: "0x22ba",
-            speed: "16.0 GT/s PCIe",
-            width: 16,
-            max_speed: "16.0 GT/s PCIe",
-            max_width: 16,
-            removable: false,
-            aer: true,
-            root_port: false,
-            driver: Some("vfio-pci"),
-        },
-    );
+    for (path, bdf, class, device) in [
+        (PLAIN_GPU, "0000:01:00.0", "0x030000", "0x2684"),
+        (PLAIN_AUDIO, "0000:01:00.1", "0x040300", "0x22ba"),
+    ] {
+        t.add_pci(path, nvidia_vfio(bdf, class, device, 16, false));
+    }
 }
 
 /// VM 100 gets the eGPU through a resource mapping; VM 101 the plain-slot GPU (all functions).
@@ -429,6 +374,31 @@ pub fn pve_basic(t: &Tree) {
         "etc/pve/qemu-server/101.conf",
         "cores: 4\nhostpci0: 01:00,pcie=1,x-vga=1\nnet0: virtio=BC:24:11:00:00:02,bridge=vmbr0\n",
     );
+}
+
+/// A function of an NVIDIA card bound to vfio-pci, with AER, on a 16 GT/s link of `width`
+/// lanes (the card has 16).
+fn nvidia_vfio(
+    bdf: &'static str,
+    class: &'static str,
+    device: &'static str,
+    width: u32,
+    removable: bool,
+) -> Dev<'static> {
+    Dev {
+        bdf,
+        class,
+        vendor: "0x10de",
+        device,
+        speed: "16.0 GT/s PCIe",
+        width,
+        max_speed: "16.0 GT/s PCIe",
+        max_width: 16,
+        removable,
+        aer: true,
+        root_port: false,
+        driver: Some("vfio-pci"),
+    }
 }
 
 pub fn base_config(t: &Tree, poll_ms: u64) -> gpufeed_host::config::Config {

@@ -1,0 +1,80 @@
+//! Tracepoints (the `tracepoints` watcher): `ras:aer_event`, `pci:pcie_link_event` and
+//! `pci:pci_hp_event` through the private tracefs instance of [`crate::tracefs`], decoded by
+//! [`crate::tracefs::decode`]. They sharpen the pollers rather than replace them: an AER
+//! record pokes the aer watcher with its detail, a link event pokes the pcie watcher for that
+//! port, a hotplug event is emitted and pokes the pcie watcher.
+//!
+//! Configured by `aer.tracepoint` and `pcie.tracepoints`; absent tracepoints leave polling
+//! alone (`watcher_enabled` 0, no event).
+
+use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
+use crate::tracefs::{setup, spawn_reader, TraceEvent};
+use gpufeed_shared::event::{HostEvent, Source};
+use tokio::sync::mpsc;
+
+pub const UNIT: Unit = Unit {
+    name: "tracepoints",
+    new: |_| Box::new(TracepointWatcher),
+    describe,
+};
+
+struct TracepointWatcher;
+
+impl Watcher for TracepointWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            let mut want: Vec<(&str, &str)> = Vec::new();
+            if a.cfg.aer.enabled && a.cfg.aer.tracepoint {
+                want.push(("ras", "aer_event"));
+            }
+            if a.cfg.pcie.enabled && a.cfg.pcie.tracepoints {
+                want.push(("pci", "pcie_link_event"));
+                want.push(("pci", "pci_hp_event"));
+            }
+            if want.is_empty() {
+                return Outcome::Skipped;
+            }
+            let Some(inst) = setup(&a.roots, &want) else {
+                tracing::info!(
+                    "tracefs: none of {} present under {}; polling only",
+                    want.iter()
+                        .map(|(s, e)| format!("{s}:{e}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    a.roots.tracefs().display()
+                );
+                return Outcome::Absent;
+            };
+            let enabled = inst.enabled.join(", ");
+            let (tx, mut rx) = mpsc::channel(256);
+            if let Err(e) = spawn_reader(inst, tx) {
+                tracing::info!("tracefs: cannot read trace_pipe: {e}; polling only");
+                return Outcome::Skipped;
+            }
+            tracing::info!("tracefs: using {enabled}");
+            let (pcie, aer) = (super::pcie::UNIT.name, super::aer::UNIT.name);
+            Outcome::On(vec![tokio::spawn(async move {
+                while let Some(ev) = rx.recv().await {
+                    match ev {
+                        TraceEvent::Aer(d) => a.poke(aer, Poke::Aer(d)),
+                        TraceEvent::Link { port } => {
+                            a.poke(pcie, Poke::Port(port, Source::Tracepoint))
+                        }
+                        TraceEvent::Hotplug(h) => {
+                            a.bus.emit(HostEvent::PciHotplug(h));
+                            a.poke(pcie, Poke::Tick);
+                        }
+                    }
+                }
+            })])
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    let HostEvent::PciHotplug(h) = e else {
+        return None;
+    };
+    Some(format!("{} slot {}: {}", h.port, h.slot, h.event))
+}

@@ -1,0 +1,79 @@
+//! Kernel uevents (the `uevent` watcher): the netlink listener of [`crate::uevent`] feeds
+//! [`crate::uevent::react`], and this unit carries out the reaction: Thunderbolt tunnel and PCI
+//! error recovery events, pokes to the thunderbolt and aer watchers and to discovery.
+//!
+//! Configured by `thunderbolt.uevents`; only on a live system (a recorded tree has no kernel
+//! behind it).
+
+use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
+use super::vm_suffix;
+use crate::agent::DISCOVERY;
+use crate::uevent::{react, spawn_listener};
+use gpufeed_shared::event::{HostEvent, Source};
+use tokio::sync::mpsc;
+
+pub const UNIT: Unit = Unit {
+    name: "uevent",
+    new: |_| Box::new(UeventWatcher),
+    describe,
+};
+
+struct UeventWatcher;
+
+impl Watcher for UeventWatcher {
+    fn start(self: Box<Self>, cx: Cx) -> Starting {
+        Box::pin(async move {
+            let a = cx.agent;
+            if !(a.cfg.thunderbolt.uevents && a.roots.is_live()) {
+                return Outcome::Skipped;
+            }
+            let (tx, mut rx) = mpsc::channel(256);
+            if let Err(e) = spawn_listener(tx) {
+                return Outcome::Off(format!("cannot open the uevent netlink socket: {e}"));
+            }
+            Outcome::On(vec![tokio::spawn(async move {
+                while let Some(u) = rx.recv().await {
+                    let r = react(&u);
+                    if let Some(t) = r.tunnel {
+                        a.bus.emit(HostEvent::ThunderboltTunnel(t));
+                    }
+                    if let Some(mut rec) = r.recovery {
+                        rec.vmid = a.topo.get().vmid_of(&rec.bdf);
+                        a.bus.emit(HostEvent::PciErrorRecovery(rec));
+                    }
+                    if r.poke_thunderbolt {
+                        a.poke(
+                            super::thunderbolt::UNIT.name,
+                            Poke::Port(String::new(), Source::Uevent),
+                        );
+                    }
+                    if r.poke_aer {
+                        a.poke(super::aer::UNIT.name, Poke::Tick);
+                    }
+                    if r.rediscover {
+                        a.poke(DISCOVERY, Poke::Tick);
+                    }
+                }
+            })])
+        })
+    }
+}
+
+fn describe(e: &HostEvent) -> Option<String> {
+    Some(match e {
+        HostEvent::PciErrorRecovery(r) => format!(
+            "{}{}: {} online={:?}",
+            r.bdf,
+            vm_suffix(r.vmid),
+            r.event,
+            r.device_online
+        ),
+        HostEvent::ThunderboltTunnel(t) => format!(
+            "{}: tunnel {} {}",
+            t.device,
+            t.event,
+            t.details.clone().unwrap_or_default()
+        ),
+        _ => return None,
+    })
+}
