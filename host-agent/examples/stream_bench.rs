@@ -11,15 +11,13 @@
 //!
 //! COALESCE_US is the stream's `coalesce_us` (default 500, as in the configuration).
 
-#[path = "../../guest-agent/src/hub/mod.rs"]
-mod hub;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpufeed_host::stream::{self, GuestEndpoint, StreamConfig};
 use gpufeed_shared::clock;
 use gpufeed_shared::event::{HostEvent, Stamped};
+use gpufeed_shared::stream::hub;
 use gpufeed_shared::tls;
 
 /// CPU seconds (user + system) of this process's threads whose name starts with `prefix`.

@@ -1,10 +1,11 @@
-//! Clock offset estimation through the test hook: the host's reported realtime is shifted by
-//! `GPUFEED_TEST_CLOCK_SKEW_NS`; the hub's `gpufeed_clock_offset_seconds{host}` must come within
-//! 1 ms of it, and the lag (which corrects host timestamps with that offset) stays small.
-//! Its own test binary, because the hook is read once per process.
+//! Clock offset estimation against a known skew: the host stream runs with a reference clock
+//! shifted by `SKEW_NS` (the production clock is the host's realtime as is); the hub's
+//! `gpufeed_clock_offset_seconds{host}` must come within 1 ms of it, and the lag (which corrects
+//! host timestamps with that offset) stays small.
 
 mod stream_support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpufeed_host::stream;
@@ -14,26 +15,29 @@ use stream_support::*;
 
 const SKEW_NS: i64 = -250_001_234;
 
+/// The host's realtime, shifted.
+#[derive(Debug)]
+struct Skewed(i64);
+
+impl clock::ReferenceClock for Skewed {
+    fn report(&self, realtime_ns: i64) -> i64 {
+        realtime_ns + self.0
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skewed_host_clock_is_estimated_within_1ms() {
-    // Before anything reads the hook.
-    std::env::set_var(clock::TEST_SKEW_ENV, SKEW_NS.to_string());
-    let logs = capture_logs();
-    assert_eq!(clock::test_skew_ns(), Some(SKEW_NS));
     let fx = Fixture::new(&["pve1"]);
     let greg = prometheus::Registry::new();
     let hub = hub::serve(hub_config(fx.path()), &greg).await.unwrap();
     let hreg = prometheus::Registry::new();
-    let h = stream::start(
+    let h = stream::start_with_clock(
         fx.stream_config("pve1", hub.local_addr(), None),
         "pve1".into(),
         &hreg,
+        Arc::new(Skewed(SKEW_NS)),
     )
     .unwrap();
-    assert_eq!(
-        log_lines(&logs, &["TEST HOOK", clock::TEST_SKEW_ENV]).len(),
-        1
-    );
     let offset = || metric(&greg, "gpufeed_clock_offset_seconds", &[("host", "pve1")]);
     // The initial burst is 8 probes 10 ms apart.
     assert!(wait_for(Duration::from_secs(5), || offset() != 0.0).await);

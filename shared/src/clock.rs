@@ -12,12 +12,6 @@
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
-/// Environment variable read by [`host_realtime_ns`]: a signed number of nanoseconds added to the
-/// host's reported realtime. **Test hook only**; it is honoured only when set and logged by the
-/// host agent at start.
-pub const TEST_SKEW_ENV: &str = "GPUFEED_TEST_CLOCK_SKEW_NS";
 
 /// `CLOCK_REALTIME` in ns since the Unix epoch.
 pub fn realtime_ns() -> i64 {
@@ -40,20 +34,27 @@ fn clock_ns(id: libc::clockid_t) -> i64 {
     ts.tv_sec as i64 * 1_000_000_000 + ts.tv_nsec as i64
 }
 
-/// The skew of [`TEST_SKEW_ENV`], if set to a valid integer (parsed once).
-pub fn test_skew_ns() -> Option<i64> {
-    static SKEW: OnceLock<Option<i64>> = OnceLock::new();
-    *SKEW.get_or_init(|| {
-        std::env::var(TEST_SKEW_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse::<i64>().ok())
-    })
+/// The host's reference clock as reported on the wire. The host agent stamps events and clock
+/// replies through it; production uses [`SystemClock`] (the host's `CLOCK_REALTIME` as is), and
+/// tests substitute a shifted clock to check the guest's offset estimate against a known skew.
+pub trait ReferenceClock: Send + Sync + std::fmt::Debug {
+    /// What to report for a host realtime reading `realtime_ns` (from [`realtime_ns`]).
+    fn report(&self, realtime_ns: i64) -> i64;
+
+    /// The reported time now.
+    fn now_ns(&self) -> i64 {
+        self.report(realtime_ns())
+    }
 }
 
-/// The host's reference clock as reported on the wire: [`realtime_ns`], shifted by the test hook
-/// when [`TEST_SKEW_ENV`] is set. The host agent stamps events and clock replies with this.
-pub fn host_realtime_ns() -> i64 {
-    realtime_ns() + test_skew_ns().unwrap_or(0)
+/// The host's `CLOCK_REALTIME`, unchanged.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl ReferenceClock for SystemClock {
+    fn report(&self, realtime_ns: i64) -> i64 {
+        realtime_ns
+    }
 }
 
 /// One four-timestamp measurement.

@@ -1,10 +1,8 @@
-//! Shared pieces of the `stream_*` integration tests: the real guest hub (included from the
-//! guest crate, which has no library target), a TLS deployment in a temp dir, metric readers,
-//! log capture.
+//! Shared pieces of the `stream_*` integration tests: the real guest hub (from the stream
+//! library), a TLS deployment in a temp dir, metric readers, log capture.
 #![allow(dead_code)]
 
-#[path = "../../../guest-agent/src/hub/mod.rs"]
-pub mod hub;
+pub use gpufeed_shared::stream::hub;
 
 use std::io::Write;
 use std::net::SocketAddr;

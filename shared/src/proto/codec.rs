@@ -75,6 +75,98 @@ pub fn encode_to_vec(msg: &Message) -> Result<Vec<u8>, EncodeError> {
     Ok(v)
 }
 
+/// An event frame encoded once for every guest it goes to. Only the sequence number differs
+/// between guests, and postcard writes it right after the message tag, so everything behind it
+/// (host timestamps, kind, payload) is encoded here once and [`write_frame`](Self::write_frame)
+/// prepends the per-guest part. The bytes are exactly those of [`encode`] on the equivalent
+/// [`Message::Event`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedEvent {
+    host_realtime_ns: i64,
+    /// postcard of `(host_realtime_ns, host_monotonic_ns, kind, payload)`.
+    tail: Box<[u8]>,
+}
+
+/// postcard's tag of [`Message::Event`] (variant index 3, a one-byte varint).
+const EVENT_TAG: u8 = 3;
+
+impl EncodedEvent {
+    pub fn new(
+        host_realtime_ns: i64,
+        host_monotonic_ns: u64,
+        kind: u16,
+        payload: &[u8],
+    ) -> Result<Self, EncodeError> {
+        let mut tail = postcard::to_allocvec(&(host_realtime_ns, host_monotonic_ns, kind))?;
+        push_varint(&mut tail, payload.len() as u64);
+        tail.extend_from_slice(payload);
+        // The smallest frame it can make (sequence number 0) must fit.
+        let len = 2 + tail.len();
+        if len > MAX_FRAME_LEN {
+            return Err(EncodeError::Oversize {
+                len,
+                max: MAX_FRAME_LEN,
+            });
+        }
+        Ok(EncodedEvent {
+            host_realtime_ns,
+            tail: tail.into_boxed_slice(),
+        })
+    }
+
+    pub fn host_realtime_ns(&self) -> i64 {
+        self.host_realtime_ns
+    }
+
+    /// Bytes of the frame (prefix included) with sequence number `seq`, or why it cannot be
+    /// sent.
+    pub fn frame_len(&self, seq: u64) -> Result<usize, EncodeError> {
+        let len = 1 + varint(seq, &mut [0; 10]) + self.tail.len();
+        if len > MAX_FRAME_LEN {
+            return Err(EncodeError::Oversize {
+                len,
+                max: MAX_FRAME_LEN,
+            });
+        }
+        Ok(HEADER_LEN + len)
+    }
+
+    /// Appends the frame (prefix + body) of this event with sequence number `seq` to `out`.
+    /// On error `out` is left unchanged.
+    pub fn write_frame(&self, seq: u64, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        let len = self.frame_len(seq)? - HEADER_LEN;
+        let mut head = [0u8; HEADER_LEN + 1 + 10];
+        head[HEADER_LEN] = EVENT_TAG;
+        let n = varint(seq, &mut head[HEADER_LEN + 1..]);
+        head[..HEADER_LEN].copy_from_slice(&(len as u32).to_le_bytes());
+        out.reserve(HEADER_LEN + len);
+        out.extend_from_slice(&head[..HEADER_LEN + 1 + n]);
+        out.extend_from_slice(&self.tail);
+        Ok(())
+    }
+}
+
+/// LEB128 of `v` into `out` (at least 10 bytes); returns the bytes used.
+fn varint(mut v: u64, out: &mut [u8]) -> usize {
+    let mut i = 0;
+    loop {
+        let b = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out[i] = b;
+            return i + 1;
+        }
+        out[i] = b | 0x80;
+        i += 1;
+    }
+}
+
+fn push_varint(out: &mut Vec<u8>, v: u64) {
+    let mut b = [0u8; 10];
+    let n = varint(v, &mut b);
+    out.extend_from_slice(&b[..n]);
+}
+
 /// Incremental decoder for a byte stream of frames. Feed bytes with [`push`](Self::push), take
 /// messages with [`next_frame`](Self::next_frame), call [`finish`](Self::finish) at end of
 /// stream to detect a truncated last frame.
@@ -347,5 +439,64 @@ mod tests {
         let (m, n) = decode_one(&wire).unwrap();
         assert_eq!(n, wire.len());
         assert_eq!(m, ev(5, vec![1, 2, 3, 4]));
+    }
+
+    #[test]
+    fn encoded_event_is_byte_identical_to_encode() {
+        let seqs = [0, 1, 127, 128, 300, 1 << 35, u64::MAX];
+        let payloads = [vec![], vec![7], vec![1; 127], vec![2; 128], vec![3; 20_000]];
+        for (i, p) in payloads.iter().enumerate() {
+            let (rt, mono, kind) = (
+                -5 - i as i64 * 1_000_000_007,
+                u64::MAX - i as u64,
+                i as u16 * 300,
+            );
+            let e = EncodedEvent::new(rt, mono, kind, p).unwrap();
+            assert_eq!(e.host_realtime_ns(), rt);
+            for seq in seqs {
+                let msg = Message::Event(EventFrame {
+                    seq,
+                    host_realtime_ns: rt,
+                    host_monotonic_ns: mono,
+                    kind,
+                    payload: p.clone(),
+                });
+                let mut out = vec![0xee];
+                e.write_frame(seq, &mut out).unwrap();
+                assert_eq!(out[1..], encode_to_vec(&msg).unwrap()[..], "seq {seq}");
+            }
+        }
+    }
+
+    #[test]
+    fn encoded_event_respects_the_frame_limit_like_encode() {
+        // Around the largest payload that fits, for short and long sequence numbers.
+        let fits = |p: usize, seq: u64| {
+            let msg = Message::Event(EventFrame {
+                seq,
+                host_realtime_ns: 0,
+                host_monotonic_ns: 0,
+                kind: 0,
+                payload: vec![0; p],
+            });
+            let plain = encode_to_vec(&msg).is_ok();
+            let mut out = Vec::new();
+            let once =
+                EncodedEvent::new(0, 0, 0, &vec![0; p]).and_then(|e| e.write_frame(seq, &mut out));
+            assert_eq!(plain, once.is_ok(), "payload {p} seq {seq}");
+            if once.is_err() {
+                assert!(out.is_empty());
+            }
+            plain
+        };
+        let mut edge = None;
+        for p in MAX_FRAME_LEN - 40..MAX_FRAME_LEN {
+            for seq in [0, 1 << 40, u64::MAX] {
+                if !fits(p, seq) && seq == 0 && edge.is_none() {
+                    edge = Some(p);
+                }
+            }
+        }
+        assert!(edge.is_some());
     }
 }

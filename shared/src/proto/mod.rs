@@ -3,6 +3,11 @@
 //! unit-testable in memory; `gpufeed-host`'s stream client and `gpufeed-guest`'s hub drive them
 //! over QUIC.
 //!
+//! Two layers: [`ClientSession`] / [`ServerSession`] check which message may come when;
+//! [`HostConnection`] / [`GuestConnection`] add what a connection does over time (deadlines,
+//! acknowledgements, clock probes, de-duplication), with every clock reading passed in, so that
+//! the QUIC drivers in [`crate::stream`] only move bytes.
+//!
 //! # Streams of a connection
 //! * **Control** (bidirectional, opened by the host): host sends [`Hello`], guest answers
 //!   [`Welcome`] or [`Reject`]. Afterwards the guest sends [`Ack`]s and [`ClockProbe`]s, the host
@@ -16,11 +21,16 @@
 //! without state), so `seq` is unique per `(host, boot)` and strictly increasing on the wire.
 
 mod codec;
+mod guest;
+mod host;
 mod session;
 
 pub use codec::{
-    decode_one, encode, encode_to_vec, DecodeError, EncodeError, FrameDecoder, HEADER_LEN,
+    decode_one, encode, encode_to_vec, DecodeError, EncodeError, EncodedEvent, FrameDecoder,
+    HEADER_LEN,
 };
+pub use guest::{Accounted, GuestConnection, GuestTiming};
+pub use host::{HostConnection, HostOutput};
 pub use session::{
     AckPolicy, ClientAction, ClientSession, Dedup, EventVerdict, ProtocolError, ServerAction,
     ServerSession,

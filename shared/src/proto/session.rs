@@ -18,6 +18,11 @@ pub enum ProtocolError {
     },
     #[error("sequence went backwards on the event stream: {seq} after {prev}")]
     SeqBackwards { seq: u64, prev: u64 },
+    #[error("no {waiting_for} within {after_ms} ms")]
+    Timeout {
+        waiting_for: &'static str,
+        after_ms: u64,
+    },
 }
 
 impl ProtocolError {
@@ -26,6 +31,7 @@ impl ProtocolError {
         match self {
             ProtocolError::Unexpected { .. } => "unexpected_message",
             ProtocolError::SeqBackwards { .. } => "seq_backwards",
+            ProtocolError::Timeout { .. } => "timeout",
         }
     }
 }

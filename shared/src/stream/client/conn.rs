@@ -1,5 +1,6 @@
-//! One guest's connection task: connect (mutual TLS, ALPN `gpufeed/1`), handshake, stream the
-//! spool from the resume point, apply acks, answer clock probes; on any failure reconnect after
+//! One guest's connection task: connect (mutual TLS, ALPN `gpufeed/1`), then drive a
+//! [`HostConnection`]: its messages out on the control stream, the guest's in, the spool from
+//! the resume point out on the event stream, acks into the spool. On any failure reconnect after
 //! an exponential backoff with jitter.
 
 use std::net::SocketAddr;
@@ -7,12 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
-use gpufeed_shared::clock::host_realtime_ns;
-use gpufeed_shared::proto::{encode, ClientAction, ClientSession, FrameDecoder, Message};
-use gpufeed_shared::tls;
 use tokio::sync::watch;
 
 use super::{Common, Guest};
+use crate::clock::monotonic_ns;
+use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message};
+use crate::tls;
 
 /// Application close codes.
 pub const CLOSE_SHUTDOWN: u32 = 0;
@@ -180,6 +181,22 @@ async fn read_msg(recv: &mut quinn::RecvStream, dec: &mut FrameDecoder) -> anyho
     }
 }
 
+/// Writes every message the connection has for the control stream.
+async fn transmit(
+    conn: &mut HostConnection,
+    send: &mut quinn::SendStream,
+    buf: &mut Vec<u8>,
+) -> anyhow::Result<()> {
+    buf.clear();
+    while let Some(m) = conn.poll_transmit() {
+        encode(&m, buf)?;
+    }
+    if !buf.is_empty() {
+        send.write_all(buf).await?;
+    }
+    Ok(())
+}
+
 async fn stream(
     g: &Guest,
     c: &Common,
@@ -187,29 +204,41 @@ async fn stream(
     stop: &mut watch::Receiver<bool>,
 ) -> anyhow::Result<Outcome> {
     let label = g.cfg.label();
-    let (boot_id, _) = {
-        let s = g.spool.lock().expect("spool lock");
-        (s.boot_id(), s.next_seq())
-    };
-    let mut session = ClientSession::new(c.host_id.clone(), boot_id);
+    let boot_id = g.spool.lock().expect("spool lock").boot_id();
+    let mut session = HostConnection::new(
+        c.host_id.clone(),
+        boot_id,
+        c.cfg.connect_timeout_ms.saturating_mul(1_000_000),
+        monotonic_ns(),
+    );
     let (mut ctl_send, mut ctl_recv) = conn.open_bi().await?;
     let mut buf = Vec::new();
-    encode(&session.hello(), &mut buf)?;
-    ctl_send.write_all(&buf).await?;
+    transmit(&mut session, &mut ctl_send, &mut buf).await?;
     let mut dec = FrameDecoder::default();
-    let welcome = tokio::time::timeout(
-        Duration::from_millis(c.cfg.connect_timeout_ms),
-        read_msg(&mut ctl_recv, &mut dec),
-    )
-    .await
-    .map_err(|_| anyhow!("no Welcome within {} ms", c.cfg.connect_timeout_ms))??;
-    let resume_from = match session.handle(welcome, host_realtime_ns())? {
-        ClientAction::Start { resume_from } => resume_from,
-        ClientAction::Rejected(reason) => {
-            g.m.connects_rejected.inc();
-            bail!("guest rejected this host: {reason}");
+    let resume_from = loop {
+        let wait = session
+            .poll_timeout()
+            .map_or(0, |d| d.saturating_sub(monotonic_ns()));
+        let msg = match tokio::time::timeout(
+            Duration::from_nanos(wait),
+            read_msg(&mut ctl_recv, &mut dec),
+        )
+        .await
+        {
+            Ok(m) => m?,
+            Err(_) => {
+                session.handle_timeout(monotonic_ns())?;
+                continue;
+            }
+        };
+        match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
+            Some(HostOutput::Start { resume_from }) => break resume_from,
+            Some(HostOutput::Rejected(reason)) => {
+                g.m.connects_rejected.inc();
+                bail!("guest rejected this host: {reason}");
+            }
+            other => bail!("unexpected handshake output {other:?}"),
         }
-        other => bail!("unexpected handshake action {other:?}"),
     };
     g.m.connects_ok.inc();
     g.m.connected.set(1);
@@ -226,18 +255,14 @@ async fn stream(
         let mut out = Vec::new();
         loop {
             let msg = read_msg(&mut ctl_recv, &mut dec).await?;
-            match session.handle(msg, host_realtime_ns())? {
-                ClientAction::Acked(up_to) => {
+            match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
+                Some(HostOutput::Acked(up_to)) => {
                     let mut s = g.spool.lock().expect("spool lock");
                     s.ack(up_to)?;
                     g.update_gauges(&s);
                 }
-                ClientAction::Send(reply) => {
-                    out.clear();
-                    encode(&reply, &mut out)?;
-                    ctl_send.write_all(&out).await?;
-                }
-                other => bail!("unexpected control action {other:?}"),
+                None => transmit(&mut session, &mut ctl_send, &mut out).await?,
+                Some(other) => bail!("unexpected control output {other:?}"),
             }
         }
         #[allow(unreachable_code)]

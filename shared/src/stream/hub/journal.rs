@@ -9,7 +9,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use gpufeed_shared::proto::Dedup;
+use crate::proto::Dedup;
 use serde::{Deserialize, Serialize};
 
 use super::ReceivedEvent;

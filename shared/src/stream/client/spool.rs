@@ -1,7 +1,8 @@
 //! Bounded spool of one guest: every event waits here, as its encoded wire frame, until the
 //! guest acknowledges it.
 //!
-//! * **Memory** holds the newest `memory_events` frames. Without a spool directory that is the
+//! * **Memory** holds the newest `memory_events` events, shared with the other guests' spools
+//!   (each [`EncodedEvent`] is encoded once; the per-guest frame is written when sent). Without a spool directory that is the
 //!   whole spool: when it is full, the oldest frame is dropped.
 //! * **Disk** (with a spool directory): every frame is also appended to segment files
 //!   `seg-<first seq>.gfs` (the frames exactly as on the wire, contiguous sequence numbers), so
@@ -20,7 +21,9 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpufeed_shared::proto::{encode, EventFrame, Message, SpoolLoss, HEADER_LEN};
+use std::sync::Arc;
+
+use crate::proto::{encode, EncodedEvent, Message, SpoolLoss, HEADER_LEN};
 
 /// Size limits of a spool.
 #[derive(Debug, Clone, Copy)]
@@ -38,7 +41,7 @@ pub enum SpoolError {
         source: std::io::Error,
     },
     #[error("spool: event does not fit in a frame: {0}")]
-    Encode(#[from] gpufeed_shared::proto::EncodeError),
+    Encode(#[from] crate::proto::EncodeError),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SpoolError + '_ {
@@ -76,6 +79,8 @@ struct Disk {
     active: Option<std::io::BufWriter<File>>,
     total_bytes: u64,
     cache: Option<(u64, Vec<u8>, usize, u64)>,
+    /// The frame being written (reused between pushes).
+    scratch: Vec<u8>,
 }
 
 /// The spool of one guest.
@@ -85,7 +90,7 @@ pub struct Spool {
     acked: Option<u64>,
     losses: Vec<(u64, u64)>,
     dropped_total: u64,
-    mem: VecDeque<(u64, i64, Vec<u8>)>,
+    mem: VecDeque<(u64, Arc<EncodedEvent>)>,
     limits: SpoolLimits,
     disk: Option<Disk>,
     meta_dirty: bool,
@@ -130,6 +135,7 @@ impl Spool {
             active: None,
             total_bytes: 0,
             cache: None,
+            scratch: Vec::new(),
         };
         let mut names: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
             .map_err(io_err(dir))?
@@ -215,28 +221,14 @@ impl Spool {
 
     /// Appends an event; returns its sequence number and how many events were dropped to make
     /// room.
-    pub fn push(
-        &mut self,
-        host_realtime_ns: i64,
-        host_monotonic_ns: u64,
-        kind: u16,
-        payload: Vec<u8>,
-    ) -> Result<(u64, u64), SpoolError> {
+    pub fn push(&mut self, ev: Arc<EncodedEvent>) -> Result<(u64, u64), SpoolError> {
         let seq = self.next_seq;
-        let mut frame = Vec::with_capacity(payload.len() + 40);
-        encode(
-            &Message::Event(EventFrame {
-                seq,
-                host_realtime_ns,
-                host_monotonic_ns,
-                kind,
-                payload,
-            }),
-            &mut frame,
-        )?;
-        self.next_seq += 1;
         let mut dropped = 0;
         if let Some(d) = &mut self.disk {
+            let frame = &mut d.scratch;
+            frame.clear();
+            ev.write_frame(seq, frame)?;
+            let frame = &d.scratch;
             let seg_full = d.segments.back().is_none_or(|s| {
                 d.active.is_none() || s.bytes + frame.len() as u64 > self.limits.segment_bytes
             });
@@ -262,21 +254,25 @@ impl Spool {
             }
             let seg = d.segments.back_mut().expect("active segment");
             let w = d.active.as_mut().expect("active writer");
-            w.write_all(&frame).map_err(io_err(&seg.path))?;
+            w.write_all(frame).map_err(io_err(&seg.path))?;
             seg.count += 1;
             seg.bytes += frame.len() as u64;
             d.total_bytes += frame.len() as u64;
-            while self
-                .disk
-                .as_ref()
-                .is_some_and(|d| d.total_bytes > self.limits.disk_max_bytes && d.segments.len() > 1)
-            {
-                dropped += self.drop_oldest_segment()?;
-            }
+        } else {
+            // Memory only: the frame must still fit when it is written for sending.
+            ev.frame_len(seq)?;
         }
-        self.mem.push_back((seq, host_realtime_ns, frame));
+        self.next_seq += 1;
+        while self
+            .disk
+            .as_ref()
+            .is_some_and(|d| d.total_bytes > self.limits.disk_max_bytes && d.segments.len() > 1)
+        {
+            dropped += self.drop_oldest_segment()?;
+        }
+        self.mem.push_back((seq, ev));
         while self.mem.len() > self.limits.memory_events {
-            let (s, _, _) = self.mem.pop_front().expect("non-empty");
+            let (s, _) = self.mem.pop_front().expect("non-empty");
             if self.disk.is_none() && self.acked.is_none_or(|a| s > a) {
                 self.record_loss(s, s);
                 dropped += 1;
@@ -300,7 +296,7 @@ impl Spool {
         } else {
             0
         };
-        while self.mem.front().is_some_and(|(s, _, _)| *s <= last) {
+        while self.mem.front().is_some_and(|(s, _)| *s <= last) {
             self.mem.pop_front();
         }
         // The loss must be on disk before the events disappear.
@@ -329,7 +325,7 @@ impl Spool {
         }
         self.acked = Some(up_to);
         self.meta_dirty = true;
-        while self.mem.front().is_some_and(|(s, _, _)| *s <= up_to) {
+        while self.mem.front().is_some_and(|(s, _)| *s <= up_to) {
             self.mem.pop_front();
         }
         self.losses.retain(|(_, l)| *l > up_to);
@@ -419,17 +415,19 @@ impl Spool {
         if cursor >= self.next_seq {
             return Ok(b);
         }
-        if let Some(&(front, _, _)) = self.mem.front() {
+        if let Some(&(front, _)) = self.mem.front() {
             if front <= cursor {
                 let start = (cursor - front) as usize;
-                for (seq, rt, frame) in self.mem.range(start..) {
-                    if !b.bytes.is_empty() && b.bytes.len() + frame.len() > max_bytes {
+                for (seq, ev) in self.mem.range(start..) {
+                    let before = b.bytes.len();
+                    ev.write_frame(*seq, &mut b.bytes)?;
+                    if before > 0 && b.bytes.len() > max_bytes {
+                        b.bytes.truncate(before);
                         break;
                     }
-                    b.bytes.extend_from_slice(frame);
                     b.events += 1;
                     b.next_cursor = seq + 1;
-                    b.last_realtime_ns = Some(*rt);
+                    b.last_realtime_ns = Some(ev.host_realtime_ns());
                 }
                 return Ok(b);
             }
@@ -508,7 +506,7 @@ fn recover_segment(path: &Path) -> Result<(u64, u64), SpoolError> {
     let data = std::fs::read(path).map_err(io_err(path))?;
     let (mut pos, mut count) = (0usize, 0u64);
     while let Some(len) = frame_len(&data[pos..]) {
-        if len - HEADER_LEN > gpufeed_shared::proto::MAX_FRAME_LEN {
+        if len - HEADER_LEN > crate::proto::MAX_FRAME_LEN {
             break;
         }
         pos += len;
@@ -577,14 +575,18 @@ fn fresh_boot_id() -> u64 {
     {
         return u64::from_le_bytes(b);
     }
-    let t = gpufeed_shared::clock::realtime_ns() as u64;
+    let t = crate::clock::realtime_ns() as u64;
     t ^ ((std::process::id() as u64) << 32)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpufeed_shared::proto::FrameDecoder;
+    use crate::proto::FrameDecoder;
+
+    fn ev(rt: i64, mono: u64, kind: u16, payload: Vec<u8>) -> Arc<EncodedEvent> {
+        Arc::new(EncodedEvent::new(rt, mono, kind, &payload).unwrap())
+    }
 
     fn limits(mem: usize, disk: u64, seg: u64) -> SpoolLimits {
         SpoolLimits {
@@ -627,7 +629,7 @@ mod tests {
         let mut s = Spool::memory(limits(10, 0, 0));
         let mut dropped = 0;
         for i in 0..25 {
-            dropped += s.push(i, i as u64, 1, vec![i as u8]).unwrap().1;
+            dropped += s.push(ev(i, i as u64, 1, vec![i as u8])).unwrap().1;
         }
         assert_eq!(dropped, 15);
         assert_eq!(s.dropped_total(), 15);
@@ -658,7 +660,7 @@ mod tests {
             let mut s = Spool::open(dir.path(), lim).unwrap();
             boot = s.boot_id();
             for i in 0..100 {
-                s.push(i, 0, 7, vec![0; 20]).unwrap();
+                s.push(ev(i, 0, 7, vec![0; 20])).unwrap();
             }
             s.ack(9).unwrap();
             s.flush(Duration::ZERO).unwrap();
@@ -677,7 +679,7 @@ mod tests {
         // Overflow: 64 KiB of ~35-byte frames; drops whole 2 KiB segments, oldest first.
         let mut dropped = 0;
         for i in 0..5000 {
-            dropped += s.push(i, 0, 7, vec![0; 20]).unwrap().1;
+            dropped += s.push(ev(i, 0, 7, vec![0; 20])).unwrap().1;
         }
         assert!(dropped > 0);
         assert_eq!(s.dropped_total(), dropped);
@@ -708,7 +710,7 @@ mod tests {
         {
             let mut s = Spool::open(dir.path(), lim).unwrap();
             for i in 0..10 {
-                s.push(i, 0, 1, vec![1, 2, 3]).unwrap();
+                s.push(ev(i, 0, 1, vec![1, 2, 3])).unwrap();
             }
             s.flush(Duration::ZERO).unwrap();
         }
@@ -720,7 +722,7 @@ mod tests {
         assert_eq!(s.next_seq(), 10);
         let (seqs, _) = drain(&mut s, 0);
         assert_eq!(seqs, (0..10).collect::<Vec<_>>());
-        s.push(0, 0, 1, vec![]).unwrap();
+        s.push(ev(0, 0, 1, vec![])).unwrap();
         assert_eq!(drain(&mut s, 10).0, vec![10]);
     }
 
@@ -730,7 +732,7 @@ mod tests {
         let lim = limits(4, 1 << 20, 1 << 16);
         let boot = {
             let mut s = Spool::open(dir.path(), lim).unwrap();
-            s.push(0, 0, 1, vec![]).unwrap();
+            s.push(ev(0, 0, 1, vec![])).unwrap();
             s.flush(Duration::ZERO).unwrap();
             s.boot_id()
         };

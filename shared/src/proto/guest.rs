@@ -1,0 +1,374 @@
+//! The guest end of one connection as a sans-IO state machine: the `Hello` deadline, the
+//! handshake, de-duplication of the event stream, when to acknowledge and when to probe the
+//! host's clock. Time comes in as arguments (`now_mono_ns` is `CLOCK_MONOTONIC`,
+//! `now_realtime_ns` the guest's `CLOCK_REALTIME`), messages come in decoded and go out as
+//! [`Message`]s; the hub's QUIC driver only moves them.
+
+use super::{AckPolicy, Dedup, EventVerdict, Message, ProtocolError, ServerAction, ServerSession};
+use super::{EventFrame, SpoolLoss};
+
+/// Timing of the guest end. [`GuestTiming::default`] is what the hub ships with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestTiming {
+    /// From the connection's start until the `Hello` must have arrived.
+    pub hello_timeout_ns: u64,
+    /// Acknowledge after this many accounted events ...
+    pub ack_every: u64,
+    /// ... or at least this often while the watermark moves.
+    pub ack_interval_ns: u64,
+    /// Quick clock probes right after the handshake, so that an offset estimate exists at once.
+    pub probe_burst: u32,
+    /// Gap between the probes of the burst.
+    pub probe_burst_gap_ns: u64,
+    /// Gap between probes after the burst.
+    pub probe_interval_ns: u64,
+}
+
+impl Default for GuestTiming {
+    fn default() -> Self {
+        GuestTiming {
+            hello_timeout_ns: 10_000_000_000,
+            ack_every: 4096,
+            ack_interval_ns: 20_000_000,
+            probe_burst: 8,
+            probe_burst_gap_ns: 10_000_000,
+            probe_interval_ns: 2_000_000_000,
+        }
+    }
+}
+
+/// What one message of the event stream amounts to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Accounted {
+    /// A new event: deliver it. `gap` events before it were neither received nor reported lost
+    /// (count them as lost).
+    Deliver { frame: EventFrame, gap: u64 },
+    /// Seen before (a retransmission): drop it.
+    Duplicate,
+    /// The host's spool dropped events; `newly_lost` of them were not accounted before.
+    Lost { loss: SpoolLoss, newly_lost: u64 },
+}
+
+/// Guest end of one connection. `host` is the identity proven by the client certificate.
+#[derive(Debug)]
+pub struct GuestConnection {
+    session: ServerSession,
+    timing: GuestTiming,
+    acks: AckPolicy,
+    hello_deadline_ns: u64,
+    boot: Option<u64>,
+    probes_sent: u32,
+    next_probe_ns: u64,
+}
+
+impl GuestConnection {
+    /// A connection that started (was accepted) at `now_mono_ns`.
+    pub fn new(verified_host: impl Into<String>, timing: GuestTiming, now_mono_ns: u64) -> Self {
+        GuestConnection {
+            session: ServerSession::new(verified_host),
+            acks: AckPolicy::new(timing.ack_every, timing.ack_interval_ns),
+            hello_deadline_ns: now_mono_ns.saturating_add(timing.hello_timeout_ns),
+            timing,
+            boot: None,
+            probes_sent: 0,
+            next_probe_ns: 0,
+        }
+    }
+
+    pub fn host(&self) -> &str {
+        self.session.host()
+    }
+
+    /// The host's sequence space, once the handshake is done.
+    pub fn boot_id(&self) -> Option<u64> {
+        self.boot
+    }
+
+    /// When the handshake must be done by (monotonic ns); `None` once it is.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.boot.is_none().then_some(self.hello_deadline_ns)
+    }
+
+    /// Checks the `Hello` deadline.
+    pub fn handle_timeout(&mut self, now_mono_ns: u64) -> Result<(), ProtocolError> {
+        match self.poll_timeout() {
+            Some(d) if now_mono_ns >= d => Err(ProtocolError::Timeout {
+                waiting_for: "Hello",
+                after_ms: self.timing.hello_timeout_ns / 1_000_000,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Handles a message of the control stream. A `Welcome` answer starts the stream: the
+    /// first clock probe is due at once.
+    pub fn handle_control(
+        &mut self,
+        msg: Message,
+        dedup: &Dedup,
+        now_mono_ns: u64,
+        now_realtime_ns: i64,
+    ) -> Result<ServerAction, ProtocolError> {
+        if self.boot.is_none() {
+            self.handle_timeout(now_mono_ns)?;
+        }
+        let action = self.session.handle_control(msg, dedup, now_realtime_ns)?;
+        if let ServerAction::Welcome(_) = action {
+            self.boot = self.session.boot_id();
+            self.next_probe_ns = now_mono_ns;
+        }
+        Ok(action)
+    }
+
+    /// Accounts one message of the event stream against `dedup`.
+    pub fn handle_event(
+        &mut self,
+        msg: Message,
+        dedup: &mut Dedup,
+    ) -> Result<Accounted, ProtocolError> {
+        self.session.check_event_stream(&msg)?;
+        // check_event_stream refuses messages before the handshake.
+        let boot = self.boot.unwrap_or_default();
+        let host = self.session.host();
+        let out = match msg {
+            Message::Event(frame) => match dedup.on_event(host, boot, frame.seq) {
+                EventVerdict::Duplicate => return Ok(Accounted::Duplicate),
+                EventVerdict::Deliver { gap } => Accounted::Deliver { frame, gap },
+            },
+            Message::SpoolLoss(loss) => {
+                let newly_lost = dedup.on_loss(host, boot, &loss);
+                Accounted::Lost { loss, newly_lost }
+            }
+            // Refused by check_event_stream.
+            m => {
+                return Err(ProtocolError::Unexpected {
+                    got: m.name(),
+                    state: "on the event stream",
+                })
+            }
+        };
+        self.acks.on_progress(1);
+        Ok(out)
+    }
+
+    /// The next message to send on the control stream now (an ack, then a clock probe); call
+    /// until `None`.
+    pub fn poll_transmit(
+        &mut self,
+        dedup: &Dedup,
+        now_mono_ns: u64,
+        now_realtime_ns: i64,
+    ) -> Option<Message> {
+        let boot = self.boot?;
+        if let Some(a) = self
+            .acks
+            .poll(dedup.watermark(self.session.host(), boot), now_mono_ns)
+        {
+            return Some(Message::Ack(a));
+        }
+        if now_mono_ns >= self.next_probe_ns {
+            self.probes_sent = self.probes_sent.saturating_add(1);
+            let gap = if self.probes_sent < self.timing.probe_burst {
+                self.timing.probe_burst_gap_ns
+            } else {
+                self.timing.probe_interval_ns
+            };
+            self.next_probe_ns = now_mono_ns.saturating_add(gap);
+            return Some(self.session.clock_probe(now_realtime_ns));
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{caps, Ack, ClientSession, Welcome, PROTOCOL_VERSION};
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn timing() -> GuestTiming {
+        GuestTiming {
+            hello_timeout_ns: 100 * MS,
+            ack_every: 3,
+            ack_interval_ns: 20 * MS,
+            probe_burst: 3,
+            probe_burst_gap_ns: 10 * MS,
+            probe_interval_ns: 1_000 * MS,
+        }
+    }
+
+    fn ev(seq: u64) -> Message {
+        Message::Event(EventFrame {
+            seq,
+            host_realtime_ns: 0,
+            host_monotonic_ns: 0,
+            kind: 1,
+            payload: vec![],
+        })
+    }
+
+    fn connected(dedup: &Dedup, boot: u64, now: u64) -> GuestConnection {
+        let mut g = GuestConnection::new("pve1", timing(), now);
+        let a = g
+            .handle_control(ClientSession::new("pve1", boot).hello(), dedup, now, 0)
+            .unwrap();
+        assert!(matches!(a, ServerAction::Welcome(_)));
+        g
+    }
+
+    #[test]
+    fn hello_deadline() {
+        let dedup = Dedup::new();
+        let mut g = GuestConnection::new("pve1", timing(), 1_000 * MS);
+        assert_eq!(g.poll_timeout(), Some(1_100 * MS));
+        g.handle_timeout(1_099 * MS).unwrap();
+        let e = g.handle_timeout(1_100 * MS).unwrap_err();
+        assert_eq!(e.reason(), "timeout");
+        assert!(e.to_string().contains("Hello"), "{e}");
+        // A Hello after the deadline is refused as a timeout too.
+        let hello = ClientSession::new("pve1", 1).hello();
+        assert_eq!(
+            g.handle_control(hello, &dedup, 1_200 * MS, 0)
+                .unwrap_err()
+                .reason(),
+            "timeout"
+        );
+        // In time: no deadline afterwards, and nothing to send before the handshake.
+        let mut g = GuestConnection::new("pve1", timing(), 0);
+        assert_eq!(g.poll_transmit(&dedup, 0, 0), None);
+        g.handle_control(ClientSession::new("pve1", 1).hello(), &dedup, 99 * MS, 0)
+            .unwrap();
+        assert_eq!(g.poll_timeout(), None);
+        g.handle_timeout(u64::MAX).unwrap();
+        assert_eq!(g.boot_id(), Some(1));
+    }
+
+    #[test]
+    fn welcome_carries_the_resume_point() {
+        let mut dedup = Dedup::new();
+        dedup.seed("pve1", 7, 41);
+        let mut g = GuestConnection::new("pve1", timing(), 0);
+        let a = g
+            .handle_control(ClientSession::new("pve1", 7).hello(), &dedup, 0, 0)
+            .unwrap();
+        assert_eq!(
+            a,
+            ServerAction::Welcome(Message::Welcome(Welcome {
+                protocol_version: PROTOCOL_VERSION,
+                resume_from: Some(42),
+                capabilities: caps::ALL,
+            }))
+        );
+    }
+
+    #[test]
+    fn dedup_gap_and_loss_accounting() {
+        let mut dedup = Dedup::new();
+        let mut g = connected(&dedup, 9, 0);
+        assert!(matches!(
+            g.handle_event(ev(0), &mut dedup).unwrap(),
+            Accounted::Deliver { gap: 0, ref frame } if frame.seq == 0
+        ));
+        assert!(matches!(
+            g.handle_event(ev(3), &mut dedup).unwrap(),
+            Accounted::Deliver { gap: 2, .. }
+        ));
+        let loss = SpoolLoss {
+            dropped: 3,
+            first_seq: 4,
+            last_seq: 6,
+        };
+        assert_eq!(
+            g.handle_event(Message::SpoolLoss(loss.clone()), &mut dedup)
+                .unwrap(),
+            Accounted::Lost {
+                loss,
+                newly_lost: 3
+            }
+        );
+        // Sequence must go forward on one stream.
+        assert_eq!(
+            g.handle_event(ev(6), &mut dedup).unwrap_err().reason(),
+            "seq_backwards"
+        );
+        // A second connection of the same sequence space re-sends: duplicates.
+        let mut g2 = connected(&dedup, 9, 0);
+        assert_eq!(
+            g2.handle_event(ev(3), &mut dedup).unwrap(),
+            Accounted::Duplicate
+        );
+        assert!(matches!(
+            g2.handle_event(ev(7), &mut dedup).unwrap(),
+            Accounted::Deliver { gap: 0, .. }
+        ));
+        assert_eq!(dedup.watermark("pve1", 9), Some(7));
+        // Control messages do not belong on the event stream.
+        assert_eq!(
+            g2.handle_event(Message::Ack(Ack { up_to: 1 }), &mut dedup)
+                .unwrap_err()
+                .reason(),
+            "unexpected_message"
+        );
+    }
+
+    #[test]
+    fn events_before_the_handshake_are_refused() {
+        let mut dedup = Dedup::new();
+        let mut g = GuestConnection::new("pve1", timing(), 0);
+        assert_eq!(
+            g.handle_event(ev(0), &mut dedup).unwrap_err().reason(),
+            "unexpected_message"
+        );
+        assert_eq!(dedup.watermark("pve1", 0), None);
+    }
+
+    #[test]
+    fn acks_by_count_and_time_then_probes_burst_and_interval() {
+        let mut dedup = Dedup::new();
+        let mut g = connected(&dedup, 1, 0);
+        // Right after the handshake: nothing to ack, the first probe is due.
+        assert!(matches!(
+            g.poll_transmit(&dedup, 0, 500),
+            Some(Message::ClockProbe(p)) if p.t1 == 500
+        ));
+        assert_eq!(g.poll_transmit(&dedup, 0, 500), None);
+        // Three events: an ack by count (the interval has not passed since the last ack).
+        for s in 0..3 {
+            g.handle_event(ev(s), &mut dedup).unwrap();
+        }
+        assert_eq!(
+            g.poll_transmit(&dedup, 5 * MS, 0),
+            Some(Message::Ack(Ack { up_to: 2 }))
+        );
+        // One more: acknowledged only once the interval has passed.
+        g.handle_event(ev(3), &mut dedup).unwrap();
+        assert_eq!(g.poll_transmit(&dedup, 9 * MS, 0), None);
+        assert_eq!(
+            g.poll_transmit(&dedup, 25 * MS, 0),
+            Some(Message::Ack(Ack { up_to: 3 }))
+        );
+        // The burst: probes 2 and 3 are 10 ms apart (the first went out at 0) ...
+        assert!(matches!(
+            g.poll_transmit(&dedup, 25 * MS, 0),
+            Some(Message::ClockProbe(_))
+        ));
+        assert_eq!(g.poll_transmit(&dedup, 34 * MS, 0), None);
+        assert!(matches!(
+            g.poll_transmit(&dedup, 35 * MS, 0),
+            Some(Message::ClockProbe(_))
+        ));
+        // ... then the interval.
+        assert_eq!(g.poll_transmit(&dedup, 1_034 * MS, 0), None);
+        assert!(matches!(
+            g.poll_transmit(&dedup, 1_035 * MS, 0),
+            Some(Message::ClockProbe(_))
+        ));
+        // No new events: no new ack, only the probe that is due.
+        assert!(matches!(
+            g.poll_transmit(&dedup, 5_000 * MS, 0),
+            Some(Message::ClockProbe(p)) if p.id == 4
+        ));
+        assert_eq!(g.poll_transmit(&dedup, 5_000 * MS, 0), None);
+    }
+}

@@ -1,0 +1,491 @@
+//! Host end of the event stream: one bounded [`spool::Spool`] and one QUIC connection task per
+//! guest.
+//!
+//! The host agent routes every event to the guests it concerns, encodes it once
+//! ([`EncodedEvent`]) and hands it to [`Spools::push_encoded`]; each guest's spool keeps
+//! it until that guest acknowledges it, and that guest's task ([`conn`]) streams it: connect
+//! with mutual TLS (ALPN `gpufeed/1`), `Hello` → `Welcome`, resume from the guest's
+//! `resume_from`, send frames in sequence order, drop what the guest acknowledges, reconnect
+//! with exponential backoff and jitter. The protocol decisions are in
+//! [`crate::proto::HostConnection`]; the task only moves bytes.
+//!
+//! Metrics (all with label `guest`): `gpufeed_host_stream_connected`,
+//! `gpufeed_host_stream_events_spooled_total`, `gpufeed_host_stream_events_sent_total`,
+//! `gpufeed_host_stream_events_dropped_total`, `gpufeed_host_stream_spool_events`,
+//! `gpufeed_host_stream_spool_disk_bytes`, `gpufeed_host_stream_acked_seq`,
+//! `gpufeed_host_stream_connects_total{result}`; and `gpufeed_host_stream_bus_lagged_total`
+//! (counted by the agent's bus subscriber, see [`StreamHandle::bus_lagged`]).
+
+pub mod conn;
+pub mod spool;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use serde::Deserialize;
+use tokio::sync::{watch, Notify};
+
+use crate::clock::ReferenceClock;
+use crate::proto::EncodedEvent;
+use spool::{Spool, SpoolLimits};
+
+/// `[stream]` section of the host configuration. Every key is optional.
+///
+/// ```toml
+/// [stream]
+/// ca = "/etc/gpufeed/tls/ca.pem"
+/// cert = "/etc/gpufeed/tls/host.pem"
+/// key = "/etc/gpufeed/tls/host-key.pem"
+/// spool_dir = "/var/lib/gpufeed/spool"
+///
+/// [[stream.guests]]
+/// name = "talos-gpu"
+/// endpoint = "10.0.0.20:7845"
+/// vmids = [100]
+/// ```
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamConfig {
+    /// Deployment CA certificate (PEM); the only trusted root. Default
+    /// `/etc/gpufeed/tls/ca.pem`.
+    pub ca: PathBuf,
+    /// This host's client certificate (PEM). Default `/etc/gpufeed/tls/host.pem`.
+    pub cert: PathBuf,
+    /// Its private key (PEM). Default `/etc/gpufeed/tls/host-key.pem`.
+    pub key: PathBuf,
+    /// Spool directory, one subdirectory per guest; events survive agent restarts there.
+    /// Empty string: memory-only spool. Default `/var/lib/gpufeed/spool`.
+    pub spool_dir: PathBuf,
+    /// Events kept in memory per guest (the whole spool when memory-only, else a cache of the
+    /// newest). Default 65536.
+    pub memory_events: usize,
+    /// Disk limit per guest in bytes; beyond it the oldest segment is dropped. Default 256 MiB.
+    pub disk_max_bytes: u64,
+    /// Segment file size in bytes (the unit dropped when the disk limit is hit). Default 4 MiB.
+    pub segment_bytes: u64,
+    /// First reconnect delay in ms (doubles up to `reconnect_max_ms`, with jitter). Default 200.
+    pub reconnect_min_ms: u64,
+    /// Largest reconnect delay in ms. Default 30000.
+    pub reconnect_max_ms: u64,
+    /// Handshake timeout in ms. Default 10000.
+    pub connect_timeout_ms: u64,
+    /// QUIC idle timeout in ms (the connection is declared dead after this silence). Default
+    /// 15000.
+    pub idle_timeout_ms: u64,
+    /// QUIC keep-alive interval in ms. Default 3000.
+    pub keep_alive_ms: u64,
+    /// Largest write to the event stream in bytes. Default 65536.
+    pub batch_bytes: usize,
+    /// After an idle wait, let events gather for this many microseconds before sending, so
+    /// that a burst leaves as a few packets instead of one per event (0: send at once).
+    /// Default 500.
+    pub coalesce_us: u64,
+    /// Guests to stream to. Default none (streaming off).
+    pub guests: Vec<GuestEndpoint>,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            ca: "/etc/gpufeed/tls/ca.pem".into(),
+            cert: "/etc/gpufeed/tls/host.pem".into(),
+            key: "/etc/gpufeed/tls/host-key.pem".into(),
+            spool_dir: "/var/lib/gpufeed/spool".into(),
+            memory_events: 65536,
+            disk_max_bytes: 256 << 20,
+            segment_bytes: 4 << 20,
+            reconnect_min_ms: 200,
+            reconnect_max_ms: 30_000,
+            connect_timeout_ms: 10_000,
+            idle_timeout_ms: 15_000,
+            keep_alive_ms: 3_000,
+            batch_bytes: 64 * 1024,
+            coalesce_us: 500,
+            guests: Vec::new(),
+        }
+    }
+}
+
+/// One guest (VM) to stream to.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestEndpoint {
+    /// `HOST:PORT` of the guest's `--quic-listen` (required).
+    pub endpoint: String,
+    /// Name for the spool subdirectory and the `guest` label. Default: `endpoint`.
+    #[serde(default)]
+    pub name: String,
+    /// Name checked against the guest's server certificate. Default: the host part of
+    /// `endpoint`.
+    #[serde(default)]
+    pub server_name: String,
+    /// VMIDs served by this guest. Empty together with `devices`: every event.
+    #[serde(default)]
+    pub vmids: Vec<u32>,
+    /// PCI devices (BDF) passed through to this guest.
+    #[serde(default)]
+    pub devices: Vec<String>,
+}
+
+impl GuestEndpoint {
+    pub fn label(&self) -> &str {
+        if self.name.is_empty() {
+            &self.endpoint
+        } else {
+            &self.name
+        }
+    }
+
+    /// `server_name`, or the host part of `endpoint` (brackets of an IPv6 literal removed).
+    pub fn server_name(&self) -> String {
+        if !self.server_name.is_empty() {
+            return self.server_name.clone();
+        }
+        let host = match self.endpoint.rsplit_once(':') {
+            Some((h, _)) => h,
+            None => &self.endpoint,
+        };
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error(transparent)]
+    Spool(#[from] spool::SpoolError),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    #[error("stream config: {0}")]
+    Config(String),
+}
+
+struct Metrics {
+    connected: IntGaugeVec,
+    spooled: IntCounterVec,
+    sent: IntCounterVec,
+    dropped: IntCounterVec,
+    spool_events: IntGaugeVec,
+    spool_disk: IntGaugeVec,
+    acked: IntGaugeVec,
+    connects: IntCounterVec,
+    lagged: IntCounter,
+}
+
+impl Metrics {
+    fn new(r: &Registry) -> Result<Self, prometheus::Error> {
+        let g = |n: &str, h: &str| IntGaugeVec::new(Opts::new(n, h), &["guest"]);
+        let c = |n: &str, h: &str| IntCounterVec::new(Opts::new(n, h), &["guest"]);
+        let m = Metrics {
+            connected: g(
+                "gpufeed_host_stream_connected",
+                "1 while the stream to the guest is established",
+            )?,
+            spooled: c(
+                "gpufeed_host_stream_events_spooled_total",
+                "Events put into the guest's spool",
+            )?,
+            sent: c(
+                "gpufeed_host_stream_events_sent_total",
+                "Event frames written to the guest (retransmissions included)",
+            )?,
+            dropped: c(
+                "gpufeed_host_stream_events_dropped_total",
+                "Events the full spool dropped (oldest first) before the guest had them",
+            )?,
+            spool_events: g(
+                "gpufeed_host_stream_spool_events",
+                "Events in the spool not yet acknowledged",
+            )?,
+            spool_disk: g(
+                "gpufeed_host_stream_spool_disk_bytes",
+                "Bytes of spool segment files",
+            )?,
+            acked: g(
+                "gpufeed_host_stream_acked_seq",
+                "Highest sequence number the guest acknowledged",
+            )?,
+            connects: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_host_stream_connects_total",
+                    "Connection attempts by result (ok, error, rejected)",
+                ),
+                &["guest", "result"],
+            )?,
+            lagged: IntCounter::new(
+                "gpufeed_host_stream_bus_lagged_total",
+                "Events the stream missed because it fell behind the agent's event bus",
+            )?,
+        };
+        r.register(Box::new(m.connected.clone()))?;
+        r.register(Box::new(m.spooled.clone()))?;
+        r.register(Box::new(m.sent.clone()))?;
+        r.register(Box::new(m.dropped.clone()))?;
+        r.register(Box::new(m.spool_events.clone()))?;
+        r.register(Box::new(m.spool_disk.clone()))?;
+        r.register(Box::new(m.acked.clone()))?;
+        r.register(Box::new(m.connects.clone()))?;
+        r.register(Box::new(m.lagged.clone()))?;
+        Ok(m)
+    }
+}
+
+/// Per-guest metric handles.
+struct GuestMetrics {
+    connected: IntGauge,
+    spooled: IntCounter,
+    sent: IntCounter,
+    dropped: IntCounter,
+    spool_events: IntGauge,
+    spool_disk: IntGauge,
+    acked: IntGauge,
+    connects_ok: IntCounter,
+    connects_err: IntCounter,
+    connects_rejected: IntCounter,
+}
+
+/// State shared between the router and a guest's connection task.
+pub(crate) struct Guest {
+    cfg: GuestEndpoint,
+    spool: Mutex<Spool>,
+    notify: Notify,
+    m: GuestMetrics,
+}
+
+impl Guest {
+    fn update_gauges(&self, s: &Spool) {
+        self.m.spool_events.set(s.pending() as i64);
+        self.m.spool_disk.set(s.disk_bytes() as i64);
+        if let Some(a) = s.acked() {
+            self.m.acked.set(a as i64);
+        }
+    }
+}
+
+/// Settings shared by the connection tasks.
+pub(crate) struct Common {
+    host_id: String,
+    cfg: StreamConfig,
+    clock: Arc<dyn ReferenceClock>,
+}
+
+/// The running stream. Dropping it leaves the tasks running; call [`shutdown`](Self::shutdown)
+/// on exit so that the spools' state is on disk.
+pub struct StreamHandle {
+    spools: Spools,
+    stop: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    lagged: IntCounter,
+}
+
+/// Where events go in: every guest's spool, and the clock to stamp them with. Cheap to clone,
+/// so that a router task can hold one.
+#[derive(Clone)]
+pub struct Spools {
+    guests: Arc<[Arc<Guest>]>,
+    clock: Arc<dyn ReferenceClock>,
+}
+
+/// Spool state of one guest, for tests and status output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpoolStatus {
+    pub guest: String,
+    pub boot_id: u64,
+    pub next_seq: u64,
+    pub acked: Option<u64>,
+    pub pending: u64,
+    pub dropped_total: u64,
+}
+
+/// Starts a connection task per guest of `cfg`, as `host_id` (which must be the identity in the
+/// client certificate); clock replies carry `clock`'s time (production:
+/// [`crate::clock::SystemClock`]). Must be called inside a tokio runtime. Events are given
+/// through [`StreamHandle::spools`].
+pub fn start(
+    cfg: StreamConfig,
+    host_id: String,
+    registry: &Registry,
+    clock: Arc<dyn ReferenceClock>,
+) -> Result<StreamHandle, StreamError> {
+    let metrics = Metrics::new(registry)?;
+    let limits = SpoolLimits {
+        memory_events: cfg.memory_events,
+        disk_max_bytes: cfg.disk_max_bytes,
+        segment_bytes: cfg.segment_bytes,
+    };
+    let mut guests = Vec::new();
+    for g in &cfg.guests {
+        let label = g.label().to_owned();
+        if label.is_empty()
+            || label.contains(['/', '\0'])
+            || label == "."
+            || label == ".."
+            || guests.iter().any(|x: &Arc<Guest>| x.cfg.label() == label)
+        {
+            return Err(StreamError::Config(format!(
+                "guest name {label:?} is empty, duplicated or not usable as a directory name"
+            )));
+        }
+        let spool = if cfg.spool_dir.as_os_str().is_empty() {
+            Spool::memory(limits)
+        } else {
+            Spool::open(&cfg.spool_dir.join(&label), limits)?
+        };
+        let l = [label.as_str()];
+        let m = GuestMetrics {
+            connected: metrics.connected.with_label_values(&l),
+            spooled: metrics.spooled.with_label_values(&l),
+            sent: metrics.sent.with_label_values(&l),
+            dropped: metrics.dropped.with_label_values(&l),
+            spool_events: metrics.spool_events.with_label_values(&l),
+            spool_disk: metrics.spool_disk.with_label_values(&l),
+            acked: metrics.acked.with_label_values(&l),
+            connects_ok: metrics.connects.with_label_values(&[&label, "ok"]),
+            connects_err: metrics.connects.with_label_values(&[&label, "error"]),
+            connects_rejected: metrics.connects.with_label_values(&[&label, "rejected"]),
+        };
+        tracing::info!(
+            guest = %label,
+            endpoint = %g.endpoint,
+            boot_id = spool.boot_id(),
+            next_seq = spool.next_seq(),
+            pending = spool.pending(),
+            "host stream: spool ready"
+        );
+        let guest = Arc::new(Guest {
+            cfg: g.clone(),
+            spool: Mutex::new(spool),
+            notify: Notify::new(),
+            m,
+        });
+        guest.update_gauges(&guest.spool.lock().expect("spool lock"));
+        guests.push(guest);
+    }
+    let (stop, _) = watch::channel(false);
+    let common = Arc::new(Common {
+        host_id,
+        cfg,
+        clock: clock.clone(),
+    });
+    let tasks = guests
+        .iter()
+        .map(|g| tokio::spawn(conn::run(g.clone(), common.clone(), stop.subscribe())))
+        .collect();
+    Ok(StreamHandle {
+        spools: Spools {
+            guests: guests.into(),
+            clock,
+        },
+        stop,
+        tasks,
+        lagged: metrics.lagged,
+    })
+}
+
+/// An event ready for a spool: host realtime ns (as reported), host monotonic ns, kind,
+/// postcard payload.
+pub type RawEvent = (i64, u64, u16, Vec<u8>);
+
+fn push_encoded(g: &Guest, evs: &[Arc<EncodedEvent>]) {
+    let mut s = g.spool.lock().expect("spool lock");
+    let mut dropped = 0;
+    for e in evs {
+        match s.push(e.clone()) {
+            Ok((_, d)) => dropped += d,
+            Err(e) => {
+                tracing::error!(guest = %g.cfg.label(), error = %e, "spool write failed; event lost");
+            }
+        }
+    }
+    if let Err(e) = s.flush(Duration::from_secs(1)) {
+        tracing::error!(guest = %g.cfg.label(), error = %e, "spool flush failed");
+    }
+    if dropped > 0 {
+        tracing::warn!(guest = %g.cfg.label(), dropped, total = s.dropped_total(), "spool full: dropped the oldest events");
+        g.m.dropped.inc_by(dropped);
+    }
+    g.m.spooled.inc_by(evs.len() as u64);
+    g.update_gauges(&s);
+    drop(s);
+    g.notify.notify_one();
+}
+
+impl Spools {
+    /// Spools events for the guest at `guest_index` (the order of `StreamConfig::guests`).
+    /// One [`EncodedEvent`] may go to any number of guests.
+    pub fn push_encoded(&self, guest_index: usize, events: &[Arc<EncodedEvent>]) {
+        push_encoded(&self.guests[guest_index], events);
+    }
+
+    /// Spools raw `(kind, payload)` events for the guest at `guest_index` (tests,
+    /// benchmarks). `host_realtime_ns` is used as given.
+    pub fn push_raw(&self, guest_index: usize, events: Vec<RawEvent>) {
+        let encoded: Vec<_> = events
+            .iter()
+            .filter_map(|(rt, mono, kind, payload)| {
+                EncodedEvent::new(*rt, *mono, *kind, payload)
+                    .map_err(|e| tracing::error!(kind, error = %e, "cannot frame event; skipped"))
+                    .ok()
+                    .map(Arc::new)
+            })
+            .collect();
+        push_encoded(&self.guests[guest_index], &encoded);
+    }
+
+    /// Number of guests (valid indices of [`push_encoded`](Self::push_encoded)).
+    pub fn guest_count(&self) -> usize {
+        self.guests.len()
+    }
+
+    /// The reference clock events are to be stamped with.
+    pub fn clock(&self) -> &dyn ReferenceClock {
+        &*self.clock
+    }
+}
+
+impl StreamHandle {
+    /// Where events go in.
+    pub fn spools(&self) -> &Spools {
+        &self.spools
+    }
+
+    /// `gpufeed_host_stream_bus_lagged_total`: events the caller's bus subscriber missed.
+    pub fn bus_lagged(&self) -> &IntCounter {
+        &self.lagged
+    }
+
+    pub fn status(&self) -> Vec<SpoolStatus> {
+        self.spools
+            .guests
+            .iter()
+            .map(|g| {
+                let s = g.spool.lock().expect("spool lock");
+                SpoolStatus {
+                    guest: g.cfg.label().to_owned(),
+                    boot_id: s.boot_id(),
+                    next_seq: s.next_seq(),
+                    acked: s.acked(),
+                    pending: s.pending(),
+                    dropped_total: s.dropped_total(),
+                }
+            })
+            .collect()
+    }
+
+    /// Stops the tasks (closing connections) and writes every spool's state to disk.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        for g in self.spools.guests.iter() {
+            let mut s = g.spool.lock().expect("spool lock");
+            if let Err(e) = s.flush(Duration::ZERO) {
+                tracing::error!(guest = %g.cfg.label(), error = %e, "spool flush at shutdown failed");
+            }
+        }
+    }
+}
