@@ -3,6 +3,7 @@
 //! feature, the QUIC drivers of both ends of the event stream ([`stream`]).
 pub mod clock;
 pub mod event;
+pub mod hoststate;
 pub mod proto;
 #[cfg(feature = "stream")]
 pub mod stream;

@@ -12,6 +12,7 @@
 //! `gpufeed_host_stream_connects_total{result}`; and `gpufeed_host_stream_bus_lagged_total`.
 
 pub mod route;
+pub mod state;
 
 use std::sync::Arc;
 

@@ -22,6 +22,7 @@
 //! and where a KVM PTP clock exists `gpufeed_clock_kvm_ptp_offset_seconds` (hypervisor minus
 //! guest, the cross-check).
 
+pub mod host_state;
 pub mod journal;
 
 use std::collections::{HashMap, VecDeque};
