@@ -45,7 +45,7 @@ impl Default for DetectorConfig {
             k: 6.0,
             min_ratio: 1.5,
             confirm_windows: 2,
-            strong_factor: 4.0,
+            strong_factor: 10.0,
             exit_fraction: 0.5,
             exit_windows: 2,
             max_episode_windows: 120,
@@ -360,8 +360,9 @@ mod tests {
             .filter(|(_, v)| matches!(v, Verdict::Spike { .. }))
             .map(|(i, _)| *i)
             .collect();
-        // One at the shift, one at the later rise over the new level (both strong).
-        assert_eq!(spikes, vec![30, 430], "{out:?}");
+        // One at the shift (strong: at once), one at the later rise over the new level
+        // (confirmed by its second window).
+        assert_eq!(spikes, vec![30, 431], "{out:?}");
     }
 
     #[test]
