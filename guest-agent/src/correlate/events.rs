@@ -318,6 +318,20 @@ pub(crate) mod tests {
         })
     }
 
+    /// A kernel log line about a link going down (context, not an incident).
+    pub(crate) fn kmsg_link_down() -> HostEvent {
+        HostEvent::Kmsg(KmsgRecord {
+            seq: 7,
+            usec: 1,
+            level: 3,
+            facility: 0,
+            class: KmsgClass::LinkDown,
+            bdf: None,
+            vmid: None,
+            text: "pcieport 0000:08:01.0: link down".into(),
+        })
+    }
+
     fn kind(ev: &HostEvent) -> &'static str {
         classify(Payload::Known(ev)).kind.as_str()
     }
@@ -461,17 +475,7 @@ pub(crate) mod tests {
 
     #[test]
     fn context_and_unknown_are_counted_but_never_joined() {
-        let k = HostEvent::Kmsg(KmsgRecord {
-            seq: 1,
-            usec: 1,
-            level: 3,
-            facility: 0,
-            class: KmsgClass::LinkDown,
-            bdf: None,
-            vmid: None,
-            text: "pcieport: link down".into(),
-        });
-        let c = classify(Payload::Known(&k));
+        let c = classify(Payload::Known(&kmsg_link_down()));
         assert_eq!(c.kind.as_str(), "kmsg");
         assert!(!c.kind.joins() && !c.kind.listed());
         let u = classify(Payload::UnknownKind(99));

@@ -182,7 +182,7 @@ impl Joiner {
         if let Some(e) = self.events.iter_mut().find(|e| {
             e.kind == c.kind
                 && e.host == input.host
-                && e.at.abs_diff(at) as i64 <= self.cfg.coalesce
+                && e.at.abs_diff(at) <= self.cfg.coalesce.unsigned_abs()
         }) {
             e.count += 1;
             return Vec::new();
@@ -296,4 +296,81 @@ fn link(spike: &mut SpikeRecord, event: &mut EventRecord, cap: usize) -> Option<
 fn find<T>(v: &mut VecDeque<T>, id: u64, key: impl Fn(&T) -> u64) -> Option<&mut T> {
     let i = v.binary_search_by_key(&id, key).ok()?;
     v.get_mut(i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::events::tests::aer;
+    use super::super::events::{classify, Payload};
+    use super::*;
+    use gpufeed_shared::event::AerSeverity;
+
+    const S: i64 = 1_000_000_000;
+
+    fn joiner() -> Joiner {
+        Joiner::new(JoinConfig {
+            before: 2 * S,
+            after: 5 * S,
+            coalesce: S,
+            retention: 900 * S,
+            max_spikes: 100,
+            max_events: 100,
+            max_hits_per_event: 2,
+        })
+    }
+
+    fn event(j: &mut Joiner, at: i64) -> Vec<NewJoin> {
+        let ev = aer(AerSeverity::Fatal);
+        let input = HostInput {
+            host: "h",
+            host_realtime_ns: at,
+            clock_offset_ns: 0,
+            payload: Payload::Known(&ev),
+        };
+        j.add_event(&input, classify(input.payload))
+    }
+
+    #[test]
+    fn reach_is_inclusive_at_both_ends() {
+        let mut j = joiner();
+        let pod = PodKey::new("ns", "p", "u");
+        let t = 100 * S;
+        for (i, at) in [t - 2 * S - 1, t - 2 * S, t + 5 * S, t + 5 * S + 1]
+            .iter()
+            .enumerate()
+        {
+            j.add_spike(&pod, &format!("s{i}"), *at, 10.0, 1.0);
+        }
+        let joined: Vec<String> = event(&mut j, t).into_iter().map(|n| n.signal).collect();
+        assert_eq!(joined, vec!["s1", "s2"]);
+    }
+
+    #[test]
+    fn hits_beyond_the_cap_are_counted_and_peaks_reach_the_event() {
+        let mut j = joiner();
+        let pod = PodKey::new("ns", "p", "u");
+        event(&mut j, 100 * S);
+        let ids: Vec<u64> = (0..3)
+            .map(|i| j.add_spike(&pod, &format!("s{i}"), 101 * S, 10.0, 2.0).0)
+            .collect();
+        let e = j.events().next().unwrap();
+        assert_eq!((e.hits.len(), e.hits_dropped), (2, 1));
+        j.episode_window(ids[0], 103 * S, 40.0);
+        j.episode_window(ids[0], 107 * S, 90.0); // past `after`: not the effect's peak
+        let e = j.events().next().unwrap();
+        assert_eq!(e.hits[0].value, 40.0);
+        assert_eq!(magnitude(e.hits[0].value, e.hits[0].baseline), Some(20.0));
+    }
+
+    #[test]
+    fn bursts_coalesce_only_close_together_and_never_across_extremes() {
+        let mut j = joiner();
+        event(&mut j, 100 * S);
+        event(&mut j, 100 * S + S / 2);
+        event(&mut j, 103 * S);
+        event(&mut j, i64::MIN);
+        event(&mut j, i64::MAX);
+        let counts: Vec<u64> = j.events().map(|e| e.count).collect();
+        assert_eq!(counts, vec![2, 1, 1, 1]);
+    }
 }

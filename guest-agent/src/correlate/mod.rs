@@ -83,7 +83,7 @@ impl Default for Config {
             retention: Duration::from_secs(15 * 60),
             idle_pod: Duration::from_secs(10 * 60),
             max_spikes: 8192,
-            max_events: 256,
+            max_events: 128,
             max_hits_per_event: 256,
         }
     }

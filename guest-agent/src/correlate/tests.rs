@@ -1,9 +1,9 @@
 //! Deterministic timelines through the whole correlator.
 
-use gpufeed_shared::event::{AerSeverity, HostEvent, KmsgClass, KmsgRecord, LinkChangeClass};
+use gpufeed_shared::event::{AerSeverity, HostEvent, LinkChangeClass};
 use prometheus::proto::{MetricFamily, MetricType};
 
-use super::events::tests::{aer, link};
+use super::events::tests::{aer, kmsg_link_down, link};
 use super::events::Payload;
 use super::*;
 
@@ -464,17 +464,7 @@ fn an_unknown_kind_is_counted_and_listed_and_explains_nothing() {
                 },
                 now,
             );
-            let kmsg = HostEvent::Kmsg(KmsgRecord {
-                seq: 7,
-                usec: 1,
-                level: 3,
-                facility: 0,
-                class: KmsgClass::LinkDown,
-                bdf: None,
-                vmid: None,
-                text: "pcieport 0000:08:01.0: link down".into(),
-            });
-            sim.event(&kmsg, 30.0, 0.0, 0.0);
+            sim.event(&kmsg_link_down(), 30.0, 0.0, 0.0);
         }
     });
     let host = |e| sim.value(export::HOST_EVENTS, &[("host", "pve1"), ("event", e)]);
