@@ -18,8 +18,7 @@
 //!   windows stay out of the baseline. An episode longer than `max_episode_windows` is a new
 //!   level: the detector forgets its baseline and warms up again.
 
-use super::baseline::Baseline;
-use super::window::Ring;
+use super::baseline::{Baseline, Rolling};
 
 /// Settings shared by all detectors; see the module doc for how each is used.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,7 +105,7 @@ enum Phase {
 
 #[derive(Debug, Clone)]
 pub struct Detector {
-    quiet: Ring<f64>,
+    quiet: Rolling,
     phase: Phase,
 }
 
@@ -119,7 +118,7 @@ const QUIET: Phase = Phase::Quiet {
 impl Detector {
     pub fn new(cfg: &DetectorConfig) -> Self {
         Detector {
-            quiet: Ring::new(cfg.baseline_windows),
+            quiet: Rolling::new(cfg.baseline_windows),
             phase: QUIET,
         }
     }
@@ -128,7 +127,7 @@ impl Detector {
         matches!(self.phase, Phase::Episode { .. })
     }
 
-    /// Feeds one window. `scratch` is a reusable buffer for the baseline computation.
+    /// Feeds one window.
     pub fn observe(
         &mut self,
         cfg: &DetectorConfig,
@@ -136,7 +135,6 @@ impl Detector {
         at: i64,
         count: u64,
         value: f64,
-        scratch: &mut Vec<f64>,
     ) -> Verdict {
         if !value.is_finite() || (!policy.rate && count < cfg.min_window_count) {
             return Verdict::Nothing;
@@ -168,7 +166,7 @@ impl Detector {
                     self.quiet.push(value);
                     return Verdict::Nothing;
                 }
-                let Some(t) = self.thresholds(cfg, policy, scratch) else {
+                let Some(t) = self.thresholds(cfg, policy) else {
                     self.quiet.push(value);
                     return Verdict::Nothing;
                 };
@@ -205,18 +203,15 @@ impl Detector {
         }
     }
 
-    fn thresholds(
-        &self,
-        cfg: &DetectorConfig,
-        policy: SignalPolicy,
-        scratch: &mut Vec<f64>,
-    ) -> Option<Thresholds> {
-        let baseline = Baseline::of(self.quiet.iter().copied(), scratch)?;
+    fn thresholds(&self, cfg: &DetectorConfig, policy: SignalPolicy) -> Option<Thresholds> {
+        let baseline = self.quiet.baseline()?;
         let margin = (cfg.k * baseline.sigma())
             .max((cfg.min_ratio - 1.0) * baseline.median.abs())
             .max(policy.abs_floor);
-        if margin <= 0.0 {
-            // Flat zero with no floor configured: nothing can stand out meaningfully.
+        // Flat zero with no floor configured: nothing can stand out meaningfully. Infinite or
+        // NaN (only from absurd values) is no baseline either.
+        let usable = margin.is_finite() && margin > 0.0 && baseline.median.is_finite();
+        if !usable {
             return None;
         }
         Some(Thresholds {
@@ -246,13 +241,12 @@ mod tests {
     fn run(policy: SignalPolicy, values: &[f64]) -> Vec<(usize, Verdict)> {
         let cfg = DetectorConfig::default();
         let mut d = Detector::new(&cfg);
-        let mut scratch = Vec::new();
         values
             .iter()
             .enumerate()
             .filter_map(|(i, &v)| {
                 let at = i as i64 * 1_000_000_000;
-                match d.observe(&cfg, policy, at, 100, v, &mut scratch) {
+                match d.observe(&cfg, policy, at, 100, v) {
                     Verdict::Nothing => None,
                     x => Some((i, x)),
                 }
@@ -330,22 +324,21 @@ mod tests {
     #[test]
     fn thin_windows_are_ignored_for_distributions_only() {
         let cfg = DetectorConfig::default();
-        let mut scratch = Vec::new();
         let mut d = Detector::new(&cfg);
         for i in 0..30 {
-            d.observe(&cfg, DIST, i, 100, 40.0, &mut scratch);
+            d.observe(&cfg, DIST, i, 100, 40.0);
         }
         for i in 30..40 {
-            let v = d.observe(&cfg, DIST, i, 3, 9000.0, &mut scratch);
+            let v = d.observe(&cfg, DIST, i, 3, 9000.0);
             assert_eq!(v, Verdict::Nothing);
         }
-        let v = d.observe(&cfg, DIST, 41, 100, f64::NAN, &mut scratch);
+        let v = d.observe(&cfg, DIST, 41, 100, f64::NAN);
         assert_eq!(v, Verdict::Nothing);
         let mut r = Detector::new(&cfg);
         for i in 0..30 {
-            r.observe(&cfg, RATE, i, 0, 0.0, &mut scratch);
+            r.observe(&cfg, RATE, i, 0, 0.0);
         }
-        let v = r.observe(&cfg, RATE, 30, 0, 50.0, &mut scratch);
+        let v = r.observe(&cfg, RATE, 30, 0, 50.0);
         assert!(matches!(v, Verdict::Spike { .. }), "{v:?}");
     }
 

@@ -120,7 +120,6 @@ pub struct Correlator {
     pods: HashMap<PodKey, PodState>,
     joiner: Joiner,
     counters: Counters,
-    scratch: Vec<f64>,
 }
 
 impl Correlator {
@@ -139,7 +138,6 @@ impl Correlator {
             pods: HashMap::new(),
             joiner,
             counters: Counters::default(),
-            scratch: Vec::with_capacity(64),
         }
     }
 
@@ -180,14 +178,9 @@ impl Correlator {
                 episode: None,
             }),
         };
-        let verdict = st.detector.observe(
-            &self.cfg.detector,
-            policy,
-            w.at,
-            w.count,
-            w.p99,
-            &mut self.scratch,
-        );
+        let verdict = st
+            .detector
+            .observe(&self.cfg.detector, policy, w.at, w.count, w.p99);
         match verdict {
             Verdict::Nothing => {}
             Verdict::Spike {

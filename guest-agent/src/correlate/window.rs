@@ -1,7 +1,5 @@
 //! What the probe units hand the correlator every tick: one window per (pod, signal).
 
-use std::collections::VecDeque;
-
 use serde::Serialize;
 
 /// A pod as the correlator knows it. `uid` keeps two pods of the same name apart (a pod
@@ -41,65 +39,4 @@ pub struct SignalWindow {
     pub p50: f64,
     pub p99: f64,
     pub max: f64,
-}
-
-/// A bounded FIFO: pushing onto a full ring drops the oldest entry.
-#[derive(Debug, Clone)]
-pub struct Ring<T> {
-    items: VecDeque<T>,
-    cap: usize,
-}
-
-impl<T> Ring<T> {
-    pub fn new(cap: usize) -> Self {
-        let cap = cap.max(1);
-        Ring {
-            items: VecDeque::with_capacity(cap),
-            cap,
-        }
-    }
-
-    pub fn push(&mut self, item: T) {
-        if self.items.len() == self.cap {
-            self.items.pop_front();
-        }
-        self.items.push_back(item);
-    }
-
-    pub fn len(&self) -> usize {
-        self.items.len()
-    }
-
-    pub fn clear(&mut self) {
-        self.items.clear();
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = &T> {
-        self.items.iter()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ring_keeps_the_newest_up_to_its_capacity() {
-        let mut r = Ring::new(3);
-        for i in 0..5 {
-            r.push(i);
-        }
-        assert_eq!(r.iter().copied().collect::<Vec<_>>(), vec![2, 3, 4]);
-        assert_eq!(r.len(), 3);
-        r.clear();
-        assert_eq!(r.len(), 0);
-    }
-
-    #[test]
-    fn ring_of_capacity_zero_still_holds_one() {
-        let mut r = Ring::new(0);
-        r.push(1);
-        r.push(2);
-        assert_eq!(r.iter().copied().collect::<Vec<_>>(), vec![2]);
-    }
 }
