@@ -4,6 +4,9 @@ mod bandwidth;
 mod certs;
 mod cgroups;
 mod collect;
+// Not wired into the agent yet.
+#[allow(dead_code)]
+mod correlate;
 mod dst;
 mod exporter;
 mod hub;

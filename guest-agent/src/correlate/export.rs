@@ -1,0 +1,308 @@
+//! What the correlator shows: the `gpufeed_*` correlation series and the recent host events
+//! as JSON that Grafana's JSON data sources take as annotations (`time` in ms since the
+//! epoch, `title`, `text`, `tags`).
+
+use std::collections::BTreeMap;
+
+use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use serde::Serialize;
+
+use super::join::{magnitude, EventRecord, SpikeRecord};
+use super::{ns, Correlator, EventKind};
+
+pub const LATENCY_SPIKES: &str = "gpufeed_latency_spikes_total";
+pub const CORRELATED_SPIKES: &str = "gpufeed_correlated_spikes_total";
+pub const HOST_EVENTS: &str = "gpufeed_host_events_total";
+pub const EVENT_IMPACT: &str = "gpufeed_event_impact_ratio";
+pub const SPIKE_EXPLAINED: &str = "gpufeed_spike_explained_ratio";
+
+/// A pod signal that spiked near an event.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Affected {
+    pub namespace: String,
+    pub pod: String,
+    pub signal: String,
+    /// Spike time minus event time (negative: the spike showed first).
+    pub lag_ms: i64,
+    /// p99 ÷ baseline median; null when the baseline was zero.
+    pub magnitude: Option<f64>,
+    pub p99: f64,
+    pub baseline: f64,
+}
+
+/// One host event, shaped as a Grafana annotation plus the join's details.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EventView {
+    /// Guest realtime, ms since the epoch.
+    pub time: i64,
+    pub title: String,
+    pub text: String,
+    pub tags: Vec<String>,
+    pub host: String,
+    pub event: &'static str,
+    pub host_kind: &'static str,
+    /// Events coalesced into this one.
+    pub count: u64,
+    /// Host minus guest clock offset applied, ms.
+    pub clock_offset_ms: f64,
+    pub affected: Vec<Affected>,
+    /// Affected pod signals beyond the per-event cap.
+    pub affected_not_listed: u64,
+}
+
+/// A spike no host event explains (yet, while `pending`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SpikeView {
+    pub time: i64,
+    pub namespace: String,
+    pub pod: String,
+    pub signal: String,
+    pub magnitude: Option<f64>,
+    pub p99: f64,
+    pub baseline: f64,
+    /// Still within reach of a late host event.
+    pub pending: bool,
+}
+
+fn ms(t: i64) -> i64 {
+    t.div_euclid(1_000_000)
+}
+
+fn event_view(e: &EventRecord) -> EventView {
+    let affected: Vec<Affected> = e
+        .hits
+        .iter()
+        .map(|h| Affected {
+            namespace: h.pod.namespace.clone(),
+            pod: h.pod.pod.clone(),
+            signal: h.signal.clone(),
+            lag_ms: ms(h.lag_ns),
+            magnitude: magnitude(h.value, h.baseline),
+            p99: h.value,
+            baseline: h.baseline,
+        })
+        .collect();
+    let pods: Vec<String> = affected
+        .iter()
+        .map(|a| match a.magnitude {
+            Some(m) => format!("{}/{} {} ×{m:.1}", a.namespace, a.pod, a.signal),
+            None => format!("{}/{} {} from 0", a.namespace, a.pod, a.signal),
+        })
+        .collect();
+    let hit = if pods.is_empty() {
+        "no pod spiked".to_string()
+    } else {
+        pods.join(", ")
+    };
+    let burst = if e.count > 1 {
+        format!(" ({} events)", e.count)
+    } else {
+        String::new()
+    };
+    EventView {
+        time: ms(e.at),
+        title: format!("{} on {}", e.kind.as_str(), e.host),
+        text: format!("{}{burst}: {hit}", e.summary),
+        tags: vec![
+            "gpufeed".to_string(),
+            format!("host:{}", e.host),
+            format!("event:{}", e.kind.as_str()),
+        ],
+        host: e.host.clone(),
+        event: e.kind.as_str(),
+        host_kind: e.host_kind,
+        count: e.count,
+        clock_offset_ms: e.clock_offset_ns as f64 / 1e6,
+        affected,
+        affected_not_listed: e.hits_dropped,
+    }
+}
+
+fn spike_view(s: &SpikeRecord, pending: bool) -> SpikeView {
+    SpikeView {
+        time: ms(s.at),
+        namespace: s.pod.namespace.clone(),
+        pod: s.pod.pod.clone(),
+        signal: s.signal.clone(),
+        magnitude: s.magnitude(),
+        p99: s.value,
+        baseline: s.baseline,
+        pending,
+    }
+}
+
+impl Correlator {
+    /// Recent host events, newest first.
+    pub fn recent_events(&self) -> Vec<EventView> {
+        let mut v: Vec<&EventRecord> = self.joiner.events().collect();
+        v.sort_by_key(|e| std::cmp::Reverse((e.at, e.id)));
+        v.into_iter().map(event_view).collect()
+    }
+
+    /// Retained spikes that joined no host event, newest first; `pending` ones may still be
+    /// explained by a late event.
+    pub fn unexplained_spikes(&self, now: i64) -> Vec<SpikeView> {
+        let late = ns(self.cfg.lateness);
+        let mut v: Vec<SpikeView> = self
+            .joiner
+            .spikes()
+            .filter(|s| s.events.is_empty())
+            .map(|s| spike_view(s, !self.joiner.is_unexplained(s, now, late)))
+            .collect();
+        v.sort_by_key(|s| std::cmp::Reverse(s.time));
+        v
+    }
+
+    /// Share of the retained spikes of each signal that joined a host event; pending spikes
+    /// are left out until they are settled. Signals without settled spikes have no ratio.
+    pub fn explained_ratio(&self, now: i64) -> BTreeMap<String, f64> {
+        let late = ns(self.cfg.lateness);
+        let mut tally: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for s in self.joiner.spikes() {
+            let explained = !s.events.is_empty();
+            if explained || self.joiner.is_unexplained(s, now, late) {
+                let t = tally.entry(s.signal.as_str()).or_default();
+                t.0 += explained as u64;
+                t.1 += 1;
+            }
+        }
+        tally
+            .into_iter()
+            .map(|(s, (e, n))| (s.to_string(), e as f64 / n as f64))
+            .collect()
+    }
+
+    /// p99 ÷ baseline per (event kind, signal, namespace, pod) for the latest event of each
+    /// kind; +Inf where the baseline was zero. Live pods only.
+    pub fn impact(&self) -> BTreeMap<[String; 4], f64> {
+        let mut latest: BTreeMap<EventKind, &EventRecord> = BTreeMap::new();
+        for e in self.joiner.events().filter(|e| e.kind.joins()) {
+            let slot = latest.entry(e.kind).or_insert(e);
+            if (e.at, e.id) > (slot.at, slot.id) {
+                *slot = e;
+            }
+        }
+        let mut out = BTreeMap::new();
+        for (kind, e) in latest {
+            for h in e.hits.iter().filter(|h| self.pods.contains_key(&h.pod)) {
+                let m = magnitude(h.value, h.baseline).unwrap_or(f64::INFINITY);
+                let key = [
+                    kind.as_str().to_string(),
+                    h.signal.clone(),
+                    h.pod.namespace.clone(),
+                    h.pod.pod.clone(),
+                ];
+                let v = out.entry(key).or_insert(m);
+                *v = v.max(m);
+            }
+        }
+        out
+    }
+
+    /// The five correlation families, ready for a prometheus `Collector`.
+    pub fn metric_families(&self, now: i64) -> Vec<MetricFamily> {
+        let c = &self.counters;
+        // Series are per (namespace, pod): two pod objects of one name (a StatefulSet pod
+        // re-created) add up.
+        let mut spikes: BTreeMap<[String; 3], f64> = BTreeMap::new();
+        for ((p, s), n) in &c.spikes {
+            *spikes
+                .entry([s.clone(), p.namespace.clone(), p.pod.clone()])
+                .or_default() += *n as f64;
+        }
+        let mut correlated: BTreeMap<[String; 4], f64> = BTreeMap::new();
+        for ((p, s, k), n) in &c.correlated {
+            let key = [
+                k.as_str().to_string(),
+                s.clone(),
+                p.namespace.clone(),
+                p.pod.clone(),
+            ];
+            *correlated.entry(key).or_default() += *n as f64;
+        }
+        let host_events = c
+            .host_events
+            .iter()
+            .map(|((h, e), n)| ([h.clone(), e.to_string()], *n as f64));
+        let explained = self.explained_ratio(now).into_iter().map(|(s, r)| ([s], r));
+        vec![
+            family(
+                LATENCY_SPIKES,
+                "Latency spikes detected, per pod signal",
+                MetricType::COUNTER,
+                ["signal", "namespace", "pod"],
+                spikes,
+            ),
+            family(
+                CORRELATED_SPIKES,
+                "Latency spikes within reach of a host event, per event kind",
+                MetricType::COUNTER,
+                ["event", "signal", "namespace", "pod"],
+                correlated,
+            ),
+            family(
+                HOST_EVENTS,
+                "Host events received, by correlation kind",
+                MetricType::COUNTER,
+                ["host", "event"],
+                host_events,
+            ),
+            family(
+                EVENT_IMPACT,
+                "p99 after the latest event of each kind divided by the pod signal's baseline",
+                MetricType::GAUGE,
+                ["event", "signal", "namespace", "pod"],
+                self.impact(),
+            ),
+            family(
+                SPIKE_EXPLAINED,
+                "Share of settled spikes of the retention period joined to a host event",
+                MetricType::GAUGE,
+                ["signal"],
+                explained,
+            ),
+        ]
+    }
+}
+
+/// A family of counters or gauges from (label values, value) pairs.
+fn family<const N: usize>(
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    names: [&str; N],
+    series: impl IntoIterator<Item = ([String; N], f64)>,
+) -> MetricFamily {
+    let metrics = series
+        .into_iter()
+        .map(|(values, v)| {
+            let labels = names
+                .iter()
+                .zip(values)
+                .map(|(n, value)| {
+                    let mut l = LabelPair::default();
+                    l.set_name(n.to_string());
+                    l.set_value(value);
+                    l
+                })
+                .collect();
+            let mut m = Metric::from_label(labels);
+            if kind == MetricType::COUNTER {
+                let mut c = Counter::default();
+                c.set_value(v);
+                m.set_counter(c);
+            } else {
+                let mut g = Gauge::default();
+                g.set_value(v);
+                m.set_gauge(g);
+            }
+            m
+        })
+        .collect();
+    let mut f = MetricFamily::default();
+    f.set_name(name.to_string());
+    f.set_help(help.to_string());
+    f.set_field_type(kind);
+    f.set_metric(metrics);
+    f
+}

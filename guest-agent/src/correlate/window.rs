@@ -1,0 +1,42 @@
+//! What the probe units hand the correlator every tick: one window per (pod, signal).
+
+use serde::Serialize;
+
+/// A pod as the correlator knows it. `uid` keeps two pods of the same name apart (a pod
+/// deleted and re-created under its old name is a new pod with a fresh baseline).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct PodKey {
+    pub namespace: String,
+    pub pod: String,
+    pub uid: String,
+}
+
+impl PodKey {
+    pub fn new(namespace: &str, pod: &str, uid: &str) -> Self {
+        PodKey {
+            namespace: namespace.to_string(),
+            pod: pod.to_string(),
+            uid: uid.to_string(),
+        }
+    }
+}
+
+/// One tick of one latency signal of one pod, summarised from the probe's delta.
+///
+/// For a distribution signal (`sched_latency`, `tcp_rtt`) `count` is the number of
+/// observations and `p50`/`p99`/`max` are their quantiles. For a rate signal
+/// (`tcp_retransmit`, `tc_drop`) the unit reports the per-second rate of the window in
+/// `p50`, `p99` and `max` and the number of events in `count`. The detector tests `p99`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SignalWindow {
+    pub pod: PodKey,
+    /// `sched_latency`, `tcp_rtt`, `tcp_retransmit`, `tc_drop`, or a later unit's name.
+    pub signal: String,
+    /// End of the window, guest `CLOCK_REALTIME` in ns.
+    pub at: i64,
+    pub count: u64,
+    pub sum: f64,
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+}
