@@ -262,7 +262,7 @@ async fn stream(
     stop: &mut watch::Receiver<bool>,
 ) -> Result<Outcome, ConnError> {
     let label = g.cfg.label();
-    let boot_id = g.spool.lock().expect("spool lock").boot_id();
+    let boot_id = g.spool().boot_id();
     let mut session = HostConnection::new(
         c.host_id.clone(),
         boot_id,
@@ -302,7 +302,7 @@ async fn stream(
     g.m.connects_ok.inc();
     g.m.connected.set(1);
     let mut cursor = {
-        let mut s = g.spool.lock().expect("spool lock");
+        let mut s = g.spool();
         let cur = s.start_cursor(resume_from)?;
         g.update_gauges(&s);
         cur
@@ -316,7 +316,7 @@ async fn stream(
             let msg = read_msg(&mut ctl_recv, &mut dec).await?;
             match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
                 Some(HostOutput::Acked(up_to)) => {
-                    let mut s = g.spool.lock().expect("spool lock");
+                    let mut s = g.spool();
                     s.ack(up_to)?;
                     g.update_gauges(&s);
                 }
@@ -330,7 +330,7 @@ async fn stream(
     let sender = async {
         loop {
             let b = {
-                let mut s = g.spool.lock().expect("spool lock");
+                let mut s = g.spool();
                 s.read_batch(cursor, c.cfg.batch_bytes)?
             };
             if b.bytes.is_empty() {
