@@ -174,3 +174,54 @@ pub fn raw_client(cfg: rustls::ClientConfig) -> (quinn::Endpoint, quinn::ClientC
     let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     (ep, quinn::ClientConfig::new(Arc::new(quic)))
 }
+
+/// A tmpfs of `size` KiB mounted on a fresh temporary directory: a disk that fills up. Needs
+/// root (as every kernel test here); unmounted (lazily, so that open files cannot block it)
+/// when dropped, also when the test fails.
+pub struct TinyFs {
+    _dir: tempfile::TempDir,
+    mnt: PathBuf,
+}
+
+impl TinyFs {
+    pub fn mount(size_kib: u64) -> TinyFs {
+        let dir = tempfile::tempdir().unwrap();
+        let mnt = dir.path().join("fs");
+        std::fs::create_dir(&mnt).unwrap();
+        let name = format!("gpufeed-test-{}", std::process::id());
+        let st = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size_kib}k"), &name])
+            .arg(&mnt)
+            .status()
+            .unwrap();
+        assert!(
+            st.success(),
+            "mounting a tmpfs on {} (root needed)",
+            mnt.display()
+        );
+        TinyFs { _dir: dir, mnt }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.mnt
+    }
+
+    /// Gives the file system a new size (room again, or less).
+    pub fn resize(&self, size_kib: u64) {
+        let st = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,size={size_kib}k")])
+            .arg(&self.mnt)
+            .status()
+            .unwrap();
+        assert!(st.success(), "resizing the tmpfs on {}", self.mnt.display());
+    }
+}
+
+impl Drop for TinyFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.mnt)
+            .status();
+    }
+}

@@ -7,13 +7,62 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context};
 use tokio::sync::watch;
 
 use super::{Common, Guest};
 use crate::clock::monotonic_ns;
 use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message};
 use crate::tls;
+
+/// Why a connection attempt or an established connection ended.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error("TLS config unusable for QUIC: {0}")]
+    QuicTls(#[from] quinn::crypto::rustls::NoInitialCipherSuite),
+    #[error("idle timeout out of range: {0}")]
+    IdleTimeout(#[from] quinn::VarIntBoundsExceeded),
+    #[error("resolving {endpoint}: {source}")]
+    Resolve {
+        endpoint: String,
+        source: std::io::Error,
+    },
+    #[error("{0} resolves to no address")]
+    NoAddress(String),
+    #[error("binding UDP socket: {0}")]
+    Bind(std::io::Error),
+    #[error("connecting: {0}")]
+    Connect(#[from] quinn::ConnectError),
+    #[error("handshake with {addr} ({server_name}): {source}")]
+    Handshake {
+        addr: SocketAddr,
+        server_name: String,
+        source: quinn::ConnectionError,
+    },
+    #[error("handshake with {0} timed out")]
+    HandshakeTimeout(SocketAddr),
+    #[error(transparent)]
+    Connection(#[from] quinn::ConnectionError),
+    #[error(transparent)]
+    Read(#[from] quinn::ReadError),
+    #[error(transparent)]
+    Write(#[from] quinn::WriteError),
+    #[error(transparent)]
+    Decode(#[from] crate::proto::DecodeError),
+    #[error(transparent)]
+    Encode(#[from] crate::proto::EncodeError),
+    #[error(transparent)]
+    Protocol(#[from] crate::proto::ProtocolError),
+    #[error(transparent)]
+    Spool(#[from] super::spool::SpoolError),
+    #[error("guest rejected this host: {0}")]
+    Rejected(String),
+    #[error("guest closed the control stream")]
+    ControlClosed,
+    #[error("unexpected {0:?} from the connection state")]
+    Unexpected(HostOutput),
+}
 
 /// Application close codes.
 pub const CLOSE_SHUTDOWN: u32 = 0;
@@ -75,7 +124,7 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
                 last_error.clear();
             }
             Err(e) => {
-                let msg = format!("{e:#}");
+                let msg = e.to_string();
                 if msg != last_error {
                     tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %msg, "host stream: cannot connect to guest");
                     last_error = msg;
@@ -95,17 +144,16 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
 enum Outcome {
     Stopped,
     /// The handshake succeeded and the connection later ended with this error.
-    Streamed(anyhow::Error),
+    Streamed(ConnError),
 }
 
-fn client_config(c: &Common) -> anyhow::Result<quinn::ClientConfig> {
+fn client_config(c: &Common) -> Result<quinn::ClientConfig, ConnError> {
     let rustls_cfg = tls::client_config(
         &tls::read(&c.cfg.ca)?,
         &tls::read(&c.cfg.cert)?,
         &tls::read(&c.cfg.key)?,
     )?;
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(rustls_cfg)
-        .map_err(|e| anyhow!("TLS config unusable for QUIC: {e}"))?;
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(rustls_cfg)?;
     let mut cfg = quinn::ClientConfig::new(Arc::new(quic));
     let mut t = quinn::TransportConfig::default();
     t.max_idle_timeout(Some(
@@ -116,28 +164,31 @@ fn client_config(c: &Common) -> anyhow::Result<quinn::ClientConfig> {
     Ok(cfg)
 }
 
-async fn resolve(endpoint: &str) -> anyhow::Result<SocketAddr> {
+async fn resolve(endpoint: &str) -> Result<SocketAddr, ConnError> {
     tokio::net::lookup_host(endpoint)
         .await
-        .with_context(|| format!("resolving {endpoint}"))?
+        .map_err(|source| ConnError::Resolve {
+            endpoint: endpoint.to_owned(),
+            source,
+        })?
         .next()
-        .ok_or_else(|| anyhow!("{endpoint} resolves to no address"))
+        .ok_or_else(|| ConnError::NoAddress(endpoint.to_owned()))
 }
 
 async fn connect_and_stream(
     g: &Guest,
     c: &Common,
     stop: &mut watch::Receiver<bool>,
-) -> anyhow::Result<Outcome> {
+) -> Result<Outcome, ConnError> {
     // Certificates are read at every attempt, so renewed files are picked up on reconnect.
     let cfg = client_config(c)?;
     let addr = resolve(&g.cfg.endpoint).await?;
     let bind: SocketAddr = if addr.is_ipv4() {
-        "0.0.0.0:0".parse()?
+        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
-        "[::]:0".parse()?
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
     };
-    let endpoint = quinn::Endpoint::client(bind).context("binding UDP socket")?;
+    let endpoint = quinn::Endpoint::client(bind).map_err(ConnError::Bind)?;
     let server_name = g.cfg.server_name();
     let connecting = endpoint.connect_with(cfg, addr, &server_name)?;
     let conn =
@@ -147,11 +198,15 @@ async fn connect_and_stream(
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => {
                 g.m.connects_err.inc();
-                bail!("handshake with {addr} ({server_name}): {e}");
+                return Err(ConnError::Handshake {
+                    addr,
+                    server_name,
+                    source: e,
+                });
             }
             Err(_) => {
                 g.m.connects_err.inc();
-                bail!("handshake with {addr} timed out");
+                return Err(ConnError::HandshakeTimeout(addr));
             }
         };
     let res = stream(g, c, &conn, stop).await;
@@ -166,7 +221,10 @@ async fn connect_and_stream(
 }
 
 /// Reads the next message of a control stream.
-async fn read_msg(recv: &mut quinn::RecvStream, dec: &mut FrameDecoder) -> anyhow::Result<Message> {
+async fn read_msg(
+    recv: &mut quinn::RecvStream,
+    dec: &mut FrameDecoder,
+) -> Result<Message, ConnError> {
     loop {
         if let Some(m) = dec.next_frame()? {
             return Ok(m);
@@ -175,7 +233,7 @@ async fn read_msg(recv: &mut quinn::RecvStream, dec: &mut FrameDecoder) -> anyho
             Some(ch) => dec.push(&ch.bytes),
             None => {
                 dec.finish()?;
-                bail!("guest closed the control stream");
+                return Err(ConnError::ControlClosed);
             }
         }
     }
@@ -186,7 +244,7 @@ async fn transmit(
     conn: &mut HostConnection,
     send: &mut quinn::SendStream,
     buf: &mut Vec<u8>,
-) -> anyhow::Result<()> {
+) -> Result<(), ConnError> {
     buf.clear();
     while let Some(m) = conn.poll_transmit() {
         encode(&m, buf)?;
@@ -202,9 +260,9 @@ async fn stream(
     c: &Common,
     conn: &quinn::Connection,
     stop: &mut watch::Receiver<bool>,
-) -> anyhow::Result<Outcome> {
+) -> Result<Outcome, ConnError> {
     let label = g.cfg.label();
-    let boot_id = g.spool.lock().expect("spool lock").boot_id();
+    let boot_id = g.spool().boot_id();
     let mut session = HostConnection::new(
         c.host_id.clone(),
         boot_id,
@@ -235,15 +293,16 @@ async fn stream(
             Some(HostOutput::Start { resume_from }) => break resume_from,
             Some(HostOutput::Rejected(reason)) => {
                 g.m.connects_rejected.inc();
-                bail!("guest rejected this host: {reason}");
+                return Err(ConnError::Rejected(reason));
             }
-            other => bail!("unexpected handshake output {other:?}"),
+            Some(other) => return Err(ConnError::Unexpected(other)),
+            None => continue,
         }
     };
     g.m.connects_ok.inc();
     g.m.connected.set(1);
     let mut cursor = {
-        let mut s = g.spool.lock().expect("spool lock");
+        let mut s = g.spool();
         let cur = s.start_cursor(resume_from)?;
         g.update_gauges(&s);
         cur
@@ -257,21 +316,21 @@ async fn stream(
             let msg = read_msg(&mut ctl_recv, &mut dec).await?;
             match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
                 Some(HostOutput::Acked(up_to)) => {
-                    let mut s = g.spool.lock().expect("spool lock");
+                    let mut s = g.spool();
                     s.ack(up_to)?;
                     g.update_gauges(&s);
                 }
                 None => transmit(&mut session, &mut ctl_send, &mut out).await?,
-                Some(other) => bail!("unexpected control output {other:?}"),
+                Some(other) => return Err(ConnError::Unexpected(other)),
             }
         }
         #[allow(unreachable_code)]
-        Ok::<(), anyhow::Error>(())
+        Ok::<(), ConnError>(())
     };
     let sender = async {
         loop {
             let b = {
-                let mut s = g.spool.lock().expect("spool lock");
+                let mut s = g.spool();
                 s.read_batch(cursor, c.cfg.batch_bytes)?
             };
             if b.bytes.is_empty() {
@@ -289,11 +348,11 @@ async fn stream(
             cursor = b.next_cursor;
         }
         #[allow(unreachable_code)]
-        Ok::<(), anyhow::Error>(())
+        Ok::<(), ConnError>(())
     };
     tokio::select! {
-        r = control => Ok(Outcome::Streamed(r.err().unwrap_or_else(|| anyhow!("control stream ended")))),
-        r = sender => Ok(Outcome::Streamed(r.err().unwrap_or_else(|| anyhow!("event stream ended")))),
+        r = control => Ok(Outcome::Streamed(r.err().unwrap_or(ConnError::ControlClosed))),
+        r = sender => Ok(Outcome::Streamed(r.err().unwrap_or(ConnError::ControlClosed))),
         _ = stop.changed() => Ok(Outcome::Stopped),
     }
 }

@@ -256,6 +256,14 @@ pub(crate) struct Guest {
 }
 
 impl Guest {
+    /// The spool. A panic elsewhere while it was held does not stop the stream: the spool's
+    /// state is consistent between its method calls, so the poison is ignored.
+    fn spool(&self) -> std::sync::MutexGuard<'_, Spool> {
+        self.spool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn update_gauges(&self, s: &Spool) {
         self.m.spool_events.set(s.pending() as i64);
         self.m.spool_disk.set(s.disk_bytes() as i64);
@@ -361,7 +369,7 @@ pub fn start(
             notify: Notify::new(),
             m,
         });
-        guest.update_gauges(&guest.spool.lock().expect("spool lock"));
+        guest.update_gauges(&guest.spool());
         guests.push(guest);
     }
     let (stop, _) = watch::channel(false);
@@ -390,18 +398,21 @@ pub fn start(
 pub type RawEvent = (i64, u64, u16, Vec<u8>);
 
 fn push_encoded(g: &Guest, evs: &[Arc<EncodedEvent>]) {
-    let mut s = g.spool.lock().expect("spool lock");
+    let mut s = g.spool();
     let mut dropped = 0;
     for e in evs {
         match s.push(e.clone()) {
             Ok((_, d)) => dropped += d,
             Err(e) => {
-                tracing::error!(guest = %g.cfg.label(), error = %e, "spool write failed; event lost");
+                tracing::error!(guest = %g.cfg.label(), error = %e, "event cannot be framed; skipped");
             }
         }
     }
-    if let Err(e) = s.flush(Duration::from_secs(1)) {
-        tracing::error!(guest = %g.cfg.label(), error = %e, "spool flush failed");
+    match s.flush(Duration::from_secs(1)) {
+        Ok(d) => dropped += d,
+        Err(e) => {
+            tracing::error!(guest = %g.cfg.label(), error = %e, pending = s.pending(), "spool write failed; events wait in memory");
+        }
     }
     if dropped > 0 {
         tracing::warn!(guest = %g.cfg.label(), dropped, total = s.dropped_total(), "spool full: dropped the oldest events");
@@ -462,7 +473,7 @@ impl StreamHandle {
             .guests
             .iter()
             .map(|g| {
-                let s = g.spool.lock().expect("spool lock");
+                let s = g.spool();
                 SpoolStatus {
                     guest: g.cfg.label().to_owned(),
                     boot_id: s.boot_id(),
@@ -482,9 +493,12 @@ impl StreamHandle {
             let _ = t.await;
         }
         for g in self.spools.guests.iter() {
-            let mut s = g.spool.lock().expect("spool lock");
-            if let Err(e) = s.flush(Duration::ZERO) {
-                tracing::error!(guest = %g.cfg.label(), error = %e, "spool flush at shutdown failed");
+            let mut s = g.spool();
+            match s.flush(Duration::ZERO) {
+                Ok(d) => g.m.dropped.inc_by(d),
+                Err(e) => {
+                    tracing::error!(guest = %g.cfg.label(), error = %e, "spool flush at shutdown failed")
+                }
             }
         }
     }

@@ -75,11 +75,18 @@ struct Segment {
 
 struct Disk {
     dir: PathBuf,
+    /// Only whole frames that were written: a failed write is cut back off the file.
     segments: VecDeque<Segment>,
-    active: Option<std::io::BufWriter<File>>,
+    /// The last segment, open for appending; `None` after a write error or a gap, so that the
+    /// next write reopens (or starts) a segment at the right place.
+    active: Option<File>,
     total_bytes: u64,
     cache: Option<(u64, Vec<u8>, usize, u64)>,
-    /// The frame being written (reused between pushes).
+    /// Every event below this sequence number is on disk, acknowledged or accounted as lost;
+    /// the ones from here to `next_seq` are only in memory (the memory never lets them go
+    /// before they are written, see [`Spool::push`]).
+    end: u64,
+    /// Frames being written (reused).
     scratch: Vec<u8>,
 }
 
@@ -135,6 +142,7 @@ impl Spool {
             active: None,
             total_bytes: 0,
             cache: None,
+            end: 0,
             scratch: Vec::new(),
         };
         let mut names: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
@@ -177,6 +185,7 @@ impl Spool {
                 }
             }
         }
+        disk.end = s.next_seq;
         s.disk = Some(disk);
         s.write_meta()?;
         Ok(s)
@@ -220,31 +229,83 @@ impl Spool {
     }
 
     /// Appends an event; returns its sequence number and how many events were dropped to make
-    /// room.
+    /// room. Only an event that cannot be framed is refused (and takes no sequence number). A
+    /// disk that cannot be written does not refuse events: they wait in memory (and go to the
+    /// guest from there) until a later write succeeds; only when memory is full too is the
+    /// oldest unwritten event dropped, and counted like any other loss.
     pub fn push(&mut self, ev: Arc<EncodedEvent>) -> Result<(u64, u64), SpoolError> {
         let seq = self.next_seq;
+        ev.frame_len(seq)?;
+        self.next_seq += 1;
+        self.mem.push_back((seq, ev));
         let mut dropped = 0;
-        if let Some(d) = &mut self.disk {
-            let frame = &mut d.scratch;
-            frame.clear();
-            ev.write_frame(seq, frame)?;
-            let frame = &d.scratch;
-            let seg_full = d.segments.back().is_none_or(|s| {
-                d.active.is_none() || s.bytes + frame.len() as u64 > self.limits.segment_bytes
-            });
-            if seg_full {
-                if let Some(mut w) = d.active.take() {
-                    let p = &d.segments.back().expect("active segment").path;
-                    w.flush().map_err(io_err(p))?;
+        while self.mem.len() > self.limits.memory_events {
+            let Some(&(s, _)) = self.mem.front() else {
+                break;
+            };
+            let acked = self.acked.is_some_and(|a| s <= a);
+            if let Some(d) = &self.disk {
+                if s >= d.end && !acked {
+                    // Not on disk yet: write (everything unwritten) before letting it go.
+                    match self.write_out() {
+                        Ok(n) => {
+                            dropped += n;
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, seq = s, "spool: disk write failed and memory is full; dropping the oldest unwritten event");
+                            self.record_loss(s, s);
+                            dropped += 1;
+                            if let Some(d) = &mut self.disk {
+                                // The disk continues after the hole, in a new segment.
+                                d.end = s + 1;
+                                d.active = None;
+                            }
+                        }
+                    }
                 }
+            } else if !acked {
+                self.record_loss(s, s);
+                dropped += 1;
+            }
+            self.mem.pop_front();
+        }
+        Ok((seq, dropped))
+    }
+
+    /// Writes the events that are only in memory to the segment files; returns how many
+    /// events the disk limit dropped. On a write error, what was written of the failed chunk is
+    /// cut off again, so that the files hold whole frames only; the events stay in memory.
+    fn write_out(&mut self) -> Result<u64, SpoolError> {
+        let Some(d) = &mut self.disk else {
+            return Ok(0);
+        };
+        let Some(&(front, _)) = self.mem.front() else {
+            d.end = d.end.max(self.next_seq);
+            return Ok(0);
+        };
+        if d.end < front {
+            // Acknowledged before they were written: nothing to keep, the disk skips them.
+            d.end = front;
+            d.active = None;
+        }
+        let mut i = (d.end - front) as usize;
+        while i < self.mem.len() {
+            let seq = front + i as u64;
+            let len = self.mem[i].1.frame_len(seq)? as u64;
+            // Append to the last segment only where it ends right before this event.
+            let fits = d.segments.back().is_some_and(|s| {
+                s.first + s.count == seq && s.bytes + len <= self.limits.segment_bytes
+            });
+            if !fits {
                 let path = d.dir.join(format!("seg-{seq:020}.gfs"));
                 let f = OpenOptions::new()
                     .create(true)
-                    .truncate(true)
-                    .write(true)
+                    .append(true)
                     .open(&path)
+                    .and_then(|f| f.set_len(0).map(|_| f))
                     .map_err(io_err(&path))?;
-                d.active = Some(std::io::BufWriter::with_capacity(64 * 1024, f));
+                d.active = Some(f);
                 d.segments.push_back(Segment {
                     first: seq,
                     count: 0,
@@ -252,38 +313,77 @@ impl Spool {
                     path,
                 });
             }
-            let seg = d.segments.back_mut().expect("active segment");
-            let w = d.active.as_mut().expect("active writer");
-            w.write_all(frame).map_err(io_err(&seg.path))?;
-            seg.count += 1;
-            seg.bytes += frame.len() as u64;
-            d.total_bytes += frame.len() as u64;
-        } else {
-            // Memory only: the frame must still fit when it is written for sending.
-            ev.frame_len(seq)?;
+            let Some(seg) = d.segments.back_mut() else {
+                break;
+            };
+            if d.active.is_none() {
+                d.active = Some(
+                    OpenOptions::new()
+                        .append(true)
+                        .open(&seg.path)
+                        .map_err(io_err(&seg.path))?,
+                );
+            }
+            // One write for as many frames as fit in this segment.
+            d.scratch.clear();
+            let mut n = 0u64;
+            while i < self.mem.len() {
+                let (seq, ev) = &self.mem[i];
+                let len = ev.frame_len(*seq)? as u64;
+                if (seg.bytes > 0 || n > 0)
+                    && seg.bytes + d.scratch.len() as u64 + len > self.limits.segment_bytes
+                {
+                    break;
+                }
+                ev.write_frame(*seq, &mut d.scratch)?;
+                n += 1;
+                i += 1;
+            }
+            let Some(f) = &mut d.active else {
+                break;
+            };
+            if let Err(e) = f.write_all(&d.scratch) {
+                // Cut a partial write back to the last whole frame; drop an empty segment.
+                let _ = f.set_len(seg.bytes);
+                d.active = None;
+                let err = SpoolError::Io {
+                    path: seg.path.clone(),
+                    source: e,
+                };
+                if seg.count == 0 {
+                    let _ = std::fs::remove_file(&seg.path);
+                    d.segments.pop_back();
+                }
+                return Err(err);
+            }
+            seg.count += n;
+            seg.bytes += d.scratch.len() as u64;
+            d.total_bytes += d.scratch.len() as u64;
+            d.end += n;
+            if seg.bytes >= self.limits.segment_bytes {
+                d.active = None;
+            }
         }
-        self.next_seq += 1;
+        let mut dropped = 0;
         while self
             .disk
             .as_ref()
             .is_some_and(|d| d.total_bytes > self.limits.disk_max_bytes && d.segments.len() > 1)
         {
-            dropped += self.drop_oldest_segment()?;
+            dropped += self.drop_oldest_segment();
         }
-        self.mem.push_back((seq, ev));
-        while self.mem.len() > self.limits.memory_events {
-            let (s, _) = self.mem.pop_front().expect("non-empty");
-            if self.disk.is_none() && self.acked.is_none_or(|a| s > a) {
-                self.record_loss(s, s);
-                dropped += 1;
-            }
-        }
-        Ok((seq, dropped))
+        Ok(dropped)
     }
 
-    fn drop_oldest_segment(&mut self) -> Result<u64, SpoolError> {
-        let d = self.disk.as_mut().expect("disk spool");
-        let seg = d.segments.pop_front().expect("segment");
+    /// Drops the oldest segment (the disk limit); returns how many unacknowledged events went
+    /// with it.
+    fn drop_oldest_segment(&mut self) -> u64 {
+        let Some(d) = self.disk.as_mut() else {
+            return 0;
+        };
+        let Some(seg) = d.segments.pop_front() else {
+            return 0;
+        };
         d.total_bytes -= seg.bytes;
         if d.cache.as_ref().is_some_and(|c| c.0 == seg.first) {
             d.cache = None;
@@ -299,10 +399,18 @@ impl Spool {
         while self.mem.front().is_some_and(|(s, _)| *s <= last) {
             self.mem.pop_front();
         }
-        // The loss must be on disk before the events disappear.
-        self.write_meta()?;
-        let _ = std::fs::remove_file(&seg.path);
-        Ok(n)
+        // The loss must be on disk before the events disappear from it: where the state
+        // cannot be written, the file stays (a restart re-sends those events, which the guest
+        // then counts as duplicates instead of as lost).
+        match self.write_meta() {
+            Ok(()) => {
+                let _ = std::fs::remove_file(&seg.path);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, path = %seg.path.display(), "spool: state not written; keeping the dropped segment's file")
+            }
+        }
+        n
     }
 
     fn record_loss(&mut self, first: u64, last: u64) {
@@ -333,10 +441,15 @@ impl Spool {
             d.segments.len() > 1 && d.segments[0].first + d.segments[0].count - 1 <= up_to
         });
         if deletable {
+            // The watermark must be on disk before the files go.
             self.write_meta()?;
-            let d = self.disk.as_mut().expect("disk");
+            let Some(d) = self.disk.as_mut() else {
+                return Ok(());
+            };
             while d.segments.len() > 1 && d.segments[0].first + d.segments[0].count - 1 <= up_to {
-                let seg = d.segments.pop_front().expect("segment");
+                let Some(seg) = d.segments.pop_front() else {
+                    break;
+                };
                 d.total_bytes -= seg.bytes;
                 if d.cache.as_ref().is_some_and(|c| c.0 == seg.first) {
                     d.cache = None;
@@ -347,18 +460,19 @@ impl Spool {
         Ok(())
     }
 
-    /// Flushes the segment writer to the page cache and writes the metadata when it changed (at
-    /// most every `meta_interval`, at once when something was dropped).
-    pub fn flush(&mut self, meta_interval: Duration) -> Result<(), SpoolError> {
-        if let Some(d) = &mut self.disk {
-            if let (Some(w), Some(seg)) = (&mut d.active, d.segments.back()) {
-                w.flush().map_err(io_err(&seg.path))?;
-            }
-            if self.meta_dirty && self.meta_written.elapsed() >= meta_interval {
-                self.write_meta()?;
-            }
+    /// Writes the events that are only in memory to the segment files (the page cache) and the
+    /// metadata when it changed (at most every `meta_interval`). Returns how many events the
+    /// disk limit dropped. After an error the spool goes on from memory, and the next flush
+    /// tries again.
+    pub fn flush(&mut self, meta_interval: Duration) -> Result<u64, SpoolError> {
+        if self.disk.is_none() {
+            return Ok(0);
         }
-        Ok(())
+        let dropped = self.write_out()?;
+        if self.meta_dirty && self.meta_written.elapsed() >= meta_interval {
+            self.write_meta()?;
+        }
+        Ok(dropped)
     }
 
     fn write_meta(&mut self) -> Result<(), SpoolError> {
@@ -400,7 +514,11 @@ impl Spool {
             next_cursor: cursor,
             ..Batch::default()
         };
-        if let Some(&(f, l)) = self.losses.iter().find(|(_, l)| *l >= cursor) {
+        // Losses can sit between kept events (a full disk drops from the middle): report one
+        // when the cursor reaches it, and send the events before it first.
+        let next_loss = self.losses.iter().find(|(_, l)| *l >= cursor).copied();
+        let stop = next_loss.map_or(u64::MAX, |(f, _)| f);
+        if let Some((f, l)) = next_loss.filter(|(f, _)| *f <= cursor) {
             let from = f.max(cursor);
             let loss = SpoolLoss {
                 dropped: l - from + 1,
@@ -417,8 +535,11 @@ impl Spool {
         }
         if let Some(&(front, _)) = self.mem.front() {
             if front <= cursor {
-                let start = (cursor - front) as usize;
+                let start = self.mem.partition_point(|(s, _)| *s < cursor);
                 for (seq, ev) in self.mem.range(start..) {
+                    if *seq >= stop {
+                        break;
+                    }
                     let before = b.bytes.len();
                     ev.write_frame(*seq, &mut b.bytes)?;
                     if before > 0 && b.bytes.len() > max_bytes {
@@ -432,13 +553,15 @@ impl Spool {
                 return Ok(b);
             }
         }
-        self.read_disk(cursor, max_bytes, &mut b)?;
+        self.read_disk(cursor, stop, max_bytes, &mut b)?;
         Ok(b)
     }
 
+    /// Frames from `cursor` on (and before `stop`) from the segment files.
     fn read_disk(
         &mut self,
         cursor: u64,
+        stop: u64,
         max_bytes: usize,
         b: &mut Batch,
     ) -> Result<(), SpoolError> {
@@ -450,26 +573,27 @@ impl Spool {
         };
         let seg = &d.segments[idx];
         let cursor = cursor.max(seg.first);
-        let is_active = idx + 1 == d.segments.len();
+        // Re-read when the cache is of another segment, behind the cursor, or used up while
+        // the segment has grown since it was read (it may have been the last one then and
+        // filled up since, so whether it is the last one now says nothing).
         let stale = match &d.cache {
             Some((first, data, pos, pos_seq)) => {
-                *first != seg.first || cursor < *pos_seq || (is_active && *pos >= data.len())
+                *first != seg.first
+                    || cursor < *pos_seq
+                    || (*pos >= data.len() && (data.len() as u64) < seg.bytes)
             }
             None => true,
         };
         if stale {
-            if is_active {
-                if let Some(w) = &mut d.active {
-                    w.flush().map_err(io_err(&seg.path))?;
-                }
-            }
             let mut data = Vec::with_capacity(seg.bytes as usize);
             File::open(&seg.path)
                 .and_then(|mut f| f.read_to_end(&mut data))
                 .map_err(io_err(&seg.path))?;
             d.cache = Some((seg.first, data, 0, seg.first));
         }
-        let (_, data, pos, pos_seq) = d.cache.as_mut().expect("cache");
+        let Some((_, data, pos, pos_seq)) = d.cache.as_mut() else {
+            return Ok(());
+        };
         // Skip to the cursor.
         while *pos_seq < cursor {
             let Some(len) = frame_len(&data[*pos..]) else {
@@ -479,7 +603,7 @@ impl Spool {
             *pos_seq += 1;
         }
         while let Some(len) = frame_len(&data[*pos..]) {
-            if !b.bytes.is_empty() && b.bytes.len() + len > max_bytes {
+            if *pos_seq >= stop || !b.bytes.is_empty() && b.bytes.len() + len > max_bytes {
                 break;
             }
             b.bytes.extend_from_slice(&data[*pos..*pos + len]);
@@ -741,5 +865,26 @@ mod tests {
         assert_ne!(s.boot_id(), boot);
         assert_eq!(s.next_seq(), 0);
         assert!(drain(&mut s, 0).0.is_empty());
+    }
+
+    #[test]
+    fn reading_a_segment_that_filled_up_after_it_was_cached() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Spool::open(dir.path(), limits(4, 1 << 20, 1024)).unwrap();
+        for i in 0..10 {
+            s.push(ev(i, 0, 1, vec![0; 20])).unwrap();
+        }
+        s.flush(Duration::ZERO).unwrap();
+        // Read a little of the (then last) segment from disk: it is cached.
+        let b = s.read_batch(0, 60).unwrap();
+        assert!(b.events > 0 && b.next_cursor < 10);
+        // It fills up and the next segment starts.
+        for i in 10..200 {
+            s.push(ev(i, 0, 1, vec![0; 20])).unwrap();
+        }
+        s.flush(Duration::ZERO).unwrap();
+        let (seqs, losses) = drain(&mut s, b.next_cursor);
+        assert!(losses.is_empty());
+        assert_eq!(seqs, (b.next_cursor..200).collect::<Vec<_>>());
     }
 }

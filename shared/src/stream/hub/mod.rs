@@ -38,7 +38,6 @@ use crate::proto::{
     ServerAction, ALPN,
 };
 use crate::tls::{self, FileStamps, GuestTlsDir};
-use anyhow::{anyhow, Context};
 use prometheus::{Gauge, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 use rustls::pki_types::CertificateDer;
 use serde::Serialize;
@@ -124,6 +123,29 @@ impl ReceivedEvent {
     pub fn guest_realtime_ns(&self) -> i64 {
         self.host_realtime_ns - self.clock_offset_ns.unwrap_or(0)
     }
+}
+
+/// Why the hub could not start (or could not reload its TLS files).
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("loading TLS files from {dir}: {source}")]
+    Tls { dir: PathBuf, source: tls::TlsError },
+    #[error("TLS config unusable for QUIC: {0}")]
+    QuicTls(#[from] quinn::crypto::rustls::NoInitialCipherSuite),
+    #[error("idle timeout out of range: {0}")]
+    IdleTimeout(#[from] quinn::VarIntBoundsExceeded),
+    #[error("binding QUIC on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("opening event journal {path}: {source}")]
+    Journal {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
 }
 
 /// Label used for peers that did not authenticate.
@@ -249,9 +271,8 @@ pub struct Hub {
 fn quinn_server_config(
     tls_cfg: rustls::ServerConfig,
     cfg: &HubConfig,
-) -> anyhow::Result<quinn::ServerConfig> {
-    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls_cfg)
-        .map_err(|e| anyhow!("TLS config unusable for QUIC: {e}"))?;
+) -> Result<quinn::ServerConfig, HubError> {
+    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls_cfg)?;
     let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quic));
     let mut t = quinn::TransportConfig::default();
     t.max_idle_timeout(Some(cfg.idle_timeout.try_into()?));
@@ -265,15 +286,20 @@ fn quinn_server_config(
 
 /// Starts the hub: loads the TLS files, binds `cfg.listen`, registers the metrics on
 /// `registry` and spawns the accept and reload tasks. Must run inside a tokio runtime.
-pub async fn serve(cfg: HubConfig, registry: &Registry) -> anyhow::Result<Hub> {
+pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError> {
     let dir = GuestTlsDir::new(&cfg.tls_dir);
-    let (tls_cfg, allowed) = dir
-        .load()
-        .with_context(|| format!("loading TLS files from {}", cfg.tls_dir.display()))?;
+    let (tls_cfg, allowed) = dir.load().map_err(|source| HubError::Tls {
+        dir: cfg.tls_dir.clone(),
+        source,
+    })?;
     // Stateless-reset key derived from the guest's private key: a restarted guest (same key)
     // answers packets of its predecessor's connections with a valid stateless reset, so hosts
     // notice at once instead of after the idle timeout.
-    let key_pem = tls::read(&cfg.tls_dir.join(tls::GUEST_KEY_FILE))?;
+    let key_pem =
+        tls::read(&cfg.tls_dir.join(tls::GUEST_KEY_FILE)).map_err(|source| HubError::Tls {
+            dir: cfg.tls_dir.clone(),
+            source,
+        })?;
     let seed = ring::digest::digest(
         &ring::digest::SHA256,
         &[b"gpufeed stateless reset\0".as_slice(), &key_pem].concat(),
@@ -282,21 +308,30 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> anyhow::Result<Hub> {
         ring::hmac::HMAC_SHA256,
         seed.as_ref(),
     )));
-    let socket = std::net::UdpSocket::bind(cfg.listen)
-        .with_context(|| format!("binding QUIC on {}", cfg.listen))?;
+    let socket = std::net::UdpSocket::bind(cfg.listen).map_err(|source| HubError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
     let endpoint = quinn::Endpoint::new(
         ep_cfg,
         Some(quinn_server_config(tls_cfg, &cfg)?),
         socket,
         Arc::new(quinn::TokioRuntime),
     )
-    .with_context(|| format!("starting QUIC on {}", cfg.listen))?;
+    .map_err(|source| HubError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
     let metrics = Metrics::new(registry)?;
     let mut dedup = Dedup::new();
     let journal = match &cfg.journal {
         Some(p) => Some(
-            journal::Journal::open(p, cfg.journal_max_bytes, &mut dedup)
-                .with_context(|| format!("opening event journal {}", p.display()))?,
+            journal::Journal::open(p, cfg.journal_max_bytes, &mut dedup).map_err(|source| {
+                HubError::Journal {
+                    path: p.clone(),
+                    source,
+                }
+            })?,
         ),
         None => None,
     };
@@ -322,7 +357,11 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> anyhow::Result<Hub> {
             None
         }
     };
-    tracing::info!(listen = %endpoint.local_addr()?, allowed = ?allowed, "hub listening");
+    let listen = endpoint.local_addr().map_err(|source| HubError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    tracing::info!(listen = %listen, allowed = ?allowed, "hub listening");
     let inner = Arc::new(Inner {
         state: Mutex::new(State {
             dedup,
@@ -397,7 +436,10 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
         }
         match dir
             .load()
-            .map_err(anyhow::Error::from)
+            .map_err(|source| HubError::Tls {
+                dir: dir.dir.clone(),
+                source,
+            })
             .and_then(|(c, a)| Ok((quinn_server_config(c, &inner.cfg)?, a)))
         {
             Ok((sc, allowed)) => {
@@ -406,7 +448,7 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
                 *inner.allowed.write().expect("allowed") = allowed;
             }
             Err(e) => {
-                tracing::warn!(dir = %dir.dir.display(), error = %format!("{e:#}"), "hub: TLS files changed but cannot be loaded; keeping the previous ones");
+                tracing::warn!(dir = %dir.dir.display(), error = %e, "hub: TLS files changed but cannot be loaded; keeping the previous ones");
             }
         }
     }

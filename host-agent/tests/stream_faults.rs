@@ -1,0 +1,191 @@
+//! Faults under the host's spool: a disk that fills up (a small tmpfs). Every event the spool
+//! accepted must either reach the guest exactly once or be counted as lost (host
+//! `gpufeed_host_stream_events_dropped_total`, guest `gpufeed_stream_events_lost_total`), events
+//! that memory can hold are not lost because the disk is full, nothing panics, and the disk is
+//! written again once it has room.
+
+mod stream_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpufeed_host::stream;
+use gpufeed_shared::proto::{EncodedEvent, FrameDecoder, Message, SpoolLoss};
+use gpufeed_shared::stream::client::spool::{Spool, SpoolLimits};
+use stream_support::*;
+
+fn ev(i: u64) -> Arc<EncodedEvent> {
+    Arc::new(EncodedEvent::new(i as i64, i, 1, &[7; 100]).unwrap())
+}
+
+/// Everything the spool sends from `cursor` on: event sequence numbers and loss reports.
+fn drain(s: &mut Spool, mut cursor: u64) -> (Vec<u64>, Vec<SpoolLoss>) {
+    let (mut seqs, mut losses) = (Vec::new(), Vec::new());
+    loop {
+        let b = s.read_batch(cursor, 16 * 1024).unwrap();
+        if b.bytes.is_empty() {
+            return (seqs, losses);
+        }
+        let mut d = FrameDecoder::default();
+        d.push(&b.bytes);
+        while let Some(m) = d.next_frame().unwrap() {
+            match m {
+                Message::Event(e) => seqs.push(e.seq),
+                Message::SpoolLoss(l) => losses.push(l),
+                m => panic!("{m:?}"),
+            }
+        }
+        cursor = b.next_cursor;
+    }
+}
+
+/// Every sequence number below `end` is sent exactly once or inside exactly one loss report.
+fn assert_accounted(seqs: &[u64], losses: &[SpoolLoss], end: u64) {
+    let mut seen = vec![0u32; end as usize];
+    for &s in seqs {
+        seen[s as usize] += 1;
+    }
+    for l in losses {
+        assert_eq!(l.dropped, l.last_seq - l.first_seq + 1, "{l:?}");
+        for s in l.first_seq..=l.last_seq {
+            seen[s as usize] += 1;
+        }
+    }
+    let bad: Vec<_> = (0..end).filter(|&s| seen[s as usize] != 1).collect();
+    assert!(bad.is_empty(), "not accounted exactly once: {bad:?}");
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "out of order");
+}
+
+#[test]
+fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
+    let fs = TinyFs::mount(64);
+    let lim = SpoolLimits {
+        memory_events: 1000,
+        disk_max_bytes: 16 << 20,
+        segment_bytes: 16 << 10,
+    };
+    let dir = fs.path().join("guest");
+    let mut s = Spool::open(&dir, lim).unwrap();
+    let (mut dropped, mut flush_errors) = (0, 0);
+    for i in 0..3000u64 {
+        // A full disk refuses no event and takes no sequence number without an event.
+        let (seq, d) = s.push(ev(i)).unwrap();
+        assert_eq!(seq, i);
+        dropped += d;
+        if i % 10 == 9 {
+            match s.flush(Duration::ZERO) {
+                Ok(d) => dropped += d,
+                Err(_) => flush_errors += 1,
+            }
+        }
+    }
+    assert!(flush_errors > 0, "the 64 KiB disk never filled up");
+    assert_eq!(s.next_seq(), 3000);
+    assert_eq!(s.dropped_total(), dropped);
+    let (seqs, losses) = drain(&mut s, 0);
+    assert_accounted(&seqs, &losses, 3000);
+    // What memory holds (the newest 1000) is all there; the loss is what neither could hold.
+    assert!((2000..3000).all(|x| seqs.binary_search(&x).is_ok()));
+    assert!(dropped > 0 && dropped <= 2000, "{dropped}");
+    assert_eq!(seqs.len() as u64 + dropped, 3000);
+
+    // Room again: the disk catches up by itself, and a restart finds everything it holds.
+    fs.resize(8 << 10);
+    for i in 3000..3010 {
+        s.push(ev(i)).unwrap();
+    }
+    s.flush(Duration::ZERO).unwrap();
+    drop(s);
+    let mut s = Spool::open(&dir, lim).unwrap();
+    assert_eq!(s.next_seq(), 3010);
+    assert_eq!(s.dropped_total(), dropped);
+    let (seqs2, losses2) = drain(&mut s, 0);
+    assert_accounted(&seqs2, &losses2, 3010);
+    assert!((2000..3010).all(|x| seqs2.binary_search(&x).is_ok()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
+    let _logs = capture_logs();
+    let fs = TinyFs::mount(64);
+    let fx = Fixture::new(&["pve1"]);
+    let greg = prometheus::Registry::new();
+    let mut hc = hub_config(fx.path());
+    hc.recent_capacity = 10_000;
+    let hub = hub::serve(hc, &greg).await.unwrap();
+    let hreg = prometheus::Registry::new();
+    let h = stream::start(
+        fx.stream_config("pve1", hub.local_addr(), Some(fs.path())),
+        "pve1".into(),
+        &hreg,
+    )
+    .unwrap();
+    // About 500 KiB of frames into a 64 KiB disk, with the guest online.
+    let raw = |from: u64, to: u64| -> Vec<stream::RawEvent> {
+        (from..to)
+            .map(|i| {
+                let p =
+                    postcard::to_allocvec(&gpufeed_shared::event::HostEvent::KmsgLost { count: i })
+                        .unwrap();
+                (i as i64, i, 0, [p, vec![0; 0]].concat())
+            })
+            .collect()
+    };
+    let kind = gpufeed_shared::event::HostEvent::KmsgLost { count: 0 }.kind();
+    let with_kind = |v: Vec<stream::RawEvent>| -> Vec<stream::RawEvent> {
+        v.into_iter().map(|(a, b, _, p)| (a, b, kind, p)).collect()
+    };
+    for from in (0..4000).step_by(100) {
+        h.push_raw(0, with_kind(raw(from, from + 100)));
+        tokio::task::yield_now().await;
+    }
+    let received = || {
+        metric(
+            &greg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || received() == 4000.0).await,
+        "received {}",
+        received()
+    );
+    let seqs: Vec<u64> = hub.recent().iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (0..4000).collect::<Vec<_>>());
+    let lost = metric(
+        &greg,
+        "gpufeed_stream_events_lost_total",
+        &[("host", "pve1")],
+    );
+    let dup = metric(
+        &greg,
+        "gpufeed_stream_events_duplicate_total",
+        &[("host", "pve1")],
+    );
+    assert_eq!((lost, dup), (0.0, 0.0));
+    let host_dropped = metric(
+        &hreg,
+        "gpufeed_host_stream_events_dropped_total",
+        &[("guest", "guest")],
+    );
+    assert_eq!(host_dropped, 0.0);
+    assert_eq!(
+        metric(
+            &hreg,
+            "gpufeed_host_stream_connected",
+            &[("guest", "guest")]
+        ),
+        1.0
+    );
+    // Acknowledged while the disk was full: the spool empties; more events still stream.
+    assert!(
+        wait_for(Duration::from_secs(5), || h.status()[0].pending == 0).await,
+        "{:?}",
+        h.status()
+    );
+    h.push_raw(0, with_kind(raw(4000, 4010)));
+    assert!(wait_for(Duration::from_secs(5), || received() == 4010.0).await);
+    h.shutdown().await;
+    hub.shutdown().await;
+}
