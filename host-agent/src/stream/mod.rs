@@ -144,23 +144,34 @@ pub fn start_with_clock(
     registry: &Registry,
     clock: Arc<dyn ReferenceClock>,
 ) -> Result<StreamHandle, StreamError> {
-    let filters = cfg
-        .guests
-        .iter()
-        .map(|g| Filter {
-            vmids: g.vmids.clone(),
-            devices: g.devices.clone(),
-        })
-        .collect();
-    let inner = client::start(cfg, host_id, registry, clock)?;
+    let filters = filters_of(&cfg);
+    // Each guest also gets the host's own series that concern it (stream::state), so that
+    // one scrape of the guest holds the host's side.
+    let names: Vec<String> = cfg.guests.iter().map(|g| g.label().to_owned()).collect();
+    let state_filters: Vec<Filter> = filters_of(&cfg);
+    let reg = registry.clone();
+    let source: client::StateSource =
+        Arc::new(move |guest, now_ns| state::snapshot(&reg, guest, &state_filters, &names, now_ns));
+    let inner = client::start_with_state(cfg, host_id, registry, clock, Some(source))?;
     Ok(StreamHandle {
         router: Router {
-            filters,
+            filters: filters.into(),
             spools: inner.spools().clone(),
         },
         inner,
         bus: None,
     })
+}
+
+/// Each guest's routing filter, in the order of the configuration.
+fn filters_of(cfg: &StreamConfig) -> Vec<Filter> {
+    cfg.guests
+        .iter()
+        .map(|g| Filter {
+            vmids: g.vmids.clone(),
+            devices: g.devices.clone(),
+        })
+        .collect()
 }
 
 impl StreamHandle {

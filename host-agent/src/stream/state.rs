@@ -71,13 +71,13 @@ pub fn snapshot(
     for mf in registry.gather() {
         let kind = match mf.get_field_type() {
             MetricType::COUNTER => StateKind::Counter,
-            MetricType::GAUGE | MetricType::UNTYPED => StateKind::Gauge,
-            // the host agent exports no histograms or summaries
+            MetricType::GAUGE => StateKind::Gauge,
+            // the host agent exports no untyped series, histograms or summaries
             _ => continue,
         };
         let mut fam = StateFamily {
-            name: mf.get_name().to_string(),
-            help: mf.get_help().to_string(),
+            name: mf.name().to_string(),
+            help: mf.help().to_string(),
             kind,
             series: Vec::new(),
         };
@@ -85,16 +85,13 @@ pub fn snapshot(
             let labels: Vec<(String, String)> = m
                 .get_label()
                 .iter()
-                .map(|l| (l.get_name().to_string(), l.get_value().to_string()))
+                .map(|l| (l.name().to_string(), l.value().to_string()))
                 .collect();
             if !concerns(&labels, me, filters, names) {
                 continue;
             }
             let value = match kind {
                 StateKind::Counter => m.get_counter().get_value(),
-                StateKind::Gauge if mf.get_field_type() == MetricType::UNTYPED => {
-                    m.get_untyped().get_value()
-                }
                 StateKind::Gauge => m.get_gauge().get_value(),
             };
             // postcard sizes: varint lengths + bytes; 8 bytes per value

@@ -6,7 +6,8 @@
 
 use std::collections::VecDeque;
 
-use super::{ClientAction, ClientSession, Message, ProtocolError};
+use super::{caps, ClientAction, ClientSession, Message, ProtocolError};
+use crate::hoststate::HostState;
 
 /// What the connection tells its driver.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,6 +103,28 @@ impl HostConnection {
     }
 }
 
+/// Decides which host states go out: only to a guest that takes them, only after the
+/// handshake, and only when the series differ from the last state sent on this connection
+/// (a new connection starts with a full state, since the guest may be a new process).
+#[derive(Debug, Default)]
+pub struct StateSender {
+    last: Option<HostState>,
+}
+
+impl StateSender {
+    /// The message to send for `state`, if any.
+    pub fn offer(&mut self, conn: &HostConnection, state: HostState) -> Option<Message> {
+        if conn.poll_timeout().is_some() || conn.peer_capabilities() & caps::HOST_STATE == 0 {
+            return None;
+        }
+        if self.last.as_ref().is_some_and(|l| l.same_series(&state)) {
+            return None;
+        }
+        self.last = Some(state.clone());
+        Some(Message::HostState(state))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{
@@ -187,5 +210,59 @@ mod tests {
                 .reason(),
             "unexpected_message"
         );
+    }
+
+    #[test]
+    fn host_state_goes_out_after_the_handshake_when_changed() {
+        use crate::hoststate::{StateFamily, StateKind, StateSeries};
+        let state = |v: f64, t: i64| HostState {
+            taken_realtime_ns: t,
+            families: vec![StateFamily {
+                name: "gpufeed_host_pcie_link_width".into(),
+                help: "w".into(),
+                kind: StateKind::Gauge,
+                series: vec![StateSeries {
+                    labels: vec![("bdf".into(), "0000:0a:00.0".into())],
+                    value: v,
+                }],
+            }],
+            truncated_series: 0,
+        };
+        let mut h = HostConnection::new("pve1", 5, 100 * MS, 0);
+        let mut out = StateSender::default();
+        assert_eq!(out.offer(&h, state(4.0, 1)), None, "not before the Welcome");
+        let hello = h.poll_transmit().unwrap();
+        let mut g = GuestConnection::new("pve1", GuestTiming::default(), 0);
+        let ServerAction::Welcome(w) = g.handle_control(hello, &Dedup::new(), 0, 0).unwrap() else {
+            panic!("no welcome")
+        };
+        h.handle_control(w, 1, 0).unwrap();
+        let m = out
+            .offer(&h, state(4.0, 2))
+            .expect("first state after the handshake");
+        // the guest takes it while streaming
+        assert_eq!(
+            g.handle_control(m, &Dedup::new(), 2, 0).unwrap(),
+            ServerAction::HostState(state(4.0, 2))
+        );
+        assert_eq!(
+            out.offer(&h, state(4.0, 3)),
+            None,
+            "unchanged series are not resent"
+        );
+        assert!(
+            matches!(out.offer(&h, state(1.0, 4)), Some(Message::HostState(s)) if s.taken_realtime_ns == 4)
+        );
+
+        // a guest that does not announce the capability never gets one
+        let mut h = HostConnection::new("pve1", 5, 100 * MS, 0);
+        let _ = h.poll_transmit();
+        let old_welcome = Message::Welcome(super::super::Welcome {
+            protocol_version: super::super::PROTOCOL_VERSION,
+            resume_from: None,
+            capabilities: caps::CLOCK_PROBE | caps::SPOOL_LOSS,
+        });
+        h.handle_control(old_welcome, 1, 0).unwrap();
+        assert_eq!(StateSender::default().offer(&h, state(4.0, 5)), None);
     }
 }

@@ -12,6 +12,8 @@
 //! * **Control** (bidirectional, opened by the host): host sends [`Hello`], guest answers
 //!   [`Welcome`] or [`Reject`]. Afterwards the guest sends [`Ack`]s and [`ClockProbe`]s, the host
 //!   answers probes with [`ClockReply`].
+//!   Where the guest announced [`caps::HOST_STATE`] the host also sends [`Message::HostState`]
+//!   whenever its series for this guest changed (at most once per state interval).
 //! * **Events** (unidirectional host → guest, opened after `Welcome`): [`EventFrame`]s in sequence
 //!   order, with [`SpoolLoss`] records in between where the host's spool had to drop events.
 //!
@@ -30,7 +32,7 @@ pub use codec::{
     HEADER_LEN,
 };
 pub use guest::{Accounted, GuestConnection, GuestTiming};
-pub use host::{HostConnection, HostOutput};
+pub use host::{HostConnection, HostOutput, StateSender};
 pub use session::{
     AckPolicy, ClientAction, ClientSession, Dedup, EventVerdict, ProtocolError, ServerAction,
     ServerSession,
@@ -55,8 +57,11 @@ pub mod caps {
     pub const CLOCK_PROBE: u64 = 1 << 0;
     /// The host reports spool losses with [`super::SpoolLoss`].
     pub const SPOOL_LOSS: u64 = 1 << 1;
+    /// The guest takes [`super::Message::HostState`] on the control stream (a host sends it
+    /// only to guests that announce this bit, so older guests never see the message).
+    pub const HOST_STATE: u64 = 1 << 2;
     /// Everything this build implements.
-    pub const ALL: u64 = CLOCK_PROBE | SPOOL_LOSS;
+    pub const ALL: u64 = CLOCK_PROBE | SPOOL_LOSS | HOST_STATE;
 }
 
 /// Every message of the protocol. Which stream may carry which variant is checked by the
@@ -71,6 +76,9 @@ pub enum Message {
     Ack(Ack),
     ClockProbe(ClockProbe),
     ClockReply(ClockReply),
+    /// Host → guest on the control stream, after `Welcome`: the host's own series that concern
+    /// this guest, replacing the previous state whole (see [`crate::hoststate`]).
+    HostState(crate::hoststate::HostState),
 }
 
 impl Message {
@@ -85,6 +93,7 @@ impl Message {
             Message::Ack(_) => "ack",
             Message::ClockProbe(_) => "clock_probe",
             Message::ClockReply(_) => "clock_reply",
+            Message::HostState(_) => "host_state",
         }
     }
 }

@@ -234,6 +234,8 @@ pub enum ServerAction {
     Clock(ClockSample),
     /// A reply to a probe we no longer wait for (late or duplicated): ignore.
     Ignore,
+    /// The host's series for this guest, replacing the previous ones.
+    HostState(crate::hoststate::HostState),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -332,6 +334,9 @@ impl ServerSession {
                     }
                     None => Ok(ServerAction::Ignore),
                 }
+            }
+            (ServerState::Streaming { .. }, Message::HostState(st)) => {
+                Ok(ServerAction::HostState(st))
             }
             (state, m) => {
                 let state = match state {

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use super::{Common, Guest};
 use crate::clock::monotonic_ns;
-use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message};
+use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message, StateSender};
 use crate::tls;
 
 /// Why a connection attempt or an established connection ended.
@@ -312,8 +312,26 @@ async fn stream(
 
     let control = async {
         let mut out = Vec::new();
+        // Host state: looked at every state interval, sent when it changed (StateSender).
+        let mut states = StateSender::default();
+        let mut state_tick =
+            tokio::time::interval(Duration::from_millis(c.cfg.state_interval_ms.max(100)));
+        state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let msg = read_msg(&mut ctl_recv, &mut dec).await?;
+            // read_msg is cancel-safe: its only await is read_chunk, which consumes nothing
+            // when dropped.
+            let msg = tokio::select! {
+                m = read_msg(&mut ctl_recv, &mut dec) => m?,
+                _ = state_tick.tick(), if c.state.is_some() => {
+                    let source = c.state.as_ref().expect("checked by the select guard");
+                    if let Some(m) = states.offer(&session, source(g.index, c.clock.now_ns())) {
+                        out.clear();
+                        encode(&m, &mut out)?;
+                        ctl_send.write_all(&out).await?;
+                    }
+                    continue;
+                }
+            };
             match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
                 Some(HostOutput::Acked(up_to)) => {
                     let mut s = g.spool();

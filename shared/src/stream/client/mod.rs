@@ -82,6 +82,9 @@ pub struct StreamConfig {
     /// that a burst leaves as a few packets instead of one per event (0: send at once).
     /// Default 500.
     pub coalesce_us: u64,
+    /// How often the host's series for a guest are looked at and, when changed, sent to it
+    /// (guests that take host state). Default 1000.
+    pub state_interval_ms: u64,
     /// Guests to stream to. Default none (streaming off).
     pub guests: Vec<GuestEndpoint>,
 }
@@ -103,6 +106,7 @@ impl Default for StreamConfig {
             keep_alive_ms: 3_000,
             batch_bytes: 64 * 1024,
             coalesce_us: 500,
+            state_interval_ms: 1000,
             guests: Vec::new(),
         }
     }
@@ -249,6 +253,8 @@ struct GuestMetrics {
 
 /// State shared between the router and a guest's connection task.
 pub(crate) struct Guest {
+    /// Position in [`StreamConfig::guests`] (what a [`StateSource`] is asked about).
+    index: usize,
     cfg: GuestEndpoint,
     spool: Mutex<Spool>,
     notify: Notify,
@@ -278,7 +284,12 @@ pub(crate) struct Common {
     host_id: String,
     cfg: StreamConfig,
     clock: Arc<dyn ReferenceClock>,
+    state: Option<StateSource>,
 }
+
+/// The host's series for guest `index` (its position in [`StreamConfig::guests`]) at the given
+/// reference time; sent to guests that take host state.
+pub type StateSource = Arc<dyn Fn(usize, i64) -> crate::hoststate::HostState + Send + Sync>;
 
 /// The running stream. Dropping it leaves the tasks running; call [`shutdown`](Self::shutdown)
 /// on exit so that the spools' state is on disk.
@@ -317,6 +328,17 @@ pub fn start(
     host_id: String,
     registry: &Registry,
     clock: Arc<dyn ReferenceClock>,
+) -> Result<StreamHandle, StreamError> {
+    start_with_state(cfg, host_id, registry, clock, None)
+}
+
+/// [`start`], with the host's series for each guest sent as host state.
+pub fn start_with_state(
+    cfg: StreamConfig,
+    host_id: String,
+    registry: &Registry,
+    clock: Arc<dyn ReferenceClock>,
+    state: Option<StateSource>,
 ) -> Result<StreamHandle, StreamError> {
     let metrics = Metrics::new(registry)?;
     let limits = SpoolLimits {
@@ -364,6 +386,7 @@ pub fn start(
             "host stream: spool ready"
         );
         let guest = Arc::new(Guest {
+            index: guests.len(),
             cfg: g.clone(),
             spool: Mutex::new(spool),
             notify: Notify::new(),
@@ -377,6 +400,7 @@ pub fn start(
         host_id,
         cfg,
         clock: clock.clone(),
+        state,
     });
     let tasks = guests
         .iter()

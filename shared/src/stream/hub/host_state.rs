@@ -222,14 +222,14 @@ mod tests {
         s.update("pve1", state(4.0), t0);
         s.update("pve2", state(1.0), t0);
         let fams = s.families(t0 + Duration::from_secs(3));
-        let names: Vec<&str> = fams.iter().map(|f| f.get_name()).collect();
+        let names: Vec<&str> = fams.iter().map(|f| f.name()).collect();
         assert_eq!(names, vec!["gpufeed_host_pcie_link_width", AGE, SERIES]);
         let width = &fams[0];
         assert_eq!(width.get_field_type(), MetricType::GAUGE);
         assert_eq!(width.get_metric().len(), 2);
         assert_eq!(width.get_metric()[1].get_gauge().get_value(), 1.0);
         // pve2's state names host pve1 (its own host id): kept as the host said
-        assert_eq!(width.get_metric()[1].get_label()[1].get_value(), "pve1");
+        assert_eq!(width.get_metric()[1].get_label()[1].value(), "pve1");
         assert_eq!(fams[1].get_metric()[0].get_gauge().get_value(), 3.0);
         assert_eq!(fams[2].get_metric()[0].get_gauge().get_value(), 2.0);
         s.update("pve1", state(2.0), t0);

@@ -260,6 +260,8 @@ struct Inner {
     endpoint: quinn::Endpoint,
     ptp: Option<Mutex<KvmPtp>>,
     ptp_warned: Mutex<HashMap<String, Instant>>,
+    /// The hosts' own series, exported in this guest's scrape.
+    host_states: Arc<host_state::HostStates>,
 }
 
 /// The running hub. Cheap to clone.
@@ -362,6 +364,10 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         source,
     })?;
     tracing::info!(listen = %listen, allowed = ?allowed, "hub listening");
+    let host_states = Arc::new(host_state::HostStates::default());
+    registry.register(Box::new(host_state::HostStatesCollector(
+        host_states.clone(),
+    )))?;
     let inner = Arc::new(Inner {
         state: Mutex::new(State {
             dedup,
@@ -375,6 +381,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         endpoint,
         ptp,
         ptp_warned: Mutex::new(HashMap::new()),
+        host_states,
         cfg,
     });
     tokio::spawn(accept_loop(inner.clone()));
@@ -383,6 +390,11 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
 }
 
 impl Hub {
+    /// The last host state received from `host` (kept after its stream stopped).
+    pub fn host_state(&self, host: &str) -> Option<crate::hoststate::HostState> {
+        self.inner.host_states.get(host)
+    }
+
     /// The most recent events, oldest first.
     pub fn recent(&self) -> Vec<ReceivedEvent> {
         let st = self.inner.state.lock().expect("hub state");
@@ -726,8 +738,12 @@ impl Conn<'_> {
                             let st = inner.state.lock().expect("hub state");
                             self.core.handle_control(msg, &st.dedup, clock::monotonic_ns(), clock::realtime_ns())?
                         };
-                        if let ServerAction::Clock(sample) = action {
-                            self.clock_sample(sample, &offset_g, &rtt_g);
+                        match action {
+                            ServerAction::Clock(sample) => self.clock_sample(sample, &offset_g, &rtt_g),
+                            ServerAction::HostState(state) => {
+                                inner.host_states.update(self.host, state, Instant::now());
+                            }
+                            _ => {}
                         }
                     }
                 }
