@@ -38,15 +38,58 @@ pub fn runtime_suspended(roots: &Roots, bdf: &str) -> bool {
     )
 }
 
-/// Current speed (MT/s) and width of the link above `bdf`, from the device's `current_link_*`.
-pub fn read_current(roots: &Roots, bdf: &str) -> Option<(Option<u32>, u8)> {
+/// What one end of a link says about it in `current_link_speed`/`current_link_width`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkStatus {
+    /// Values a link can have: (speed in MT/s, width); width 0 is a link that is down.
+    Read(Option<u32>, u8),
+    /// The attributes exist but tell nothing: the read failed (the kernel answers EINVAL when
+    /// the Link Status read fails, as for a disconnected device) or the device answered with
+    /// all ones (width 63, speed `Unknown`: it no longer responds to config reads).
+    Unreadable,
+    /// No such attributes: not a PCIe device, or removed.
+    Absent,
+}
+
+/// Read `current_link_*` of `bdf`.
+pub fn read_status(roots: &Roots, bdf: &str) -> LinkStatus {
     let d = roots.pci_devices().join(bdf);
-    let cur_speed = read_attr(&d.join("current_link_speed"))?;
-    let cur_width = read_attr(&d.join("current_link_width"))?;
-    Some((
-        parse_link_speed(&cur_speed),
-        parse_link_width(&cur_width).unwrap_or(0),
-    ))
+    let read = |f: &str| match std::fs::read(d.join(f)) {
+        Ok(b) => Ok(String::from_utf8_lossy(&b).trim().to_string()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LinkStatus::Absent),
+        Err(_) => Err(LinkStatus::Unreadable),
+    };
+    let (speed, width) = match (read("current_link_speed"), read("current_link_width")) {
+        (Ok(s), Ok(w)) => (parse_link_speed(&s), parse_link_width(&w)),
+        (Err(e), _) | (_, Err(e)) => return e,
+    };
+    match width {
+        Some(0) => LinkStatus::Read(speed, 0),
+        Some(w) if valid_width(w) && speed.is_some() => LinkStatus::Read(speed, w),
+        _ => LinkStatus::Unreadable,
+    }
+}
+
+/// Widths a PCIe link can train to (Link Status' 6-bit field reads 63 from a device that
+/// answers config reads with all ones).
+fn valid_width(w: u8) -> bool {
+    matches!(w, 1 | 2 | 4 | 8 | 12 | 16 | 32)
+}
+
+/// Current speed (MT/s) and width of the link above `bdf`. When the device's own attributes
+/// tell nothing (its config space reads fail or read all ones, as when its link went down),
+/// the link's state is read where the kernel still has it: the Link Status of the port at the
+/// other end (`parent`), which reads width 0 while the link is down. With neither end
+/// readable the link is down (`None`, 0). `None` when the device has no such attributes.
+pub fn read_current(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<(Option<u32>, u8)> {
+    match read_status(roots, bdf) {
+        LinkStatus::Read(s, w) => Some((s, w)),
+        LinkStatus::Absent => None,
+        LinkStatus::Unreadable => Some(match parent.map(|p| read_status(roots, p)) {
+            Some(LinkStatus::Read(s, w)) => (s, w),
+            _ => (None, 0),
+        }),
+    }
 }
 
 /// The link's maximum: the lower of the two ends' `max_link_*` (a x16 GPU behind a x4 port has
@@ -56,7 +99,9 @@ pub fn read_max(roots: &Roots, bdf: &str, parent: Option<&str>) -> (Option<u32>,
     let max_of = |dev: &std::path::Path| {
         (
             read_attr(&dev.join("max_link_speed")).and_then(|s| parse_link_speed(&s)),
-            read_attr(&dev.join("max_link_width")).and_then(|s| parse_link_width(&s)),
+            read_attr(&dev.join("max_link_width"))
+                .and_then(|s| parse_link_width(&s))
+                .filter(|w| valid_width(*w)), // 63: all ones from a device that went away
         )
     };
     let (mut ms, mut mw) = max_of(&roots.pci_devices().join(bdf));
@@ -76,7 +121,7 @@ pub fn read_max(roots: &Roots, bdf: &str, parent: Option<&str>) -> (Option<u32>,
 
 /// Read a link's state from its downstream-end device ([`read_current`] and [`read_max`]).
 pub fn read_link(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<LinkState> {
-    let (speed, width) = read_current(roots, bdf)?;
+    let (speed, width) = read_current(roots, bdf, parent)?;
     let (max_speed, max_width) = read_max(roots, bdf, parent);
     Some(LinkState {
         speed,
@@ -126,16 +171,18 @@ impl PciePoller {
                 self.suspended_skips += 1;
                 continue;
             }
-            let Some((speed, width)) = read_current(roots, &link.child) else {
+            let Some((speed, width)) = read_current(roots, &link.child, link.parent.as_deref())
+            else {
                 self.max_valid.remove(&link.child); // gone: read the maxima again when it is back
                 continue;
             };
             // The maxima are read on first sight and again with every change of the current
-            // values (a re-plugged device shows one), not on every poll.
+            // values (a re-plugged device shows one), not on every poll. A link that went down
+            // keeps them: the device's own registers may no longer answer.
             let known = self
                 .state
                 .get(&link.child)
-                .filter(|o| o.speed == speed && o.width == width)
+                .filter(|o| width == 0 || (o.speed == speed && o.width == width))
                 .filter(|_| self.max_valid.contains(&link.child));
             let (max_speed, max_width) = match known {
                 Some(o) => (o.max_speed, o.max_width),
