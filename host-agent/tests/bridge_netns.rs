@@ -69,6 +69,56 @@ fn within_1pct(a: f64, b: f64) -> bool {
     (a - b).abs() <= 0.01 * b.max(1.0)
 }
 
+/// Make the namespaces `names` (deleted by the returned guard), with loopback up and no IPv6
+/// (no autoconf/ND chatter: after iperf3 the counters stand still).
+fn namespaces(names: &[&str]) -> Netns {
+    let guard = Netns(names.iter().map(|n| n.to_string()).collect());
+    for n in names {
+        ip(&["netns", "add", n]);
+        ip(&["-n", n, "link", "set", "lo", "up"]);
+        for key in [
+            "net.ipv6.conf.all.disable_ipv6=1",
+            "net.ipv6.conf.default.disable_ipv6=1",
+        ] {
+            ip(&["netns", "exec", n, "sysctl", "-q", "-w", key]);
+        }
+    }
+    guard
+}
+
+/// A VM's NIC: `port` on `bridge` in namespace `br`, a veth whose other end is `eth0` with
+/// `addr` in the VM's namespace `vm`.
+fn vm_nic(br: &str, port: &str, bridge: &str, vm: &str, addr: &str) {
+    ip(&[
+        "-n", br, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", vm,
+    ]);
+    ip(&["-n", br, "link", "set", port, "master", bridge, "up"]);
+    ip(&["-n", vm, "addr", "add", addr, "dev", "eth0"]);
+    ip(&["-n", vm, "link", "set", "eth0", "up"]);
+}
+
+/// The agent with only its bridge watcher, sampling every 100 ms inside namespace `br`.
+async fn bridge_agent(
+    br: &str,
+    bridges: Vec<String>,
+) -> (common::Tree, Arc<Agent>, gpufeed_host::agent::Running) {
+    let t = common::Tree::new();
+    let mut cfg = common::base_config(&t, 200);
+    cfg.bridge.enabled = true;
+    cfg.bridge.bridges = bridges;
+    cfg.bridge.sample_interval_ms = 100;
+    cfg.bridge.period_ms = 500;
+    cfg.bridge.netns = Some(format!("/run/netns/{br}").into());
+    let agent = Arc::new(Agent::new(cfg));
+    let running = agent.start().await;
+    assert!(
+        running.enabled.contains(&"bridge"),
+        "{:?}",
+        running.disabled
+    );
+    (t, agent, running)
+}
+
 /// An iperf3 server on `addr` inside `ns`, killed on drop.
 fn iperf_server(ns: &str, addr: &str) -> Child {
     let c = Child(
@@ -154,23 +204,7 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
     let vm100 = format!("gpfvm100-{pid}");
     let vm101 = format!("gpfvm101-{pid}");
     let ct102 = format!("gpfct102-{pid}");
-    let _guard = Netns(vec![
-        br.clone(),
-        vm100.clone(),
-        vm101.clone(),
-        ct102.clone(),
-    ]);
-    for n in [&br, &vm100, &vm101, &ct102] {
-        ip(&["netns", "add", n]);
-        ip(&["-n", n, "link", "set", "lo", "up"]);
-        // No IPv6 autoconf/ND chatter: after iperf3 the counters stand still.
-        for key in [
-            "net.ipv6.conf.all.disable_ipv6=1",
-            "net.ipv6.conf.default.disable_ipv6=1",
-        ] {
-            ip(&["netns", "exec", n, "sysctl", "-q", "-w", key]);
-        }
-    }
+    let _guard = namespaces(&[&br, &vm100, &vm101, &ct102]);
     ip(&["-n", &br, "link", "add", "vmbr0", "type", "bridge"]);
     ip(&["-n", &br, "link", "set", "vmbr0", "up"]);
     for (port, ns, addr) in [
@@ -178,29 +212,10 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
         ("fwpr101p0", &vm101, "10.77.0.101/24"),
         ("veth102i0", &ct102, "10.77.0.102/24"),
     ] {
-        ip(&[
-            "-n", &br, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns,
-        ]);
-        ip(&["-n", &br, "link", "set", port, "master", "vmbr0", "up"]);
-        ip(&["-n", ns, "addr", "add", addr, "dev", "eth0"]);
-        ip(&["-n", ns, "link", "set", "eth0", "up"]);
+        vm_nic(&br, port, "vmbr0", ns, addr);
     }
-
-    let t = common::Tree::new();
-    let mut cfg = common::base_config(&t, 200);
-    cfg.bridge.enabled = true;
-    cfg.bridge.bridges = vec!["vmbr0".into()];
-    cfg.bridge.sample_interval_ms = 100;
-    cfg.bridge.period_ms = 500;
-    cfg.bridge.netns = Some(format!("/run/netns/{br}").into());
-    let agent = Arc::new(Agent::new(cfg));
+    let (_t, agent, running) = bridge_agent(&br, vec!["vmbr0".into()]).await;
     let mut rx = agent.bus.subscribe();
-    let running = agent.start().await;
-    assert!(
-        running.enabled.contains(&"bridge"),
-        "{:?}",
-        running.disabled
-    );
 
     // iperf3 server in VM 100; VM 101 sends to it, then it sends to container 102 (-R).
     let server = iperf_server(&vm100, "10.77.0.100");
@@ -305,17 +320,7 @@ async fn firewall_bridge_counts_each_vm_nic_once() {
     let br = format!("gpffw{pid}");
     let vm200 = format!("gpffw200-{pid}");
     let vm201 = format!("gpffw201-{pid}");
-    let _guard = Netns(vec![br.clone(), vm200.clone(), vm201.clone()]);
-    for n in [&br, &vm200, &vm201] {
-        ip(&["netns", "add", n]);
-        ip(&["-n", n, "link", "set", "lo", "up"]);
-        for key in [
-            "net.ipv6.conf.all.disable_ipv6=1",
-            "net.ipv6.conf.default.disable_ipv6=1",
-        ] {
-            ip(&["netns", "exec", n, "sysctl", "-q", "-w", key]);
-        }
-    }
+    let _guard = namespaces(&[&br, &vm200, &vm201]);
     for b in ["vmbr0", "fwbr200i0"] {
         ip(&["-n", &br, "link", "add", b, "type", "bridge"]);
         ip(&["-n", &br, "link", "set", b, "up"]);
@@ -340,28 +345,10 @@ async fn firewall_bridge_counts_each_vm_nic_once() {
         ("tap200i0", "fwbr200i0", &vm200, "10.78.0.200/24"),
         ("tap201i0", "vmbr0", &vm201, "10.78.0.201/24"),
     ] {
-        ip(&[
-            "-n", &br, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns,
-        ]);
-        ip(&["-n", &br, "link", "set", port, "master", bridge, "up"]);
-        ip(&["-n", ns, "addr", "add", addr, "dev", "eth0"]);
-        ip(&["-n", ns, "link", "set", "eth0", "up"]);
+        vm_nic(&br, port, bridge, ns, addr);
     }
-
-    let t = common::Tree::new();
-    let mut cfg = common::base_config(&t, 200);
-    cfg.bridge.enabled = true;
-    assert!(cfg.bridge.bridges.is_empty(), "the default: every bridge");
-    cfg.bridge.sample_interval_ms = 100;
-    cfg.bridge.period_ms = 500;
-    cfg.bridge.netns = Some(format!("/run/netns/{br}").into());
-    let agent = Arc::new(Agent::new(cfg));
-    let running = agent.start().await;
-    assert!(
-        running.enabled.contains(&"bridge"),
-        "{:?}",
-        running.disabled
-    );
+    // The default configuration: every bridge.
+    let (_t, agent, running) = bridge_agent(&br, Vec::new()).await;
 
     // VM 201 sends 20 MB to VM 200, then VM 200 sends 20 MB back (-R).
     let server = iperf_server(&vm201, "10.78.0.201");

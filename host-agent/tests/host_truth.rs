@@ -153,7 +153,7 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
         assert_eq!(gauge(&m, "0000:01:00.0", "101"), (16.0, 16), "{form}");
 
         // The link of the plain-slot GPU goes down: the root port's Link Status reads width 0
-        // (its speed field keeps the last rate, as on real ports).
+        // (its speed field keeps a rate, as on real ports; a down link has no speed).
         t.write(&format!("sys/devices/{PLAIN_RP}/current_link_width"), "0\n");
         t.write(
             &format!("sys/devices/{PLAIN_RP}/current_link_speed"),
@@ -200,7 +200,7 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
                 "0000:01:00.0",
                 Some(101),
                 Some(16000),
-                Some(2500),
+                None,
                 16,
                 0,
                 LinkChangeClass::LinkDown,
@@ -209,7 +209,7 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
             ),
             "{form}"
         );
-        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (2.5, 0), "{form}");
+        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (0.0, 0), "{form}");
         assert_eq!(
             m.max_width
                 .with_label_values(&["0000:01:00.0", "101"])

@@ -64,7 +64,8 @@ pub fn read_status(roots: &Roots, bdf: &str) -> LinkStatus {
         (Err(e), _) | (_, Err(e)) => return e,
     };
     match width {
-        Some(0) => LinkStatus::Read(speed, 0),
+        // Down: the speed field then holds the last or the lowest rate, not a link's speed.
+        Some(0) => LinkStatus::Read(None, 0),
         Some(w) if valid_width(w) && speed.is_some() => LinkStatus::Read(speed, w),
         _ => LinkStatus::Unreadable,
     }
