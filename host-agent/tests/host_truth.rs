@@ -264,6 +264,81 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
     }
 }
 
+/// The other way a link goes down: pciehp removes the device behind a link that went down,
+/// and discovery (on the removal's uevent) drops its links, before or after the next poll.
+/// The port above still shows the link down: one link-down event, gauges at 0 while the port's
+/// link stays down, and gone when it is up again.
+#[test]
+fn link_down_with_the_device_removed_reads_the_port() {
+    for rescan_first in [true, false] {
+        let t = Tree::new();
+        topology(&t);
+        pve_basic(&t);
+        let before = topo(&t);
+        let roots = Roots::new(t.root());
+        let reg = Registry::new();
+        let m = PcieMetrics::new(&reg);
+        let mut p = PciePoller::new();
+        p.poll(&roots, &before.links, &m, Source::Poll);
+        t.write(&format!("sys/devices/{PLAIN_RP}/current_link_width"), "0\n");
+        t.write(
+            &format!("sys/devices/{PLAIN_RP}/current_link_speed"),
+            "2.5 GT/s PCIe\n",
+        );
+        for (path, bdf) in [(PLAIN_GPU, "0000:01:00.0"), (PLAIN_AUDIO, "0000:01:00.1")] {
+            std::fs::remove_file(t.pci(bdf)).unwrap();
+            std::fs::remove_dir_all(t.p(&format!("sys/devices/{path}"))).unwrap();
+        }
+        let after = topo(&t);
+        assert!(after.links.iter().all(|l| l.child != "0000:01:00.0"));
+        let ev = if rescan_first {
+            let mut ev = p.retain(&roots, &after.links, &m);
+            ev.extend(p.poll(&roots, &after.links, &m, Source::Poll));
+            ev
+        } else {
+            let mut ev = p.poll(&roots, &before.links, &m, Source::Poll);
+            ev.extend(p.retain(&roots, &after.links, &m));
+            ev
+        };
+        assert!(
+            matches!(&ev[..], [HostEvent::PcieLinkChange(l)] if l.bdf == "0000:01:00.0"
+                && l.class == LinkChangeClass::LinkDown && l.new_width == 0 && l.new_speed_mts.is_none()
+                && l.max_width == 16),
+            "rescan first {rescan_first}: {ev:?}"
+        );
+        for _ in 0..2 {
+            assert!(p.retain(&roots, &after.links, &m).is_empty());
+            assert!(p.poll(&roots, &after.links, &m, Source::Poll).is_empty());
+            assert_eq!(gauge(&m, "0000:01:00.0", "101"), (0.0, 0));
+        }
+        // The port trains a link again (a card is back, not yet rescanned): no stale series.
+        t.write(
+            &format!("sys/devices/{PLAIN_RP}/current_link_width"),
+            "16\n",
+        );
+        t.write(
+            &format!("sys/devices/{PLAIN_RP}/current_link_speed"),
+            "16.0 GT/s PCIe\n",
+        );
+        assert!(p.retain(&roots, &after.links, &m).is_empty());
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&reg.gather())
+            .unwrap();
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.contains("bdf=\"0000:01:00.0\"") && !l.contains("changes_total")),
+            "{text}"
+        );
+        // A device that is only unassigned (still there) takes its series away too.
+        assert!(p.retain(&roots, &[], &m).is_empty());
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&reg.gather())
+            .unwrap();
+        assert!(!text.contains("gpufeed_host_pcie_link_width{"), "{text}");
+    }
+}
+
 // ---- AER after a replug ----
 
 #[test]
