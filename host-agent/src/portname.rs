@@ -19,6 +19,33 @@ pub fn parse_port_name(name: &str) -> Option<(u32, u32)> {
     None
 }
 
+/// Whether bridge `name` is watched when `names` are configured (empty: every bridge but
+/// Proxmox's firewall bridges).
+///
+/// With `firewall=1` a VM NIC is `tap<vmid>i<n>` on its own bridge `fwbr<vmid>i<n>`, linked by
+/// the veth pair `fwln<vmid>i<n>`/`fwpr<vmid>p<n>` to the bridge the VM's config names
+/// (`vmbr0`). Every byte of the NIC then crosses `tap…` and `fwpr…` both; watching the
+/// `fwbr` bridges would count the VM's traffic twice under its VMID. The NIC is counted once,
+/// at its port on the configured bridge: `tap…` without the firewall, `fwpr…` with it.
+pub fn bridge_watched(name: &str, names: &[String]) -> bool {
+    if names.is_empty() {
+        !is_firewall_bridge(name)
+    } else {
+        names.iter().any(|n| n == name)
+    }
+}
+
+/// `fwbr<vmid>i<n>`: the per-NIC bridge Proxmox's firewall puts between a tap and its bridge.
+pub fn is_firewall_bridge(name: &str) -> bool {
+    name.strip_prefix("fwbr")
+        .and_then(|r| r.split_once('i'))
+        .is_some_and(|(v, n)| {
+            [v, n]
+                .iter()
+                .all(|x| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit()))
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -32,5 +59,18 @@ mod tests {
         assert_eq!(parse_port_name("tapxi0"), None);
         assert_eq!(parse_port_name("enp1s0"), None);
         assert_eq!(parse_port_name("vethab12"), None);
+    }
+
+    #[test]
+    fn firewall_bridges() {
+        assert!(is_firewall_bridge("fwbr100i0"));
+        assert!(!is_firewall_bridge("fwbr100"));
+        assert!(!is_firewall_bridge("fwbrxi0"));
+        assert!(!is_firewall_bridge("vmbr0"));
+        assert!(!bridge_watched("fwbr100i0", &[]));
+        assert!(bridge_watched("vmbr0", &[]));
+        let only = ["fwbr100i0".to_string()];
+        assert!(bridge_watched("fwbr100i0", &only));
+        assert!(!bridge_watched("vmbr0", &only));
     }
 }

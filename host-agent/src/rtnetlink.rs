@@ -276,11 +276,12 @@ pub fn dump_stats(
     Ok(out)
 }
 
-/// The bridges selected by `names` (all bridges when empty) and the links enslaved to them.
+/// The bridges selected by `names` ([`crate::portname::bridge_watched`]) and the links
+/// enslaved to them.
 pub fn bridges_and_ports(all: Vec<LinkRow>, names: &[String]) -> Vec<LinkRow> {
     let wanted: std::collections::HashSet<u32> = all
         .iter()
-        .filter(|r| r.is_bridge && (names.is_empty() || names.contains(&r.name)))
+        .filter(|r| r.is_bridge && crate::portname::bridge_watched(&r.name, names))
         .map(|r| r.index)
         .collect();
     all.into_iter()

@@ -69,6 +69,131 @@ fn within_1pct(a: f64, b: f64) -> bool {
     (a - b).abs() <= 0.01 * b.max(1.0)
 }
 
+/// Make the namespaces `names` (deleted by the returned guard), with loopback up and no IPv6
+/// (no autoconf/ND chatter: after iperf3 the counters stand still).
+fn namespaces(names: &[&str]) -> Netns {
+    let guard = Netns(names.iter().map(|n| n.to_string()).collect());
+    for n in names {
+        ip(&["netns", "add", n]);
+        ip(&["-n", n, "link", "set", "lo", "up"]);
+        for key in [
+            "net.ipv6.conf.all.disable_ipv6=1",
+            "net.ipv6.conf.default.disable_ipv6=1",
+        ] {
+            ip(&["netns", "exec", n, "sysctl", "-q", "-w", key]);
+        }
+    }
+    guard
+}
+
+/// A VM's NIC: `port` on `bridge` in namespace `br`, a veth whose other end is `eth0` with
+/// `addr` in the VM's namespace `vm`.
+fn vm_nic(br: &str, port: &str, bridge: &str, vm: &str, addr: &str) {
+    ip(&[
+        "-n", br, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", vm,
+    ]);
+    ip(&["-n", br, "link", "set", port, "master", bridge, "up"]);
+    ip(&["-n", vm, "addr", "add", addr, "dev", "eth0"]);
+    ip(&["-n", vm, "link", "set", "eth0", "up"]);
+}
+
+/// The agent with only its bridge watcher, sampling every 100 ms inside namespace `br`.
+async fn bridge_agent(
+    br: &str,
+    bridges: Vec<String>,
+) -> (common::Tree, Arc<Agent>, gpufeed_host::agent::Running) {
+    let t = common::Tree::new();
+    let mut cfg = common::base_config(&t, 200);
+    cfg.bridge.enabled = true;
+    cfg.bridge.bridges = bridges;
+    cfg.bridge.sample_interval_ms = 100;
+    cfg.bridge.period_ms = 500;
+    cfg.bridge.netns = Some(format!("/run/netns/{br}").into());
+    let agent = Arc::new(Agent::new(cfg));
+    let running = agent.start().await;
+    assert!(
+        running.enabled.contains(&"bridge"),
+        "{:?}",
+        running.disabled
+    );
+    (t, agent, running)
+}
+
+/// An iperf3 server on `addr` inside `ns`, killed on drop.
+fn iperf_server(ns: &str, addr: &str) -> Child {
+    let c = Child(
+        Command::new("ip")
+            .args([
+                "netns", "exec", ns, "iperf3", "-s", "-B", addr, "-p", "5201",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("iperf3 installed"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    c
+}
+
+/// Send `bytes` from `ns` to the iperf3 server at `server` (`reverse`: the server sends),
+/// retrying while the server comes up.
+fn iperf_client(ns: &str, server: &str, bytes: &str, reverse: bool) {
+    let mut args = vec![
+        "netns",
+        "exec",
+        ns,
+        "iperf3",
+        "-c",
+        server,
+        "-p",
+        "5201",
+        "-n",
+        bytes,
+        "--connect-timeout",
+        "3000",
+    ];
+    if reverse {
+        args.push("-R");
+    }
+    for _ in 0..5 {
+        let st = Command::new("ip")
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        if st.success() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    panic!("iperf3 client in {ns} failed");
+}
+
+/// Sum of `name` over every series of `vmid` in `dir` (what `sum by (vmid)` gives).
+fn sum_vmid(text: &str, name: &str, vmid: &str, dir: &str) -> f64 {
+    let (v, d) = (format!("vmid=\"{vmid}\""), format!("direction=\"{dir}\""));
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&v) && l.contains(&d))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// Read `ports`' interface counters until they stand still, then render the agent's metrics
+/// after it sampled them: (metrics text, counters per port).
+async fn settled(agent: &Agent, ns: &str, ports: &[&str]) -> (String, Vec<(u64, u64)>) {
+    for _ in 0..10 {
+        let before: Vec<_> = ports.iter().map(|p| counters(ns, p)).collect();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let m = agent.metrics.render();
+        let after: Vec<_> = ports.iter().map(|p| counters(ns, p)).collect();
+        if before == after {
+            return (m, after);
+        }
+    }
+    panic!("interface counters of {ports:?} did not settle");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vmbr0_per_vmid_bytes_match_interface_counters() {
     if !common::require_root("vmbr0_per_vmid_bytes_match_interface_counters") {
@@ -79,23 +204,7 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
     let vm100 = format!("gpfvm100-{pid}");
     let vm101 = format!("gpfvm101-{pid}");
     let ct102 = format!("gpfct102-{pid}");
-    let _guard = Netns(vec![
-        br.clone(),
-        vm100.clone(),
-        vm101.clone(),
-        ct102.clone(),
-    ]);
-    for n in [&br, &vm100, &vm101, &ct102] {
-        ip(&["netns", "add", n]);
-        ip(&["-n", n, "link", "set", "lo", "up"]);
-        // No IPv6 autoconf/ND chatter: after iperf3 the counters stand still.
-        for key in [
-            "net.ipv6.conf.all.disable_ipv6=1",
-            "net.ipv6.conf.default.disable_ipv6=1",
-        ] {
-            ip(&["netns", "exec", n, "sysctl", "-q", "-w", key]);
-        }
-    }
+    let _guard = namespaces(&[&br, &vm100, &vm101, &ct102]);
     ip(&["-n", &br, "link", "add", "vmbr0", "type", "bridge"]);
     ip(&["-n", &br, "link", "set", "vmbr0", "up"]);
     for (port, ns, addr) in [
@@ -103,84 +212,15 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
         ("fwpr101p0", &vm101, "10.77.0.101/24"),
         ("veth102i0", &ct102, "10.77.0.102/24"),
     ] {
-        ip(&[
-            "-n", &br, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns,
-        ]);
-        ip(&["-n", &br, "link", "set", port, "master", "vmbr0", "up"]);
-        ip(&["-n", ns, "addr", "add", addr, "dev", "eth0"]);
-        ip(&["-n", ns, "link", "set", "eth0", "up"]);
+        vm_nic(&br, port, "vmbr0", ns, addr);
     }
-
-    let t = common::Tree::new();
-    let mut cfg = common::base_config(&t, 200);
-    cfg.bridge.enabled = true;
-    cfg.bridge.bridges = vec!["vmbr0".into()];
-    cfg.bridge.sample_interval_ms = 100;
-    cfg.bridge.period_ms = 500;
-    cfg.bridge.netns = Some(format!("/run/netns/{br}").into());
-    let agent = Arc::new(Agent::new(cfg));
+    let (_t, agent, running) = bridge_agent(&br, vec!["vmbr0".into()]).await;
     let mut rx = agent.bus.subscribe();
-    let running = agent.start().await;
-    assert!(
-        running.enabled.contains(&"bridge"),
-        "{:?}",
-        running.disabled
-    );
 
     // iperf3 server in VM 100; VM 101 sends to it, then it sends to container 102 (-R).
-    let server = Child(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &vm100,
-                "iperf3",
-                "-s",
-                "-B",
-                "10.77.0.100",
-                "-p",
-                "5201",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("iperf3 installed"),
-    );
-    std::thread::sleep(Duration::from_millis(500));
-    for (ns, extra) in [(&vm101, None), (&ct102, Some("-R"))] {
-        let mut args = vec![
-            "netns",
-            "exec",
-            ns,
-            "iperf3",
-            "-c",
-            "10.77.0.100",
-            "-p",
-            "5201",
-            "-n",
-            "40M",
-            "--connect-timeout",
-            "3000",
-        ];
-        if let Some(e) = extra {
-            args.push(e);
-        }
-        let mut ok = false;
-        for _ in 0..5 {
-            let st = Command::new("ip")
-                .args(&args)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .unwrap();
-            if st.success() {
-                ok = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(300));
-        }
-        assert!(ok, "iperf3 client in {ns} failed");
-    }
+    let server = iperf_server(&vm100, "10.77.0.100");
+    iperf_client(&vm101, "10.77.0.100", "40M", false);
+    iperf_client(&ct102, "10.77.0.100", "40M", true);
     drop(server);
     // Compare once the counters stand still and the sampler has seen them (several samples).
     let name = "gpufeed_host_bridge_bytes_total";
@@ -189,19 +229,8 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
         ("101", "fwpr101p0"),
         ("102", "veth102i0"),
     ];
-    let mut m = String::new();
-    let mut stable = None;
-    for _ in 0..10 {
-        let before: Vec<_> = ports.iter().map(|(_, p)| counters(&br, p)).collect();
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        m = agent.metrics.render();
-        let after: Vec<_> = ports.iter().map(|(_, p)| counters(&br, p)).collect();
-        if before == after {
-            stable = Some(after);
-            break;
-        }
-    }
-    let stable = stable.expect("interface counters settle");
+    let names: Vec<&str> = ports.iter().map(|(_, p)| *p).collect();
+    let (m, stable) = settled(&agent, &br, &names).await;
     for ((vmid, port), (if_rx, if_tx)) in ports.iter().zip(stable) {
         let vm_rx = sample(&m, name, port, vmid, "rx");
         let vm_tx = sample(&m, name, port, vmid, "tx");
@@ -275,5 +304,75 @@ async fn vmbr0_per_vmid_bytes_match_interface_counters() {
             )
         ]
     );
+    drop(running);
+}
+
+/// Proxmox with `firewall=1`: the VM's NIC is `tap200i0` on its own bridge `fwbr200i0`, which
+/// the veth pair `fwln200i0`/`fwpr200p0` links to `vmbr0`; VM 201 has no firewall (`tap201i0`
+/// on `vmbr0`). With every bridge watched (the default) each VM NIC must be counted once: the
+/// bytes summed over VM 200's series equal its NIC's (the tap's) counters, not twice them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn firewall_bridge_counts_each_vm_nic_once() {
+    if !common::require_root("firewall_bridge_counts_each_vm_nic_once") {
+        return;
+    }
+    let pid = std::process::id();
+    let br = format!("gpffw{pid}");
+    let vm200 = format!("gpffw200-{pid}");
+    let vm201 = format!("gpffw201-{pid}");
+    let _guard = namespaces(&[&br, &vm200, &vm201]);
+    for b in ["vmbr0", "fwbr200i0"] {
+        ip(&["-n", &br, "link", "add", b, "type", "bridge"]);
+        ip(&["-n", &br, "link", "set", b, "up"]);
+    }
+    // What Proxmox builds for net0 of VM 200 with firewall=1 (the tap is a veth here).
+    ip(&[
+        "-n",
+        &br,
+        "link",
+        "add",
+        "fwln200i0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "fwpr200p0",
+    ]);
+    for (port, bridge) in [("fwln200i0", "fwbr200i0"), ("fwpr200p0", "vmbr0")] {
+        ip(&["-n", &br, "link", "set", port, "master", bridge, "up"]);
+    }
+    for (port, bridge, ns, addr) in [
+        ("tap200i0", "fwbr200i0", &vm200, "10.78.0.200/24"),
+        ("tap201i0", "vmbr0", &vm201, "10.78.0.201/24"),
+    ] {
+        vm_nic(&br, port, bridge, ns, addr);
+    }
+    // The default configuration: every bridge.
+    let (_t, agent, running) = bridge_agent(&br, Vec::new()).await;
+
+    // VM 201 sends 20 MB to VM 200, then VM 200 sends 20 MB back (-R).
+    let server = iperf_server(&vm201, "10.78.0.201");
+    iperf_client(&vm200, "10.78.0.201", "20M", false);
+    iperf_client(&vm200, "10.78.0.201", "20M", true);
+    drop(server);
+    let (m, c) = settled(&agent, &br, &["tap200i0", "tap201i0", "fwpr200p0"]).await;
+    let name = "gpufeed_host_bridge_bytes_total";
+    for (vmid, (port_rx, port_tx)) in [("200", c[0]), ("201", c[1])] {
+        // From the VM's side: the VM received what its tap transmitted.
+        let (vm_rx, vm_tx) = (
+            sum_vmid(&m, name, vmid, "rx"),
+            sum_vmid(&m, name, vmid, "tx"),
+        );
+        eprintln!("vm {vmid}: rx {vm_rx} (tap tx {port_tx}), tx {vm_tx} (tap rx {port_rx})");
+        assert!(vm_rx > 15e6 && vm_tx > 15e6, "vm {vmid}: {vm_rx} {vm_tx}");
+        assert!(
+            within_1pct(vm_rx, port_tx as f64) && within_1pct(vm_tx, port_rx as f64),
+            "vm {vmid} counted once: rx {vm_rx} vs {port_tx}, tx {vm_tx} vs {port_rx}\n{m}"
+        );
+    }
+    // VM 200 is counted at its port on vmbr0, and the firewall bridge has no series.
+    let fwpr = sample(&m, name, "fwpr200p0", "200", "rx");
+    assert!(within_1pct(fwpr, c[2].1 as f64), "{fwpr} vs {:?}", c[2]);
+    assert!(!m.contains("fwbr200i0"), "{m}");
     drop(running);
 }

@@ -189,13 +189,17 @@ async fn vm_stop_with_aer_cause_and_run_delay() {
         .is_ok()
     {}
 
-    // vCPU 1 waits 2 s more.
-    t.write("proc/4242/task/4251/schedstat", "123456789 2500000000 50\n");
+    // vCPU 1 waits 50 ms more (less than the 200 ms between two polls: a thread cannot wait
+    // longer than the wall time, and the counter never grows faster).
+    t.write("proc/4242/task/4251/schedstat", "123456789 550000000 50\n");
     tokio::time::sleep(Duration::from_millis(600)).await;
-    assert!(agent
-        .metrics
-        .render()
-        .contains("gpufeed_host_vcpu_run_delay_seconds_total{vmid=\"100\",host=\"testnode\"} 3.5"));
+    let m = agent.metrics.render();
+    assert!(
+        m.contains(
+            "gpufeed_host_vcpu_run_delay_seconds_total{vmid=\"100\",host=\"testnode\"} 1.55"
+        ),
+        "{m}"
+    );
 
     // An uncorrectable AER on the GPU, then QEMU stops the guest (internal-error).
     t.append_kmsg(

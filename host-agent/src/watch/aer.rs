@@ -53,11 +53,21 @@ impl AerPoller {
         detail: Option<&AerDetail>,
     ) -> Vec<HostEvent> {
         let mut out = Vec::new();
+        if only.is_none() {
+            // A device that left the topology and comes back is a new device.
+            self.forget(|b| !topo.aer_devices.contains_key(b));
+        }
         for (bdf, (vmid, is_root)) in &topo.aer_devices {
             if only.is_some_and(|o| o != bdf) {
                 continue;
             }
             let dir = roots.pci_devices().join(bdf);
+            if !dir.exists() {
+                // Removed (hot unplug, surprise removal, `remove`): when it is back its counters
+                // start again at zero in a new `pci_dev`, so its first read then is a baseline.
+                self.forget(|b| b == bdf);
+                continue;
+            }
             let vm = vmid_label(*vmid);
             for (file, sev) in AER_DEV_FILES {
                 let Some(text) = read_attr(&dir.join(file)) else {
@@ -83,7 +93,13 @@ impl AerPoller {
                         name.as_str(),
                     ]);
                     match prev {
+                        // First read of this device (at start or after it came back): the
+                        // kernel's count so far goes into the series, but when those errors
+                        // happened is unknown, so no event. A count below the last one is a
+                        // new device under the same address (replugged between two polls):
+                        // its whole count is new.
                         None => c.inc_by(value),
+                        Some(p) if value < p => c.inc_by(value),
                         Some(p) if value > p => {
                             c.inc_by(value - p);
                             let ctx = recent
@@ -113,7 +129,7 @@ impl AerPoller {
                                 kmsg_context: ctx,
                             }));
                         }
-                        Some(_) => {} // equal, or reset by a device reset: re-baseline
+                        Some(_) => {}
                     }
                 }
             }
@@ -128,6 +144,7 @@ impl AerPoller {
                         .with_label_values(&[bdf.as_str(), sev.as_str()]);
                     match prev {
                         None => c.inc_by(value),
+                        Some(p) if value < p => c.inc_by(value), // a new port: see above
                         Some(p) if value > p => {
                             c.inc_by(value - p);
                             out.push(HostEvent::AerRootPortTotal(AerRootPortTotal {
@@ -143,6 +160,13 @@ impl AerPoller {
             }
         }
         out
+    }
+
+    /// Drop everything known about the devices `gone` selects: their next read is a first read.
+    fn forget(&mut self, gone: impl Fn(&str) -> bool) {
+        self.counters.retain(|(b, _, _), _| !gone(b));
+        self.totals.retain(|(b, _), _| !gone(b));
+        self.texts.retain(|(b, _), _| !gone(b));
     }
 }
 

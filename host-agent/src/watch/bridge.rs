@@ -6,12 +6,17 @@
 //! what the host-side port transmits is what the VM receives. Other ports (uplinks) keep the
 //! interface's own rx/tx. The highest per-window byte rate in each period is the microburst
 //! figure.
+//!
+//! Each VM NIC is counted once: Proxmox's firewall bridges (`fwbr<vmid>i<n>`) are left out of
+//! the default (every bridge), so a NIC with the firewall on is counted at `fwpr<vmid>p<n>` on
+//! the bridge its VM's config names and not again at its tap
+//! ([`crate::portname::bridge_watched`] says why).
 
 use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
 use super::vm_suffix;
 use crate::config::{range, Invalid};
 use crate::metrics::{self, vmid_label};
-use crate::portname::parse_port_name;
+use crate::portname::{bridge_watched, parse_port_name};
 use crate::rtnetlink::{bridges_and_ports, dump_links, dump_stats, refresh, Counters, LinkRow};
 use gpufeed_shared::event::{BridgePortChange, DeviceAction, HostEvent};
 use prometheus::{GaugeVec, IntCounterVec, Registry};
@@ -80,7 +85,7 @@ impl BridgeSampler {
     ) -> Vec<HostEvent> {
         let bridges: HashMap<u32, &str> = rows
             .iter()
-            .filter(|r| r.is_bridge && (self.bridges.is_empty() || self.bridges.contains(&r.name)))
+            .filter(|r| r.is_bridge && bridge_watched(&r.name, &self.bridges))
             .map(|r| (r.index, r.name.as_str()))
             .collect();
         let dt = self
@@ -316,7 +321,7 @@ pub fn spawn(
 #[serde(deny_unknown_fields, default)]
 pub struct BridgeConfig {
     pub enabled: bool,
-    /// Bridges to watch; empty = all bridges.
+    /// Bridges to watch; empty = every bridge but Proxmox's firewall bridges (`fwbr…`).
     pub bridges: Vec<String>,
     /// Counter sampling interval, 100..=1000 ms; the microburst window.
     pub sample_interval_ms: u64,

@@ -26,6 +26,9 @@ pub struct PciePoller {
     state: HashMap<String, LinkState>,
     /// Links whose maxima in `state` were read while the device stayed present.
     max_valid: HashSet<String>,
+    /// Every link polled, by downstream-end device: what [`PciePoller::retain`] needs to read
+    /// a link that discovery dropped.
+    watched: HashMap<String, Link>,
     /// Devices skipped on the last poll because they were runtime-suspended.
     pub suspended_skips: u64,
 }
@@ -38,15 +41,65 @@ pub fn runtime_suspended(roots: &Roots, bdf: &str) -> bool {
     )
 }
 
-/// Current speed (MT/s) and width of the link above `bdf`, from the device's `current_link_*`.
-pub fn read_current(roots: &Roots, bdf: &str) -> Option<(Option<u32>, u8)> {
+/// What one end of a link says about it in `current_link_speed`/`current_link_width`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkStatus {
+    /// Values a link can have: (speed in MT/s, width); width 0 is a link that is down.
+    Read(Option<u32>, u8),
+    /// The attributes exist but tell nothing: the read failed (the kernel answers EINVAL when
+    /// the Link Status read fails, as for a disconnected device) or the device answered with
+    /// all ones (width 63, speed `Unknown`: it no longer responds to config reads).
+    Unreadable,
+    /// No such attributes: not a PCIe device, or removed.
+    Absent,
+}
+
+/// Read `current_link_*` of `bdf`.
+pub fn read_status(roots: &Roots, bdf: &str) -> LinkStatus {
     let d = roots.pci_devices().join(bdf);
-    let cur_speed = read_attr(&d.join("current_link_speed"))?;
-    let cur_width = read_attr(&d.join("current_link_width"))?;
-    Some((
-        parse_link_speed(&cur_speed),
-        parse_link_width(&cur_width).unwrap_or(0),
-    ))
+    let read = |f: &str| match std::fs::read(d.join(f)) {
+        Ok(b) => Ok(String::from_utf8_lossy(&b).trim().to_string()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LinkStatus::Absent),
+        Err(_) => Err(LinkStatus::Unreadable),
+    };
+    let (speed, width) = match (read("current_link_speed"), read("current_link_width")) {
+        (Ok(s), Ok(w)) => (parse_link_speed(&s), parse_link_width(&w)),
+        (Err(e), _) | (_, Err(e)) => return e,
+    };
+    match width {
+        // Down: the speed field then holds the last or the lowest rate, not a link's speed.
+        Some(0) => LinkStatus::Read(None, 0),
+        Some(w) if valid_width(w) && speed.is_some() => LinkStatus::Read(speed, w),
+        _ => LinkStatus::Unreadable,
+    }
+}
+
+/// Widths a PCIe link can train to (Link Status' 6-bit field reads 63 from a device that
+/// answers config reads with all ones).
+fn valid_width(w: u8) -> bool {
+    matches!(w, 1 | 2 | 4 | 8 | 12 | 16 | 32)
+}
+
+/// Current speed (MT/s) and width of the link above `bdf`. When the device's own attributes
+/// tell nothing (its config space reads fail or read all ones, as when its link went down),
+/// the link's state is read where the kernel still has it: the Link Status of the port at the
+/// other end (`parent`), which reads width 0 while the link is down. With neither end
+/// readable the link is down (`None`, 0). A device that is gone while that port's link is down
+/// left with its link (pciehp removes the device of a link that went down): down too.
+/// `None` when the device has no such attributes and its link is not known to be down.
+pub fn read_current(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<(Option<u32>, u8)> {
+    let port = || parent.map(|p| read_status(roots, p));
+    match read_status(roots, bdf) {
+        LinkStatus::Read(s, w) => Some((s, w)),
+        LinkStatus::Unreadable => Some(match port() {
+            Some(LinkStatus::Read(s, w)) => (s, w),
+            _ => (None, 0),
+        }),
+        LinkStatus::Absent => match port() {
+            Some(LinkStatus::Read(_, 0)) => Some((None, 0)),
+            _ => None,
+        },
+    }
 }
 
 /// The link's maximum: the lower of the two ends' `max_link_*` (a x16 GPU behind a x4 port has
@@ -56,7 +109,9 @@ pub fn read_max(roots: &Roots, bdf: &str, parent: Option<&str>) -> (Option<u32>,
     let max_of = |dev: &std::path::Path| {
         (
             read_attr(&dev.join("max_link_speed")).and_then(|s| parse_link_speed(&s)),
-            read_attr(&dev.join("max_link_width")).and_then(|s| parse_link_width(&s)),
+            read_attr(&dev.join("max_link_width"))
+                .and_then(|s| parse_link_width(&s))
+                .filter(|w| valid_width(*w)), // 63: all ones from a device that went away
         )
     };
     let (mut ms, mut mw) = max_of(&roots.pci_devices().join(bdf));
@@ -76,7 +131,7 @@ pub fn read_max(roots: &Roots, bdf: &str, parent: Option<&str>) -> (Option<u32>,
 
 /// Read a link's state from its downstream-end device ([`read_current`] and [`read_max`]).
 pub fn read_link(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<LinkState> {
-    let (speed, width) = read_current(roots, bdf)?;
+    let (speed, width) = read_current(roots, bdf, parent)?;
     let (max_speed, max_width) = read_max(roots, bdf, parent);
     Some(LinkState {
         speed,
@@ -103,6 +158,16 @@ pub fn classify(link: &Link, old: &LinkState, new: &LinkState) -> LinkChangeClas
     }
 }
 
+/// Take away the gauges of `link` (its change counters stay).
+fn remove_series(m: &PcieMetrics, link: &Link) {
+    let vm = vmid_label(link.vmid);
+    let labels = [link.child.as_str(), vm.as_str()];
+    let _ = m.speed.remove_label_values(&labels);
+    let _ = m.width.remove_label_values(&labels);
+    let _ = m.max_speed.remove_label_values(&labels);
+    let _ = m.max_width.remove_label_values(&labels);
+}
+
 fn gts(mts: Option<u32>) -> f64 {
     mts.map(|m| m as f64 / 1000.0).unwrap_or(0.0)
 }
@@ -122,87 +187,141 @@ impl PciePoller {
     ) -> Vec<HostEvent> {
         let mut out = Vec::new();
         for link in links {
-            if runtime_suspended(roots, &link.child) {
-                self.suspended_skips += 1;
-                continue;
-            }
-            let Some((speed, width)) = read_current(roots, &link.child) else {
-                self.max_valid.remove(&link.child); // gone: read the maxima again when it is back
-                continue;
-            };
-            // The maxima are read on first sight and again with every change of the current
-            // values (a re-plugged device shows one), not on every poll.
-            let known = self
-                .state
-                .get(&link.child)
-                .filter(|o| o.speed == speed && o.width == width)
-                .filter(|_| self.max_valid.contains(&link.child));
-            let (max_speed, max_width) = match known {
-                Some(o) => (o.max_speed, o.max_width),
-                None => read_max(roots, &link.child, link.parent.as_deref()),
-            };
-            self.max_valid.insert(link.child.clone());
-            let new = LinkState {
-                speed,
-                width,
-                max_speed,
-                max_width,
-            };
-            let vm = vmid_label(link.vmid);
-            let labels = [link.child.as_str(), vm.as_str()];
-            metrics.speed.with_label_values(&labels).set(gts(new.speed));
-            metrics
-                .width
-                .with_label_values(&labels)
-                .set(new.width as i64);
-            metrics
-                .max_speed
-                .with_label_values(&labels)
-                .set(gts(new.max_speed));
-            metrics
-                .max_width
-                .with_label_values(&labels)
-                .set(new.max_width as i64);
-            let Some(old) = self.state.insert(link.child.clone(), new) else {
-                continue;
-            };
-            if old.speed == new.speed && old.width == new.width {
-                continue;
-            }
-            let class = classify(link, &old, &new);
-            metrics
-                .changes
-                .with_label_values(&[link.child.as_str(), vm.as_str(), class.as_str()])
-                .inc();
-            let degraded = !link.virtual_tunnel
-                && (new.width < new.max_width
-                    || matches!((new.speed, new.max_speed), (Some(s), Some(m)) if s < m)
-                    || new.speed.is_none());
-            out.push(HostEvent::PcieLinkChange(PcieLinkChange {
-                bdf: link.child.clone(),
-                upstream_bdf: link.parent.clone(),
-                target_bdf: Some(link.target.clone()),
-                vmid: link.vmid,
-                old_speed_mts: old.speed,
-                new_speed_mts: new.speed,
-                old_width: old.width,
-                new_width: new.width,
-                max_speed_mts: new.max_speed,
-                max_width: new.max_width,
-                class,
-                degraded,
-                source,
-            }));
+            self.poll_link(roots, link, metrics, source, &mut out);
         }
         out
     }
 
-    /// Forget links that are no longer watched.
-    pub fn retain(&mut self, links: &[Link]) {
-        self.state
-            .retain(|k, _| links.iter().any(|l| &l.child == k));
-        self.max_valid
-            .retain(|k| links.iter().any(|l| &l.child == k));
+    /// Poll one link: its state as read now (`None`: not read), a change event into `out`.
+    fn poll_link(
+        &mut self,
+        roots: &Roots,
+        link: &Link,
+        metrics: &PcieMetrics,
+        source: Source,
+        out: &mut Vec<HostEvent>,
+    ) -> Option<LinkState> {
+        if runtime_suspended(roots, &link.child) {
+            self.suspended_skips += 1;
+            return None;
+        }
+        let Some((speed, width)) = read_current(roots, &link.child, link.parent.as_deref()) else {
+            self.max_valid.remove(&link.child); // gone: read the maxima again when it is back
+            return None;
+        };
+        if self.watched.get(&link.child) != Some(link) {
+            let old = self.watched.insert(link.child.clone(), link.clone());
+            if let Some(old) = old.filter(|o| o.vmid != link.vmid) {
+                remove_series(metrics, &old); // moved to another VM: no series left behind
+            }
+        }
+        // The maxima are read on first sight and again with every change of the current
+        // values (a re-plugged device shows one), not on every poll. A link that went down
+        // keeps them: the device's own registers may no longer answer, or it is gone.
+        let valid = self.max_valid.contains(&link.child);
+        let known = self
+            .state
+            .get(&link.child)
+            .filter(|o| width == 0 || (valid && o.speed == speed && o.width == width));
+        let (max_speed, max_width) = match known {
+            Some(o) => (o.max_speed, o.max_width),
+            None => read_max(roots, &link.child, link.parent.as_deref()),
+        };
+        if width == 0 && !roots.pci_devices().join(&link.child).exists() {
+            self.max_valid.remove(&link.child); // read them again when it is back
+        } else {
+            self.max_valid.insert(link.child.clone());
+        }
+        let new = LinkState {
+            speed,
+            width,
+            max_speed,
+            max_width,
+        };
+        let vm = vmid_label(link.vmid);
+        let labels = [link.child.as_str(), vm.as_str()];
+        metrics.speed.with_label_values(&labels).set(gts(new.speed));
+        metrics
+            .width
+            .with_label_values(&labels)
+            .set(new.width as i64);
+        metrics
+            .max_speed
+            .with_label_values(&labels)
+            .set(gts(new.max_speed));
+        metrics
+            .max_width
+            .with_label_values(&labels)
+            .set(new.max_width as i64);
+        let Some(old) = self.state.insert(link.child.clone(), new) else {
+            return Some(new);
+        };
+        if old.speed == new.speed && old.width == new.width {
+            return Some(new);
+        }
+        let class = classify(link, &old, &new);
+        metrics
+            .changes
+            .with_label_values(&[link.child.as_str(), vm.as_str(), class.as_str()])
+            .inc();
+        let degraded = !link.virtual_tunnel
+            && (new.width < new.max_width
+                || matches!((new.speed, new.max_speed), (Some(s), Some(m)) if s < m)
+                || new.speed.is_none());
+        out.push(HostEvent::PcieLinkChange(PcieLinkChange {
+            bdf: link.child.clone(),
+            upstream_bdf: link.parent.clone(),
+            target_bdf: Some(link.target.clone()),
+            vmid: link.vmid,
+            old_speed_mts: old.speed,
+            new_speed_mts: new.speed,
+            old_width: old.width,
+            new_width: new.width,
+            max_speed_mts: new.max_speed,
+            max_width: new.max_width,
+            class,
+            degraded,
+            source,
+        }));
+        Some(new)
+    }
+
+    /// Forget the links that are no longer in `links` and take their series away, except
+    /// those whose link is down: when a link goes down, pciehp removes the device behind it and
+    /// discovery drops the device's links (usually before the next poll, as the removal's
+    /// uevent triggers a rescan). Such a link is read once more (the port above shows it down:
+    /// the link-down event) and its series stay at 0 while that port's link stays down, so the
+    /// link-down rule holds; they go when the port's link is up again or the port is gone.
+    pub fn retain(
+        &mut self,
+        roots: &Roots,
+        links: &[Link],
+        metrics: &PcieMetrics,
+    ) -> Vec<HostEvent> {
+        let dropped: Vec<Link> = self
+            .watched
+            .values()
+            .filter(|w| !links.iter().any(|l| l.child == w.child))
+            .cloned()
+            .collect();
+        if dropped.is_empty() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for l in &dropped {
+            // A device that is still there was only unassigned: nothing more to read.
+            let gone = !roots.pci_devices().join(&l.child).exists();
+            let now = gone
+                .then(|| self.poll_link(roots, l, metrics, Source::Poll, &mut out))
+                .flatten();
+            if now.is_none_or(|s| s.width != 0) {
+                remove_series(metrics, l);
+                self.state.remove(&l.child);
+                self.max_valid.remove(&l.child);
+                self.watched.remove(&l.child);
+            }
+        }
+        out
     }
 }
 
@@ -324,7 +443,7 @@ impl Watcher for PcieWatcher {
                             (t.links.clone(), Source::Poll)
                         }
                     };
-                    p.retain(&t.links);
+                    a.emit_all(p.retain(&a.roots, &t.links, &m));
                     a.emit_all(p.poll(&a.roots, &links, &m, source));
                 }
             })])

@@ -44,31 +44,37 @@ pub struct TbPoller {
     state: Option<BTreeMap<String, ThunderboltInfo>>,
 }
 
+/// Series only for the attributes the router has: the host router (route 0, `0-0`) has no
+/// rx/tx speed or lane attributes (the kernel hides them: it has no upstream link), and
+/// `authorized` is hidden in the `nopcie`/`dponly` security levels. A missing attribute is no
+/// series, not a 0 that reads like a dead link.
 fn set_metrics(m: &TbMetrics, name: &str, i: &ThunderboltInfo) {
-    let f = |x: Option<u32>| x.map(|v| v as f64 / 10.0).unwrap_or(0.0);
-    m.speed
-        .with_label_values(&[name, "rx"])
-        .set(f(i.rx_speed_gbps_x10));
-    m.speed
-        .with_label_values(&[name, "tx"])
-        .set(f(i.tx_speed_gbps_x10));
-    m.lanes
-        .with_label_values(&[name, "rx"])
-        .set(i.rx_lanes.unwrap_or(0) as i64);
-    m.lanes
-        .with_label_values(&[name, "tx"])
-        .set(i.tx_lanes.unwrap_or(0) as i64);
-    m.authorized
-        .with_label_values(&[name])
-        .set(i.authorized.unwrap_or(0) as i64);
+    let speed = |x: Option<u32>| x.map(|v| v as f64 / 10.0);
+    for (dir, s, l) in [
+        ("rx", speed(i.rx_speed_gbps_x10), i.rx_lanes),
+        ("tx", speed(i.tx_speed_gbps_x10), i.tx_lanes),
+    ] {
+        set_or_remove(&m.speed, &[name, dir], s);
+        set_or_remove(&m.lanes, &[name, dir], l.map(i64::from));
+    }
+    set_or_remove(&m.authorized, &[name], i.authorized.map(i64::from));
+}
+
+fn set_or_remove<P: prometheus::core::Atomic>(
+    v: &prometheus::core::GenericGaugeVec<P>,
+    labels: &[&str],
+    value: Option<P::T>,
+) {
+    match value {
+        Some(x) => v.with_label_values(labels).set(x),
+        None => {
+            let _ = v.remove_label_values(labels);
+        }
+    }
 }
 
 fn clear_metrics(m: &TbMetrics, name: &str) {
-    for dir in ["rx", "tx"] {
-        let _ = m.speed.remove_label_values(&[name, dir]);
-        let _ = m.lanes.remove_label_values(&[name, dir]);
-    }
-    let _ = m.authorized.remove_label_values(&[name]);
+    set_metrics(m, name, &ThunderboltInfo::default());
 }
 
 impl TbPoller {

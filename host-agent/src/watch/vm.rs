@@ -14,7 +14,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// PID of the VM's QEMU if the pid file names a live process that is this VM's QEMU.
 pub fn qemu_pid(roots: &Roots, vmid: u32) -> Option<u32> {
@@ -41,33 +41,113 @@ pub fn qemu_pid(roots: &Roots, vmid: u32) -> Option<u32> {
     None
 }
 
-/// Sum of schedstat wait time (ns) of the vCPU threads (`CPU n/KVM`); all threads if none is
-/// named like a vCPU.
-pub fn vcpu_wait_ns(roots: &Roots, pid: u32) -> Option<u64> {
+/// One thread of a QEMU process: its schedstat wait time (ns), if it could be read, and whether
+/// it is a vCPU (`CPU n/KVM`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadWait {
+    pub tid: u32,
+    pub wait_ns: Option<u64>,
+    pub vcpu: bool,
+}
+
+/// Every thread of `pid` (`/proc/<pid>/task`), `None` when the process is gone. A thread whose
+/// `schedstat` cannot be read (it is exiting, or the read failed) is listed without a value.
+pub fn thread_waits(roots: &Roots, pid: u32) -> Option<Vec<ThreadWait>> {
     let task = roots.proc().join(format!("{pid}/task"));
-    let mut vcpu = 0u64;
-    let mut all = 0u64;
-    let mut n_vcpu = 0;
+    let mut out = Vec::new();
     for e in std::fs::read_dir(task).ok()?.flatten() {
-        let p = e.path();
-        let Some(wait) = std::fs::read_to_string(p.join("schedstat"))
-            .ok()
-            .and_then(|s| {
-                s.split_whitespace()
-                    .nth(1)
-                    .and_then(|w| w.parse::<u64>().ok())
-            })
-        else {
+        let Some(tid) = e.file_name().to_str().and_then(|n| n.parse().ok()) else {
             continue;
         };
-        all = all.saturating_add(wait);
-        let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
-        if comm.trim_end().ends_with("/KVM") {
-            vcpu = vcpu.saturating_add(wait);
-            n_vcpu += 1;
-        }
+        let p = e.path();
+        // Without its name a thread cannot be counted or left out: it waits for the next read.
+        let comm = std::fs::read_to_string(p.join("comm")).ok();
+        let wait_ns = comm.as_ref().and_then(|_| {
+            std::fs::read_to_string(p.join("schedstat"))
+                .ok()?
+                .split_whitespace()
+                .nth(1)?
+                .parse::<u64>()
+                .ok()
+        });
+        out.push(ThreadWait {
+            tid,
+            wait_ns,
+            vcpu: comm.is_some_and(|c| c.trim_end().ends_with("/KVM")),
+        });
     }
-    Some(if n_vcpu > 0 { vcpu } else { all })
+    Some(out)
+}
+
+/// Last read of one thread.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    wait_ns: u64,
+    at: Instant,
+}
+
+/// The vCPU run delay of one QEMU process, tracked per thread.
+///
+/// Why per thread: the sum over the threads falls whenever a thread exits, a read fails or a
+/// vCPU is unplugged, and a sum that falls cannot be told from a new process. Per thread, the
+/// counter grows by each thread's own increase since its last read, and that increase is
+/// capped at the wall time since that read (a thread cannot wait longer than the time that
+/// passed), so one interval adds at most its wall time × the number of threads counted.
+#[derive(Debug, Default)]
+pub struct RunDelay {
+    pid: u32,
+    threads: BTreeMap<u32, Seen>,
+    last: Option<Instant>,
+}
+
+impl RunDelay {
+    /// Fold in one read of the process's threads taken at `now`; returns the seconds to add.
+    /// Counted are the vCPU threads, or all threads of a QEMU that names none. The first read of
+    /// a process adds its threads' totals so far (the counter starts at the process's run
+    /// delay); a thread first seen later (a vCPU plugged, a read that works again) adds at most
+    /// the wall time since the previous read.
+    pub fn update(&mut self, pid: u32, threads: &[ThreadWait], now: Instant) -> f64 {
+        if pid != self.pid {
+            // A new QEMU (restarted VM): its threads are all new, and it started after `last`.
+            self.pid = pid;
+            self.threads.clear();
+        }
+        let since_last = self.last.map(|t| now.saturating_duration_since(t));
+        let any_vcpu = threads.iter().any(|t| t.vcpu);
+        let mut add_ns: u64 = 0;
+        for t in threads {
+            let Some(wait) = t.wait_ns else {
+                continue; // keep the last read: the next one that works takes up from there
+            };
+            let prev = self.threads.get(&t.tid).copied();
+            let gained = match (prev, since_last) {
+                // Capped at the wall time since this thread's last read.
+                (Some(p), _) if wait >= p.wait_ns => {
+                    (wait - p.wait_ns).min(now.saturating_duration_since(p.at).as_nanos() as u64)
+                }
+                // Lower than before: the tid was reused by a new thread since the last read.
+                (Some(p), _) => wait.min(now.saturating_duration_since(p.at).as_nanos() as u64),
+                (None, Some(dt)) => wait.min(dt.as_nanos() as u64),
+                (None, None) => wait,
+            };
+            // vCPU threads when there are any, every thread otherwise.
+            if t.vcpu == any_vcpu {
+                add_ns = add_ns.saturating_add(gained);
+            }
+            self.threads.insert(
+                t.tid,
+                Seen {
+                    wait_ns: wait,
+                    at: now,
+                },
+            );
+        }
+        // Exited threads leave; their time is already counted.
+        self.threads
+            .retain(|tid, _| threads.iter().any(|t| t.tid == *tid));
+        self.last = Some(now);
+        add_ns as f64 / 1e9
+    }
 }
 
 /// Ask QEMU for its run state over QMP (connect, negotiate, query, close).
@@ -114,7 +194,7 @@ pub fn map_qmp_status(s: &str) -> VmRunState {
 #[derive(Debug, Default)]
 pub struct VmPoller {
     states: BTreeMap<u32, VmRunState>,
-    wait_ns: BTreeMap<u32, (u32, u64)>,
+    run_delay: BTreeMap<u32, RunDelay>,
     /// Ask QEMU's QMP socket for the run state (paused vs running).
     qmp: bool,
 }
@@ -195,15 +275,13 @@ impl VmPoller {
                     .with_label_values(&[&id, s.as_str()])
                     .set((s == state) as i64);
             }
-            if let Some(pid) = pid {
-                if let Some(w) = vcpu_wait_ns(roots, pid) {
-                    let prev = self.wait_ns.insert(vmid, (pid, w));
-                    let c = metrics.vcpu_run_delay.with_label_values(&[&id]);
-                    match prev {
-                        Some((p, old)) if p == pid && w >= old => c.inc_by((w - old) as f64 / 1e9),
-                        _ => c.inc_by(w as f64 / 1e9),
-                    }
-                }
+            if let Some((pid, threads)) = pid.and_then(|p| Some((p, thread_waits(roots, p)?))) {
+                let add =
+                    self.run_delay
+                        .entry(vmid)
+                        .or_default()
+                        .update(pid, &threads, Instant::now());
+                metrics.vcpu_run_delay.with_label_values(&[&id]).inc_by(add);
             }
             let old = self.states.insert(vmid, state);
             if let Some(old) = old {
@@ -242,6 +320,7 @@ impl VmPoller {
             }
         }
         self.states.retain(|k, _| vmids.contains(k));
+        self.run_delay.retain(|k, _| vmids.contains(k));
         out
     }
 }
