@@ -11,6 +11,8 @@ mod dst;
 mod exporter;
 mod hub;
 mod ifaces;
+#[allow(dead_code)] // served by /api/state and `explain` once wired
+mod incident;
 mod netlink;
 mod pods;
 mod privileges;
