@@ -148,7 +148,9 @@ impl Collector {
             for unit in &mut self.units {
                 unit.read_cgroup(id, cg.dir.as_fd(), &mut read);
             }
-            // an owner with no delta this tick is still listed: it may be new
+            if read.is_empty() {
+                continue;
+            }
             let d = deltas.entry(owner.clone()).or_default();
             for Delta {
                 family,
