@@ -6,17 +6,10 @@
 //!
 //! cargo bench -p gpufeed-guest --bench correlate
 
-// The module is self-contained (std, serde, prometheus, the shared crate), so the bench
-// compiles it directly; parts of its API are not used here, and `cargo build --benches`
-// compiles its test modules without running their tests (imports only tests use).
-#[allow(dead_code, unused_imports)]
-#[path = "../src/correlate/mod.rs"]
-mod correlate;
-
 use std::time::Instant;
 
-use correlate::events::Payload;
-use correlate::{Config, Correlator, HostInput, PodKey, SignalWindow};
+use gpufeed_guest::correlate::events::Payload;
+use gpufeed_guest::correlate::{Config, Correlator, HostInput, PodKey, SignalWindow};
 use gpufeed_shared::event::{HostEvent, VmRunState, VmStateChange};
 
 const S: i64 = 1_000_000_000;

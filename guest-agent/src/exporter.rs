@@ -16,68 +16,48 @@ use prometheus::proto::{
 };
 use prometheus::{Encoder, Registry, TextEncoder};
 
-use crate::collect::{Owner, OwnerStats, Shared};
-use crate::dst::{DstTable, MAX_DST};
+use crate::collect::{Owner, Shared};
 use crate::pods::{PodMeta, PodStore};
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
+use crate::probes::unit::{FamilySpec, Kind, Labels, Scope, Value};
 use crate::probes::ProbeStatus;
-
-pub const SCHED: &str = "ebpf_sched_latency_microseconds";
-pub const RTT: &str = "ebpf_tcp_rtt_microseconds";
-pub const RETRANS: &str = "ebpf_tcp_retransmissions_total";
-pub const TC_BYTES: &str = "ebpf_tc_bytes_total";
-pub const TC_DROPS: &str = "ebpf_tc_dropped_packets_total";
-pub const BW_LIMIT: &str = "gpufeed_bandwidth_limit_bits_per_second";
-
-/// Labels of one exported series, in a fixed order.
-type Labels = BTreeMap<&'static str, String>;
 
 /// Pod metadata looked up during one scrape, by pod UID.
 type Metas = HashMap<String, Option<PodMeta>>;
 
+/// Series of one family, merged by label set.
+#[derive(Default)]
+struct Merged {
+    hists: BTreeMap<Labels, Hist>,
+    counts: BTreeMap<Labels, u64>,
+    gauges: Vec<Metric>,
+}
+
 pub struct AgentCollector {
     shared: Arc<Mutex<Shared>>,
     pods: PodStore,
-    dst: DstTable,
+    families: Vec<&'static FamilySpec>,
     probes: Vec<ProbeStatus>,
     last_scrape_seconds: Mutex<f64>,
     descs: Vec<Desc>,
 }
 
 impl AgentCollector {
+    /// `families`: what the loaded units export; `probes`: their statuses.
     pub fn new(
         shared: Arc<Mutex<Shared>>,
         pods: PodStore,
-        dst: DstTable,
+        families: Vec<&'static FamilySpec>,
         probes: Vec<ProbeStatus>,
     ) -> Self {
-        let descs = vec![
-            Desc::new(
-                SCHED.into(),
-                "Run-queue wait of tasks being scheduled in, per pod/container".into(),
-                vec![],
-                HashMap::new(),
-            ),
-            Desc::new(
-                RTT.into(),
-                "TCP smoothed RTT sampled per received segment, by socket owner".into(),
-                vec![],
-                HashMap::new(),
-            ),
-            Desc::new(
-                RETRANS.into(),
-                "TCP segments retransmitted, by socket owner".into(),
-                vec![],
-                HashMap::new(),
-            ),
-        ]
-        .into_iter()
-        .filter_map(Result::ok)
-        .collect();
+        let descs = families
+            .iter()
+            .filter_map(|f| Desc::new(f.name.into(), f.help.into(), vec![], HashMap::new()).ok())
+            .collect();
         AgentCollector {
             shared,
             pods,
-            dst,
+            families,
             probes,
             last_scrape_seconds: Mutex::new(0.0),
             descs,
@@ -139,10 +119,20 @@ impl AgentCollector {
         l
     }
 
-    /// Labels of tc and bandwidth series: interfaces belong to pods, not containers.
-    fn pod_level_labels(&self, owner: &Owner, metas: &mut Metas) -> Labels {
+    /// The full label set of one series: the owner's at the family's scope
+    /// (interfaces belong to pods, not containers) plus the unit's.
+    fn series_labels(
+        &self,
+        owner: &Owner,
+        scope: Scope,
+        extra: &Labels,
+        metas: &mut Metas,
+    ) -> Labels {
         let mut l = self.owner_labels(owner, metas);
-        l.remove("container");
+        if scope == Scope::Pod {
+            l.remove("container");
+        }
+        l.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
         l
     }
 
@@ -150,90 +140,60 @@ impl AgentCollector {
         let started = Instant::now();
         // Several owners can map to one label set (a pod's sandbox and its pod
         // cgroup both have container=""): merge them so no series repeats.
-        let mut sched: BTreeMap<Labels, Hist> = BTreeMap::default();
-        let mut rtt: BTreeMap<Labels, Hist> = BTreeMap::default();
-        let mut retrans: BTreeMap<Labels, u64> = BTreeMap::default();
-        let mut tc_bytes: BTreeMap<Labels, u64> = BTreeMap::default();
-        let mut tc_drops: BTreeMap<Labels, u64> = BTreeMap::default();
-        let mut limits: Vec<Metric> = Vec::new();
+        let mut merged: HashMap<&'static str, Merged> = HashMap::new();
+        let scope_of: HashMap<&'static str, Scope> =
+            self.families.iter().map(|f| (f.name, f.scope)).collect();
         let mut metas = Metas::new();
         let stats;
         {
             let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
             stats = shared.stats.clone();
             for (owner, o) in &shared.owners {
-                let labels = self.owner_labels(owner, &mut metas);
-                self.add_owner(&labels, o, &mut sched, &mut rtt, &mut retrans);
-                if !o.tc_bytes.is_empty() || !o.tc_drops.is_empty() {
-                    let base = self.pod_level_labels(owner, &mut metas);
-                    for (dir, n) in &o.tc_bytes {
-                        let mut l = base.clone();
-                        l.insert("direction", dir.as_str().to_string());
-                        *tc_bytes.entry(l).or_default() += n;
-                    }
-                    for ((dir, reason), n) in &o.tc_drops {
-                        let mut l = base.clone();
-                        l.insert(
-                            "direction",
-                            dir.map(|d| d.as_str()).unwrap_or("").to_string(),
-                        );
-                        l.insert("reason", reason.clone());
-                        *tc_drops.entry(l).or_default() += n;
+                for ((family, extra), value) in &o.series {
+                    let Some(&scope) = scope_of.get(family) else {
+                        continue;
+                    };
+                    let l = self.series_labels(owner, scope, extra, &mut metas);
+                    let m = merged.entry(family).or_default();
+                    match value {
+                        // no samples yet: no series
+                        Value::Hist(h) if h.is_empty() => {}
+                        Value::Hist(h) => m.hists.entry(l).or_default().add(h),
+                        Value::Count(n) => *m.counts.entry(l).or_default() += n,
                     }
                 }
             }
-            for b in &shared.bandwidth {
-                let pod = Owner::Pod {
-                    uid: b.uid.clone(),
-                    container_id: None,
+            for (family, values) in &shared.gauges {
+                let Some(&scope) = scope_of.get(family) else {
+                    continue;
                 };
-                let mut l = self.pod_level_labels(&pod, &mut metas);
-                l.insert("direction", b.direction.as_str().to_string());
-                limits.push(gauge(&l, b.bits_per_second));
+                let m = merged.entry(family).or_default();
+                for g in values {
+                    let l = self.series_labels(&g.owner, scope, &g.labels, &mut metas);
+                    m.gauges.push(gauge(&l, g.value));
+                }
             }
         }
-        let mut out = vec![
-            histogram_family(
-                SCHED,
-                "Run-queue wait of tasks being scheduled in (switched-in task's cgroup)",
-                sched,
-            ),
-            histogram_family(
-                RTT,
-                "TCP smoothed RTT per received segment, attributed to the socket's owner",
-                rtt,
-            ),
-            family(
-                RETRANS,
-                "TCP segments retransmitted (as counted by TcpRetransSegs), by socket owner",
-                MetricType::COUNTER,
-                retrans
-                    .into_iter()
-                    .map(|(l, v)| counter(&l, v as f64))
-                    .collect(),
-            ),
-        ];
-        out.push(family(
-            TC_BYTES,
-            "Bytes passing the tc layer of the pod's host-side interface; direction from the pod's point of view",
-            MetricType::COUNTER,
-            tc_bytes.into_iter().map(|(l, v)| counter(&l, v as f64)).collect(),
-        ));
-        out.push(family(
-            TC_DROPS,
-            "Packets dropped in the tc/qdisc layer, by the kernel's drop reason",
-            MetricType::COUNTER,
-            tc_drops
-                .into_iter()
-                .map(|(l, v)| counter(&l, v as f64))
-                .collect(),
-        ));
-        out.push(family(
-            BW_LIMIT,
-            "Bandwidth cap from the pod's kubernetes.io/{egress,ingress}-bandwidth annotation",
-            MetricType::GAUGE,
-            limits,
-        ));
+        let mut out: Vec<MetricFamily> = self
+            .families
+            .iter()
+            .map(|f| {
+                let m = merged.remove(f.name).unwrap_or_default();
+                match f.kind {
+                    Kind::Histogram => histogram_family(f.name, f.help, m.hists),
+                    Kind::Counter => family(
+                        f.name,
+                        f.help,
+                        MetricType::COUNTER,
+                        m.counts
+                            .into_iter()
+                            .map(|(l, v)| counter(&l, v as f64))
+                            .collect(),
+                    ),
+                    Kind::Gauge => family(f.name, f.help, MetricType::GAUGE, m.gauges),
+                }
+            })
+            .collect();
         let g = |name: &str, help: &str, v: f64| {
             family(
                 name,
@@ -256,20 +216,25 @@ impl AgentCollector {
                 })
                 .collect(),
         ));
+        let maps = || stats.units.iter().flat_map(|u| u.maps.iter());
         out.push(family(
             "gpufeed_map_entries",
-            "Cgroups holding an entry in each per-cgroup BPF storage map",
+            "Entries in each BPF map the agent reads (per-cgroup storage maps: cgroups holding an entry)",
             MetricType::GAUGE,
-            vec![
-                gauge(
-                    &Labels::from([("map", "sched_hist".to_string())]),
-                    stats.sched_entries as f64,
-                ),
-                gauge(
-                    &Labels::from([("map", "tcp_stats".to_string())]),
-                    stats.tcp_entries as f64,
-                ),
-            ],
+            maps()
+                .map(|m| gauge(&Labels::from([("map", m.map.to_string())]), m.entries as f64))
+                .collect(),
+        ));
+        out.push(family(
+            "gpufeed_map_capacity",
+            "max_entries of each BPF map that has one, as set at load",
+            MetricType::GAUGE,
+            maps()
+                .filter_map(|m| {
+                    m.capacity
+                        .map(|c| gauge(&Labels::from([("map", m.map.to_string())]), c as f64))
+                })
+                .collect(),
         ));
         out.push(family(
             "gpufeed_owners",
@@ -286,17 +251,13 @@ impl AgentCollector {
                 ),
             ],
         ));
-        out.push(g(
-            "gpufeed_tc_interfaces",
-            "Pod interfaces the tc programs are attached to",
-            stats.tc_interfaces as f64,
-        ));
-        out.push(family(
-            "gpufeed_tc_drop_overflow_total",
-            "tc/qdisc drops not recorded because the drop map was full",
-            MetricType::COUNTER,
-            vec![counter(&Labels::new(), stats.tc_drop_overflow as f64)],
-        ));
+        for s in stats.units.iter().flat_map(|u| u.series.iter()) {
+            let (t, m) = match s.kind {
+                Kind::Counter => (MetricType::COUNTER, counter(&Labels::new(), s.value)),
+                _ => (MetricType::GAUGE, gauge(&Labels::new(), s.value)),
+            };
+            out.push(family(s.name, s.help, t, vec![m]));
+        }
         out.push(g(
             "gpufeed_cgroups",
             "Live cgroups in the cgroup v2 hierarchy",
@@ -324,19 +285,15 @@ impl AgentCollector {
             vec![counter(&Labels::new(), stats.ticks as f64)],
         ));
         out.push(family(
-            "gpufeed_sched_negative_deltas_total",
-            "Run-queue waits dropped because the clock went backwards across CPUs",
-            MetricType::COUNTER,
-            vec![counter(&Labels::new(), stats.sched_negative_deltas as f64)],
-        ));
-        out.push(family(
             "gpufeed_bpf_storage_alloc_failures_total",
             "Events lost because cgroup storage was unavailable (allocation failed or per-CPU lock busy)",
             MetricType::COUNTER,
-            vec![
-                counter(&Labels::from([("probe", "sched_latency".to_string())]), stats.sched_alloc_failures as f64),
-                counter(&Labels::from([("probe", "tcp".to_string())]), stats.tcp_lost as f64),
-            ],
+            stats
+                .units
+                .iter()
+                .filter_map(|u| u.storage_failures)
+                .map(|(probe, n)| counter(&Labels::from([("probe", probe.to_string())]), n as f64))
+                .collect(),
         ));
         out.push(family(
             "gpufeed_build_info",
@@ -361,32 +318,6 @@ impl AgentCollector {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = started.elapsed().as_secs_f64();
         out
-    }
-
-    fn add_owner(
-        &self,
-        labels: &Labels,
-        o: &OwnerStats,
-        sched: &mut BTreeMap<Labels, Hist>,
-        rtt: &mut BTreeMap<Labels, Hist>,
-        retrans: &mut BTreeMap<Labels, u64>,
-    ) {
-        if !o.sched.is_empty() {
-            sched.entry(labels.clone()).or_default().add(&o.sched);
-        }
-        for i in 0..MAX_DST {
-            // A socket owner with traffic to a destination gets both series,
-            // so a clean pod reads 0 retransmits rather than nothing.
-            if o.rtt[i].is_empty() && o.retrans_segs[i] == 0 {
-                continue;
-            }
-            let mut l = labels.clone();
-            l.insert("dst", self.dst.name(i).to_string());
-            if !o.rtt[i].is_empty() {
-                rtt.entry(l.clone()).or_default().add(&o.rtt[i]);
-            }
-            *retrans.entry(l).or_default() += o.retrans_segs[i];
-        }
     }
 }
 
@@ -518,4 +449,164 @@ pub fn bind_error(addr: SocketAddr, e: std::io::Error) -> anyhow::Error {
     anyhow::anyhow!(
         "cannot listen on {addr} for /metrics: {e} (choose another with --metrics-listen)"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collect::OwnerStats;
+    use crate::probes::unit::GaugeValue;
+
+    const UID: &str = "1b2c3d4e-5f60-4718-9a2b-3c4d5e6f7a8b";
+    const CID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    static FAMILIES: [FamilySpec; 3] = [
+        FamilySpec {
+            name: "test_latency_microseconds",
+            help: "h",
+            kind: Kind::Histogram,
+            scope: Scope::Container,
+        },
+        FamilySpec {
+            name: "test_bytes_total",
+            help: "b",
+            kind: Kind::Counter,
+            scope: Scope::Pod,
+        },
+        FamilySpec {
+            name: "test_limit",
+            help: "g",
+            kind: Kind::Gauge,
+            scope: Scope::Pod,
+        },
+    ];
+
+    fn labels(m: &Metric) -> Vec<(String, String)> {
+        m.get_label()
+            .iter()
+            .map(|p| (p.name().to_string(), p.value().to_string()))
+            .collect()
+    }
+
+    fn pod(container: Option<&str>) -> Owner {
+        Owner::Pod {
+            uid: UID.into(),
+            container_id: container.map(str::to_string),
+        }
+    }
+
+    fn owner_with(series: &[((&'static str, Labels), Value)]) -> OwnerStats {
+        OwnerStats {
+            series: series.iter().cloned().collect(),
+            ..OwnerStats::default()
+        }
+    }
+
+    #[test]
+    fn families_render_at_their_scope_and_merge_owners() {
+        let mut h = Hist::default();
+        h.buckets[3] = 2;
+        h.count = 2;
+        h.sum_ns = 10_000;
+        let dir = |d: &str| Labels::from([("direction", d.to_string())]);
+        let mut shared = Shared::default();
+        // the container and the pod-level cgroup: one pod, two owners
+        shared.owners.insert(
+            pod(Some(CID)),
+            owner_with(&[
+                (
+                    ("test_latency_microseconds", Labels::new()),
+                    Value::Hist(h.clone()),
+                ),
+                (("test_bytes_total", dir("egress")), Value::Count(100)),
+            ]),
+        );
+        shared.owners.insert(
+            pod(None),
+            owner_with(&[
+                // no samples yet: no series
+                (
+                    ("test_latency_microseconds", Labels::new()),
+                    Value::Hist(Hist::default()),
+                ),
+                (("test_bytes_total", dir("egress")), Value::Count(20)),
+                (("test_bytes_total", dir("ingress")), Value::Count(0)),
+                // a family no loaded unit declares is not rendered
+                (("test_unknown_total", Labels::new()), Value::Count(1)),
+            ]),
+        );
+        shared.gauges.insert(
+            "test_limit",
+            vec![GaugeValue {
+                owner: pod(None),
+                labels: dir("egress"),
+                value: 1e9,
+            }],
+        );
+        let c = AgentCollector::new(
+            Arc::new(Mutex::new(shared)),
+            PodStore::default(),
+            FAMILIES.iter().collect(),
+            vec![
+                ProbeStatus::up("test"),
+                ProbeStatus::down("other", "no hook"),
+            ],
+        );
+        let out = c.families();
+        let get = |n: &str| out.iter().find(|f| f.name() == n).unwrap();
+        assert!(out.iter().all(|f| f.name() != "test_unknown_total"));
+
+        let lat = get("test_latency_microseconds");
+        assert_eq!(lat.get_field_type(), MetricType::HISTOGRAM);
+        assert_eq!(
+            lat.get_metric().len(),
+            1,
+            "the empty histogram has no series"
+        );
+        let m = &lat.get_metric()[0];
+        assert_eq!(
+            labels(m),
+            [
+                ("container".to_string(), CID[..12].to_string()),
+                ("namespace".to_string(), String::new()),
+                ("pod".to_string(), UID.to_string()),
+            ]
+        );
+        assert_eq!(m.get_histogram().get_sample_count(), 2);
+        assert_eq!(m.get_histogram().get_sample_sum(), 10.0);
+
+        // pod scope: no container label, both owners merged into one series
+        let bytes = get("test_bytes_total");
+        let series: Vec<(Vec<(String, String)>, f64)> = bytes
+            .get_metric()
+            .iter()
+            .map(|m| (labels(m), m.get_counter().get_value()))
+            .collect();
+        let l = |d: &str| {
+            vec![
+                ("direction".to_string(), d.to_string()),
+                ("namespace".to_string(), String::new()),
+                ("pod".to_string(), UID.to_string()),
+            ]
+        };
+        assert_eq!(series, [(l("egress"), 120.0), (l("ingress"), 0.0)]);
+
+        let limit = get("test_limit");
+        assert_eq!(limit.get_metric().len(), 1);
+        assert_eq!(labels(&limit.get_metric()[0]), l("egress"));
+        assert_eq!(limit.get_metric()[0].get_gauge().get_value(), 1e9);
+
+        let up: Vec<(Vec<(String, String)>, f64)> = get("gpufeed_probe_up")
+            .get_metric()
+            .iter()
+            .map(|m| (labels(m), m.get_gauge().get_value()))
+            .collect();
+        assert_eq!(
+            up,
+            [
+                (vec![("probe".to_string(), "test".to_string())], 1.0),
+                (vec![("probe".to_string(), "other".to_string())], 0.0)
+            ]
+        );
+    }
 }
