@@ -189,3 +189,101 @@ async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
     h.shutdown().await;
     hub.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restored_spool_snapshot_does_not_reuse_sequence_numbers() {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let greg = prometheus::Registry::new();
+    let mut hc = hub_config(fx.path());
+    hc.recent_capacity = 10_000;
+    let hub = hub::serve(hc, &greg).await.unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let spool = work.path().join("spool");
+    let cfg = fx.stream_config("pve1", hub.local_addr(), Some(&spool));
+    let kind = gpufeed_shared::event::HostEvent::KmsgLost { count: 0 }.kind();
+    let raw = |from: u64, to: u64| -> Vec<stream::RawEvent> {
+        (from..to)
+            .map(|i| {
+                let e = gpufeed_shared::event::HostEvent::KmsgLost { count: i };
+                (i as i64, i, kind, postcard::to_allocvec(&e).unwrap())
+            })
+            .collect()
+    };
+    let received = || {
+        metric(
+            &greg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    // A host run that connects, then streams `events`, and exits cleanly.
+    let run = |events: Vec<stream::RawEvent>, total: f64| {
+        let cfg = cfg.clone();
+        let received = &received;
+        async move {
+            let hreg = prometheus::Registry::new();
+            let h = stream::start(cfg, "pve1".into(), &hreg).unwrap();
+            let connected = || {
+                metric(
+                    &hreg,
+                    "gpufeed_host_stream_connected",
+                    &[("guest", "guest")],
+                ) == 1.0
+            };
+            assert!(wait_for(Duration::from_secs(5), connected).await);
+            h.push_raw(0, events);
+            assert!(
+                wait_for(Duration::from_secs(5), || received() == total).await,
+                "received {} of {total}",
+                received()
+            );
+            let st = h.status()[0].clone();
+            h.shutdown().await;
+            st
+        }
+    };
+    run(raw(0, 20), 20.0).await;
+    // Snapshot of the spool after 20 events; 30 more stream; then the snapshot comes back.
+    let snap = work.path().join("snap");
+    copy_dir(&spool, &snap);
+    run(raw(20, 50), 50.0).await;
+    std::fs::remove_dir_all(&spool).unwrap();
+    copy_dir(&snap, &spool);
+    // The rolled-back host would number the next events from 20 again; the guest has 49.
+    let st = run(raw(50, 150), 150.0).await;
+    assert!(st.next_seq >= 150, "{st:?}");
+    let dup = metric(
+        &greg,
+        "gpufeed_stream_events_duplicate_total",
+        &[("host", "pve1")],
+    );
+    let lost = metric(
+        &greg,
+        "gpufeed_stream_events_lost_total",
+        &[("host", "pve1")],
+    );
+    assert_eq!((dup, lost), (0.0, 0.0));
+    let counts: Vec<u64> = hub
+        .recent()
+        .iter()
+        .map(|e| match e.event {
+            gpufeed_shared::event::HostEvent::KmsgLost { count } => count,
+            _ => u64::MAX,
+        })
+        .collect();
+    assert_eq!(counts, (0..150).collect::<Vec<_>>());
+    hub.shutdown().await;
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
