@@ -91,6 +91,8 @@ fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
 
     // Room again: the disk catches up by itself, and a restart finds everything it holds.
     fs.resize(8 << 10);
+    // push retries a failed disk at most every 100 ms (a flush always does).
+    std::thread::sleep(Duration::from_millis(150));
     for i in 3000..3010 {
         s.push(ev(i)).unwrap();
     }

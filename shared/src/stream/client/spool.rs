@@ -91,6 +91,10 @@ struct Disk {
     end: u64,
     /// Frames being written (reused).
     scratch: Vec<u8>,
+    /// Set by a failed write until one succeeds.
+    failing: bool,
+    /// After a failed write, when [`Spool::push`] may try again (a flush always tries).
+    retry_at: Option<Instant>,
 }
 
 /// The spool of one guest.
@@ -108,6 +112,8 @@ pub struct Spool {
 }
 
 const META: &str = "spool.meta";
+/// How long [`Spool::push`] waits after a failed disk write before trying again.
+const WRITE_RETRY: Duration = Duration::from_millis(100);
 
 impl Spool {
     /// A memory-only spool with a fresh sequence space.
@@ -147,6 +153,8 @@ impl Spool {
             cache: None,
             end: 0,
             scratch: Vec::new(),
+            failing: false,
+            retry_at: None,
         };
         // Runs of sequence numbers found on disk, in order.
         let mut present: Vec<(u64, u64)> = Vec::new();
@@ -230,6 +238,10 @@ impl Spool {
     pub fn pending(&self) -> u64 {
         self.next_seq - self.low() - self.lost_pending()
     }
+    /// Whether the last write to the segment files failed (events wait in memory).
+    pub fn disk_failing(&self) -> bool {
+        self.disk.as_ref().is_some_and(|d| d.failing)
+    }
     /// Bytes in segment files.
     pub fn disk_bytes(&self) -> u64 {
         self.disk.as_ref().map_or(0, |d| d.total_bytes)
@@ -270,22 +282,24 @@ impl Spool {
             let acked = self.acked.is_some_and(|a| s <= a);
             if let Some(d) = &self.disk {
                 if s >= d.end && !acked {
-                    // Not on disk yet: write (everything unwritten) before letting it go.
-                    match self.write_out() {
-                        Ok(n) => {
+                    // Not on disk yet: write (everything unwritten) before letting it go; after a
+                    // failure, not again before the retry time (a full disk would otherwise
+                    // cost a failing write per event).
+                    if d.retry_at.is_none_or(|t| Instant::now() >= t) {
+                        if let Ok(n) = self.write_out() {
                             dropped += n;
-                            continue;
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, seq = s, "spool: disk write failed and memory is full; dropping the oldest unwritten event");
-                            self.record_loss(s, s);
-                            dropped += 1;
-                            if let Some(d) = &mut self.disk {
-                                // The disk continues after the hole, in a new segment.
-                                d.end = s + 1;
-                                d.active = None;
+                            if self.disk.as_ref().is_some_and(|d| s < d.end) {
+                                continue;
                             }
                         }
+                    }
+                    // Neither on disk nor kept in memory: lost (counted and reported).
+                    self.record_loss(s, s);
+                    dropped += 1;
+                    if let Some(d) = &mut self.disk {
+                        // The disk continues after the hole, in a new segment.
+                        d.end = s + 1;
+                        d.active = None;
                     }
                 }
             } else if !acked {
@@ -371,6 +385,8 @@ impl Spool {
                 // Cut a partial write back to the last whole frame; drop an empty segment.
                 let _ = f.set_len(seg.bytes);
                 d.active = None;
+                d.failing = true;
+                d.retry_at = Some(Instant::now() + WRITE_RETRY);
                 let err = SpoolError::Io {
                     path: seg.path.clone(),
                     source: e,
@@ -385,6 +401,8 @@ impl Spool {
             seg.bytes += d.scratch.len() as u64;
             d.total_bytes += d.scratch.len() as u64;
             d.end += n;
+            d.failing = false;
+            d.retry_at = None;
             if seg.bytes >= self.limits.segment_bytes {
                 d.active = None;
             }
