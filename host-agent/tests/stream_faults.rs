@@ -91,6 +91,8 @@ fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
 
     // Room again: the disk catches up by itself, and a restart finds everything it holds.
     fs.resize(8 << 10);
+    // push retries a failed disk at most every 100 ms (a flush always does).
+    std::thread::sleep(Duration::from_millis(150));
     for i in 3000..3010 {
         s.push(ev(i)).unwrap();
     }
@@ -106,13 +108,10 @@ fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
-    let _logs = capture_logs();
+    let logs = capture_logs();
     let fs = TinyFs::mount(64);
     let fx = Fixture::new(&["pve1"]);
-    let greg = prometheus::Registry::new();
-    let mut hc = hub_config(fx.path());
-    hc.recent_capacity = 10_000;
-    let hub = hub::serve(hc, &greg).await.unwrap();
+    let (hub, greg) = serve_hub(&fx, 20_000).await;
     let hreg = prometheus::Registry::new();
     let h = stream::start(
         fx.stream_config("pve1", hub.local_addr(), Some(fs.path())),
@@ -120,23 +119,9 @@ async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
         &hreg,
     )
     .unwrap();
-    // About 500 KiB of frames into a 64 KiB disk, with the guest online.
-    let raw = |from: u64, to: u64| -> Vec<stream::RawEvent> {
-        (from..to)
-            .map(|i| {
-                let p =
-                    postcard::to_allocvec(&gpufeed_shared::event::HostEvent::KmsgLost { count: i })
-                        .unwrap();
-                (i as i64, i, 0, [p, vec![0; 0]].concat())
-            })
-            .collect()
-    };
-    let kind = gpufeed_shared::event::HostEvent::KmsgLost { count: 0 }.kind();
-    let with_kind = |v: Vec<stream::RawEvent>| -> Vec<stream::RawEvent> {
-        v.into_iter().map(|(a, b, _, p)| (a, b, kind, p)).collect()
-    };
-    for from in (0..4000).step_by(100) {
-        h.push_raw(0, with_kind(raw(from, from + 100)));
+    // About 200 KiB of frames (20 bytes each) into a 64 KiB disk, with the guest online.
+    for from in (0..10_000).step_by(100) {
+        h.push_raw(0, kmsg_lost_raw(from, from + 100));
         tokio::task::yield_now().await;
     }
     let received = || {
@@ -147,12 +132,14 @@ async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
         )
     };
     assert!(
-        wait_for(Duration::from_secs(10), || received() == 4000.0).await,
+        wait_for(Duration::from_secs(10), || received() == 10_000.0).await,
         "received {}",
         received()
     );
+    // The disk really was full.
+    assert!(!log_lines(&logs, &["spool write failed", "No space left on device"]).is_empty());
     let seqs: Vec<u64> = hub.recent().iter().map(|e| e.seq).collect();
-    assert_eq!(seqs, (0..4000).collect::<Vec<_>>());
+    assert_eq!(seqs, (0..10_000).collect::<Vec<_>>());
     let lost = metric(
         &greg,
         "gpufeed_stream_events_lost_total",
@@ -184,8 +171,94 @@ async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
         "{:?}",
         h.status()
     );
-    h.push_raw(0, with_kind(raw(4000, 4010)));
-    assert!(wait_for(Duration::from_secs(5), || received() == 4010.0).await);
+    h.push_raw(0, kmsg_lost_raw(10_000, 10_010));
+    assert!(wait_for(Duration::from_secs(5), || received() == 10_010.0).await);
     h.shutdown().await;
     hub.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restored_spool_snapshot_does_not_reuse_sequence_numbers() {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let (hub, greg) = serve_hub(&fx, 10_000).await;
+    let work = tempfile::tempdir().unwrap();
+    let spool = work.path().join("spool");
+    let cfg = fx.stream_config("pve1", hub.local_addr(), Some(&spool));
+    let received = || {
+        metric(
+            &greg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    // A host run that connects, then streams `events`, and exits cleanly.
+    let run = |events: Vec<stream::RawEvent>, total: f64| {
+        let cfg = cfg.clone();
+        let received = &received;
+        async move {
+            let hreg = prometheus::Registry::new();
+            let h = stream::start(cfg, "pve1".into(), &hreg).unwrap();
+            let connected = || {
+                metric(
+                    &hreg,
+                    "gpufeed_host_stream_connected",
+                    &[("guest", "guest")],
+                ) == 1.0
+            };
+            assert!(wait_for(Duration::from_secs(5), connected).await);
+            h.push_raw(0, events);
+            assert!(
+                wait_for(Duration::from_secs(5), || received() == total).await,
+                "received {} of {total}",
+                received()
+            );
+            let st = h.status()[0].clone();
+            h.shutdown().await;
+            st
+        }
+    };
+    run(kmsg_lost_raw(0, 20), 20.0).await;
+    // Snapshot of the spool after 20 events; 30 more stream; then the snapshot comes back.
+    let snap = work.path().join("snap");
+    copy_dir(&spool, &snap);
+    run(kmsg_lost_raw(20, 50), 50.0).await;
+    std::fs::remove_dir_all(&spool).unwrap();
+    copy_dir(&snap, &spool);
+    // The rolled-back host would number the next events from 20 again; the guest has 49.
+    let st = run(kmsg_lost_raw(50, 150), 150.0).await;
+    assert!(st.next_seq >= 150, "{st:?}");
+    let dup = metric(
+        &greg,
+        "gpufeed_stream_events_duplicate_total",
+        &[("host", "pve1")],
+    );
+    let lost = metric(
+        &greg,
+        "gpufeed_stream_events_lost_total",
+        &[("host", "pve1")],
+    );
+    assert_eq!((dup, lost), (0.0, 0.0));
+    let counts: Vec<u64> = hub
+        .recent()
+        .iter()
+        .map(|e| match e.event {
+            gpufeed_shared::event::HostEvent::KmsgLost { count } => count,
+            _ => u64::MAX,
+        })
+        .collect();
+    assert_eq!(counts, (0..150).collect::<Vec<_>>());
+    hub.shutdown().await;
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
 }

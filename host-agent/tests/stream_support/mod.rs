@@ -91,6 +91,25 @@ pub fn hub_config(tls_dir: &Path) -> hub::HubConfig {
     c
 }
 
+/// A hub for `fx` keeping `recent` events, with its own registry.
+pub async fn serve_hub(fx: &Fixture, recent: usize) -> (hub::Hub, prometheus::Registry) {
+    let reg = prometheus::Registry::new();
+    let mut hc = hub_config(fx.path());
+    hc.recent_capacity = recent;
+    (hub::serve(hc, &reg).await.unwrap(), reg)
+}
+
+/// `KmsgLost { count: i }` events for `from..to`, ready for `StreamHandle::push_raw`, stamped
+/// `i` ns.
+pub fn kmsg_lost_raw(from: u64, to: u64) -> Vec<gpufeed_host::stream::RawEvent> {
+    (from..to)
+        .map(|i| {
+            let e = gpufeed_shared::event::HostEvent::KmsgLost { count: i };
+            (i as i64, i, e.kind(), postcard::to_allocvec(&e).unwrap())
+        })
+        .collect()
+}
+
 /// Value of a counter or gauge with exactly these labels (0 when absent).
 pub fn metric(reg: &prometheus::Registry, name: &str, labels: &[(&str, &str)]) -> f64 {
     for mf in reg.gather() {

@@ -432,11 +432,19 @@ fn push_encoded(g: &Guest, evs: &[Arc<EncodedEvent>]) {
             }
         }
     }
+    // Logged when writing starts failing and when it works again, not at every batch.
+    let was_failing = s.disk_failing();
     match s.flush(Duration::from_secs(1)) {
-        Ok(d) => dropped += d,
-        Err(e) => {
+        Ok(d) => {
+            dropped += d;
+            if was_failing && !s.disk_failing() {
+                tracing::info!(guest = %g.cfg.label(), "spool writes work again");
+            }
+        }
+        Err(e) if !was_failing => {
             tracing::error!(guest = %g.cfg.label(), error = %e, pending = s.pending(), "spool write failed; events wait in memory");
         }
+        Err(e) => tracing::debug!(guest = %g.cfg.label(), error = %e, "spool write still failing"),
     }
     if dropped > 0 {
         tracing::warn!(guest = %g.cfg.label(), dropped, total = s.dropped_total(), "spool full: dropped the oldest events");

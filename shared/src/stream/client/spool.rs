@@ -66,9 +66,12 @@ pub struct Batch {
     pub last_realtime_ns: Option<i64>,
 }
 
+/// A segment file: frames of increasing sequence numbers in `first..end`. Written segments are
+/// contiguous; a recovered one may have holes (events lost to corruption, recorded as losses),
+/// so readers take each frame's sequence number from the frame itself.
 struct Segment {
     first: u64,
-    count: u64,
+    end: u64,
     bytes: u64,
     path: PathBuf,
 }
@@ -88,6 +91,10 @@ struct Disk {
     end: u64,
     /// Frames being written (reused).
     scratch: Vec<u8>,
+    /// Set by a failed write until one succeeds.
+    failing: bool,
+    /// After a failed write, when [`Spool::push`] may try again (a flush always tries).
+    retry_at: Option<Instant>,
 }
 
 /// The spool of one guest.
@@ -105,6 +112,8 @@ pub struct Spool {
 }
 
 const META: &str = "spool.meta";
+/// How long [`Spool::push`] waits after a failed disk write before trying again.
+const WRITE_RETRY: Duration = Duration::from_millis(100);
 
 impl Spool {
     /// A memory-only spool with a fresh sequence space.
@@ -144,7 +153,11 @@ impl Spool {
             cache: None,
             end: 0,
             scratch: Vec::new(),
+            failing: false,
+            retry_at: None,
         };
+        // Runs of sequence numbers found on disk, in order.
+        let mut present: Vec<(u64, u64)> = Vec::new();
         let mut names: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
             .map_err(io_err(dir))?
             .flatten()
@@ -163,19 +176,35 @@ impl Spool {
                 s.losses = m.losses;
                 s.dropped_total = m.dropped_total;
                 for (first, path) in names {
-                    let (count, bytes) = recover_segment(&path)?;
-                    if count == 0 || s.acked.is_some_and(|a| first + count - 1 <= a) {
+                    let r = recover_segment(&path, first)?;
+                    if r.end == r.first || s.acked.is_some_and(|a| r.end <= a + 1) {
                         let _ = std::fs::remove_file(&path);
                         continue;
                     }
-                    s.next_seq = s.next_seq.max(first + count);
-                    disk.total_bytes += bytes;
+                    // The highest sequence number on disk, not the number of frames.
+                    s.next_seq = s.next_seq.max(r.end);
+                    disk.total_bytes += r.bytes;
                     disk.segments.push_back(Segment {
-                        first,
-                        count,
-                        bytes,
+                        first: r.first,
+                        end: r.end,
+                        bytes: r.bytes,
                         path,
                     });
+                    present.extend(r.runs);
+                }
+                // Every unacknowledged event below next_seq is on disk or accounted as lost:
+                // what is neither (corrupted, or never written before a crash) is lost now.
+                let mut at = s.low();
+                present.push((s.next_seq, s.next_seq));
+                for (f, e) in present {
+                    if f > at {
+                        let missing: Vec<(u64, u64)> = uncovered(&s.losses, at, f - 1);
+                        for (mf, ml) in missing {
+                            tracing::warn!(dir = %dir.display(), first = mf, last = ml, "spool: events missing from disk after a restart; reported as lost");
+                            s.record_loss(mf, ml);
+                        }
+                    }
+                    at = at.max(e);
                 }
             }
             None => {
@@ -209,6 +238,10 @@ impl Spool {
     pub fn pending(&self) -> u64 {
         self.next_seq - self.low() - self.lost_pending()
     }
+    /// Whether the last write to the segment files failed (events wait in memory).
+    pub fn disk_failing(&self) -> bool {
+        self.disk.as_ref().is_some_and(|d| d.failing)
+    }
     /// Bytes in segment files.
     pub fn disk_bytes(&self) -> u64 {
         self.disk.as_ref().map_or(0, |d| d.total_bytes)
@@ -237,6 +270,9 @@ impl Spool {
         let seq = self.next_seq;
         ev.frame_len(seq)?;
         self.next_seq += 1;
+        // next_seq is persisted with the state (at most every flush interval), so that a
+        // restart after a lost segment tail does not hand out its numbers again.
+        self.meta_dirty = true;
         self.mem.push_back((seq, ev));
         let mut dropped = 0;
         while self.mem.len() > self.limits.memory_events {
@@ -246,22 +282,24 @@ impl Spool {
             let acked = self.acked.is_some_and(|a| s <= a);
             if let Some(d) = &self.disk {
                 if s >= d.end && !acked {
-                    // Not on disk yet: write (everything unwritten) before letting it go.
-                    match self.write_out() {
-                        Ok(n) => {
+                    // Not on disk yet: write (everything unwritten) before letting it go; after a
+                    // failure, not again before the retry time (a full disk would otherwise
+                    // cost a failing write per event).
+                    if d.retry_at.is_none_or(|t| Instant::now() >= t) {
+                        if let Ok(n) = self.write_out() {
                             dropped += n;
-                            continue;
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, seq = s, "spool: disk write failed and memory is full; dropping the oldest unwritten event");
-                            self.record_loss(s, s);
-                            dropped += 1;
-                            if let Some(d) = &mut self.disk {
-                                // The disk continues after the hole, in a new segment.
-                                d.end = s + 1;
-                                d.active = None;
+                            if self.disk.as_ref().is_some_and(|d| s < d.end) {
+                                continue;
                             }
                         }
+                    }
+                    // Neither on disk nor kept in memory: lost (counted and reported).
+                    self.record_loss(s, s);
+                    dropped += 1;
+                    if let Some(d) = &mut self.disk {
+                        // The disk continues after the hole, in a new segment.
+                        d.end = s + 1;
+                        d.active = None;
                     }
                 }
             } else if !acked {
@@ -294,9 +332,10 @@ impl Spool {
             let seq = front + i as u64;
             let len = self.mem[i].1.frame_len(seq)? as u64;
             // Append to the last segment only where it ends right before this event.
-            let fits = d.segments.back().is_some_and(|s| {
-                s.first + s.count == seq && s.bytes + len <= self.limits.segment_bytes
-            });
+            let fits = d
+                .segments
+                .back()
+                .is_some_and(|s| s.end == seq && s.bytes + len <= self.limits.segment_bytes);
             if !fits {
                 let path = d.dir.join(format!("seg-{seq:020}.gfs"));
                 let f = OpenOptions::new()
@@ -308,7 +347,7 @@ impl Spool {
                 d.active = Some(f);
                 d.segments.push_back(Segment {
                     first: seq,
-                    count: 0,
+                    end: seq,
                     bytes: 0,
                     path,
                 });
@@ -346,20 +385,24 @@ impl Spool {
                 // Cut a partial write back to the last whole frame; drop an empty segment.
                 let _ = f.set_len(seg.bytes);
                 d.active = None;
+                d.failing = true;
+                d.retry_at = Some(Instant::now() + WRITE_RETRY);
                 let err = SpoolError::Io {
                     path: seg.path.clone(),
                     source: e,
                 };
-                if seg.count == 0 {
+                if seg.end == seg.first {
                     let _ = std::fs::remove_file(&seg.path);
                     d.segments.pop_back();
                 }
                 return Err(err);
             }
-            seg.count += n;
+            seg.end += n;
             seg.bytes += d.scratch.len() as u64;
             d.total_bytes += d.scratch.len() as u64;
             d.end += n;
+            d.failing = false;
+            d.retry_at = None;
             if seg.bytes >= self.limits.segment_bytes {
                 d.active = None;
             }
@@ -388,11 +431,10 @@ impl Spool {
         if d.cache.as_ref().is_some_and(|c| c.0 == seg.first) {
             d.cache = None;
         }
-        let last = seg.first + seg.count - 1;
+        let last = seg.end.saturating_sub(1);
         let from = seg.first.max(self.low());
-        let n = if last >= from {
-            self.record_loss(from, last);
-            last - from + 1
+        let n = if seg.end > from {
+            self.record_loss(from, last)
         } else {
             0
         };
@@ -413,13 +455,25 @@ impl Spool {
         n
     }
 
-    fn record_loss(&mut self, first: u64, last: u64) {
-        self.dropped_total += last - first + 1;
-        match self.losses.last_mut() {
-            Some((_, l)) if *l + 1 == first => *l = last,
-            _ => self.losses.push((first, last)),
+    /// Records `first..=last` as lost; returns how many of them were not recorded before
+    /// (a dropped segment may contain holes that are losses already).
+    fn record_loss(&mut self, first: u64, last: u64) -> u64 {
+        let fresh = uncovered(&self.losses, first, last);
+        let n: u64 = fresh.iter().map(|(f, l)| l - f + 1).sum();
+        self.losses.extend(fresh);
+        self.losses.sort_unstable();
+        // Merge adjacent ranges.
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.losses.len());
+        for &(f, l) in &self.losses {
+            match merged.last_mut() {
+                Some((_, pl)) if *pl + 1 >= f => *pl = (*pl).max(l),
+                _ => merged.push((f, l)),
+            }
         }
+        self.losses = merged;
+        self.dropped_total += n;
         self.meta_dirty = true;
+        n
     }
 
     /// The guest has everything up to `up_to`.
@@ -437,16 +491,17 @@ impl Spool {
             self.mem.pop_front();
         }
         self.losses.retain(|(_, l)| *l > up_to);
-        let deletable = self.disk.as_ref().is_some_and(|d| {
-            d.segments.len() > 1 && d.segments[0].first + d.segments[0].count - 1 <= up_to
-        });
-        if deletable {
-            // The watermark must be on disk before the files go.
-            self.write_meta()?;
+        let deletable = self
+            .disk
+            .as_ref()
+            .is_some_and(|d| d.segments.len() > 1 && d.segments[0].end <= up_to + 1);
+        // The watermark must be on disk before the files go; where it cannot be written (a full
+        // disk) they stay until a later ack, and the stream goes on.
+        if deletable && self.write_meta().is_ok() {
             let Some(d) = self.disk.as_mut() else {
                 return Ok(());
             };
-            while d.segments.len() > 1 && d.segments[0].first + d.segments[0].count - 1 <= up_to {
+            while d.segments.len() > 1 && d.segments[0].end <= up_to + 1 {
                 let Some(seg) = d.segments.pop_front() else {
                     break;
                 };
@@ -491,8 +546,18 @@ impl Spool {
         }
         let path = d.dir.join(META);
         let tmp = d.dir.join("spool.meta.tmp");
-        std::fs::write(&tmp, m).map_err(io_err(&tmp))?;
+        // Synced before the rename and the rename synced: after a power loss the state is the
+        // old one or the new one, and `next_seq` never goes back further than one write.
+        File::create(&tmp)
+            .and_then(|mut f| {
+                f.write_all(m.as_bytes())?;
+                f.sync_all()
+            })
+            .map_err(io_err(&tmp))?;
         std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
+        File::open(&d.dir)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err(&d.dir))?;
         self.meta_dirty = false;
         self.meta_written = Instant::now();
         Ok(())
@@ -500,9 +565,39 @@ impl Spool {
 
     /// Where a (re)connected stream starts: after the guest's `resume_from` (which also
     /// acknowledges everything below it) or after our own ack watermark.
+    ///
+    /// A `resume_from` beyond `next_seq` means the guest has events of this sequence space
+    /// that the spool no longer knows of: the spool was rolled back (a power loss, a restored
+    /// snapshot). Numbers are never used twice, so `next_seq` moves past the guest's; events
+    /// spooled since the rollback carry numbers the guest already has and would drop as
+    /// duplicates, so they are counted as lost here.
     pub fn start_cursor(&mut self, resume_from: Option<u64>) -> Result<u64, SpoolError> {
+        let jumped = resume_from.is_some_and(|r| r > self.next_seq);
+        if let Some(r) = resume_from.filter(|r| *r > self.next_seq) {
+            let low = self.low();
+            let collided = if self.next_seq > low {
+                self.record_loss(low, self.next_seq - 1)
+            } else {
+                0
+            };
+            tracing::warn!(
+                boot_id = self.boot_id,
+                next_seq = self.next_seq,
+                resume_from = r,
+                collided,
+                "spool: the guest is ahead of this spool (rolled back?); continuing after the guest's numbers"
+            );
+            self.next_seq = r;
+            self.meta_dirty = true;
+        }
         if let Some(r) = resume_from.filter(|r| *r > 0) {
             self.ack(r - 1)?;
+        }
+        if jumped {
+            // Best effort: a full disk must not keep the stream down; flush retries.
+            if let Err(e) = self.write_meta() {
+                tracing::warn!(error = %e, "spool: cannot write the state yet");
+            }
         }
         Ok(self.low())
     }
@@ -568,7 +663,7 @@ impl Spool {
         let Some(d) = &mut self.disk else {
             return Ok(());
         };
-        let Some(idx) = d.segments.iter().position(|s| cursor < s.first + s.count) else {
+        let Some(idx) = d.segments.iter().position(|s| cursor < s.end) else {
             return Ok(());
         };
         let seg = &d.segments[idx];
@@ -594,57 +689,129 @@ impl Spool {
         let Some((_, data, pos, pos_seq)) = d.cache.as_mut() else {
             return Ok(());
         };
-        // Skip to the cursor.
-        while *pos_seq < cursor {
-            let Some(len) = frame_len(&data[*pos..]) else {
-                break;
-            };
-            *pos += len;
-            *pos_seq += 1;
-        }
-        while let Some(len) = frame_len(&data[*pos..]) {
-            if *pos_seq >= stop || !b.bytes.is_empty() && b.bytes.len() + len > max_bytes {
-                break;
+        // `pos_seq`: one past the sequence number of the last frame passed.
+        while let Some((len, seq)) = frame_at(&data[*pos..]) {
+            if seq >= cursor {
+                if seq >= stop || !b.bytes.is_empty() && b.bytes.len() + len > max_bytes {
+                    break;
+                }
+                b.bytes.extend_from_slice(&data[*pos..*pos + len]);
+                b.events += 1;
+                b.next_cursor = seq + 1;
             }
-            b.bytes.extend_from_slice(&data[*pos..*pos + len]);
-            b.events += 1;
             *pos += len;
-            *pos_seq += 1;
-            b.next_cursor = *pos_seq;
+            *pos_seq = seq + 1;
         }
         Ok(())
     }
 }
 
-/// Length of the complete frame at the start of `buf`, if there is one.
-fn frame_len(buf: &[u8]) -> Option<usize> {
-    if buf.len() < HEADER_LEN {
+/// Length and sequence number of the complete event frame at the start of `buf`, if there is
+/// one (the sequence number is the varint right after the message tag).
+fn frame_at(buf: &[u8]) -> Option<(usize, u64)> {
+    if buf.len() < HEADER_LEN + 2 {
         return None;
     }
     let len = HEADER_LEN + u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-    (buf.len() >= len).then_some(len)
+    if buf.len() < len {
+        return None;
+    }
+    let mut seq = 0u64;
+    for (i, b) in buf[HEADER_LEN + 1..len].iter().take(10).enumerate() {
+        seq |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return Some((len, seq));
+        }
+    }
+    None
 }
 
-/// Counts the complete frames of a segment and cuts off a torn tail.
-fn recover_segment(path: &Path) -> Result<(u64, u64), SpoolError> {
-    let data = std::fs::read(path).map_err(io_err(path))?;
-    let (mut pos, mut count) = (0usize, 0u64);
-    while let Some(len) = frame_len(&data[pos..]) {
-        if len - HEADER_LEN > crate::proto::MAX_FRAME_LEN {
+/// The parts of `first..=last` that no range of `ranges` (sorted, disjoint) covers.
+fn uncovered(ranges: &[(u64, u64)], first: u64, last: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = first;
+    for &(f, l) in ranges {
+        if l < at {
+            continue;
+        }
+        if f > last {
             break;
         }
-        pos += len;
-        count += 1;
+        if f > at {
+            out.push((at, f - 1));
+        }
+        at = l.saturating_add(1);
+        if at > last || l == u64::MAX {
+            return out;
+        }
     }
-    if pos < data.len() {
-        tracing::warn!(path = %path.display(), kept = pos, torn = data.len() - pos, "spool segment has a torn tail; cutting it off");
-        let f = OpenOptions::new()
-            .write(true)
-            .open(path)
+    if at <= last {
+        out.push((at, last));
+    }
+    out
+}
+
+/// What recovery kept of a segment file.
+struct Recovered {
+    first: u64,
+    /// One past the highest sequence number kept (`first` when nothing was).
+    end: u64,
+    bytes: u64,
+    /// Runs of consecutive sequence numbers kept, `(first, end)`.
+    runs: Vec<(u64, u64)>,
+}
+
+/// Reads a segment written from sequence number `first` on and keeps only whole, valid event
+/// frames in increasing order: anything that does not decode (a torn tail, zeroes from a
+/// crash, empty frames, corrupted bytes anywhere) is skipped by searching for the next valid
+/// frame byte by byte. When something was skipped the file is rewritten (to a temporary
+/// file, synced, renamed) with the kept frames only.
+fn recover_segment(path: &Path, first: u64) -> Result<Recovered, SpoolError> {
+    let data = std::fs::read(path).map_err(io_err(path))?;
+    let mut kept: Vec<(usize, usize)> = Vec::new();
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let (mut pos, mut skipped, mut next) = (0usize, 0usize, first);
+    while pos < data.len() {
+        match crate::proto::decode_one(&data[pos..]) {
+            Ok((Message::Event(e), n)) if e.seq >= next => {
+                match runs.last_mut() {
+                    Some((_, end)) if *end == e.seq => *end += 1,
+                    _ => runs.push((e.seq, e.seq + 1)),
+                }
+                next = e.seq + 1;
+                kept.push((pos, n));
+                pos += n;
+            }
+            // A torn tail, zeroes, an empty or corrupted frame, a length prefix pointing past
+            // the end: search on from the next byte.
+            _ => {
+                pos += 1;
+                skipped += 1;
+            }
+        }
+    }
+    let bytes: usize = kept.iter().map(|(_, n)| n).sum();
+    if skipped > 0 {
+        tracing::warn!(path = %path.display(), kept_bytes = bytes, skipped_bytes = skipped, "spool segment damaged or torn; keeping its valid frames");
+        let mut out = Vec::with_capacity(bytes);
+        for (p, n) in &kept {
+            out.extend_from_slice(&data[*p..*p + *n]);
+        }
+        let tmp = path.with_extension("gfs.tmp");
+        File::create(&tmp)
+            .and_then(|mut f| {
+                f.write_all(&out)?;
+                f.sync_all()
+            })
+            .and_then(|()| std::fs::rename(&tmp, path))
             .map_err(io_err(path))?;
-        f.set_len(pos as u64).map_err(io_err(path))?;
     }
-    Ok((count, pos as u64))
+    Ok(Recovered {
+        first,
+        end: runs.last().map_or(first, |r| r.1),
+        bytes: bytes as u64,
+        runs,
+    })
 }
 
 struct Meta {
@@ -886,5 +1053,126 @@ mod tests {
         let (seqs, losses) = drain(&mut s, b.next_cursor);
         assert!(losses.is_empty());
         assert_eq!(seqs, (b.next_cursor..200).collect::<Vec<_>>());
+    }
+
+    /// A spool dir with events 0..30 in one segment (frames of 30 bytes), state on disk.
+    fn thirty(dir: &Path) -> (u64, Vec<u8>) {
+        let mut s = Spool::open(dir, limits(64, 1 << 20, 1 << 16)).unwrap();
+        for i in 0..30 {
+            s.push(ev(i, 0, 1, vec![9; 20])).unwrap();
+        }
+        s.flush(Duration::ZERO).unwrap();
+        let seg = std::fs::read(dir.join(format!("seg-{:020}.gfs", 0))).unwrap();
+        assert_eq!(seg.len(), 30 * 30);
+        (s.boot_id(), seg)
+    }
+
+    /// Reopens after `damage` to the segment; returns (next_seq, sent seqs, loss ranges).
+    fn reopen_damaged(damage: impl FnOnce(&mut Vec<u8>)) -> (u64, Vec<u64>, Vec<(u64, u64)>) {
+        let dir = tempfile::tempdir().unwrap();
+        let (boot, mut seg) = thirty(dir.path());
+        damage(&mut seg);
+        std::fs::write(dir.path().join(format!("seg-{:020}.gfs", 0)), &seg).unwrap();
+        let mut s = Spool::open(dir.path(), limits(64, 1 << 20, 1 << 16)).unwrap();
+        assert_eq!(s.boot_id(), boot);
+        let (seqs, losses) = drain(&mut s, 0);
+        for l in &losses {
+            assert_eq!(l.dropped, l.last_seq - l.first_seq + 1);
+        }
+        assert_eq!(
+            s.dropped_total(),
+            losses.iter().map(|l| l.dropped).sum::<u64>()
+        );
+        // New events continue after the highest number ever handed out.
+        let (next, _) = s.push(ev(0, 0, 1, vec![])).unwrap();
+        let ranges = losses.iter().map(|l| (l.first_seq, l.last_seq)).collect();
+        (next, seqs, ranges)
+    }
+
+    #[test]
+    fn recovery_keeps_every_valid_frame_around_damage() {
+        // Corrupted head: the first frame's length prefix.
+        let (next, seqs, losses) = reopen_damaged(|d| d[..3].copy_from_slice(&[0xff; 3]));
+        assert_eq!(next, 30);
+        assert_eq!(seqs, (1..30).collect::<Vec<_>>());
+        assert_eq!(losses, vec![(0, 0)]);
+        // Zeroes in the middle (frames 10 and 11), as a crash can leave them: the frames
+        // after them are kept.
+        let (next, seqs, losses) =
+            reopen_damaged(|d| d[10 * 30..12 * 30].iter_mut().for_each(|b| *b = 0));
+        assert_eq!(next, 30);
+        let want: Vec<u64> = (0..10).chain(12..30).collect();
+        assert_eq!(seqs, want);
+        assert_eq!(losses, vec![(10, 11)]);
+        // Garbage inside a frame's body (frame 20): only that frame goes.
+        let (next, seqs, losses) = reopen_damaged(|d| d[20 * 30 + 6] = 0xff);
+        assert_eq!(next, 30);
+        assert_eq!(seqs.len(), 29);
+        assert_eq!(losses, vec![(20, 20)]);
+        // Corrupted tail: the last frame's header; next_seq comes from the state, not from
+        // the frames left, so 29 is not handed out again. (A flipped payload byte decodes
+        // and cannot be told from the original: frames carry no checksum.)
+        let (next, seqs, losses) = reopen_damaged(|d| {
+            let n = d.len();
+            d[n - 30..n - 24].copy_from_slice(&[0xee; 6]);
+        });
+        assert_eq!(next, 30);
+        assert_eq!(seqs, (0..29).collect::<Vec<_>>());
+        assert_eq!(losses, vec![(29, 29)]);
+        // Empty frames (zero length prefixes) in between are not events.
+        let (next, seqs, losses) = reopen_damaged(|d| {
+            d.splice(5 * 30..5 * 30, [0u8; 12]);
+        });
+        assert_eq!(next, 30);
+        assert_eq!(seqs, (0..30).collect::<Vec<_>>());
+        assert!(losses.is_empty());
+    }
+
+    #[test]
+    fn next_seq_comes_from_the_highest_number_on_disk() {
+        // Old state (next_seq 0 written at open), segments beyond it with a hole: numbers
+        // continue after the highest one, not after the frame count.
+        let dir = tempfile::tempdir().unwrap();
+        thirty(dir.path());
+        std::fs::write(dir.path().join(META), "boot_id=7\nnext_seq=0\nacked=-\n").unwrap();
+        let path = dir.path().join(format!("seg-{:020}.gfs", 0));
+        let mut seg = std::fs::read(&path).unwrap();
+        seg.drain(3 * 30..13 * 30);
+        std::fs::write(&path, &seg).unwrap();
+        let mut s = Spool::open(dir.path(), limits(64, 1 << 20, 1 << 16)).unwrap();
+        assert_eq!(s.next_seq(), 30);
+        let (seqs, losses) = drain(&mut s, 0);
+        assert_eq!(seqs, (0..3).chain(13..30).collect::<Vec<_>>());
+        assert_eq!(
+            losses,
+            vec![SpoolLoss {
+                dropped: 10,
+                first_seq: 3,
+                last_seq: 12
+            }]
+        );
+    }
+
+    #[test]
+    fn a_guest_ahead_of_the_spool_moves_next_seq_past_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let lim = limits(64, 1 << 20, 1 << 16);
+        let mut s = Spool::open(dir.path(), lim).unwrap();
+        // Rolled back: the guest has 0..=11 of this sequence space, the spool only knows 0..5.
+        for i in 0..5 {
+            s.push(ev(i, 0, 1, vec![])).unwrap();
+        }
+        assert_eq!(s.start_cursor(Some(12)).unwrap(), 12);
+        // The five spooled since the rollback carry numbers the guest has: lost, counted.
+        assert_eq!(s.dropped_total(), 5);
+        assert_eq!(s.pending(), 0);
+        assert_eq!(s.push(ev(0, 0, 1, vec![])).unwrap().0, 12);
+        assert_eq!(drain(&mut s, 12).0, vec![12]);
+        s.flush(Duration::ZERO).unwrap();
+        drop(s);
+        // ... and the move survives a restart.
+        let mut s = Spool::open(dir.path(), lim).unwrap();
+        assert_eq!(s.next_seq(), 13);
+        assert_eq!(s.push(ev(0, 0, 1, vec![])).unwrap().0, 13);
     }
 }

@@ -7,6 +7,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
+
 use std::path::{Path, PathBuf};
 
 use crate::proto::Dedup;
@@ -56,25 +57,31 @@ impl Journal {
             .read(true)
             .append(true)
             .open(path)?;
-        let mut good = 0u64;
-        let mut lines = 0u64;
+        let (mut good, mut lines, mut corrupt) = (0u64, 0u64, 0u64);
         {
+            // Bytes, not text: one invalid UTF-8 byte must not keep the agent from starting.
             let mut r = BufReader::new(&file);
-            let mut line = String::new();
+            let mut line = Vec::new();
             loop {
                 line.clear();
-                let n = r.read_line(&mut line)?;
-                if n == 0 || !line.ends_with('\n') {
+                let n = r.read_until(b'\n', &mut line)?;
+                if n == 0 || line.last() != Some(&b'\n') {
                     break;
                 }
                 good += n as u64;
                 lines += 1;
-                if let Ok(l) = serde_json::from_str::<Line>(&line) {
-                    if let Some(w) = l.seq.or(l.loss_last).or(l.mark) {
-                        dedup.seed(&l.host, l.boot, w);
+                match serde_json::from_slice::<Line>(&line) {
+                    Ok(l) => {
+                        if let Some(w) = l.seq.or(l.loss_last).or(l.mark) {
+                            dedup.seed(&l.host, l.boot, w);
+                        }
                     }
+                    Err(_) => corrupt += 1,
                 }
             }
+        }
+        if corrupt > 0 {
+            tracing::warn!(path = %path.display(), corrupt, "event journal: skipped lines that are not journal records");
         }
         let len = file.seek(SeekFrom::End(0))?;
         if len > good {
@@ -139,9 +146,15 @@ impl Journal {
             return Ok(());
         }
         let r = self.file.write_all(&self.buf);
-        self.len += self.buf.len() as u64;
+        let n = self.buf.len() as u64;
         self.buf.clear();
-        r?;
+        if let Err(e) = r {
+            // Cut what made it of the failed write, so that the next line does not start
+            // inside a fragment (and vanish with it at the next start).
+            let _ = self.file.set_len(self.len);
+            return Err(e);
+        }
+        self.len += n;
         if self.len > self.max_bytes {
             self.compact(dedup)?;
         }
@@ -168,8 +181,14 @@ impl Journal {
                 out.push(b'\n');
             }
         }
-        std::fs::write(&tmp, &out)?;
+        // Synced before and after the rename: a crash leaves the old journal or the new one.
+        let mut f = File::create(&tmp)?;
+        f.write_all(&out)?;
+        f.sync_all()?;
         std::fs::rename(&tmp, &self.path)?;
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            File::open(dir)?.sync_all()?;
+        }
         self.file = OpenOptions::new()
             .append(true)
             .read(true)
@@ -177,5 +196,34 @@ impl Journal {
         self.len = out.len() as u64;
         tracing::info!(path = %self.path.display(), bytes = self.len, "event journal compacted to watermarks");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_bytes_and_garbage_lines_do_not_stop_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.jsonl");
+        let mut text = Vec::new();
+        text.extend_from_slice(b"{\"host\":\"pve1\",\"boot\":7,\"seq\":4}\n");
+        // Invalid UTF-8 and a line that is no record, in the middle.
+        text.extend_from_slice(b"\xff\xfe{garbage\n");
+        text.extend_from_slice(b"not json at all\n");
+        text.extend_from_slice(b"{\"host\":\"pve1\",\"boot\":7,\"seq\":9}\n");
+        // A torn tail.
+        text.extend_from_slice(b"{\"host\":\"pve1\",\"bo");
+        std::fs::write(&path, &text).unwrap();
+        let mut dedup = Dedup::new();
+        let mut j = Journal::open(&path, 1 << 20, &mut dedup).unwrap();
+        assert_eq!(dedup.watermark("pve1", 7), Some(9));
+        // The torn tail is cut; the next line starts on a line of its own.
+        j.add_loss("pve1", 7, 10, 11, 2);
+        j.commit(&dedup).unwrap();
+        let mut dedup2 = Dedup::new();
+        Journal::open(&path, 1 << 20, &mut dedup2).unwrap();
+        assert_eq!(dedup2.watermark("pve1", 7), Some(11));
     }
 }
