@@ -406,6 +406,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     registry: Registry,
     healthy: Arc<dyn Fn() -> bool + Send + Sync>,
+    more: axum::Router,
 ) -> std::io::Result<()> {
     use axum::http::{header, StatusCode};
     use axum::routing::get;
@@ -441,7 +442,8 @@ pub async fn serve(
                     }
                 }
             }),
-        );
+        )
+        .merge(more);
     axum::serve(listener, app).await
 }
 

@@ -11,7 +11,8 @@ use clap::{Parser, Subcommand};
 
 use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
 use gpufeed_guest::{
-    certs, cgroups, collect, dst, exporter, hub, ifaces, pods, privileges, probes,
+    certs, cgroups, collect, correlate, dst, exporter, hub, ifaces, incident, join, pods,
+    privileges, probes,
 };
 
 /// Default /metrics port: not used by any well-known exporter.
@@ -37,6 +38,19 @@ enum Cmd {
         #[command(subcommand)]
         cmd: certs::CertsCmd,
     },
+    /// What a running agent has joined: host links now, host events with the pods they hit,
+    /// spikes no host event explains (the page at / as text).
+    Explain(ExplainArgs),
+}
+
+#[derive(Parser, Debug)]
+struct ExplainArgs {
+    /// How far back to look.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    since: Duration,
+    /// The agent's HTTP address (what it serves /metrics on).
+    #[arg(long, default_value_t = format!("http://127.0.0.1:{DEFAULT_METRICS_PORT}"))]
+    url: String,
 }
 
 #[derive(Parser, Debug)]
@@ -88,6 +102,28 @@ struct RunArgs {
     /// de-duplication, so a restarted guest neither repeats nor re-requests events.
     #[arg(long, env = "GPUFEED_EVENT_JOURNAL")]
     event_journal: Option<PathBuf>,
+    /// A spike joins a host event up to this long before it...
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    join_before: Duration,
+    /// ...and up to this long after it.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    join_after: Duration,
+    /// A window is a spike when it exceeds the baseline median by this many robust standard
+    /// deviations (1.4826 × MAD); lower finds more spikes.
+    #[arg(long, default_value_t = 6.0, value_parser = parse_sensitivity)]
+    spike_sensitivity: f64,
+    /// A host (its certificate name) that is a simulation, e.g. the quickstart demo's: its
+    /// events are labelled simulated on /, /events and in the log. Repeatable.
+    #[arg(long = "simulated-host", value_name = "HOST")]
+    simulated_hosts: Vec<String>,
+}
+
+fn parse_sensitivity(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(k) if (1.0..=100.0).contains(&k) => Ok(k),
+        Ok(k) => Err(format!("{k} is outside 1..100")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {
@@ -113,6 +149,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.cmd {
         Cmd::Run(args) => run(args),
         Cmd::Certs { cmd } => certs::run(cmd),
+        Cmd::Explain(args) => explain(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -202,6 +239,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         collector.families(),
         statuses,
     )))?;
+    let mut join_cfg = correlate::Config::default();
+    join_cfg.before = args.join_before;
+    join_cfg.after = args.join_after;
+    join_cfg.detector.k = args.spike_sensitivity;
+    let node = node_name(args.node_name.clone());
+    let joined = join::Join::new(join_cfg, pods.clone(), node, args.simulated_hosts.clone());
+    registry.register(Box::new(join::JoinCollector::new(joined.clone())))?;
 
     // The tick runs on its own thread: it is all blocking syscalls.
     let started = Instant::now();
@@ -209,6 +253,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     {
         let last = last_tick_ms.clone();
         let interval = args.interval;
+        let joined = joined.clone();
         std::thread::Builder::new()
             .name("tick".into())
             .spawn(move || {
@@ -219,6 +264,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                     if let Err(e) = collector.tick() {
                         tracing::warn!("reading the cgroup hierarchy failed: {e}");
                         continue;
+                    }
+                    {
+                        let shared = collector.shared.lock().unwrap_or_else(|e| e.into_inner());
+                        joined.tick(&shared);
                     }
                     last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
@@ -237,36 +286,69 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             tracing::info!(node = %cfg.node_name, "watching this node's pods");
             tokio::spawn(pods::run_watcher(pods.clone(), cfg));
         }
-        // The hub: host events in; kept for the correlator and /events (hub::Hub::recent).
-        let _hub = match args.quic_listen {
-            Some(listen) => {
-                let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
-                hc.journal = args.event_journal.clone();
-                Some(
-                    hub::serve(hc, &registry)
-                        .await
-                        .context("starting the hub (--quic-listen)")?,
-                )
-            }
-            None => None,
-        };
+        // The hub: host events and host state in, joined with the pods' signals.
+        if let Some(listen) = args.quic_listen {
+            let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
+            hc.journal = args.event_journal.clone();
+            let hub = hub::serve(hc, &registry)
+                .await
+                .context("starting the hub (--quic-listen)")?;
+            joined.attach_hub(hub);
+        }
         let listener = tokio::net::TcpListener::bind(args.metrics_listen)
             .await
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
-        tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
+        tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /events, /api/state and the page at /");
         let stale_after = (args.interval * 3).as_millis() as u64 + 1000;
         let healthy = Arc::new(move || {
             let now = started.elapsed().as_millis() as u64;
             now.saturating_sub(last_tick_ms.load(Ordering::Relaxed)) <= stale_after
         });
         tokio::select! {
-            r = exporter::serve(listener, registry, healthy) => r.context("metrics server"),
+            r = exporter::serve(listener, registry, healthy, join::router(joined)) => r.context("metrics server"),
             _ = shutdown_signal() => {
                 tracing::info!("shutting down");
                 Ok(())
             }
         }
     })
+}
+
+fn explain(args: ExplainArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let base = args.url.trim_end_matches('/').to_string();
+    let (events, state) = rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()?;
+        let get = |path: &'static str| {
+            let url = format!("{base}{path}");
+            let client = client.clone();
+            async move {
+                let r = client
+                    .get(&url)
+                    .send()
+                    .await
+                    .with_context(|| {
+                        format!("cannot reach the agent at {url} (is it running? see --url)")
+                    })?
+                    .error_for_status()
+                    .with_context(|| format!("{url}"))?;
+                r.json::<serde_json::Value>()
+                    .await
+                    .with_context(|| format!("{url} did not answer JSON (an older agent?)"))
+            }
+        };
+        anyhow::Ok((get("/events").await?, get("/api/state").await?))
+    })?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0);
+    print!("{}", incident::explain(&events, &state, args.since, now_ms));
+    Ok(())
 }
 
 async fn shutdown_signal() {
