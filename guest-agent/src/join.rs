@@ -110,6 +110,14 @@ impl Join {
                 _ => None,
             })
             .collect();
+        tracing::trace!(
+            windows = shared.windows.len(),
+            pod_windows = windows.len(),
+            "signal windows into the correlator"
+        );
+        for w in &windows {
+            tracing::trace!(pod = %w.pod.pod, signal = %w.signal, count = w.count, p50 = w.p50, p99 = w.p99, max = w.max, "window");
+        }
         let mut corr = self.corr();
         corr.observe(windows.iter(), now_ns);
         let mut prev = self.live.lock().unwrap_or_else(|e| e.into_inner());
