@@ -1,4 +1,4 @@
-//! The DaemonSet of `talos/gpufeed-guest.yaml`, run for real: the image that
+//! The DaemonSet of `talos/kubernetes/overlays/stream`, run for real: the image that
 //! `scripts/build-image.sh` builds, started by a container runtime (podman with runc) with
 //! exactly the manifest's security context (capabilities dropped to its list, read-only root,
 //! no privilege escalation, its user), host network and PID namespaces, and its volumes. The
@@ -24,13 +24,13 @@
 //! the service's mounts and the ExtensionServiceConfig's files and environment.
 
 mod common;
+mod manifests;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
-use serde::Deserialize;
 use serde_yaml::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpufeed-guest");
@@ -48,16 +48,12 @@ fn have(tool: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// The pod template spec of the DaemonSet.
+/// The pod template spec of the DaemonSet, as `kubectl apply -k` applies it with the host
+/// stream on (the Secret volume and the QUIC listener included).
 fn daemonset_pod_spec() -> Value {
-    let text = std::fs::read_to_string(repo().join("talos/gpufeed-guest.yaml")).unwrap();
-    for de in serde_yaml::Deserializer::from_str(&text) {
-        let v = Value::deserialize(de).unwrap();
-        if v["kind"].as_str() == Some("DaemonSet") {
-            return v["spec"]["template"]["spec"].clone();
-        }
-    }
-    panic!("talos/gpufeed-guest.yaml has no DaemonSet");
+    manifests::object(&manifests::kustomize("overlays/stream"), "DaemonSet")["spec"]["template"]
+        ["spec"]
+        .clone()
 }
 
 /// Removes the image (unmounting it first) and any container left behind, even when the test

@@ -1,4 +1,5 @@
-//! Keeps `talos/` true to the binary: every YAML document parses; the DaemonSet's and the
+//! Keeps `talos/` true to the binary: every YAML document parses (the Kubernetes objects as
+//! `kubectl kustomize` builds them); the DaemonSet's and the
 //! extension service's arguments are parsed by the real `gpufeed-guest run` (with `--help`
 //! last, clap parses and validates every flag and value, then prints help instead of running);
 //! RBAC, capabilities, ports, mounts and the TLS Secret agree with the binary and with
@@ -8,46 +9,26 @@
 //! (Debian package `prometheus`).
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use serde::Deserialize;
 use serde_yaml::Value;
+
+mod manifests;
+use manifests::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpufeed-guest");
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn talos() -> PathBuf {
-    repo().join("talos")
-}
-
-/// Every document of every `talos/*.yaml`, with its file name.
+/// Everything a user deploys: the objects of the kustomize overlay with every component
+/// (`kubectl kustomize talos/kubernetes/overlays/full`), and the Talos documents.
 fn documents() -> Vec<(String, Value)> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(talos())
-        .expect("talos/ exists")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+    let mut out: Vec<(String, Value)> = kustomize("overlays/full")
+        .into_iter()
+        .map(|v| ("overlays/full".to_string(), v))
         .collect();
-    files.sort();
-    assert!(files.len() >= 5, "talos/ has too few manifests: {files:?}");
-    let mut out = Vec::new();
-    for f in files {
-        let text = std::fs::read_to_string(&f).unwrap();
-        let name = f.file_name().unwrap().to_string_lossy().into_owned();
-        let mut n = 0;
-        for de in serde_yaml::Deserializer::from_str(&text) {
-            let v = Value::deserialize(de).unwrap_or_else(|e| panic!("{name}: {e}"));
-            if v.is_null() {
-                continue; // a comment-only document before the first `---`
-            }
-            out.push((name.clone(), v));
-            n += 1;
-        }
-        assert!(n > 0, "{name}: no YAML documents");
-    }
+    let talos = talos_documents();
+    assert!(talos.len() >= 4, "talos/*.yaml has too few documents");
+    out.extend(talos);
     out
 }
 
@@ -364,9 +345,16 @@ fn daemonset_matches_the_binary() {
 
     // Service and PodMonitor reach the metrics port of these pods.
     let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
+    let selects_the_pods = |selector: &Value, what: &str| {
+        let sel = selector.as_mapping().expect("a label map");
+        assert!(!sel.is_empty(), "{what}: empty selector");
+        for (k, v) in sel {
+            assert_eq!(&pod_labels[k], v, "{what}: selects {k:?}={v:?}");
+        }
+    };
     let svc = one(&docs, "Service");
     assert_eq!(svc["spec"]["clusterIP"].as_str(), Some("None"));
-    assert_eq!(svc["spec"]["selector"], *pod_labels);
+    selects_the_pods(&svc["spec"]["selector"], "Service");
     assert_eq!(svc["spec"]["ports"][0]["port"].as_u64(), Some(metrics_port));
     assert_eq!(
         svc["spec"]["ports"][0]["targetPort"].as_str(),
@@ -374,7 +362,7 @@ fn daemonset_matches_the_binary() {
     );
     let pm = one(&docs, "PodMonitor");
     assert_eq!(pm["apiVersion"].as_str(), Some("monitoring.coreos.com/v1"));
-    assert_eq!(pm["spec"]["selector"]["matchLabels"], *pod_labels);
+    selects_the_pods(&pm["spec"]["selector"]["matchLabels"], "PodMonitor");
     let ep = &pm["spec"]["podMetricsEndpoints"][0];
     assert_eq!(ep["port"].as_str(), Some("metrics"));
     assert_eq!(ep["path"].as_str(), Some("/metrics"));
@@ -496,7 +484,6 @@ fn series_names(expr: &str) -> Vec<String> {
 
 fn source_text() -> String {
     let mut text = std::fs::read_to_string(repo().join("docs/metrics.md")).unwrap();
-    text += &std::fs::read_to_string(repo().join("host-agent/src/metrics.rs")).unwrap();
     fn rs(dir: &Path, text: &mut String) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -508,6 +495,9 @@ fn source_text() -> String {
         }
     }
     rs(&repo().join("guest-agent/src"), &mut text);
+    rs(&repo().join("host-agent/src"), &mut text);
+    // the hub's gpufeed_stream_* series are registered in the shared stream library
+    rs(&repo().join("shared/src"), &mut text);
     text
 }
 
@@ -556,7 +546,7 @@ fn prometheus_rules_pass_promtool() {
         String::from_utf8_lossy(&o.stderr)
     );
     std::fs::copy(
-        talos().join("tests/prometheus-rules.promtool.yaml"),
+        repo().join("talos/tests/prometheus-rules.promtool.yaml"),
         dir.path().join("tests.yaml"),
     )
     .unwrap();
