@@ -571,3 +571,68 @@ fn prometheus_rules_pass_promtool() {
     let o = promtool(&["check", "rules", "broken.yaml"], dir.path());
     assert!(!o.status.success(), "promtool accepted a broken expression");
 }
+
+/// A Markdown heading's anchor as GitHub and most renderers make it.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == '-' || *c == '_' || *c == ' ')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The sections of a Markdown file by anchor, with their text.
+fn sections(md: &str) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut cur: Option<String> = None;
+    for line in md.lines() {
+        if let Some(h) = line.strip_prefix("## ") {
+            cur = Some(anchor_of(h));
+            out.insert(anchor_of(h), String::new());
+        } else if let Some(c) = &cur {
+            let s = out.get_mut(c).unwrap();
+            s.push_str(line);
+            s.push('\n');
+        }
+    }
+    out
+}
+
+#[test]
+fn every_alert_has_a_runbook() {
+    let docs = documents();
+    let pr = one(&docs, "PrometheusRule");
+    let runbooks = std::fs::read_to_string(repo().join("docs/runbooks.md")).unwrap();
+    let sections = sections(&runbooks);
+    let mut alerts = 0;
+    for g in pr["spec"]["groups"].as_sequence().unwrap() {
+        for r in g["rules"].as_sequence().unwrap() {
+            let Some(alert) = r["alert"].as_str() else {
+                continue;
+            };
+            alerts += 1;
+            let url = r["annotations"]["runbook_url"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{alert}: no runbook_url"));
+            let (file, anchor) = url
+                .split_once('#')
+                .unwrap_or_else(|| panic!("{alert}: {url} has no anchor"));
+            assert_eq!(file, "docs/runbooks.md", "{alert}");
+            assert_eq!(anchor, alert.to_lowercase(), "{alert}: anchor");
+            let text = sections
+                .get(anchor)
+                .unwrap_or_else(|| panic!("{alert}: no section #{anchor} in docs/runbooks.md"));
+            // what to check and what to do
+            assert!(
+                text.contains("Check") && text.contains("Do:"),
+                "{alert}: the runbook says what to check and do"
+            );
+        }
+    }
+    assert!(alerts >= 10, "{alert} alerts", alert = alerts);
+    // the anchor check can fail
+    assert!(!sections.contains_key("gpufeednosuchalert"));
+    assert_eq!(anchor_of("GpufeedAgentDown"), "gpufeedagentdown");
+}
