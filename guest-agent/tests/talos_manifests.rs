@@ -636,3 +636,173 @@ fn every_alert_has_a_runbook() {
     assert!(!sections.contains_key("gpufeednosuchalert"));
     assert_eq!(anchor_of("GpufeedAgentDown"), "gpufeedagentdown");
 }
+
+/// The extension service definition's schema as Talos reads it (`services.Spec` in
+/// siderolabs/talos, pkg/machinery/extensions/services): unknown keys are errors here because
+/// Talos would ignore them silently.
+mod talos_service {
+    use serde::Deserialize;
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Spec {
+        pub name: String,
+        pub container: Container,
+        #[serde(default)]
+        pub depends: Vec<Dependency>,
+        pub restart: String,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields, rename_all = "camelCase")]
+    pub struct Container {
+        pub entrypoint: String,
+        #[serde(default)]
+        pub environment: Vec<String>,
+        #[serde(default)]
+        pub environment_file: Option<String>,
+        #[serde(default)]
+        pub args: Vec<String>,
+        #[serde(default)]
+        pub mounts: Vec<Mount>,
+        #[serde(default)]
+        pub security: Option<Security>,
+    }
+
+    /// An OCI runtime-spec mount.
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Mount {
+        pub destination: String,
+        #[serde(rename = "type")]
+        pub kind: Option<String>,
+        pub source: Option<String>,
+        #[serde(default)]
+        pub options: Vec<String>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields, rename_all = "camelCase")]
+    pub struct Security {
+        #[serde(default)]
+        pub writeable_sysfs: bool,
+        #[serde(default)]
+        pub masked_paths: Vec<String>,
+        #[serde(default)]
+        pub readonly_paths: Vec<String>,
+        #[serde(default)]
+        pub writeable_rootfs: bool,
+        #[serde(default)]
+        pub rootfs_propagation: Option<String>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Dependency {
+        pub service: Option<String>,
+        pub path: Option<String>,
+        pub network: Option<Vec<String>>,
+        pub time: Option<bool>,
+        pub configuration: Option<bool>,
+    }
+
+    /// Talos's validation: the name, restart kind, entrypoint, and exactly one condition per
+    /// dependency (absolute paths, known network states).
+    pub fn validate(spec: &Spec) -> Result<(), String> {
+        let mut errs = Vec::new();
+        if spec.name.is_empty()
+            || !spec
+                .name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
+        {
+            errs.push(format!("name {:?} is invalid", spec.name));
+        }
+        if !["always", "never", "untilSuccess"].contains(&spec.restart.as_str()) {
+            errs.push(format!("restart kind {:?} is invalid", spec.restart));
+        }
+        if spec.container.entrypoint.is_empty() {
+            errs.push("container entrypoint is empty".into());
+        }
+        for m in &spec.container.mounts {
+            if !m.destination.starts_with('/') {
+                errs.push(format!(
+                    "mount destination {:?} is not absolute",
+                    m.destination
+                ));
+            }
+        }
+        for d in &spec.depends {
+            let set = [
+                d.service.is_some(),
+                d.path.is_some(),
+                d.network.as_ref().is_some_and(|n| !n.is_empty()),
+                d.time == Some(true),
+                d.configuration == Some(true),
+            ]
+            .iter()
+            .filter(|x| **x)
+            .count();
+            if set != 1 {
+                errs.push(format!("a dependency sets {set} conditions, not one"));
+            }
+            if let Some(p) = &d.path {
+                if !p.starts_with('/') {
+                    errs.push(format!("dependency path {p:?} is not absolute"));
+                }
+            }
+            for n in d.network.iter().flatten() {
+                if !["addresses", "connectivity", "hostname", "etcfiles"].contains(&n.as_str()) {
+                    errs.push(format!("unknown network dependency {n:?}"));
+                }
+            }
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs.join("; "))
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Spec, String> {
+        let spec: Spec = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        validate(&spec)?;
+        Ok(spec)
+    }
+}
+
+#[test]
+fn extension_service_follows_the_talos_schema() {
+    let text = std::fs::read_to_string(repo().join("talos/extension-service.yaml")).unwrap();
+    let spec = talos_service::parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(spec.name, "gpufeed-guest");
+    assert!(spec.container.entrypoint.starts_with('/'));
+    let sec = spec.container.security.expect("security");
+    assert!(!sec.writeable_rootfs && !sec.writeable_sysfs);
+    // The TLS files come from the ExtensionServiceConfig: the service waits for them.
+    assert!(spec.depends.iter().any(|d| d.configuration == Some(true)));
+    for m in &spec.container.mounts {
+        assert_eq!(m.kind.as_deref(), Some("bind"), "{}", m.destination);
+        assert!(m.source.as_deref().is_some_and(|s| s.starts_with('/')));
+        assert!(
+            m.options.iter().any(|o| o == "ro" || o == "rw"),
+            "{}",
+            m.destination
+        );
+    }
+
+    // The schema check can fail: a misspelt key, a wrong restart kind, a double dependency.
+    let typo = text.replace("writeableRootfs:", "writableRootfs:");
+    assert!(
+        talos_service::parse(&typo).is_err(),
+        "misspelt key accepted"
+    );
+    let bad_restart = text.replace("restart: always", "restart: sometimes");
+    assert!(talos_service::parse(&bad_restart).is_err());
+    let double = text.replace(
+        "  - configuration: true\n",
+        "  - configuration: true\n    time: true\n",
+    );
+    assert_ne!(double, text);
+    assert!(talos_service::parse(&double).is_err());
+}
