@@ -179,6 +179,11 @@ fn deb_contents_unit_verify_and_check_config() {
     let unit =
         std::fs::read_to_string(x.join("usr/lib/systemd/system/gpufeed-host.service")).unwrap();
     assert!(unit.contains("ExecStart=/usr/bin/gpufeed-host run --config /etc/gpufeed/host.toml"));
+    // `[bridge] netns` calls setns(CLONE_NEWNET): the sandbox lets it, and nothing else.
+    assert!(
+        unit.lines().any(|l| l == "RestrictNamespaces=net"),
+        "RestrictNamespaces allows exactly the network namespace"
+    );
     let unit_path = tmp.path().join("gpufeed-host.service");
     std::fs::write(
         &unit_path,
