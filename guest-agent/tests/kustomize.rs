@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::process::Command;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use manifests::*;
 use serde_yaml::Value;
@@ -85,6 +85,17 @@ fn check_against_api(obj: &Value) -> Result<(), String> {
         "DaemonSet" => api_round_trip::<DaemonSet>(obj),
         "Service" => api_round_trip::<Service>(obj),
         "ConfigMap" => api_round_trip::<ConfigMap>(obj),
+        "Secret" => {
+            // kustomize wraps long base64 values in lines; the API server's decoder (Go's
+            // encoding/base64) skips the newlines, k8s-openapi's does not.
+            let mut o = obj.clone();
+            if let Some(data) = o["data"].as_mapping_mut() {
+                for (_, v) in data.iter_mut() {
+                    *v = v.as_str().unwrap_or("").replace('\n', "").into();
+                }
+            }
+            api_round_trip::<Secret>(&o)
+        }
         // CRDs of the Prometheus Operator: checked by podmonitor_operator and talos_manifests
         "PodMonitor" | "PrometheusRule" => {
             assert_eq!(obj["apiVersion"].as_str(), Some("monitoring.coreos.com/v1"));
@@ -332,4 +343,59 @@ fn api_check_rejects_unknown_fields_and_wrong_types() {
     )
     .unwrap();
     assert!(try_kustomize(dir.path()).is_err());
+}
+
+/// The stream with the Secret in the same `kubectl apply -k`: a user overlay generates it from
+/// the files `gpufeed-guest certs init` wrote next to it, under the name and namespace the
+/// DaemonSet mounts.
+#[test]
+fn a_user_overlay_generates_the_tls_secret_from_certs_init() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(BIN)
+        .args(["certs", "init", "--out"])
+        .arg(dir.path().join("certs"))
+        .args(["--guest-addr", "10.0.0.20:7845", "--host", "pve1"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut files: Vec<String> = std::fs::read_dir(dir.path().join("certs/guest"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    let up = "../".repeat(dir.path().canonicalize().unwrap().components().count() - 1);
+    let stream = kustomize_dir("overlays/stream").canonicalize().unwrap();
+    let k = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+         resources:\n  - {up}{stream}\n\
+         secretGenerator:\n  - name: gpufeed-guest-tls\n    namespace: gpufeed\n    \
+         options:\n      disableNameSuffixHash: true\n      labels:\n        \
+         app.kubernetes.io/part-of: gpufeed\n    files:\n{files}",
+        stream = stream.strip_prefix("/").unwrap().display(),
+        files = files
+            .iter()
+            .map(|f| format!("      - certs/guest/{f}\n"))
+            .collect::<String>(),
+    );
+    std::fs::write(dir.path().join("kustomization.yaml"), k).unwrap();
+    let objs = try_kustomize(dir.path()).unwrap();
+    check_common("user overlay with Secret", &objs);
+    let secret = object(&objs, "Secret");
+    let ds = daemonset(&objs);
+    let vol = ds["spec"]["template"]["spec"]["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "tls")
+        .unwrap();
+    assert_eq!(secret["metadata"]["name"], vol["secret"]["secretName"]);
+    assert_eq!(secret["metadata"]["namespace"].as_str(), Some("gpufeed"));
+    let mut keys: Vec<String> = secret["data"]
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .map(|k| k.as_str().unwrap().to_string())
+        .collect();
+    keys.sort();
+    assert_eq!(keys, files, "Secret keys = the guest --tls-dir files");
 }
