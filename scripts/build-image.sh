@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the gpufeed-guest container image that talos/gpufeed-guest.yaml runs, with buildah and
-# no base image: the binary at /usr/local/bin/gpufeed-guest, the shared libraries it links
+# Builds the gpufeed-guest container image that the DaemonSet in talos/kubernetes/ runs, with
+# buildah and no base image: the binary at /usr/local/bin/gpufeed-guest, the shared libraries it links
 # (libelf, zlib, libgcc_s, libc, the loader) and nothing else. No registry is contacted.
 #
 #   scripts/build-image.sh                       release build, image gpufeed-guest:<version>
