@@ -1,18 +1,5 @@
 //! gpufeed-guest: per-pod eBPF probes served to Prometheus.
 
-mod bandwidth;
-mod certs;
-mod cgroups;
-mod collect;
-mod dst;
-mod exporter;
-mod hub;
-mod ifaces;
-mod netlink;
-mod pods;
-mod privileges;
-mod probes;
-
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +9,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use crate::probes::ProbeStatus;
+use gpufeed_guest::probes::ProbeStatus;
+use gpufeed_guest::{
+    certs, cgroups, collect, dst, exporter, hub, ifaces, pods, privileges, probes,
+};
 
 /// Default /metrics port: not used by any well-known exporter.
 pub const DEFAULT_METRICS_PORT: u16 = 9745;

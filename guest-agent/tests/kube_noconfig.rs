@@ -1,9 +1,6 @@
 //! `run_watcher` without any Kubernetes configuration: one warning, quiet retries, and it picks
 //! up a kubeconfig that appears later. Its own test binary because it sets KUBECONFIG.
 
-#[path = "../src/pods/mod.rs"]
-mod pods;
-
 #[path = "common/fake_kube.rs"]
 mod fake_kube;
 
@@ -12,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fake_kube::{fixture, FakeKube};
-use pods::{run_watcher, PodStore, WatchConfig};
+use gpufeed_guest::pods::{run_watcher, PodStore, WatchConfig};
 
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -41,8 +38,7 @@ impl Captured {
 async fn no_config_warns_once_and_picks_up_a_later_kubeconfig() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
-    // Only this test in this binary touches the environment (the other tests here are the
-    // pods module's pure unit tests).
+    // Only this test in this binary touches the environment.
     std::env::set_var("KUBECONFIG", &kubeconfig);
     std::env::remove_var("KUBERNETES_SERVICE_HOST");
     std::env::remove_var("KUBERNETES_SERVICE_PORT");
@@ -64,7 +60,7 @@ async fn no_config_warns_once_and_picks_up_a_later_kubeconfig() {
     ));
 
     // attempts at 0 s and 1 s (then 3 s): one warning, the retry only at debug level
-    let module = "kube_noconfig::pods::watch";
+    let module = "gpufeed_guest::pods::watch";
     let start = Instant::now();
     while logs.lines("DEBUG", module).is_empty() {
         assert!(start.elapsed() < Duration::from_secs(10), "no retry logged");

@@ -1,9 +1,6 @@
 //! The pod watcher against recorded kube-apiserver v1.30 JSON served over local HTTP to the
 //! real kube-rs client.
 
-#[path = "../src/pods/mod.rs"]
-mod pods;
-
 #[path = "common/fake_kube.rs"]
 mod fake_kube;
 
@@ -14,8 +11,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use fake_kube::{fixture, fixture_lines, FakeKube};
+use gpufeed_guest::pods::{
+    classify_cgroup, run_watcher_with_client, CgroupClass, PodStore, Qos, WatchConfig,
+};
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use pods::{classify_cgroup, run_watcher_with_client, CgroupClass, PodStore, Qos, WatchConfig};
 use tracing::Instrument;
 
 const NODE: &str = "talos-gpu-worker-1";

@@ -1,0 +1,16 @@
+//! gpufeed-guest as a library: the probes, the tick that reads them, the pod
+//! store, the exporter and the hub. The binary (`main.rs`) is the command line
+//! and start-up around it; tests and benchmarks use these modules directly.
+
+pub mod bandwidth;
+pub mod certs;
+pub mod cgroups;
+pub mod collect;
+pub mod dst;
+pub mod exporter;
+pub mod hub;
+pub mod ifaces;
+pub mod netlink;
+pub mod pods;
+pub mod privileges;
+pub mod probes;
