@@ -8,7 +8,15 @@ use libbpf_cargo::SkeletonBuilder;
 /// BPF objects to build; each has a `bpf/<name>.bpf.c`. The agent's probes have a
 /// `src/probes/<name>.rs` that includes the skeleton; `bench_empty` is only used
 /// by the overhead benchmark and `tc_foreign` only by the tc tests.
-const PROBES: &[&str] = &["sched", "tcp", "tc", "bench_empty", "tc_foreign"];
+const PROBES: &[&str] = &[
+    "sched",
+    "tcp",
+    "tc",
+    "gpu_driver",
+    "cuda",
+    "bench_empty",
+    "tc_foreign",
+];
 
 fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR is set by cargo"));

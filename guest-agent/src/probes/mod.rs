@@ -5,6 +5,8 @@
 //! so no borrowed skeleton lifetimes leak into the rest of the agent: the kernel
 //! keeps programs alive through their links and maps through the handles.
 
+pub mod cuda;
+pub mod gpu_driver;
 pub mod hist;
 pub mod sched;
 pub mod tc;

@@ -1,0 +1,325 @@
+//! GPU probes on the real kernel, driven by stand-ins (no GPU and no NVIDIA
+//! driver exist on the machines that run the tests):
+//!
+//! * driver time: a device node with the serial port's major:minor under a
+//!   configured "GPU" path prefix and driver name. `ioctl(TCSBRKP, n)` on it
+//!   is a real character-device ioctl that the tty layer holds for n x 100 ms
+//!   (send_break), so the test knows what the probe must see.
+//! * CUDA: a libcuda.so.1 built here from C with the driver API's real
+//!   signatures, loaded with dlopen by a client program in two pods, one of
+//!   them inside its own mount namespace and pivoted root like a container.
+
+mod common;
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use gpufeed_guest::probes::cuda::{CudaCgroup, CudaOptions, CudaProbe};
+use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, CMD_CLASSES};
+
+fn pids(pods: &[&Pod]) -> HashSet<i32> {
+    pods.iter().flat_map(|p| p.pids()).collect()
+}
+
+fn wait_file(path: &Path, what: &str) {
+    assert!(
+        wait_for(Duration::from_secs(20), || path.exists().then_some(())).is_some(),
+        "{what}: {} did not appear",
+        path.display()
+    );
+}
+
+/// Whether process `pid` has `target` open.
+fn has_open(pid: i32, target: &Path) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == target))
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn driver_time_per_pod_from_a_held_device_ioctl() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let hold = dir.join("ioctl_hold");
+    compile_c("gpu/ioctl_hold.c", &hold, &[]);
+    // the stand-in GPU: the 8250 UART's device numbers at a private path
+    let uart = std::fs::metadata("/dev/ttyS0")
+        .expect("the driver-time stand-in needs /dev/ttyS0 (an 8250 UART)");
+    let node = dir.join("nvidia0");
+    let c_node = std::ffi::CString::new(node.to_str().unwrap()).unwrap();
+    // SAFETY: a valid C string path; mknod creates a device node there.
+    let rc = unsafe { libc::mknod(c_node.as_ptr(), libc::S_IFCHR | 0o600, uart.rdev()) };
+    assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
+
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let go = dir.join("go");
+    let (out_a, out_b) = (dir.join("a.out"), dir.join("b.out"));
+
+    // a opens its device before the probe exists: found by the /proc seeding
+    let pid_a = a.spawn(&format!(
+        "exec {} {} 3 1 {} {}",
+        hold.display(),
+        node.display(),
+        go.display(),
+        out_a.display()
+    )) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid_a, &node)
+            .then_some(()))
+        .is_some(),
+        "pod a opened the device"
+    );
+
+    let devices = GpuDevices {
+        path_prefixes: vec![format!("{}/nvidia", dir.display())],
+        driver_names: vec!["ttyS".into()],
+    };
+    let mut probe = GpuDriverProbe::load(&devices)
+        .expect("gpu_driver loads")
+        .expect("kernel has the hooks");
+    assert_eq!(
+        probe.seed_new(&pids(&[&a, &b])),
+        1,
+        "a's one device fd seeded"
+    );
+    assert_eq!(
+        probe.seed_new(&pids(&[&a, &b])),
+        0,
+        "a process is seeded once"
+    );
+
+    // b opens after the probe is loaded: learned at openat
+    let pid_b = b.spawn(&format!(
+        "exec {} {} 2 2 {} {}",
+        hold.display(),
+        node.display(),
+        go.display(),
+        out_b.display()
+    )) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid_b, &node)
+            .then_some(()))
+        .is_some(),
+        "pod b opened the device"
+    );
+    File::create(&go).unwrap();
+    wait_file(&out_a, "pod a's calls");
+    wait_file(&out_b, "pod b's calls");
+
+    for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
+        let text = std::fs::read_to_string(out).unwrap();
+        let mut f = text.split_whitespace().map(|v| v.parse::<u64>().unwrap());
+        let (calls, measured_ns) = (f.next().unwrap(), f.next().unwrap());
+        let cg = File::open(&pod.cgroup).unwrap();
+        let got = probe.read(cg.as_fd()).expect("the pod has driver time");
+        let count: u64 = got.ioctl.iter().map(|h| h.count).sum();
+        let sum: u64 = got.ioctl.iter().map(|h| h.sum_ns).sum();
+        eprintln!(
+            "pod {name}: {count} calls, {sum} ns in the probe, {measured_ns} ns measured, busy {} ns",
+            got.busy_ns
+        );
+        // exact: the pipe ioctls and the reused fd number are not GPU calls
+        assert_eq!(count, calls, "pod {name}: GPU ioctl count");
+        assert_eq!(
+            got.ioctl[0].count, calls,
+            "pod {name}: TCSBRKP is not an NVIDIA request: cmd {}",
+            CMD_CLASSES[0]
+        );
+        let within = |v: u64| (v as f64 - measured_ns as f64).abs() <= 0.1 * measured_ns as f64;
+        assert!(
+            within(sum),
+            "pod {name}: sum {sum} vs measured {measured_ns}"
+        );
+        // one task per pod: busy wall time is the sum of its calls
+        assert!(
+            within(got.busy_ns),
+            "pod {name}: busy {} vs measured {measured_ns}",
+            got.busy_ns
+        );
+    }
+    let stats = probe.kernel_stats();
+    assert_eq!(stats[0], 0, "no storage failures");
+    assert!(stats[1] >= 1, "b's open was learned in the kernel");
+}
+
+/// Expected numbers of one cuda_app run with scale `s` after phases 1..=4.
+struct Expect {
+    s: u64,
+}
+
+const MIB: u64 = 1024 * 1024;
+
+impl Expect {
+    fn pitched(&self) -> u64 {
+        (1000 * self.s).div_ceil(512) * 512 * 300
+    }
+    fn managed(&self) -> u64 {
+        64 * 1024 * self.s
+    }
+    fn after_alloc(&self) -> i64 {
+        (self.s * MIB + self.pitched() + self.managed() + 128 * 1024 * self.s) as i64
+    }
+    fn after_free(&self) -> i64 {
+        (self.pitched() + self.managed()) as i64
+    }
+    fn after_vmm(&self) -> i64 {
+        // two physical allocations; the import aliases the second one
+        self.after_free() + (4 * self.s * MIB) as i64
+    }
+    fn h2d(&self) -> u64 {
+        (4096 + 1000) * self.s
+    }
+    fn d2h(&self) -> u64 {
+        (2048 + 24) * self.s
+    }
+}
+
+struct App {
+    /// the pod's container cgroup
+    cgroup: PathBuf,
+    /// control directory as the test sees it
+    ctl: PathBuf,
+    expect: Expect,
+}
+
+impl App {
+    fn step(&self, n: u32) {
+        File::create(self.ctl.join(format!("go{n}"))).unwrap();
+        wait_file(&self.ctl.join(format!("done{n}")), "cuda_app phase");
+    }
+
+    fn read(&self, probe: &CudaProbe) -> CudaCgroup {
+        let cg = File::open(&self.cgroup).unwrap();
+        probe.read(cg.as_fd()).unwrap_or_default()
+    }
+}
+
+#[test]
+fn cuda_vram_and_copies_per_pod_from_uprobes() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let lib_dir = dir.join("lib");
+    std::fs::create_dir(&lib_dir).unwrap();
+    let lib = lib_dir.join("libcuda.so.1");
+    compile_c(
+        "cuda/fake_libcuda.c",
+        &lib,
+        &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
+    );
+    let app = dir.join("cuda_app");
+    compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
+    // a container root with its own copy of the library where distributions
+    // put it; the app pivots into it in a new mount namespace
+    let root = dir.join("rootfs");
+    let root_lib = root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&root_lib).unwrap();
+    std::fs::create_dir_all(root.join("ctl")).unwrap();
+    std::fs::copy(&lib, root_lib.join("libcuda.so.1")).unwrap();
+    let host_ctl = dir.join("ctl");
+    std::fs::create_dir(&host_ctl).unwrap();
+
+    let sb = CgroupSandbox::new();
+    let mut host_pod = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
+    let mut ctr_pod = Pod::random(&sb, Layout::Systemd, "burstable");
+
+    let mut probe = CudaProbe::load(CudaOptions {
+        launches: true,
+        ..CudaOptions::default()
+    })
+    .expect("cuda probe loads")
+    .expect("kernel has the hooks");
+
+    let pid_a = host_pod.spawn(&format!(
+        "LD_LIBRARY_PATH={} exec {} {} 1",
+        lib_dir.display(),
+        app.display(),
+        host_ctl.display()
+    ));
+    let pid_c = ctr_pod.spawn(&format!(
+        "LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu exec {} /ctl 2 {}",
+        app.display(),
+        root.display()
+    ));
+    let a = App {
+        cgroup: host_pod.cgroup.clone(),
+        ctl: host_ctl,
+        expect: Expect { s: 1 },
+    };
+    let c = App {
+        cgroup: ctr_pod.cgroup.clone(),
+        ctl: root.join("ctl"),
+        expect: Expect { s: 2 },
+    };
+    let all = || pids(&[&host_pod, &ctr_pod]);
+    // not mapped yet: nothing to attach
+    assert_eq!(probe.scan(&all()), 0);
+    // the library is mapped later (dlopen): the next scan attaches, once per file
+    a.step(0);
+    c.step(0);
+    assert_eq!(probe.scan(&all()), 2, "two distinct library files");
+    assert_eq!(probe.scan(&all()), 0, "each file is attached once");
+    assert_eq!(probe.files(), 2);
+
+    for app in [&a, &c] {
+        let e = &app.expect;
+        app.step(1);
+        let got = app.read(&probe);
+        assert_eq!(
+            got.vram_bytes,
+            e.after_alloc(),
+            "s={}: after allocations",
+            e.s
+        );
+        assert_eq!(got.h2d_bytes, e.h2d(), "s={}: host to device", e.s);
+        assert_eq!(got.d2h_bytes, e.d2h(), "s={}: device to host", e.s);
+        assert_eq!(got.launches, 5 * e.s, "s={}: launches", e.s);
+        app.step(2);
+        assert_eq!(
+            app.read(&probe).vram_bytes,
+            e.after_free(),
+            "s={}: after frees",
+            e.s
+        );
+        app.step(3);
+        assert_eq!(
+            app.read(&probe).vram_bytes,
+            e.after_vmm(),
+            "s={}: VMM allocations, a released-but-mapped handle still held, an import not counted twice",
+            e.s
+        );
+        app.step(4);
+        assert_eq!(
+            app.read(&probe).vram_bytes,
+            e.after_free(),
+            "s={}: unmapping and releasing gives VMM memory back",
+            e.s
+        );
+    }
+    // exit without freeing: the process's remaining bytes go back
+    File::create(a.ctl.join("go5")).unwrap();
+    File::create(c.ctl.join("go5")).unwrap();
+    host_pod.wait_exit(pid_a, Duration::from_secs(10));
+    ctr_pod.wait_exit(pid_c, Duration::from_secs(10));
+    for app in [&a, &c] {
+        let got = app.read(&probe);
+        assert_eq!(got.vram_bytes, 0, "s={}: exit returns VRAM", app.expect.s);
+        assert_eq!(got.h2d_bytes, app.expect.h2d(), "copy counters stay");
+    }
+    assert_eq!(
+        probe.kernel_stats(),
+        [0, 0, 0],
+        "no lost events, no unknown frees"
+    );
+}
