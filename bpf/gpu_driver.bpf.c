@@ -166,8 +166,7 @@ static __always_inline __u32 cmd_slot(__u32 cmd)
 	}
 }
 
-SEC("tracepoint/syscalls/sys_enter_ioctl")
-int gpu_ioctl_enter(struct trace_event_raw_sys_enter *ctx)
+static __always_inline int ioctl_enter(__u64 fd, __u32 cmd)
 {
 	struct task_struct *task = bpf_get_current_task_btf();
 	struct gpu_cgroup *cg;
@@ -176,7 +175,7 @@ int gpu_ioctl_enter(struct trace_event_raw_sys_enter *ctx)
 	__u64 now;
 
 	fds = bpf_task_storage_get(&gpu_fds, task->group_leader, 0, 0);
-	if (!fds || !fd_in(fds->open, (__u32)ctx->args[0]))
+	if (!fds || !fd_in(fds->open, fd))
 		return 0;
 	ts = bpf_task_storage_get(&thread_state, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	cg = bpf_cgrp_storage_get(&gpu_cgroup, task_dfl_cgroup(task), 0,
@@ -188,25 +187,19 @@ int gpu_ioctl_enter(struct trace_event_raw_sys_enter *ctx)
 	now = bpf_ktime_get_ns();
 	ts->ioctl_start = now;
 	ts->cgroup_id = bpf_get_current_cgroup_id();
-	ts->cmd_slot = cmd_slot((__u32)ctx->args[1]);
+	ts->cmd_slot = cmd_slot(cmd);
 	/* the first task of the cgroup to enter opens a busy interval */
 	if (__sync_fetch_and_add(&cg->inflight, 1) == 0)
 		cg->busy_since = now;
 	return 0;
 }
 
-SEC("tracepoint/syscalls/sys_exit_ioctl")
-int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
+static __always_inline int ioctl_exit(struct task_struct *task, struct thread_state *ts)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
 	struct gpu_cgroup *cg;
-	struct thread_state *ts;
 	__u64 now, start;
 	__u32 slot;
 
-	ts = bpf_task_storage_get(&thread_state, task, 0, 0);
-	if (!ts || !ts->ioctl_start)
-		return 0;
 	start = ts->ioctl_start;
 	ts->ioctl_start = 0;
 	slot = ts->cmd_slot;
@@ -229,6 +222,23 @@ int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
 	if (__sync_fetch_and_add(&cg->inflight, -1) == 1)
 		__sync_fetch_and_add(&cg->busy_ns, now - cg->busy_since);
 	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_ioctl")
+int gpu_ioctl_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return ioctl_enter((__u32)ctx->args[0], (__u32)ctx->args[1]);
+}
+
+SEC("tracepoint/syscalls/sys_exit_ioctl")
+int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct thread_state *ts = bpf_task_storage_get(&thread_state, task, 0, 0);
+
+	if (!ts || !ts->ioctl_start)
+		return 0;
+	return ioctl_exit(task, ts);
 }
 
 /* Whether a user-space path starts with one of the configured prefixes. */
@@ -286,28 +296,28 @@ int gpu_open_enter(struct trace_event_raw_sys_enter *ctx)
 	return open_enter((const char *)ctx->args[0], ctx->args[1]);
 }
 
-SEC("tracepoint/syscalls/sys_enter_openat2")
-int gpu_openat2_enter(struct trace_event_raw_sys_enter *ctx)
+static __always_inline int openat2_enter(const char *path, const struct open_how *uhow)
 {
 	struct open_how how = {};
 
 	/* how->flags is user memory; without it the fd is still learned,
 	 * only its close-on-exec bit is unknown */
-	bpf_probe_read_user(&how, sizeof(how.flags), (void *)ctx->args[2]);
-	return open_enter((const char *)ctx->args[1], how.flags);
+	bpf_probe_read_user(&how, sizeof(how.flags), uhow);
+	return open_enter(path, how.flags);
 }
 
-static __always_inline int open_exit(long ret)
+SEC("tracepoint/syscalls/sys_enter_openat2")
+int gpu_openat2_enter(struct trace_event_raw_sys_enter *ctx)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
-	struct thread_state *ts;
+	return openat2_enter((const char *)ctx->args[1], (void *)ctx->args[2]);
+}
+
+static __always_inline int learn_fd(struct task_struct *task, struct thread_state *ts, long ret)
+{
 	struct gpu_fds *fds;
 	__u32 opening;
 	__u64 bit;
 
-	ts = bpf_task_storage_get(&thread_state, task, 0, 0);
-	if (!ts || !ts->opening)
-		return 0;
 	opening = ts->opening;
 	ts->opening = 0;
 	if (ret < 0)
@@ -330,6 +340,16 @@ static __always_inline int open_exit(long ret)
 		__sync_fetch_and_and(&fds->cloexec[ret / 64], ~bit);
 	bump(1);
 	return 0;
+}
+
+static __always_inline int open_exit(long ret)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct thread_state *ts = bpf_task_storage_get(&thread_state, task, 0, 0);
+
+	if (!ts || !ts->opening)
+		return 0;
+	return learn_fd(task, ts, ret);
 }
 
 SEC("tracepoint/syscalls/sys_exit_openat")
@@ -362,14 +382,19 @@ static __always_inline void forget(struct gpu_fds *fds, __u64 fd)
 
 /* Forgets at entry: a close that fails with EBADF had nothing to forget, and
  * after any other failure the fd is gone anyway (close(2)). */
-SEC("tracepoint/syscalls/sys_enter_close")
-int gpu_close_enter(struct trace_event_raw_sys_enter *ctx)
+static __always_inline int close_enter(__u64 fd)
 {
 	struct gpu_fds *fds = bpf_task_storage_get(&gpu_fds, leader(), 0, 0);
 
 	if (fds)
-		forget(fds, (__u32)ctx->args[0]);
+		forget(fds, fd);
 	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_close")
+int gpu_close_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return close_enter((__u32)ctx->args[0]);
 }
 
 struct range_ctx {
@@ -395,20 +420,88 @@ static long forget_word(__u32 w, struct range_ctx *c)
 	return 0;
 }
 
-SEC("tracepoint/syscalls/sys_enter_close_range")
-int gpu_close_range_enter(struct trace_event_raw_sys_enter *ctx)
+static __always_inline int close_range_enter(__u32 first, __u32 last, __u32 flags)
 {
 	struct range_ctx c = {
 		.fds = bpf_task_storage_get(&gpu_fds, leader(), 0, 0),
-		.first = (__u32)ctx->args[0],
-		.last = (__u32)ctx->args[1],
+		.first = first,
+		.last = last,
 	};
 
-	if (!c.fds || (ctx->args[2] & CLOSE_RANGE_CLOEXEC))
+	if (!c.fds || (flags & CLOSE_RANGE_CLOEXEC))
 		return 0;
 	/* a callback per word keeps the verifier from walking every branch of
 	 * 128 unrolled iterations */
 	bpf_loop(GPU_FD_WORDS, forget_word, &c, 0);
+	return 0;
+}
+
+SEC("tracepoint/syscalls/sys_enter_close_range")
+int gpu_close_range_enter(struct trace_event_raw_sys_enter *ctx)
+{
+	return close_range_enter(ctx->args[0], ctx->args[1], ctx->args[2]);
+}
+
+/*
+ * The same hooks without tracefs. Per-syscall tracepoints are attached by the
+ * id tracefs gives them, and lockdown=confidentiality removes tracefs; the
+ * BTF tracepoints sys_enter/sys_exit (raw_syscalls) need no tracefs but run
+ * for every syscall, so they test the syscall number first. Arguments come
+ * from the syscall's user registers through typed pointers (no kernel reads).
+ */
+#if defined(__TARGET_ARCH_x86)
+#define NR_ioctl 16
+#define NR_open 2
+#define NR_close 3
+#define NR_openat 257
+#elif defined(__TARGET_ARCH_arm64)
+#define NR_ioctl 29
+#define NR_open -1 /* arm64 has only openat */
+#define NR_close 57
+#define NR_openat 56
+#endif
+#define NR_close_range 436
+#define NR_openat2 437
+
+SEC("tp_btf/sys_enter")
+int BPF_PROG(gpu_sys_enter, struct pt_regs *regs, long id)
+{
+	switch (id) {
+	case NR_ioctl:
+		return ioctl_enter((__u32)PT_REGS_PARM1_SYSCALL(regs),
+				   (__u32)PT_REGS_PARM2_SYSCALL(regs));
+	case NR_openat:
+		return open_enter((const char *)PT_REGS_PARM2_SYSCALL(regs),
+				  PT_REGS_PARM3_SYSCALL(regs));
+	case NR_open:
+		return open_enter((const char *)PT_REGS_PARM1_SYSCALL(regs),
+				  PT_REGS_PARM2_SYSCALL(regs));
+	case NR_openat2:
+		return openat2_enter((const char *)PT_REGS_PARM2_SYSCALL(regs),
+				     (void *)PT_REGS_PARM3_SYSCALL(regs));
+	case NR_close:
+		return close_enter((__u32)PT_REGS_PARM1_SYSCALL(regs));
+	case NR_close_range:
+		return close_range_enter(PT_REGS_PARM1_SYSCALL(regs), PT_REGS_PARM2_SYSCALL(regs),
+					 PT_REGS_PARM3_SYSCALL(regs));
+	default:
+		return 0;
+	}
+}
+
+/* Whatever the entry stamped on this thread tells which call is ending. */
+SEC("tp_btf/sys_exit")
+int BPF_PROG(gpu_sys_exit, struct pt_regs *regs, long ret)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct thread_state *ts = bpf_task_storage_get(&thread_state, task, 0, 0);
+
+	if (!ts)
+		return 0;
+	if (ts->ioctl_start)
+		return ioctl_exit(task, ts);
+	if (ts->opening)
+		return learn_fd(task, ts, ret);
 	return 0;
 }
 

@@ -9,8 +9,9 @@
  * le = 2^(HIST_MIN_SHIFT + i) / 1000 microseconds; the exact sum in ns is kept
  * so that rate(sum)/rate(count) is exact, not bucket-quantised.
  *
- * The layout is mirrored in guest-agent/src/probes/hist.rs; a test checks
- * bucket indexing of both sides against each other.
+ * Userspace decodes the map values through the skeleton's generated
+ * `types::hist` (guest-agent/src/probes/hist.rs); its constants are asserted
+ * against that type, and its tests check the bucket indexing below.
  */
 #ifndef GPUFEED_HIST_H
 #define GPUFEED_HIST_H

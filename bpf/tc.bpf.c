@@ -42,7 +42,9 @@ struct if_bytes {
 };
 
 /* key: host ifindex; value per CPU: [0] host ingress (pod egress), [1] host egress (pod ingress).
- * Userspace creates the entry when it attaches, so the programs only look up. */
+ * Userspace creates the entry when it attaches, so the programs only look up.
+ * max_entries here and below are placeholders: userspace sets every size before
+ * load (probes/tc/loader.rs, docs/probes.md). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
 	__uint(max_entries, 4096);
@@ -193,7 +195,8 @@ struct {
 	__type(value, __u64);
 } drops SEC(".maps");
 
-/* reasons of the tc/qdisc layer, filled by userspace from the kernel's BTF */
+/* reasons of the tc/qdisc layer, filled by userspace from the kernel's BTF
+ * (and sized to their number) */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 64);

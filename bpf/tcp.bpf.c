@@ -28,7 +28,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 #define AF_INET 2
 #define AF_INET6 10
-#define TCP_MAX_DST 16  /* mirrored in probes/tcp.rs */
+#define TCP_MAX_DST 16  /* userspace's dst::MAX_DST; probes/tcp.rs fails to compile if they differ */
 #define DST_UNMATCHED (TCP_MAX_DST - 1)
 
 struct dst_key {
@@ -36,6 +36,7 @@ struct dst_key {
 	__u8 addr[16]; /* IPv4 as v4-mapped IPv6 */
 };
 
+/* sized by userspace before load: exactly the prefixes --dst names */
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);

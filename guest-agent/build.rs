@@ -1,32 +1,47 @@
-//! Compiles every probe in ../bpf with clang (CO-RE against the committed
-//! vmlinux.h) and generates a libbpf-rs skeleton per probe into OUT_DIR.
+//! Compiles every BPF object with clang (CO-RE against the committed
+//! vmlinux.h) and generates a libbpf-rs skeleton per object into OUT_DIR as
+//! `<name>.skel.rs`.
+//!
+//! The objects are found, not listed: every `../bpf/<name>.bpf.c` is a probe
+//! (its unit in `src/probes/` includes the skeleton), every
+//! `tests/bpf/<name>.bpf.c` a test-only object (a benchmark's empty programs,
+//! a foreign tc program for the tc tests). Both folders share the headers in
+//! `../bpf`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use libbpf_cargo::SkeletonBuilder;
 
-/// BPF objects to build; each has a `bpf/<name>.bpf.c`. The agent's probes have a
-/// `src/probes/<name>.rs` that includes the skeleton; `bench_empty` is only used
-/// by the overhead benchmark and `tc_foreign` only by the tc tests.
-const PROBES: &[&str] = &[
-    "sched",
-    "tcp",
-    "tc",
-    "gpu_driver",
-    "cuda",
-    "bench_empty",
-    "tc_foreign",
-];
+/// `(name, path)` of every `<name>.bpf.c` in `dir`, sorted by name.
+fn objects(dir: &Path) -> Vec<(String, PathBuf)> {
+    let entries =
+        std::fs::read_dir(dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()));
+    let mut out: Vec<(String, PathBuf)> = entries
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let name = path
+                .file_name()?
+                .to_str()?
+                .strip_suffix(".bpf.c")?
+                .to_string();
+            Some((name, path))
+        })
+        .collect();
+    out.sort();
+    out
+}
 
 fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR is set by cargo"));
-    let bpf_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bpf");
-    for header in ["vmlinux.h", "hist.h", "cgroup.h"] {
-        println!("cargo:rerun-if-changed={}", bpf_dir.join(header).display());
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let bpf_dir = manifest.join("../bpf");
+    let test_dir = manifest.join("tests/bpf");
+    // a directory: cargo reruns when any file in it changes, is added or removed
+    for dir in [&bpf_dir, &test_dir] {
+        println!("cargo:rerun-if-changed={}", dir.display());
     }
-    for probe in PROBES {
-        let src = bpf_dir.join(format!("{probe}.bpf.c"));
-        println!("cargo:rerun-if-changed={}", src.display());
+    let all = objects(&bpf_dir).into_iter().chain(objects(&test_dir));
+    for (name, src) in all {
         SkeletonBuilder::new()
             .source(&src)
             .clang_args([
@@ -38,7 +53,7 @@ fn main() {
                 // vmlinux.h defines these; the helper headers' fallbacks would clash.
                 "-Wno-unused-function".to_string(),
             ])
-            .build_and_generate(out.join(format!("{probe}.skel.rs")))
-            .unwrap_or_else(|e| panic!("building bpf/{probe}.bpf.c failed: {e:#}"));
+            .build_and_generate(out.join(format!("{name}.skel.rs")))
+            .unwrap_or_else(|e| panic!("building {} failed: {e:#}", src.display()));
     }
 }

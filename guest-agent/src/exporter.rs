@@ -16,68 +16,48 @@ use prometheus::proto::{
 };
 use prometheus::{Encoder, Registry, TextEncoder};
 
-use crate::collect::{Owner, OwnerStats, Shared};
-use crate::dst::{DstTable, MAX_DST};
+use crate::collect::{Owner, Shared};
 use crate::pods::{PodMeta, PodStore};
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
+use crate::probes::unit::{FamilySpec, Kind, Labels, Scope, Value};
 use crate::probes::ProbeStatus;
-
-pub const SCHED: &str = "ebpf_sched_latency_microseconds";
-pub const RTT: &str = "ebpf_tcp_rtt_microseconds";
-pub const RETRANS: &str = "ebpf_tcp_retransmissions_total";
-pub const TC_BYTES: &str = "ebpf_tc_bytes_total";
-pub const TC_DROPS: &str = "ebpf_tc_dropped_packets_total";
-pub const BW_LIMIT: &str = "gpufeed_bandwidth_limit_bits_per_second";
-
-/// Labels of one exported series, in a fixed order.
-type Labels = BTreeMap<&'static str, String>;
 
 /// Pod metadata looked up during one scrape, by pod UID.
 type Metas = HashMap<String, Option<PodMeta>>;
 
+/// Series of one family, merged by label set.
+#[derive(Default)]
+struct Merged {
+    hists: BTreeMap<Labels, Hist>,
+    counts: BTreeMap<Labels, u64>,
+    gauges: Vec<Metric>,
+}
+
 pub struct AgentCollector {
     shared: Arc<Mutex<Shared>>,
     pods: PodStore,
-    dst: DstTable,
+    families: Vec<&'static FamilySpec>,
     probes: Vec<ProbeStatus>,
     last_scrape_seconds: Mutex<f64>,
     descs: Vec<Desc>,
 }
 
 impl AgentCollector {
+    /// `families`: what the loaded units export; `probes`: their statuses.
     pub fn new(
         shared: Arc<Mutex<Shared>>,
         pods: PodStore,
-        dst: DstTable,
+        families: Vec<&'static FamilySpec>,
         probes: Vec<ProbeStatus>,
     ) -> Self {
-        let descs = vec![
-            Desc::new(
-                SCHED.into(),
-                "Run-queue wait of tasks being scheduled in, per pod/container".into(),
-                vec![],
-                HashMap::new(),
-            ),
-            Desc::new(
-                RTT.into(),
-                "TCP smoothed RTT sampled per received segment, by socket owner".into(),
-                vec![],
-                HashMap::new(),
-            ),
-            Desc::new(
-                RETRANS.into(),
-                "TCP segments retransmitted, by socket owner".into(),
-                vec![],
-                HashMap::new(),
-            ),
-        ]
-        .into_iter()
-        .filter_map(Result::ok)
-        .collect();
+        let descs = families
+            .iter()
+            .filter_map(|f| Desc::new(f.name.into(), f.help.into(), vec![], HashMap::new()).ok())
+            .collect();
         AgentCollector {
             shared,
             pods,
-            dst,
+            families,
             probes,
             last_scrape_seconds: Mutex::new(0.0),
             descs,
@@ -139,10 +119,20 @@ impl AgentCollector {
         l
     }
 
-    /// Labels of tc and bandwidth series: interfaces belong to pods, not containers.
-    fn pod_level_labels(&self, owner: &Owner, metas: &mut Metas) -> Labels {
+    /// The full label set of one series: the owner's at the family's scope
+    /// (interfaces belong to pods, not containers) plus the unit's.
+    fn series_labels(
+        &self,
+        owner: &Owner,
+        scope: Scope,
+        extra: &Labels,
+        metas: &mut Metas,
+    ) -> Labels {
         let mut l = self.owner_labels(owner, metas);
-        l.remove("container");
+        if scope == Scope::Pod {
+            l.remove("container");
+        }
+        l.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
         l
     }
 
@@ -150,90 +140,67 @@ impl AgentCollector {
         let started = Instant::now();
         // Several owners can map to one label set (a pod's sandbox and its pod
         // cgroup both have container=""): merge them so no series repeats.
-        let mut sched: BTreeMap<Labels, Hist> = BTreeMap::default();
-        let mut rtt: BTreeMap<Labels, Hist> = BTreeMap::default();
-        let mut retrans: BTreeMap<Labels, u64> = BTreeMap::default();
-        let mut tc_bytes: BTreeMap<Labels, u64> = BTreeMap::default();
-        let mut tc_drops: BTreeMap<Labels, u64> = BTreeMap::default();
-        let mut limits: Vec<Metric> = Vec::new();
+        let mut merged: HashMap<&'static str, Merged> = HashMap::new();
+        let scope_of: HashMap<&'static str, Scope> =
+            self.families.iter().map(|f| (f.name, f.scope)).collect();
         let mut metas = Metas::new();
         let stats;
         {
             let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
             stats = shared.stats.clone();
             for (owner, o) in &shared.owners {
-                let labels = self.owner_labels(owner, &mut metas);
-                self.add_owner(&labels, o, &mut sched, &mut rtt, &mut retrans);
-                if !o.tc_bytes.is_empty() || !o.tc_drops.is_empty() {
-                    let base = self.pod_level_labels(owner, &mut metas);
-                    for (dir, n) in &o.tc_bytes {
-                        let mut l = base.clone();
-                        l.insert("direction", dir.as_str().to_string());
-                        *tc_bytes.entry(l).or_default() += n;
-                    }
-                    for ((dir, reason), n) in &o.tc_drops {
-                        let mut l = base.clone();
-                        l.insert(
-                            "direction",
-                            dir.map(|d| d.as_str()).unwrap_or("").to_string(),
-                        );
-                        l.insert("reason", reason.clone());
-                        *tc_drops.entry(l).or_default() += n;
+                for ((family, extra), value) in &o.series {
+                    let Some(&scope) = scope_of.get(family) else {
+                        continue;
+                    };
+                    let l = self.series_labels(owner, scope, extra, &mut metas);
+                    let m = merged.entry(family).or_default();
+                    match value {
+                        // no samples yet: no series
+                        Value::Hist(h) if h.is_empty() => {}
+                        Value::Hist(h) => m.hists.entry(l).or_default().add(h),
+                        Value::Count(n) => *m.counts.entry(l).or_default() += n,
                     }
                 }
             }
-            for b in &shared.bandwidth {
-                let pod = Owner::Pod {
-                    uid: b.uid.clone(),
-                    container_id: None,
+            for (family, values) in &shared.gauges {
+                let Some(&scope) = scope_of.get(family) else {
+                    continue;
                 };
-                let mut l = self.pod_level_labels(&pod, &mut metas);
-                l.insert("direction", b.direction.as_str().to_string());
-                limits.push(gauge(&l, b.bits_per_second));
+                let m = merged.entry(family).or_default();
+                for g in values {
+                    let l = self.series_labels(&g.owner, scope, &g.labels, &mut metas);
+                    m.gauges.push(gauge(&l, g.value));
+                }
             }
         }
-        let mut out = vec![
-            histogram_family(
-                SCHED,
-                "Run-queue wait of tasks being scheduled in (switched-in task's cgroup)",
-                sched,
-            ),
-            histogram_family(
-                RTT,
-                "TCP smoothed RTT per received segment, attributed to the socket's owner",
-                rtt,
-            ),
-            family(
-                RETRANS,
-                "TCP segments retransmitted (as counted by TcpRetransSegs), by socket owner",
-                MetricType::COUNTER,
-                retrans
-                    .into_iter()
-                    .map(|(l, v)| counter(&l, v as f64))
-                    .collect(),
-            ),
-        ];
-        out.push(family(
-            TC_BYTES,
-            "Bytes passing the tc layer of the pod's host-side interface; direction from the pod's point of view",
-            MetricType::COUNTER,
-            tc_bytes.into_iter().map(|(l, v)| counter(&l, v as f64)).collect(),
-        ));
-        out.push(family(
-            TC_DROPS,
-            "Packets dropped in the tc/qdisc layer, by the kernel's drop reason",
-            MetricType::COUNTER,
-            tc_drops
-                .into_iter()
-                .map(|(l, v)| counter(&l, v as f64))
-                .collect(),
-        ));
-        out.push(family(
-            BW_LIMIT,
-            "Bandwidth cap from the pod's kubernetes.io/{egress,ingress}-bandwidth annotation",
-            MetricType::GAUGE,
-            limits,
-        ));
+        let mut out: Vec<MetricFamily> = self
+            .families
+            .iter()
+            .map(|f| {
+                let m = merged.remove(f.name).unwrap_or_default();
+                match f.kind {
+                    Kind::Histogram => histogram_family(f.name, f.help, m.hists),
+                    Kind::Counter | Kind::SecondsCounter => {
+                        let unit = if f.kind == Kind::SecondsCounter {
+                            1e-9
+                        } else {
+                            1.0
+                        };
+                        family(
+                            f.name,
+                            f.help,
+                            MetricType::COUNTER,
+                            m.counts
+                                .into_iter()
+                                .map(|(l, v)| counter(&l, v as f64 * unit))
+                                .collect(),
+                        )
+                    }
+                    Kind::Gauge => family(f.name, f.help, MetricType::GAUGE, m.gauges),
+                }
+            })
+            .collect();
         let g = |name: &str, help: &str, v: f64| {
             family(
                 name,
@@ -256,20 +223,25 @@ impl AgentCollector {
                 })
                 .collect(),
         ));
+        let maps = || stats.units.iter().flat_map(|u| u.maps.iter());
         out.push(family(
             "gpufeed_map_entries",
-            "Cgroups holding an entry in each per-cgroup BPF storage map",
+            "Entries in each BPF map the agent reads (per-cgroup storage maps: cgroups holding an entry)",
             MetricType::GAUGE,
-            vec![
-                gauge(
-                    &Labels::from([("map", "sched_hist".to_string())]),
-                    stats.sched_entries as f64,
-                ),
-                gauge(
-                    &Labels::from([("map", "tcp_stats".to_string())]),
-                    stats.tcp_entries as f64,
-                ),
-            ],
+            maps()
+                .map(|m| gauge(&Labels::from([("map", m.map.to_string())]), m.entries as f64))
+                .collect(),
+        ));
+        out.push(family(
+            "gpufeed_map_capacity",
+            "max_entries of each BPF map that has one, as set at load",
+            MetricType::GAUGE,
+            maps()
+                .filter_map(|m| {
+                    m.capacity
+                        .map(|c| gauge(&Labels::from([("map", m.map.to_string())]), c as f64))
+                })
+                .collect(),
         ));
         out.push(family(
             "gpufeed_owners",
@@ -286,17 +258,15 @@ impl AgentCollector {
                 ),
             ],
         ));
-        out.push(g(
-            "gpufeed_tc_interfaces",
-            "Pod interfaces the tc programs are attached to",
-            stats.tc_interfaces as f64,
-        ));
-        out.push(family(
-            "gpufeed_tc_drop_overflow_total",
-            "tc/qdisc drops not recorded because the drop map was full",
-            MetricType::COUNTER,
-            vec![counter(&Labels::new(), stats.tc_drop_overflow as f64)],
-        ));
+        for s in stats.units.iter().flat_map(|u| u.series.iter()) {
+            let (t, m) = match s.kind {
+                Kind::Counter | Kind::SecondsCounter => {
+                    (MetricType::COUNTER, counter(&Labels::new(), s.value))
+                }
+                _ => (MetricType::GAUGE, gauge(&Labels::new(), s.value)),
+            };
+            out.push(family(s.name, s.help, t, vec![m]));
+        }
         out.push(g(
             "gpufeed_cgroups",
             "Live cgroups in the cgroup v2 hierarchy",
@@ -324,19 +294,15 @@ impl AgentCollector {
             vec![counter(&Labels::new(), stats.ticks as f64)],
         ));
         out.push(family(
-            "gpufeed_sched_negative_deltas_total",
-            "Run-queue waits dropped because the clock went backwards across CPUs",
-            MetricType::COUNTER,
-            vec![counter(&Labels::new(), stats.sched_negative_deltas as f64)],
-        ));
-        out.push(family(
             "gpufeed_bpf_storage_alloc_failures_total",
             "Events lost because cgroup storage was unavailable (allocation failed or per-CPU lock busy)",
             MetricType::COUNTER,
-            vec![
-                counter(&Labels::from([("probe", "sched_latency".to_string())]), stats.sched_alloc_failures as f64),
-                counter(&Labels::from([("probe", "tcp".to_string())]), stats.tcp_lost as f64),
-            ],
+            stats
+                .units
+                .iter()
+                .filter_map(|u| u.storage_failures)
+                .map(|(probe, n)| counter(&Labels::from([("probe", probe.to_string())]), n as f64))
+                .collect(),
         ));
         out.push(family(
             "gpufeed_build_info",
@@ -361,32 +327,6 @@ impl AgentCollector {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = started.elapsed().as_secs_f64();
         out
-    }
-
-    fn add_owner(
-        &self,
-        labels: &Labels,
-        o: &OwnerStats,
-        sched: &mut BTreeMap<Labels, Hist>,
-        rtt: &mut BTreeMap<Labels, Hist>,
-        retrans: &mut BTreeMap<Labels, u64>,
-    ) {
-        if !o.sched.is_empty() {
-            sched.entry(labels.clone()).or_default().add(&o.sched);
-        }
-        for i in 0..MAX_DST {
-            // A socket owner with traffic to a destination gets both series,
-            // so a clean pod reads 0 retransmits rather than nothing.
-            if o.rtt[i].is_empty() && o.retrans_segs[i] == 0 {
-                continue;
-            }
-            let mut l = labels.clone();
-            l.insert("dst", self.dst.name(i).to_string());
-            if !o.rtt[i].is_empty() {
-                rtt.entry(l.clone()).or_default().add(&o.rtt[i]);
-            }
-            *retrans.entry(l).or_default() += o.retrans_segs[i];
-        }
     }
 }
 

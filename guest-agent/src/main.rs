@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use gpufeed_guest::probes::ProbeStatus;
+use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
 use gpufeed_guest::{
     certs, cgroups, collect, dst, exporter, hub, ifaces, pods, privileges, probes,
 };
@@ -31,7 +31,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Load the probes and serve /metrics and /healthz.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Certificates for the host → guest event stream.
     Certs {
         #[command(subcommand)]
@@ -54,8 +54,7 @@ struct RunArgs {
     /// Default: loopback, private, link-local, internet.
     #[arg(long = "dst", value_name = "NAME=CIDRS")]
     dst: Vec<String>,
-    /// Probes to load: comma-separated names (sched_latency, tcp_rtt, tcp_retransmit, tc), `all` or `none`.
-    #[arg(long, default_value = "all")]
+    #[arg(long, default_value = "all", help = probes::probes_help())]
     probes: String,
     /// Where run-queue waits come from: the scheduler's own sched_info
     /// (one hook, exact) or stamps from the wakeup hooks.
@@ -68,6 +67,38 @@ struct RunArgs {
     /// `auto` (physical NICs), `none`, or NAME[,NAME...].
     #[arg(long, default_value = "auto")]
     node_devices: ifaces::NodeDevices,
+    /// Path prefixes that make a file a GPU device file when it is opened
+    /// (at most 4, each under 64 bytes).
+    #[arg(
+        long,
+        value_name = "PATH",
+        value_delimiter = ',',
+        default_value = "/dev/nvidia"
+    )]
+    gpu_device_prefix: Vec<String>,
+    /// Character-device drivers (names in /proc/devices) whose files, already
+    /// open when the agent starts, are GPU device files.
+    #[arg(
+        long,
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
+    )]
+    gpu_driver_name: Vec<String>,
+    /// Hooks that time GPU driver calls: per-syscall tracepoints (need
+    /// tracefs), the raw sys_enter/sys_exit BTF tracepoints (work under
+    /// lockdown, run for every syscall), or auto.
+    #[arg(long, value_enum, default_value = "auto")]
+    gpu_driver_hook: probes::gpu_driver::Hook,
+    /// Window of ebpf_gpu_active_compute_duty_cycle.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    gpu_duty_window: Duration,
+    /// Count CUDA kernel launches (a uprobe on cuLaunchKernel, the hot launch path).
+    #[arg(long)]
+    cuda_launches: bool,
+    /// Mapped files whose name starts with this are the CUDA driver library.
+    #[arg(long, default_value = "libcuda.so")]
+    cuda_library_prefix: String,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -112,7 +143,7 @@ fn main() -> std::process::ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.cmd {
-        Cmd::Run(args) => run(args),
+        Cmd::Run(args) => run(*args),
         Cmd::Certs { cmd } => certs::run(cmd),
     };
     match result {
@@ -122,46 +153,6 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::from(2)
         }
     }
-}
-
-struct Selected {
-    sched: bool,
-    rtt: bool,
-    retrans: bool,
-    tc: bool,
-}
-
-fn select_probes(spec: &str) -> anyhow::Result<Selected> {
-    let mut s = Selected {
-        sched: false,
-        rtt: false,
-        retrans: false,
-        tc: false,
-    };
-    for p in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        match p {
-            "all" => {
-                s = Selected {
-                    sched: true,
-                    rtt: true,
-                    retrans: true,
-                    tc: true,
-                }
-            }
-            "none" => {}
-            probes::sched::NAME => s.sched = true,
-            probes::tcp::RTT => s.rtt = true,
-            probes::tcp::RETRANS => s.retrans = true,
-            "tc" => s.tc = true,
-            other => bail!(
-                "--probes: unknown probe {other:?} (known: {}, {}, {}, tc, all, none)",
-                probes::sched::NAME,
-                probes::tcp::RTT,
-                probes::tcp::RETRANS
-            ),
-        }
-    }
-    Ok(s)
 }
 
 fn node_name(arg: Option<String>) -> String {
@@ -174,7 +165,7 @@ fn node_name(arg: Option<String>) -> String {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    let selected = select_probes(&args.probes)?;
+    let selected = probes::select(&args.probes).context("--probes")?;
     let dst = if args.dst.is_empty() {
         dst::DstTable::defaults()
     } else {
@@ -185,8 +176,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         None => cgroups::cgroup2_mount()
             .context("cannot find the cgroup v2 hierarchy (is cgroup2 mounted?)")?,
     };
-    let any_probe = selected.sched || selected.rtt || selected.retrans || selected.tc;
-    if any_probe {
+    if !selected.is_empty() {
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let missing = privileges::missing(&status, std::path::Path::new("/sys/kernel/btf/vmlinux"));
         if !missing.is_empty() {
@@ -200,60 +190,34 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 
     probes::route_libbpf_logs();
     let btf = probes::KernelBtf::load();
-    let mut statuses: Vec<ProbeStatus> = Vec::new();
-    let sched = if selected.sched {
-        match probes::sched::SchedProbe::load(&btf, args.sched_method).map_err(load_error)? {
-            Ok(p) => {
-                statuses.push(ProbeStatus {
-                    name: probes::sched::NAME,
-                    up: true,
-                    reason: None,
-                });
-                Some(p)
-            }
-            Err(st) => {
-                statuses.push(st);
-                None
-            }
-        }
-    } else {
-        None
+    let config = ProbeConfig {
+        sched: probes::sched::Config {
+            method: args.sched_method,
+        },
+        tcp: probes::tcp::Config { dst },
+        tc: probes::tc::Config {
+            attach: args.tc_attach,
+            node_devices: args.node_devices.clone(),
+        },
+        gpu_driver: probes::gpu_driver::Config {
+            devices: probes::gpu_driver::GpuDevices {
+                path_prefixes: args.gpu_device_prefix.clone(),
+                driver_names: args.gpu_driver_name.clone(),
+            },
+            hook: args.gpu_driver_hook,
+            duty_window: args.gpu_duty_window,
+        },
+        cuda: probes::cuda::CudaOptions {
+            library_prefix: args.cuda_library_prefix.clone(),
+            launches: args.cuda_launches,
+        },
     };
-    let tcp = if selected.rtt || selected.retrans {
-        let (p, st) = probes::tcp::TcpProbe::load(&btf, &dst).map_err(load_error)?;
-        statuses.extend(st.into_iter().filter(|s| {
-            (s.name == probes::tcp::RTT && selected.rtt)
-                || (s.name == probes::tcp::RETRANS && selected.retrans)
-        }));
-        p
-    } else {
-        None
+    let ctx = LoadContext {
+        btf: &btf,
+        config: &config,
+        lockdown: lockdown.as_deref(),
     };
-    let tc = if selected.tc {
-        // Reading packet headers for the IP fallback needs bpf_probe_read_kernel,
-        // which lockdown=confidentiality refuses.
-        let read_addrs = lockdown.as_deref() != Some("confidentiality");
-        if !read_addrs {
-            tracing::info!("lockdown=confidentiality: tc drops are attributed by socket and device only, not by IP");
-        }
-        let (p, st) = match probes::tc::TcProbe::load(&btf, args.tc_attach, read_addrs) {
-            Ok(loaded) => loaded,
-            // The lockdown mode may be unreadable (no securityfs): a refused
-            // bpf_probe_read_kernel then shows up as a failed load. Fail safe.
-            Err(e) if read_addrs => {
-                tracing::info!("tc: loading with packet-header reads failed ({e}); retrying without the IP fallback");
-                probes::tc::TcProbe::load(&btf, args.tc_attach, false).map_err(load_error)?
-            }
-            Err(e) => return Err(load_error(e)),
-        };
-        statuses.extend(st);
-        Some(
-            collect::TcState::new(p, args.node_devices.clone())
-                .context("finding the agent's network namespace")?,
-        )
-    } else {
-        None
-    };
+    let (units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
     for s in &statuses {
         match &s.reason {
             None => tracing::info!(probe = s.name, "probe attached"),
@@ -264,9 +228,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     let pods = pods::PodStore::default();
     let mut collector = collect::Collector::new(
         cgroups::CgroupTree::new(cgroup_root.clone()),
-        sched,
-        tcp,
-        tc,
+        units,
         pods.clone(),
         args.pod_grace,
     );
@@ -281,7 +243,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     registry.register(Box::new(exporter::AgentCollector::new(
         collector.shared.clone(),
         pods.clone(),
-        dst,
+        collector.families(),
         statuses,
     )))?;
 

@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use common::*;
 use gpufeed_guest::probes::cuda::{CudaCgroup, CudaOptions, CudaProbe};
-use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, CMD_CLASSES};
+use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, CMD_CLASSES};
+use gpufeed_guest::probes::KernelBtf;
 
 fn pids(pods: &[&Pod]) -> HashSet<i32> {
     pods.iter().flat_map(|p| p.pids()).collect()
@@ -44,21 +45,74 @@ fn has_open(pid: i32, target: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// /proc/devices name of the serial driver that stands in for the GPU's.
+const UART_DRIVER: &str = "ttyS";
+
+/// The driver-time stand-in: a device node with the 8250 UART's numbers at
+/// `<dir>/nvidia0`, and the client program that holds ioctls on it.
+struct StandInDevice {
+    hold: PathBuf,
+    node: PathBuf,
+}
+
+impl StandInDevice {
+    fn new(dir: &Path) -> StandInDevice {
+        let hold = dir.join("ioctl_hold");
+        compile_c("gpu/ioctl_hold.c", &hold, &[]);
+        let uart = std::fs::metadata("/dev/ttyS0")
+            .expect("the driver-time stand-in needs /dev/ttyS0 (an 8250 UART)");
+        let node = dir.join("nvidia0");
+        let c_node = std::ffi::CString::new(node.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string path; mknod creates a device node there.
+        let rc = unsafe { libc::mknod(c_node.as_ptr(), libc::S_IFCHR | 0o600, uart.rdev()) };
+        assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
+        StandInDevice { hold, node }
+    }
+
+    /// The shell command for `calls` ioctls of `tenths` x 100 ms once `go` exists.
+    fn command(&self, calls: u32, tenths: u32, go: &Path, out: &Path) -> String {
+        format!(
+            "exec {} {} {calls} {tenths} {} {}",
+            self.hold.display(),
+            self.node.display(),
+            go.display(),
+            out.display()
+        )
+    }
+}
+
+/// (calls, total ns) the client measured itself.
+fn measured(out: &Path) -> (u64, u64) {
+    let text = std::fs::read_to_string(out).unwrap();
+    let mut f = text.split_whitespace().map(|v| v.parse::<u64>().unwrap());
+    (f.next().unwrap(), f.next().unwrap())
+}
+
+fn within_10_percent(got: f64, want: f64) -> bool {
+    (got - want).abs() <= 0.1 * want
+}
+
 #[test]
-fn driver_time_per_pod_from_a_held_device_ioctl() {
+fn driver_time_per_pod_from_per_syscall_tracepoints() {
     let Some(_lock) = require_root() else { return };
+    driver_time_case(Hook::Syscalls);
+}
+
+/// The hook that works without tracefs (lockdown=confidentiality).
+#[test]
+fn driver_time_per_pod_from_raw_syscall_btf_tracepoints() {
+    let Some(_lock) = require_root() else { return };
+    driver_time_case(Hook::RawSyscalls);
+}
+
+/// Two pods make ioctls the kernel holds for a known time: pod a opened its
+/// device before the probe loaded (seeded from /proc), pod b after (learned at
+/// openat). Each also makes as many ioctls that are not GPU calls.
+fn driver_time_case(hook: Hook) {
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
-    let hold = dir.join("ioctl_hold");
-    compile_c("gpu/ioctl_hold.c", &hold, &[]);
-    // the stand-in GPU: the 8250 UART's device numbers at a private path
-    let uart = std::fs::metadata("/dev/ttyS0")
-        .expect("the driver-time stand-in needs /dev/ttyS0 (an 8250 UART)");
-    let node = dir.join("nvidia0");
-    let c_node = std::ffi::CString::new(node.to_str().unwrap()).unwrap();
-    // SAFETY: a valid C string path; mknod creates a device node there.
-    let rc = unsafe { libc::mknod(c_node.as_ptr(), libc::S_IFCHR | 0o600, uart.rdev()) };
-    assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
+    let dev = StandInDevice::new(dir);
+    let node = dev.node.clone();
 
     let sb = CgroupSandbox::new();
     let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
@@ -67,13 +121,7 @@ fn driver_time_per_pod_from_a_held_device_ioctl() {
     let (out_a, out_b) = (dir.join("a.out"), dir.join("b.out"));
 
     // a opens its device before the probe exists: found by the /proc seeding
-    let pid_a = a.spawn(&format!(
-        "exec {} {} 3 1 {} {}",
-        hold.display(),
-        node.display(),
-        go.display(),
-        out_a.display()
-    )) as i32;
+    let pid_a = a.spawn(&dev.command(3, 1, &go, &out_a)) as i32;
     assert!(
         wait_for(Duration::from_secs(5), || has_open(pid_a, &node)
             .then_some(()))
@@ -83,9 +131,9 @@ fn driver_time_per_pod_from_a_held_device_ioctl() {
 
     let devices = GpuDevices {
         path_prefixes: vec![format!("{}/nvidia", dir.display())],
-        driver_names: vec!["ttyS".into()],
+        driver_names: vec![UART_DRIVER.into()],
     };
-    let mut probe = GpuDriverProbe::load(&devices)
+    let mut probe = GpuDriverProbe::load(&devices, hook, &KernelBtf::load())
         .expect("gpu_driver loads")
         .expect("kernel has the hooks");
     assert_eq!(
@@ -100,13 +148,7 @@ fn driver_time_per_pod_from_a_held_device_ioctl() {
     );
 
     // b opens after the probe is loaded: learned at openat
-    let pid_b = b.spawn(&format!(
-        "exec {} {} 2 2 {} {}",
-        hold.display(),
-        node.display(),
-        go.display(),
-        out_b.display()
-    )) as i32;
+    let pid_b = b.spawn(&dev.command(2, 2, &go, &out_b)) as i32;
     assert!(
         wait_for(Duration::from_secs(5), || has_open(pid_b, &node)
             .then_some(()))
@@ -118,9 +160,7 @@ fn driver_time_per_pod_from_a_held_device_ioctl() {
     wait_file(&out_b, "pod b's calls");
 
     for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
-        let text = std::fs::read_to_string(out).unwrap();
-        let mut f = text.split_whitespace().map(|v| v.parse::<u64>().unwrap());
-        let (calls, measured_ns) = (f.next().unwrap(), f.next().unwrap());
+        let (calls, measured_ns) = measured(out);
         let cg = File::open(&pod.cgroup).unwrap();
         let got = probe.read(cg.as_fd()).expect("the pod has driver time");
         let count: u64 = got.ioctl.iter().map(|h| h.count).sum();
@@ -136,7 +176,7 @@ fn driver_time_per_pod_from_a_held_device_ioctl() {
             "pod {name}: TCSBRKP is not an NVIDIA request: cmd {}",
             CMD_CLASSES[0]
         );
-        let within = |v: u64| (v as f64 - measured_ns as f64).abs() <= 0.1 * measured_ns as f64;
+        let within = |v: u64| within_10_percent(v as f64, measured_ns as f64);
         assert!(
             within(sum),
             "pod {name}: sum {sum} vs measured {measured_ns}"
@@ -205,30 +245,62 @@ impl App {
     }
 }
 
+/// The CUDA stand-in: libcuda.so.1 built from C in `<dir>/lib`, a copy in a
+/// container root where distributions put it, and the client program.
+struct StandInCuda {
+    lib_dir: PathBuf,
+    app: PathBuf,
+    root: PathBuf,
+    /// control directory of a client that runs on the host's root
+    host_ctl: PathBuf,
+}
+
+impl StandInCuda {
+    fn new(dir: &Path) -> StandInCuda {
+        let lib_dir = dir.join("lib");
+        std::fs::create_dir(&lib_dir).unwrap();
+        let lib = lib_dir.join("libcuda.so.1");
+        compile_c(
+            "cuda/fake_libcuda.c",
+            &lib,
+            &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
+        );
+        let app = dir.join("cuda_app");
+        compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
+        let root = dir.join("rootfs");
+        let root_lib = root.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&root_lib).unwrap();
+        std::fs::create_dir_all(root.join("ctl")).unwrap();
+        std::fs::copy(&lib, root_lib.join("libcuda.so.1")).unwrap();
+        let host_ctl = dir.join("ctl");
+        std::fs::create_dir(&host_ctl).unwrap();
+        StandInCuda {
+            lib_dir,
+            app,
+            root,
+            host_ctl,
+        }
+    }
+
+    /// The client with scale `s` on the host's root.
+    fn host_command(&self, s: u64) -> String {
+        format!(
+            "LD_LIBRARY_PATH={} exec {} {} {s}",
+            self.lib_dir.display(),
+            self.app.display(),
+            self.host_ctl.display()
+        )
+    }
+}
+
 #[test]
 fn cuda_vram_and_copies_per_pod_from_uprobes() {
     let Some(_lock) = require_root() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
-    let lib_dir = dir.join("lib");
-    std::fs::create_dir(&lib_dir).unwrap();
-    let lib = lib_dir.join("libcuda.so.1");
-    compile_c(
-        "cuda/fake_libcuda.c",
-        &lib,
-        &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
-    );
-    let app = dir.join("cuda_app");
-    compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
-    // a container root with its own copy of the library where distributions
-    // put it; the app pivots into it in a new mount namespace
-    let root = dir.join("rootfs");
-    let root_lib = root.join("usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&root_lib).unwrap();
-    std::fs::create_dir_all(root.join("ctl")).unwrap();
-    std::fs::copy(&lib, root_lib.join("libcuda.so.1")).unwrap();
-    let host_ctl = dir.join("ctl");
-    std::fs::create_dir(&host_ctl).unwrap();
+    let cuda = StandInCuda::new(dir);
+    let (app, root) = (cuda.app.clone(), cuda.root.clone());
+    let host_ctl = cuda.host_ctl.clone();
 
     let sb = CgroupSandbox::new();
     let mut host_pod = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
@@ -241,12 +313,7 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     .expect("cuda probe loads")
     .expect("kernel has the hooks");
 
-    let pid_a = host_pod.spawn(&format!(
-        "LD_LIBRARY_PATH={} exec {} {} 1",
-        lib_dir.display(),
-        app.display(),
-        host_ctl.display()
-    ));
+    let pid_a = host_pod.spawn(&cuda.host_command(1));
     let pid_c = ctr_pod.spawn(&format!(
         "LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu exec {} /ctl 2 {}",
         app.display(),
@@ -322,4 +389,136 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
         [0, 0, 0],
         "no lost events, no unknown frees"
     );
+}
+
+/// The agent binary with both GPU probes: the series on /metrics follow what
+/// the stand-ins did, in one pod, labelled by pod UID and container.
+#[test]
+fn gpu_series_on_metrics() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let cuda = StandInCuda::new(dir);
+    let prefix = format!("{}/nvidia", dir.display());
+    let agent = Agent::start(
+        &[
+            "--interval",
+            "200ms",
+            "--no-kube",
+            "--probes",
+            "gpu_driver,cuda",
+            "--gpu-device-prefix",
+            &prefix,
+            "--gpu-driver-name",
+            UART_DRIVER,
+            "--gpu-duty-window",
+            "3s",
+            "--cuda-launches",
+        ],
+        &[],
+    );
+    let sb = CgroupSandbox::new();
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let labels = [
+        ("pod", pod.uid.clone()),
+        ("container", pod.container_id[..12].to_string()),
+    ];
+    let sel = |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, String)> {
+        let mut v: Vec<(&'static str, String)> = labels.to_vec();
+        v.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+        v
+    };
+    let get = |name: &str, extra: &[(&'static str, &'static str)]| {
+        let want = sel(extra);
+        let want: Vec<(&str, &str)> = want.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        value(&agent.scrape(), name, &want)
+    };
+    let wait_value = |name: &str, extra: &[(&'static str, &'static str)], want: f64| {
+        let got = wait_for(Duration::from_secs(10), || {
+            get(name, extra).filter(|v| (v - want).abs() < 1e-9)
+        });
+        assert!(
+            got.is_some(),
+            "{name}{extra:?} = {want}; last {:?}",
+            get(name, extra)
+        );
+    };
+    for probe in ["gpu_driver", "cuda"] {
+        assert_eq!(
+            value(&agent.scrape(), "gpufeed_probe_up", &[("probe", probe)]),
+            Some(1.0),
+            "probe {probe}"
+        );
+    }
+
+    // driver time
+    let (go, out) = (dir.join("go"), dir.join("hold.out"));
+    pod.spawn(&dev.command(3, 1, &go, &out));
+    File::create(&go).unwrap();
+    wait_file(&out, "the ioctl client");
+    let (calls, measured_ns) = measured(&out);
+    wait_value(
+        "ebpf_gpu_ioctl_latency_microseconds_count",
+        &[("cmd", "other")],
+        calls as f64,
+    );
+    let sum_us = get(
+        "ebpf_gpu_ioctl_latency_microseconds_sum",
+        &[("cmd", "other")],
+    )
+    .unwrap();
+    assert!(
+        within_10_percent(sum_us, measured_ns as f64 / 1e3),
+        "sum {sum_us} us vs measured {measured_ns} ns"
+    );
+    let busy_s = get("ebpf_gpu_compute_time_seconds_total", &[]).unwrap();
+    assert!(
+        within_10_percent(busy_s, measured_ns as f64 / 1e9),
+        "compute time {busy_s} s vs measured {measured_ns} ns"
+    );
+    let duty = get("ebpf_gpu_active_compute_duty_cycle", &[]).expect("a duty cycle");
+    assert!(
+        duty > 0.0 && duty <= 1.0,
+        "duty cycle {duty} while just busy"
+    );
+    // idle for longer than the window: the duty cycle falls to 0
+    wait_value("ebpf_gpu_active_compute_duty_cycle", &[], 0.0);
+
+    // CUDA: the library is mapped once the client runs; the agent attaches
+    // within an interval, then the client allocates and copies
+    let pid = pod.spawn(&cuda.host_command(1));
+    let step = |n: u32| {
+        File::create(cuda.host_ctl.join(format!("go{n}"))).unwrap();
+        wait_file(&cuda.host_ctl.join(format!("done{n}")), "cuda_app phase");
+    };
+    step(0);
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            value(&agent.scrape(), "gpufeed_cuda_libraries", &[]).filter(|v| *v == 1.0)
+        })
+        .is_some(),
+        "the agent attached to the library"
+    );
+    step(1);
+    let e = Expect { s: 1 };
+    wait_value("ebpf_gpu_vram_reserved_bytes", &[], e.after_alloc() as f64);
+    let pod_only = [("pod", pod.uid.as_str())];
+    let pcie = |d: &str| {
+        value(
+            &agent.scrape(),
+            "ebpf_gpu_pcie_bytes_total",
+            &[pod_only[0], ("direction", d)],
+        )
+    };
+    assert_eq!(pcie("h2d"), Some(e.h2d() as f64));
+    assert_eq!(pcie("d2h"), Some(e.d2h() as f64));
+    wait_value("ebpf_gpu_kernel_launches_total", &[], 5.0);
+    step(2);
+    step(3);
+    wait_value("ebpf_gpu_vram_reserved_bytes", &[], e.after_vmm() as f64);
+    step(4);
+    File::create(cuda.host_ctl.join("go5")).unwrap();
+    pod.wait_exit(pid, Duration::from_secs(10));
+    wait_value("ebpf_gpu_vram_reserved_bytes", &[], 0.0);
 }

@@ -20,9 +20,56 @@ use std::path::PathBuf;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
-use super::{err, handle, lookup_cgroup, percpu_sum, ProbeError, ProbeStatus};
+use super::unit::{
+    Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
+    Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+};
+use super::{decode, err, handle, lookup_cgroup, percpu_sum, ProbeError, ProbeStatus};
+use crate::collect::Owner;
 
 pub const NAME: &str = "cuda";
+pub const VRAM: &str = "ebpf_gpu_vram_reserved_bytes";
+pub const PCIE: &str = "ebpf_gpu_pcie_bytes_total";
+pub const LAUNCHES: &str = "ebpf_gpu_kernel_launches_total";
+
+pub const UNIT: UnitSpec = UnitSpec {
+    names: &[NAME],
+    load: load_unit,
+};
+
+static FAMILIES: [FamilySpec; 3] = [
+    FamilySpec {
+        name: VRAM,
+        help: "GPU memory the container's processes hold through the CUDA driver API (allocations and VMM physical allocations)",
+        kind: Kind::Gauge,
+        scope: Scope::Container,
+    },
+    FamilySpec {
+        name: PCIE,
+        help: "Bytes copied between host and GPU by the pod through the CUDA driver API, by direction (h2d, d2h)",
+        kind: Kind::Counter,
+        scope: Scope::Pod,
+    },
+    FamilySpec {
+        name: LAUNCHES,
+        help: "CUDA kernel launches (cuLaunchKernel; counted only with --cuda-launches)",
+        kind: Kind::Counter,
+        scope: Scope::Container,
+    },
+];
+
+fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
+    Ok(match CudaProbe::load(ctx.config.cuda.clone())? {
+        Ok(p) => Loaded {
+            unit: Some(Box::new(p)),
+            statuses: vec![ProbeStatus::up(NAME)],
+        },
+        Err(st) => Loaded {
+            unit: None,
+            statuses: vec![st],
+        },
+    })
+}
 
 /// What to probe.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,20 +101,30 @@ pub struct CudaCgroup {
     pub launches: u64,
 }
 
+unsafe impl plain::Plain for skel::types::cuda_cgroup {}
+
 impl CudaCgroup {
     /// Decodes `struct cuda_cgroup`.
     pub fn from_bytes(b: &[u8]) -> Option<CudaCgroup> {
-        let w = |i: usize| -> Option<u64> {
-            Some(u64::from_ne_bytes(
-                b.get(i * 8..i * 8 + 8)?.try_into().ok()?,
-            ))
-        };
+        let c = decode::<skel::types::cuda_cgroup>(b)?;
         Some(CudaCgroup {
-            vram_bytes: w(0)? as i64,
-            h2d_bytes: w(1)?,
-            d2h_bytes: w(2)?,
-            launches: w(3)?,
+            vram_bytes: c.vram_bytes,
+            h2d_bytes: c.h2d_bytes,
+            d2h_bytes: c.d2h_bytes,
+            launches: c.launches,
         })
+    }
+
+    /// Counter deltas since `earlier` (a counter that went backwards is a new
+    /// storage instance: all of it is new); the VRAM gauge is taken as is.
+    pub fn delta_since(&self, earlier: &CudaCgroup) -> CudaCgroup {
+        let d = |now: u64, before: u64| if now >= before { now - before } else { now };
+        CudaCgroup {
+            vram_bytes: self.vram_bytes,
+            h2d_bytes: d(self.h2d_bytes, earlier.h2d_bytes),
+            d2h_bytes: d(self.d2h_bytes, earlier.d2h_bytes),
+            launches: d(self.launches, earlier.launches),
+        }
     }
 }
 
@@ -172,6 +229,12 @@ pub struct CudaProbe {
     attached: HashMap<(u64, u64), Vec<Link>>,
     /// Processes whose maps held the library (not scanned again).
     done: HashSet<i32>,
+    /// Address-space size of each process at its last scan: maps is read
+    /// again only when it changed (mapping a library changes it).
+    vsize: HashMap<i32, u64>,
+    last: LastRead<CudaCgroup>,
+    /// VRAM per cgroup at its last read.
+    vram: HashMap<u64, i64>,
 }
 
 impl CudaProbe {
@@ -196,6 +259,9 @@ impl CudaProbe {
             opts,
             attached: HashMap::new(),
             done: HashSet::new(),
+            vsize: HashMap::new(),
+            last: LastRead::default(),
+            vram: HashMap::new(),
         }))
     }
 
@@ -204,10 +270,18 @@ impl CudaProbe {
     /// files newly attached.
     pub fn scan(&mut self, tgids: &HashSet<i32>) -> usize {
         self.done.retain(|t| tgids.contains(t));
+        self.vsize.retain(|t, _| tgids.contains(t));
         let mut new = 0;
         for &tgid in tgids {
             if self.done.contains(&tgid) {
                 continue;
+            }
+            match vsize(tgid) {
+                Some(v) if self.vsize.get(&tgid) == Some(&v) => continue,
+                Some(v) => {
+                    self.vsize.insert(tgid, v);
+                }
+                None => continue,
             }
             let Ok(maps) = std::fs::read_to_string(format!("/proc/{tgid}/maps")) else {
                 continue;
@@ -310,6 +384,104 @@ impl CudaProbe {
     }
 }
 
+impl Probe for CudaProbe {
+    fn families(&self) -> &'static [FamilySpec] {
+        &FAMILIES
+    }
+
+    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
+        let Some(now) = self.read(dir) else { return };
+        self.vram.insert(id, now.vram_bytes);
+        let d = self.last.advance(id, now, CudaCgroup::delta_since);
+        for (direction, bytes) in [("h2d", d.h2d_bytes), ("d2h", d.d2h_bytes)] {
+            out.push(Delta {
+                family: PCIE,
+                labels: Labels::from([("direction", direction.to_string())]),
+                value: Value::Count(bytes),
+            });
+        }
+        if self.opts.launches {
+            out.push(Delta {
+                family: LAUNCHES,
+                labels: Labels::new(),
+                value: Value::Count(d.launches),
+            });
+        }
+    }
+
+    fn forget_cgroup(&mut self, id: u64) {
+        self.last.forget(id);
+        self.vram.remove(&id);
+    }
+
+    fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
+        let pids: HashSet<i32> = ctx.pod_pids().into_values().flatten().collect();
+        self.scan(&pids);
+        let mut per_owner: HashMap<&Owner, i64> = HashMap::new();
+        for (id, bytes) in &self.vram {
+            if let Some(owner) = ctx.owners.get(id) {
+                *per_owner.entry(owner).or_default() += bytes;
+            }
+        }
+        TickOutput {
+            deltas: Vec::new(),
+            gauges: vec![(
+                VRAM,
+                per_owner
+                    .into_iter()
+                    .map(|(owner, bytes)| GaugeValue {
+                        owner: owner.clone(),
+                        labels: Labels::new(),
+                        // memory allocated before the probe attached and freed
+                        // after it makes a cgroup's balance negative
+                        value: bytes.max(0) as f64,
+                    })
+                    .collect(),
+            )],
+        }
+    }
+
+    fn stats(&self) -> UnitStats {
+        let [failures, full, unknown] = self.kernel_stats();
+        UnitStats {
+            maps: vec![MapFill {
+                map: "cuda_cgroup",
+                entries: self.last.len(),
+                capacity: None,
+            }],
+            storage_failures: Some((NAME, failures)),
+            series: vec![
+                SelfSeries {
+                    name: "gpufeed_cuda_libraries",
+                    help: "Distinct libcuda files (device, inode) the CUDA probes are attached to",
+                    kind: Kind::Gauge,
+                    value: self.files() as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_cuda_objects_dropped_total",
+                    help: "CUDA allocations not tracked because the object map was full",
+                    kind: Kind::Counter,
+                    value: full as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_cuda_unknown_frees_total",
+                    help: "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)",
+                    kind: Kind::Counter,
+                    value: unknown as f64,
+                },
+            ],
+        }
+    }
+}
+
+/// Virtual memory size of a process (field 23 of /proc/<pid>/stat).
+fn vsize(tgid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{tgid}/stat")).ok()?;
+    // the command name (field 2) may hold spaces and parentheses: skip past its end
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(20)?.parse().ok()
+}
+
 fn attach_one(
     prog: &ProgramMut<'static>,
     path: &std::path::Path,
@@ -362,6 +534,16 @@ garbage line
             ]
         );
         assert!(find_libs("", "libcuda.so").is_empty());
+    }
+
+    #[test]
+    fn vsize_of_self() {
+        let v = vsize(std::process::id() as i32).expect("own /proc/<pid>/stat");
+        assert!(
+            v > 1 << 20,
+            "a running test has more than 1 MiB mapped: {v}"
+        );
+        assert_eq!(vsize(-1), None);
     }
 
     #[test]

@@ -1,5 +1,10 @@
-//! Rust mirror of `bpf/hist.h`: log2 buckets over nanoseconds, exported as
+//! The user side of `bpf/hist.h`: log2 buckets over nanoseconds, exported as
 //! Prometheus buckets in microseconds.
+//!
+//! The layout itself comes from the skeletons' generated `types::hist` (each
+//! unit converts with `Hist::from_parts`, whose array type fails to compile if
+//! the slot count differs); the constants below are asserted against it in the
+//! tests and give the bucket bounds.
 
 /// Smallest bucket bound is 2^MIN_SHIFT ns (1.024 us).
 pub const MIN_SHIFT: u32 = 10;
@@ -44,21 +49,14 @@ impl Default for Hist {
 }
 
 impl Hist {
-    /// Decodes one `struct hist` from native-endian map bytes; None if too short.
-    pub fn from_bytes(b: &[u8]) -> Option<Hist> {
-        if b.len() < HIST_BYTES {
-            return None;
+    /// A histogram from the kernel's `struct hist` fields (the skeleton's
+    /// generated type); the count is the buckets' total.
+    pub fn from_parts(buckets: &[u64; SLOTS], sum_ns: u64) -> Hist {
+        Hist {
+            buckets: *buckets,
+            sum_ns,
+            count: buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b)),
         }
-        let mut words = b
-            .chunks_exact(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()));
-        let mut h = Hist::default();
-        for slot in h.buckets.iter_mut() {
-            *slot = words.next()?;
-        }
-        h.sum_ns = words.next()?;
-        h.count = h.buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b));
-        Some(h)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -133,17 +131,29 @@ mod tests {
     }
 
     #[test]
+    fn constants_match_the_skeleton_type() {
+        use crate::probes::{sched, tcp};
+        assert_eq!(std::mem::size_of::<sched::skel::types::hist>(), HIST_BYTES);
+        assert_eq!(std::mem::size_of::<tcp::skel::types::hist>(), HIST_BYTES);
+        assert_eq!(sched::skel::types::hist::default().buckets.len(), SLOTS);
+    }
+
+    #[test]
     fn decode_delta_and_cumulate() {
         let mut bytes = Vec::new();
         for i in 0..SLOTS as u64 {
             bytes.extend_from_slice(&(i % 3).to_ne_bytes());
         }
         bytes.extend_from_slice(&5000u64.to_ne_bytes());
-        let h = Hist::from_bytes(&bytes).unwrap();
+        let decode = |b: &[u8]| {
+            crate::probes::decode::<crate::probes::sched::skel::types::hist>(b)
+                .map(|h| Hist::from_parts(&h.buckets, h.sum_ns))
+        };
+        let h = decode(&bytes).unwrap();
         assert_eq!(h.buckets[2], 2);
         assert_eq!(h.sum_ns, 5000);
         assert_eq!(h.count, (0..SLOTS as u64).map(|i| i % 3).sum::<u64>());
-        assert!(Hist::from_bytes(&bytes[..HIST_BYTES - 1]).is_none());
+        assert!(decode(&bytes[..HIST_BYTES - 1]).is_none());
 
         let mut later = h.clone();
         later.buckets[4] += 7;

@@ -1,16 +1,110 @@
-//! Loading of the eBPF probes and reading of their per-cgroup aggregates.
+//! The eBPF probes: one unit per BPF object, and the registry that lists them.
 //!
-//! Each probe family is one BPF object (`bpf/<name>.bpf.c`) with a Rust module
-//! here. Loading extracts owned map handles and links and lets the skeleton go,
-//! so no borrowed skeleton lifetimes leak into the rest of the agent: the kernel
-//! keeps programs alive through their links and maps through the handles.
+//! A probe is one BPF file (`bpf/<name>.bpf.c`) and one unit here
+//! (`<name>.rs`, or a folder for a large one) holding its loader, what it reads
+//! per cgroup or interface with its delta state, and the series it exports
+//! (`unit::Probe`). The collector, the exporter and `--probes` iterate over
+//! [`UNITS`] and name no probe. Loading extracts owned map handles and links
+//! and lets the skeleton go, so no borrowed skeleton lifetimes leak into the
+//! rest of the agent: the kernel keeps programs alive through their links and
+//! maps through the handles.
 
 pub mod cuda;
 pub mod gpu_driver;
 pub mod hist;
 pub mod sched;
+pub mod signal;
 pub mod tc;
 pub mod tcp;
+pub mod unit;
+
+use unit::{LoadContext, UnitSpec, Units};
+
+/// Every probe unit. Adding a probe adds one line here.
+pub const UNITS: &[UnitSpec] = &[
+    sched::UNIT,
+    tcp::UNIT,
+    tc::UNIT,
+    gpu_driver::UNIT,
+    cuda::UNIT,
+];
+
+/// `--probes` names, in registry order.
+pub fn names() -> Vec<&'static str> {
+    UNITS.iter().flat_map(|u| u.names.iter().copied()).collect()
+}
+
+/// Help text of `--probes`, from the registry.
+pub fn probes_help() -> String {
+    format!(
+        "Probes to load: comma-separated names ({}), `all` or `none`",
+        names().join(", ")
+    )
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("unknown probe {name:?} (known: {known}, all, none)")]
+pub struct UnknownProbe {
+    name: String,
+    known: String,
+}
+
+/// The units a `--probes` value selects, each with the names selected of it.
+pub fn select(spec: &str) -> Result<Vec<(&'static UnitSpec, Vec<&'static str>)>, UnknownProbe> {
+    let mut chosen: Vec<&'static str> = Vec::new();
+    for p in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match p {
+            "all" => chosen = names(),
+            "none" => {}
+            other => match names().into_iter().find(|n| *n == other) {
+                Some(n) => chosen.push(n),
+                None => {
+                    return Err(UnknownProbe {
+                        name: other.to_string(),
+                        known: names().join(", "),
+                    })
+                }
+            },
+        }
+    }
+    Ok(UNITS
+        .iter()
+        .map(|u| {
+            let sel: Vec<&'static str> = u
+                .names
+                .iter()
+                .copied()
+                .filter(|n| chosen.contains(n))
+                .collect();
+            (u, sel)
+        })
+        .filter(|(_, sel)| !sel.is_empty())
+        .collect())
+}
+
+/// Loads the selected units; a unit of which nothing came up is left out, its
+/// statuses say why.
+pub fn load(
+    ctx: &LoadContext<'_>,
+    selected: &[(&'static UnitSpec, Vec<&'static str>)],
+) -> Result<(Units, Vec<ProbeStatus>), ProbeError> {
+    let mut units = Vec::new();
+    let mut statuses = Vec::new();
+    for (spec, names) in selected {
+        let loaded = (spec.load)(ctx, names)?;
+        statuses.extend(loaded.statuses);
+        units.extend(loaded.unit);
+    }
+    Ok((units, statuses))
+}
+
+/// Decodes a map value into its skeleton-generated type (a copy: map bytes
+/// carry no alignment guarantee). None when the bytes are too short.
+pub fn decode<T: plain::Plain + Default>(b: &[u8]) -> Option<T> {
+    let mut v = T::default();
+    plain::copy_from_bytes(&mut v, b).ok()?;
+    Some(v)
+}
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -42,6 +136,24 @@ pub enum ProbeError {
         what: &'static str,
         source: std::io::Error,
     },
+}
+
+impl ProbeStatus {
+    pub fn up(name: &'static str) -> ProbeStatus {
+        ProbeStatus {
+            name,
+            up: true,
+            reason: None,
+        }
+    }
+
+    pub fn down(name: &'static str, reason: impl Into<String>) -> ProbeStatus {
+        ProbeStatus {
+            name,
+            up: false,
+            reason: Some(reason.into()),
+        }
+    }
 }
 
 impl ProbeError {
@@ -137,6 +249,16 @@ pub fn percpu_sum(map: &MapHandle, index: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Sets a map's size before load; the size lives in the unit, not in the C file.
+pub(crate) fn set_max_entries(
+    probe: &'static str,
+    map: &mut libbpf_rs::OpenMapMut<'_>,
+    entries: u32,
+) -> Result<(), ProbeError> {
+    map.set_max_entries(entries)
+        .map_err(err(probe, "setting a map's max_entries"))
+}
+
 /// Keeps an owned handle of a loaded map.
 pub(crate) fn handle<M: AsFd>(probe: &'static str, map: &M) -> Result<MapHandle, ProbeError>
 where
@@ -157,4 +279,33 @@ pub fn route_libbpf_logs() {
         }
     }
     libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Debug, cb)));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn picked(spec: &str) -> Vec<Vec<&'static str>> {
+        select(spec).unwrap().into_iter().map(|(_, n)| n).collect()
+    }
+
+    #[test]
+    fn probes_select_units_and_their_names() {
+        assert_eq!(picked("none"), Vec::<Vec<&str>>::new());
+        assert_eq!(picked(""), Vec::<Vec<&str>>::new());
+        assert_eq!(picked("all").concat(), names());
+        assert_eq!(picked("tcp_retransmit"), [vec!["tcp_retransmit"]]);
+        assert_eq!(
+            picked(" tc , sched_latency"),
+            [vec!["sched_latency"], vec!["tc"]]
+        );
+        let e = select("sched_latency,gpu").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unknown probe \"gpu\" (known: sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda, all, none)"
+        );
+        assert!(
+            probes_help().contains("sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda")
+        );
+    }
 }

@@ -1,6 +1,7 @@
-//! Run-queue latency per cgroup (`bpf/sched.bpf.c`).
+//! Run-queue latency per cgroup (`bpf/sched.bpf.c`): the unit's loader, its
+//! per-cgroup reading and the `ebpf_sched_latency_microseconds` family.
 
-mod skel {
+pub(crate) mod skel {
     include!(concat!(env!("OUT_DIR"), "/sched.skel.rs"));
 }
 
@@ -10,10 +11,51 @@ use std::os::fd::BorrowedFd;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle};
 
-use super::hist::Hist;
-use super::{err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use super::hist::{Hist, HIST_BYTES};
+use super::signal::{SignalKind, SignalSpec};
+use super::unit::{
+    Delta, FamilySpec, Kind, LastRead, LoadContext, Loaded, Probe, Scope, SelfSeries, UnitSpec,
+    UnitStats, Value,
+};
+use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
 
 pub const NAME: &str = "sched_latency";
+pub const FAMILY: &str = "ebpf_sched_latency_microseconds";
+
+// SAFETY: a generated #[repr(C)] struct of integers: every bit pattern is valid.
+unsafe impl plain::Plain for skel::types::hist {}
+const _: () = assert!(std::mem::size_of::<skel::types::hist>() == HIST_BYTES);
+
+pub const UNIT: UnitSpec = UnitSpec {
+    names: &[NAME],
+    load: load_unit,
+};
+
+/// The unit's part of the command line.
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    pub method: Method,
+}
+
+static FAMILIES: [FamilySpec; 1] = [FamilySpec {
+    name: FAMILY,
+    help: "Run-queue wait of tasks being scheduled in (switched-in task's cgroup)",
+    kind: Kind::Histogram,
+    scope: Scope::Container,
+}];
+
+fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
+    Ok(match SchedProbe::load(ctx.btf, ctx.config.sched.method)? {
+        Ok(p) => Loaded {
+            unit: Some(Box::new(p)),
+            statuses: vec![ProbeStatus::up(NAME)],
+        },
+        Err(st) => Loaded {
+            unit: None,
+            statuses: vec![st],
+        },
+    })
+}
 
 /// How the probe learns when a task became runnable (see bpf/sched.bpf.c).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -31,6 +73,7 @@ pub struct SchedProbe {
     hist: MapHandle,
     stats: MapHandle,
     _links: Vec<Link>,
+    last: LastRead<Hist>,
 }
 
 impl SchedProbe {
@@ -43,14 +86,10 @@ impl SchedProbe {
             Method::Auto => btf.has_sched_info(),
             Method::SchedInfo => {
                 if !btf.has_sched_info() {
-                    return Ok(Err(ProbeStatus {
-                        name: NAME,
-                        up: false,
-                        reason: Some(
-                            "kernel has no task_struct.sched_info (CONFIG_SCHED_INFO) or cfs_rq.rq (CONFIG_FAIR_GROUP_SCHED)"
-                                .into(),
-                        ),
-                    }));
+                    return Ok(Err(ProbeStatus::down(
+                        NAME,
+                        "kernel has no task_struct.sched_info (CONFIG_SCHED_INFO) or cfs_rq.rq (CONFIG_FAIR_GROUP_SCHED)",
+                    )));
                 }
                 true
             }
@@ -62,11 +101,10 @@ impl SchedProbe {
             &["sched_wakeup", "sched_wakeup_new", "sched_switch"]
         };
         if let Some(missing) = hooks.iter().find(|h| !btf.has_tracepoint(h)) {
-            return Ok(Err(ProbeStatus {
-                name: NAME,
-                up: false,
-                reason: Some(format!("kernel has no BTF tracepoint {missing}")),
-            }));
+            return Ok(Err(ProbeStatus::down(
+                NAME,
+                format!("kernel has no BTF tracepoint {missing}"),
+            )));
         }
         let mut storage = MaybeUninit::uninit();
         let mut open = skel::SchedSkelBuilder::default()
@@ -109,6 +147,7 @@ impl SchedProbe {
             hist: handle(NAME, &skel.maps.sched_hist)?,
             stats: handle(NAME, &skel.maps.sched_stats)?,
             _links: links,
+            last: LastRead::default(),
         }))
     }
 
@@ -117,11 +156,55 @@ impl SchedProbe {
         lookup_cgroup(&self.hist, cgroup_dir)
             .ok()
             .flatten()
-            .and_then(|b| Hist::from_bytes(&b))
+            .and_then(|b| decode::<skel::types::hist>(&b))
+            .map(|h| Hist::from_parts(&h.buckets, h.sum_ns))
+    }
+}
+
+impl Probe for SchedProbe {
+    fn families(&self) -> &'static [FamilySpec] {
+        &FAMILIES
     }
 
-    /// (negative deltas dropped, storage allocation failures)
-    pub fn kernel_stats(&self) -> (u64, u64) {
-        (percpu_sum(&self.stats, 0), percpu_sum(&self.stats, 1))
+    fn signals(&self) -> Vec<SignalSpec> {
+        vec![SignalSpec {
+            name: "run_queue_wait",
+            family: FAMILY,
+            kind: SignalKind::Latency,
+        }]
+    }
+
+    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
+        let Some(h) = self.read(dir) else { return };
+        let d = self.last.advance(id, h, Hist::delta_since);
+        if !d.is_empty() {
+            out.push(Delta {
+                family: FAMILY,
+                labels: Default::default(),
+                value: Value::Hist(d),
+            });
+        }
+    }
+
+    fn forget_cgroup(&mut self, id: u64) {
+        self.last.forget(id);
+    }
+
+    fn stats(&self) -> UnitStats {
+        // [0] negative deltas dropped, [1] storage allocation failures
+        UnitStats {
+            maps: vec![super::unit::MapFill {
+                map: "sched_hist",
+                entries: self.last.len(),
+                capacity: None,
+            }],
+            storage_failures: Some((NAME, percpu_sum(&self.stats, 1))),
+            series: vec![SelfSeries {
+                name: "gpufeed_sched_negative_deltas_total",
+                help: "Run-queue waits dropped because the clock went backwards across CPUs",
+                kind: Kind::Counter,
+                value: percpu_sum(&self.stats, 0) as f64,
+            }],
+        }
     }
 }

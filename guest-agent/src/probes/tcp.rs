@@ -1,7 +1,7 @@
 //! TCP smoothed RTT and retransmitted segments per socket-owner cgroup and
 //! destination class (`bpf/tcp.bpf.c`).
 
-mod skel {
+pub(crate) mod skel {
     include!(concat!(env!("OUT_DIR"), "/tcp.skel.rs"));
 }
 
@@ -12,12 +12,66 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
 use super::hist::{Hist, HIST_BYTES};
-use super::{err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use super::signal::{SignalKind, SignalSpec};
+use super::unit::{
+    Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe, Scope,
+    UnitSpec, UnitStats, Value,
+};
+use super::{
+    decode, err, handle, lookup_cgroup, percpu_sum, set_max_entries, KernelBtf, ProbeError,
+    ProbeStatus,
+};
 use crate::dst::{DstTable, MAX_DST};
 
 pub const RTT: &str = "tcp_rtt";
 pub const RETRANS: &str = "tcp_retransmit";
 const OBJ: &str = "tcp";
+pub const RTT_FAMILY: &str = "ebpf_tcp_rtt_microseconds";
+pub const RETRANS_FAMILY: &str = "ebpf_tcp_retransmissions_total";
+
+// SAFETY: generated #[repr(C)] structs of integers: every bit pattern is valid.
+unsafe impl plain::Plain for skel::types::tcp_cgroup {}
+unsafe impl plain::Plain for skel::types::dst_key {}
+const _: () = assert!(std::mem::size_of::<skel::types::hist>() == HIST_BYTES);
+// the LPM key dst.rs builds: u32 prefix length, 16 address bytes, no padding
+const _: () = assert!(std::mem::size_of::<skel::types::dst_key>() == 20);
+
+pub const UNIT: UnitSpec = UnitSpec {
+    names: &[RTT, RETRANS],
+    load: load_unit,
+};
+
+/// The unit's part of the command line: the named destinations (`--dst`).
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub dst: DstTable,
+}
+
+static FAMILIES: [FamilySpec; 2] = [
+    FamilySpec {
+        name: RTT_FAMILY,
+        help: "TCP smoothed RTT per received segment, attributed to the socket's owner",
+        kind: Kind::Histogram,
+        scope: Scope::Container,
+    },
+    FamilySpec {
+        name: RETRANS_FAMILY,
+        help: "TCP segments retransmitted (as counted by TcpRetransSegs), by socket owner",
+        kind: Kind::Counter,
+        scope: Scope::Container,
+    },
+];
+
+fn load_unit(ctx: &LoadContext<'_>, names: &[&'static str]) -> Result<Loaded, ProbeError> {
+    let (p, statuses) = TcpProbe::load(ctx.btf, &ctx.config.tcp.dst)?;
+    Ok(Loaded {
+        unit: p.map(|p| Box::new(p) as Box<dyn Probe>),
+        statuses: statuses
+            .into_iter()
+            .filter(|s| names.contains(&s.name))
+            .collect(),
+    })
+}
 
 /// One cgroup's TCP aggregates, indexed by destination class.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -27,19 +81,36 @@ pub struct TcpCgroup {
 }
 
 impl TcpCgroup {
-    pub fn from_bytes(b: &[u8]) -> Option<TcpCgroup> {
-        let hists = MAX_DST * HIST_BYTES;
-        if b.len() < hists + MAX_DST * 8 {
-            return None;
+    fn from_skel(v: &skel::types::tcp_cgroup) -> TcpCgroup {
+        // typed: fails to compile if the kernel's TCP_MAX_DST differs from MAX_DST
+        let rtt: &[skel::types::hist; MAX_DST] = &v.rtt;
+        let retrans: &[u64; MAX_DST] = &v.retrans_segs;
+        TcpCgroup {
+            rtt: rtt
+                .iter()
+                .map(|h| Hist::from_parts(&h.buckets, h.sum_ns))
+                .collect(),
+            retrans_segs: retrans.to_vec(),
         }
-        let rtt = (0..MAX_DST)
-            .map(|i| Hist::from_bytes(&b[i * HIST_BYTES..]))
-            .collect::<Option<Vec<_>>>()?;
-        let retrans_segs = b[hists..hists + MAX_DST * 8]
-            .chunks_exact(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-            .collect();
-        Some(TcpCgroup { rtt, retrans_segs })
+    }
+
+    /// `self - earlier` per destination; a destination whose counters went
+    /// backwards (new storage) counts its whole current value.
+    fn delta_since(&self, earlier: &TcpCgroup) -> TcpCgroup {
+        TcpCgroup {
+            rtt: self
+                .rtt
+                .iter()
+                .zip(&earlier.rtt)
+                .map(|(now, prev)| now.delta_since(prev))
+                .collect(),
+            retrans_segs: self
+                .retrans_segs
+                .iter()
+                .zip(&earlier.retrans_segs)
+                .map(|(&now, &prev)| if now >= prev { now - prev } else { now })
+                .collect(),
+        }
     }
 }
 
@@ -47,6 +118,10 @@ pub struct TcpProbe {
     stats: MapHandle,
     lost: MapHandle,
     _links: Vec<Link>,
+    dst: DstTable,
+    /// prefixes in `dst_cidrs` (also its size)
+    dst_entries: usize,
+    last: LastRead<TcpCgroup>,
 }
 
 impl TcpProbe {
@@ -61,30 +136,16 @@ impl TcpProbe {
             btf.has_tracepoint("tcp_retransmit_skb") && btf.has_tracepoint("tcp_destroy_sock");
         // optional: SYN-ACK retransmits of listeners
         let has_synack = has_retrans && btf.has_tracepoint("tcp_retransmit_synack");
-        let missing = |name, hook: &str| ProbeStatus {
-            name,
-            up: false,
-            reason: Some(format!("kernel has no BTF tracepoint {hook}")),
+        let status = |name, up: bool, hook: &str| {
+            if up {
+                ProbeStatus::up(name)
+            } else {
+                ProbeStatus::down(name, format!("kernel has no BTF tracepoint {hook}"))
+            }
         };
         let statuses = vec![
-            if has_rtt {
-                ProbeStatus {
-                    name: RTT,
-                    up: true,
-                    reason: None,
-                }
-            } else {
-                missing(RTT, "tcp_probe")
-            },
-            if has_retrans {
-                ProbeStatus {
-                    name: RETRANS,
-                    up: true,
-                    reason: None,
-                }
-            } else {
-                missing(RETRANS, "tcp_retransmit_skb/tcp_destroy_sock")
-            },
+            status(RTT, has_rtt, "tcp_probe"),
+            status(RETRANS, has_retrans, "tcp_retransmit_skb/tcp_destroy_sock"),
         ];
         if !has_rtt && !has_retrans {
             return Ok((None, statuses));
@@ -97,6 +158,9 @@ impl TcpProbe {
         open.progs.tcp_retransmit_skb.set_autoload(has_retrans);
         open.progs.tcp_destroy_sock.set_autoload(has_retrans);
         open.progs.tcp_retransmit_synack.set_autoload(has_synack);
+        let lpm = dst.lpm_entries();
+        // exactly the prefixes --dst names (an LPM trie needs at least one slot)
+        set_max_entries(OBJ, &mut open.maps.dst_cidrs, lpm.len().max(1) as u32)?;
         let skel = open.load().map_err(err(OBJ, "load"))?;
         let mut links = Vec::new();
         if has_rtt {
@@ -129,7 +193,8 @@ impl TcpProbe {
                     .map_err(err(RETRANS, "attach tcp_retransmit_synack"))?,
             );
         }
-        for (key, idx) in dst.lpm_entries() {
+        let lpm_len = lpm.len();
+        for (key, idx) in lpm {
             skel.maps
                 .dst_cidrs
                 .update(&key, &idx.to_ne_bytes(), MapFlags::ANY)
@@ -140,20 +205,135 @@ impl TcpProbe {
                 stats: handle(OBJ, &skel.maps.tcp_stats)?,
                 lost: handle(OBJ, &skel.maps.tcp_lost)?,
                 _links: links,
+                dst: dst.clone(),
+                dst_entries: lpm_len,
+                last: LastRead::default(),
             }),
             statuses,
         ))
-    }
-
-    /// Events dropped because cgroup storage was unavailable.
-    pub fn lost(&self) -> u64 {
-        percpu_sum(&self.lost, 0)
     }
 
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {
         lookup_cgroup(&self.stats, cgroup_dir)
             .ok()
             .flatten()
-            .and_then(|b| TcpCgroup::from_bytes(&b))
+            .and_then(|b| decode::<skel::types::tcp_cgroup>(&b))
+            .map(|v| TcpCgroup::from_skel(&v))
+    }
+}
+
+impl Probe for TcpProbe {
+    fn families(&self) -> &'static [FamilySpec] {
+        &FAMILIES
+    }
+
+    fn signals(&self) -> Vec<SignalSpec> {
+        vec![
+            SignalSpec {
+                name: "tcp_rtt",
+                family: RTT_FAMILY,
+                kind: SignalKind::Latency,
+            },
+            SignalSpec {
+                name: "tcp_retransmit_rate",
+                family: RETRANS_FAMILY,
+                kind: SignalKind::Rate,
+            },
+        ]
+    }
+
+    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
+        let Some(t) = self.read(dir) else { return };
+        let d = self.last.advance(id, t, TcpCgroup::delta_since);
+        for (i, (rtt, &retrans)) in d.rtt.into_iter().zip(&d.retrans_segs).enumerate() {
+            // A socket owner with traffic to a destination gets both series,
+            // so a clean pod reads 0 retransmits rather than nothing.
+            if rtt.is_empty() && retrans == 0 {
+                continue;
+            }
+            let labels = Labels::from([("dst", self.dst.name(i).to_string())]);
+            if !rtt.is_empty() {
+                out.push(Delta {
+                    family: RTT_FAMILY,
+                    labels: labels.clone(),
+                    value: Value::Hist(rtt),
+                });
+            }
+            out.push(Delta {
+                family: RETRANS_FAMILY,
+                labels,
+                value: Value::Count(retrans),
+            });
+        }
+    }
+
+    fn forget_cgroup(&mut self, id: u64) {
+        self.last.forget(id);
+    }
+
+    fn stats(&self) -> UnitStats {
+        UnitStats {
+            maps: vec![
+                MapFill {
+                    map: "tcp_stats",
+                    entries: self.last.len(),
+                    capacity: None,
+                },
+                MapFill {
+                    map: "dst_cidrs",
+                    entries: self.dst_entries,
+                    capacity: Some(self.dst_entries.max(1) as u32),
+                },
+            ],
+            // events dropped because cgroup storage was unavailable
+            storage_failures: Some((OBJ, percpu_sum(&self.lost, 0))),
+            series: Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dst_keys_fit_the_kernel_key_type() {
+        let t = DstTable::parse(["cluster=10.42.0.0/16,fd00::/8"]).unwrap();
+        let keys = t.lpm_entries();
+        let k = decode::<skel::types::dst_key>(&keys[0].0).unwrap();
+        assert_eq!(k.prefixlen, 16 + 96);
+        assert_eq!(
+            k.addr,
+            "::ffff:10.42.0.0"
+                .parse::<std::net::Ipv6Addr>()
+                .unwrap()
+                .octets()
+        );
+        let k = decode::<skel::types::dst_key>(&keys[1].0).unwrap();
+        assert_eq!(k.prefixlen, 8);
+        assert_eq!(k.addr[0], 0xfd);
+    }
+
+    #[test]
+    fn deltas_per_destination_survive_a_storage_reset() {
+        let mut before = TcpCgroup {
+            rtt: vec![Hist::default(); MAX_DST],
+            retrans_segs: vec![0; MAX_DST],
+        };
+        before.retrans_segs[2] = 10;
+        before.rtt[2].buckets[5] = 4;
+        before.rtt[2].count = 4;
+        let mut now = before.clone();
+        now.retrans_segs[2] = 13;
+        now.retrans_segs[3] = 1;
+        now.rtt[2].buckets[5] = 6;
+        now.rtt[2].count = 6;
+        let d = now.delta_since(&before);
+        assert_eq!(d.retrans_segs[2], 3);
+        assert_eq!(d.retrans_segs[3], 1);
+        assert_eq!(d.rtt[2].count, 2);
+        // new storage (the counter went backwards): the whole value is the delta
+        let d = before.delta_since(&now);
+        assert_eq!(d.retrans_segs[2], 10);
     }
 }

@@ -1,4 +1,4 @@
-//! Per-pod bytes at the tc layer and tc/qdisc drops (`bpf/tc.bpf.c`).
+//! Loading and attaching `bpf/tc.bpf.c`, and reading its maps.
 //!
 //! The byte programs are attached per pod interface as pods come and go, so
 //! this module keeps the two program fds and creates one tcx link per
@@ -6,7 +6,7 @@
 //! Where the kernel has no tcx (before 6.6), a clsact filter is added instead,
 //! at a priority of its own, never replacing an existing filter.
 
-mod skel {
+pub(crate) mod skel {
     include!(concat!(env!("OUT_DIR"), "/tc.skel.rs"));
 }
 
@@ -19,30 +19,29 @@ use libbpf_rs::btf::types::Enum;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, TcHook, TcHookBuilder};
 
-use super::{err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use crate::probes::{
+    decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError, ProbeStatus,
+};
 
 pub const BYTES: &str = "tc_bytes";
 pub const DROPS: &str = "tc_drops";
-const OBJ: &str = "tc";
+pub(super) const OBJ: &str = "tc";
+
+// SAFETY: generated #[repr(C)] structs of integers: every bit pattern is valid.
+unsafe impl plain::Plain for skel::types::drop_key {}
+unsafe impl plain::Plain for skel::types::if_bytes {}
+
+/// Map sizes, set before load (docs/probes.md says why each is what it is).
+/// Pod interfaces counted (one entry per host-side veth).
+pub const IF_BYTES_ENTRIES: u32 = 4096;
+/// Socket-owner cgroups counted on node devices; LRU, so idle ones age out.
+pub const CG_BYTES_ENTRIES: u32 = 16384;
+/// Distinct (owner, device, reason, addresses) drop records between two
+/// drains; more in one tick go to `gpufeed_tc_drop_overflow_total`.
+pub const DROPS_ENTRIES: u32 = 8192;
 /// Priority of our clsact filters (fallback path only), chosen to stay clear
 /// of the low numbers people and CNIs use.
 const CLSACT_PRIO: u32 = 0xfee1;
-
-/// Direction from the pod's point of view.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Direction {
-    Ingress,
-    Egress,
-}
-
-impl Direction {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Direction::Ingress => "ingress",
-            Direction::Egress => "egress",
-        }
-    }
-}
 
 /// How byte programs are attached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -133,6 +132,11 @@ impl TcProbe {
         let mut open = skel::TcSkelBuilder::default()
             .open(&mut storage)
             .map_err(err(OBJ, "open"))?;
+        set_max_entries(OBJ, &mut open.maps.if_bytes, IF_BYTES_ENTRIES)?;
+        set_max_entries(OBJ, &mut open.maps.cg_bytes, CG_BYTES_ENTRIES)?;
+        set_max_entries(OBJ, &mut open.maps.drops, DROPS_ENTRIES)?;
+        // exactly the reasons this kernel has (at least one slot)
+        set_max_entries(OBJ, &mut open.maps.tc_reasons, reasons.len().max(1) as u32)?;
         open.progs.kfree_skb.set_autoload(drops_up);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.read_addrs = read_addrs;
@@ -162,21 +166,16 @@ impl TcProbe {
             })
         };
         let statuses = vec![
-            ProbeStatus {
-                name: BYTES,
-                up: true,
-                reason: None,
-            },
-            ProbeStatus {
-                name: DROPS,
-                up: drops_up,
-                reason: (!drops_up).then(|| {
-                    if has_kfree {
-                        "kernel names no tc/qdisc drop reasons (skb_drop_reason)".to_string()
-                    } else {
-                        "kernel has no BTF tracepoint kfree_skb".to_string()
-                    }
-                }),
+            ProbeStatus::up(BYTES),
+            if drops_up {
+                ProbeStatus::up(DROPS)
+            } else if has_kfree {
+                ProbeStatus::down(
+                    DROPS,
+                    "kernel names no tc/qdisc drop reasons (skb_drop_reason)",
+                )
+            } else {
+                ProbeStatus::down(DROPS, "kernel has no BTF tracepoint kfree_skb")
             },
         ];
         let probe = TcProbe {
@@ -209,6 +208,11 @@ impl TcProbe {
         Ok((probe, statuses))
     }
 
+    /// The kernel's tc/qdisc drop reasons, as `tc_reasons` holds them.
+    pub fn reasons(&self) -> usize {
+        self.reasons.len()
+    }
+
     pub fn reason_name(&self, reason: u32) -> String {
         self.reasons
             .get(&reason)
@@ -224,7 +228,10 @@ impl TcProbe {
         if self.attached.contains_key(&ifindex) {
             return Ok(());
         }
-        let zero = vec![vec![0u8; 32]; libbpf_rs::num_possible_cpus().map_err(io::Error::other)?];
+        let zero = vec![
+            vec![0u8; std::mem::size_of::<[skel::types::if_bytes; 2]>()];
+            libbpf_rs::num_possible_cpus().map_err(io::Error::other)?
+        ];
         self.if_bytes
             .update_percpu(&ifindex.to_ne_bytes(), &zero, MapFlags::NO_EXIST)
             .or_else(|e| {
@@ -334,10 +341,7 @@ impl TcProbe {
         let keys: Vec<Vec<u8>> = self.cg_bytes.keys().collect();
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
-            let Some(id) = k
-                .get(..8)
-                .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
-            else {
+            let Some(id) = decode::<u64>(&k) else {
                 continue;
             };
             let Ok(Some(cpus)) = self.cg_bytes.lookup_percpu(&k, MapFlags::ANY) else {
@@ -365,8 +369,8 @@ impl TcProbe {
             let Ok(Some(v)) = map.lookup_and_delete(&k) else {
                 continue;
             };
-            if let (Some(key), Some(n)) = (decode_drop_key(&k), v.get(..8)) {
-                out.push((key, u64::from_ne_bytes(n.try_into().unwrap())));
+            if let (Some(key), Some(n)) = (decode_drop_key(&k), decode::<u64>(&v)) {
+                out.push((key, n));
             }
         }
         out
@@ -391,41 +395,35 @@ impl Drop for TcProbe {
 fn sum_percpu(cpus: &[Vec<u8>]) -> IfBytes {
     let mut b = IfBytes::default();
     for c in cpus {
-        let w = |i: usize| {
-            c.get(i * 8..i * 8 + 8)
-                .map(|s| u64::from_ne_bytes(s.try_into().unwrap()))
-                .unwrap_or(0)
-        };
-        b.egress_bytes += w(0);
-        b.egress_packets += w(1);
-        b.ingress_bytes += w(2);
-        b.ingress_packets += w(3);
+        let mut v = [skel::types::if_bytes::default(); 2];
+        if plain::copy_from_bytes(&mut v[..], c).is_err() {
+            continue;
+        }
+        b.egress_bytes += v[0].bytes;
+        b.egress_packets += v[0].packets;
+        b.ingress_bytes += v[1].bytes;
+        b.ingress_packets += v[1].packets;
     }
     b
 }
 
 fn decode_drop_key(b: &[u8]) -> Option<DropKey> {
-    if b.len() < 56 {
-        return None;
-    }
-    let u32_at = |o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().unwrap());
-    let proto = u16::from_ne_bytes(b[20..22].try_into().unwrap());
-    let addr = |o: usize| -> Option<std::net::IpAddr> {
-        let a: [u8; 16] = b[o..o + 16].try_into().ok()?;
+    let k = decode::<skel::types::drop_key>(b)?;
+    let addr = |a: [u8; 16]| -> Option<std::net::IpAddr> {
         let v6 = std::net::Ipv6Addr::from(a);
-        match proto {
+        match k.proto {
             0x0800 => v6.to_ipv4_mapped().map(std::net::IpAddr::V4),
             0x86DD => Some(std::net::IpAddr::V6(v6)),
             _ => None,
         }
     };
     Some(DropKey {
-        cgroup_id: u64::from_ne_bytes(b[0..8].try_into().unwrap()),
-        netns: u32_at(8),
-        ifindex: u32_at(12),
-        reason: u32_at(16),
-        saddr: addr(24),
-        daddr: addr(40),
+        cgroup_id: k.cgroup_id,
+        netns: k.netns,
+        ifindex: k.ifindex,
+        reason: k.reason,
+        saddr: addr(k.saddr),
+        daddr: addr(k.daddr),
     })
 }
 

@@ -1,0 +1,427 @@
+//! Per-pod bytes at the tc layer and tc/qdisc drops (`bpf/tc.bpf.c`).
+//!
+//! Unlike the cgroup-storage probes this unit works per interface: each tick
+//! it finds the pods' host-side veths (and the node devices that carry
+//! hostNetwork pods' bytes), attaches to new ones, reads their counters into
+//! deltas, drains the drop map and attributes every drop to a pod. The
+//! bandwidth caps from pods' annotations are exported beside the bytes.
+
+mod attribute;
+mod loader;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+pub use loader::{tc_drop_reasons, AttachMode, DropKey, IfBytes, TcProbe, BYTES, DROPS};
+
+use super::signal::{SignalKind, SignalSpec};
+use super::unit::{
+    Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope,
+    SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+};
+use super::ProbeError;
+use crate::bandwidth;
+use crate::collect::Owner;
+use crate::ifaces::{self, NodeDevices, PodIface};
+
+pub const BYTES_FAMILY: &str = "ebpf_tc_bytes_total";
+pub const DROPS_FAMILY: &str = "ebpf_tc_dropped_packets_total";
+pub const BW_LIMIT_FAMILY: &str = "gpufeed_bandwidth_limit_bits_per_second";
+
+pub const UNIT: UnitSpec = UnitSpec {
+    names: &["tc"],
+    load: load_unit,
+};
+
+/// The unit's part of the command line.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub attach: AttachMode,
+    pub node_devices: NodeDevices,
+}
+
+/// Direction from the pod's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    Ingress,
+    Egress,
+}
+
+impl Direction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
+    }
+}
+
+static FAMILIES: [FamilySpec; 3] = [
+    FamilySpec {
+        name: BYTES_FAMILY,
+        help: "Bytes passing the tc layer of the pod's host-side interface; direction from the pod's point of view",
+        kind: Kind::Counter,
+        scope: Scope::Pod,
+    },
+    FamilySpec {
+        name: DROPS_FAMILY,
+        help: "Packets dropped in the tc/qdisc layer, by the kernel's drop reason",
+        kind: Kind::Counter,
+        scope: Scope::Pod,
+    },
+    FamilySpec {
+        name: BW_LIMIT_FAMILY,
+        help: "Bandwidth cap from the pod's kubernetes.io/{egress,ingress}-bandwidth annotation",
+        kind: Kind::Gauge,
+        scope: Scope::Pod,
+    },
+];
+
+/// How often pod interfaces and annotations are looked at again when no
+/// cgroup came or went.
+const REDISCOVER: Duration = Duration::from_secs(5);
+
+fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
+    let cfg = &ctx.config.tc;
+    // Reading packet headers for the IP fallback needs bpf_probe_read_kernel,
+    // which lockdown=confidentiality refuses.
+    let read_addrs = ctx.lockdown != Some("confidentiality");
+    if !read_addrs {
+        tracing::info!("lockdown=confidentiality: tc drops are attributed by socket and device only, not by IP");
+    }
+    let (probe, statuses) = match TcProbe::load(ctx.btf, cfg.attach, read_addrs) {
+        Ok(loaded) => loaded,
+        // The lockdown mode may be unreadable (no securityfs): a refused
+        // bpf_probe_read_kernel then shows up as a failed load. Fail safe.
+        Err(e) if read_addrs => {
+            tracing::info!("tc: loading with packet-header reads failed ({e}); retrying without the IP fallback");
+            TcProbe::load(ctx.btf, cfg.attach, false)?
+        }
+        Err(e) => return Err(e),
+    };
+    let unit = TcUnit::new(probe, cfg.node_devices.clone()).map_err(|source| ProbeError::Io {
+        probe: loader::OBJ,
+        what: "finding the agent's network namespace",
+        source,
+    })?;
+    Ok(Loaded {
+        unit: Some(Box::new(unit)),
+        statuses,
+    })
+}
+
+/// The tc probe with what it knows about pod interfaces.
+pub struct TcUnit {
+    probe: TcProbe,
+    own_netns: u32,
+    /// host ifindex → pod
+    by_host: HashMap<u32, PodIface>,
+    /// (pod netns, pod ifindex) → pod
+    by_pod_side: HashMap<(u32, u32), String>,
+    last: HashMap<u32, IfBytes>,
+    last_discovery: Option<Instant>,
+    node_spec: NodeDevices,
+    /// node devices counted per socket owner (hostNetwork pods)
+    node_devices: HashSet<u32>,
+    /// last node-device counters per socket-owner cgroup
+    last_cg: HashMap<u64, IfBytes>,
+    /// drop records drained in the last tick (how full the map was)
+    drained: usize,
+    /// (pod uid, annotation value) pairs already warned about
+    warned: HashSet<(String, String)>,
+}
+
+impl TcUnit {
+    pub fn new(probe: TcProbe, node_spec: NodeDevices) -> std::io::Result<TcUnit> {
+        Ok(TcUnit {
+            probe,
+            own_netns: ifaces::netns_inode(std::process::id() as i32)?,
+            by_host: HashMap::new(),
+            by_pod_side: HashMap::new(),
+            last: HashMap::new(),
+            last_discovery: None,
+            node_spec,
+            node_devices: HashSet::new(),
+            last_cg: HashMap::new(),
+            drained: 0,
+            warned: HashSet::new(),
+        })
+    }
+
+    /// Looks at the node's interfaces again: attaches to new pod veths and
+    /// node devices, detaches from gone ones (their last bytes go to `out`).
+    fn rediscover(&mut self, ctx: &TickContext<'_>, out: &mut Vec<(Owner, Delta)>) -> bool {
+        let found = ifaces::discover(&ctx.pod_pids(), &self.node_spec);
+        self.last_discovery = Some(Instant::now());
+        let found = match found {
+            Ok(f) => f,
+            Err(e) => {
+                // keep counting what we have; look again next time
+                tracing::warn!("listing pod interfaces failed: {e}");
+                return false;
+            }
+        };
+        let new: HashMap<u32, PodIface> = found
+            .pods
+            .into_iter()
+            .map(|f| (f.host_ifindex, f))
+            .collect();
+        // An interface stops being counted when its veth is gone or another
+        // pod owns it now, not because one look missed its pod.
+        let gone: Vec<u32> = self
+            .by_host
+            .iter()
+            .filter(|(i, p)| {
+                !found.host_veths.contains(i) || new.get(i).is_some_and(|n| n.uid != p.uid)
+            })
+            .map(|(i, _)| *i)
+            .collect();
+        for i in gone {
+            if let (Some(pi), Some(b)) = (self.by_host.get(&i), self.probe.read(i)) {
+                let prev = self.last.remove(&i).unwrap_or_default();
+                push_bytes(out, &pi.uid, &b, &prev);
+            }
+            self.probe.detach(i);
+            self.by_host.remove(&i);
+            self.last.remove(&i);
+        }
+        for (i, pi) in &new {
+            if self.by_host.contains_key(i) {
+                continue;
+            }
+            match self.probe.attach(*i) {
+                Ok(()) => {
+                    tracing::debug!(ifindex = i, pod = %pi.uid, "counting pod interface");
+                    self.by_host.insert(*i, pi.clone());
+                }
+                Err(e) => {
+                    tracing::warn!(ifindex = i, pod = %pi.uid, "cannot attach tc programs: {e}")
+                }
+            }
+        }
+        self.by_pod_side = self
+            .by_host
+            .values()
+            .map(|p| ((p.pod_netns, p.pod_ifindex), p.uid.clone()))
+            .collect();
+        let node_now: HashSet<u32> = found.node_devices.iter().map(|(i, _)| *i).collect();
+        for gone in self
+            .node_devices
+            .difference(&node_now)
+            .copied()
+            .collect::<Vec<_>>()
+        {
+            self.probe.detach(gone);
+            self.node_devices.remove(&gone);
+        }
+        for (i, name) in &found.node_devices {
+            if self.node_devices.contains(i) {
+                continue;
+            }
+            match self.probe.attach_node(*i) {
+                Ok(()) => {
+                    tracing::info!(device = %name, "counting hostNetwork pods' bytes on node device");
+                    self.node_devices.insert(*i);
+                }
+                Err(e) => tracing::warn!(device = %name, "cannot attach tc programs: {e}"),
+            }
+        }
+        true
+    }
+
+    /// Drains the drop map and attributes each drop.
+    fn drops(&mut self, ctx: &TickContext<'_>, out: &mut Vec<(Owner, Delta)>) {
+        let drained = self.probe.drain_drops();
+        self.drained = drained.len();
+        let pod_of_cgroup = |id: u64| ctx.pod_of_cgroup(id);
+        let pod_of_ip = |ip| ctx.pods.by_ip(ip).map(|m| m.uid);
+        for (k, n) in drained {
+            let reason = self.probe.reason_name(k.reason);
+            let known = attribute::Known {
+                own_netns: self.own_netns,
+                by_host: &self.by_host,
+                by_pod_side: &self.by_pod_side,
+                pod_of_cgroup: &pod_of_cgroup,
+                pod_of_ip: &pod_of_ip,
+                ingress_hook: reason == "tc_ingress",
+            };
+            let (owner, dir) = attribute::attribute(&k, &known);
+            let labels = Labels::from([
+                (
+                    "direction",
+                    dir.map(Direction::as_str).unwrap_or("").to_string(),
+                ),
+                ("reason", reason),
+            ]);
+            out.push((
+                owner,
+                Delta {
+                    family: DROPS_FAMILY,
+                    labels,
+                    value: Value::Count(n),
+                },
+            ));
+        }
+    }
+
+    /// Caps from annotations; an unparsable value is warned about once.
+    fn bandwidth_limits(&mut self, ctx: &TickContext<'_>) -> Vec<GaugeValue> {
+        let mut out = Vec::new();
+        for uid in ctx.pods.uids() {
+            let Some(meta) = ctx.pods.get(&uid) else {
+                continue;
+            };
+            if meta.deleted_at.is_some() {
+                continue;
+            }
+            for (key, dir) in [
+                (bandwidth::EGRESS, Direction::Egress),
+                (bandwidth::INGRESS, Direction::Ingress),
+            ] {
+                let Some(v) = meta.annotations.get(key) else {
+                    continue;
+                };
+                match bandwidth::parse_quantity(v) {
+                    Ok(bps) => out.push(GaugeValue {
+                        owner: Owner::Pod {
+                            uid: uid.clone(),
+                            container_id: None,
+                        },
+                        labels: Labels::from([("direction", dir.as_str().to_string())]),
+                        value: bps,
+                    }),
+                    Err(e) => {
+                        if self.warned.insert((uid.clone(), format!("{key}={v}"))) {
+                            tracing::warn!(
+                                "pod {}/{}: annotation {key}={v:?} is not a valid quantity ({e}); no bandwidth limit exported",
+                                meta.namespace,
+                                meta.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Probe for TcUnit {
+    fn families(&self) -> &'static [FamilySpec] {
+        &FAMILIES
+    }
+
+    fn signals(&self) -> Vec<SignalSpec> {
+        vec![SignalSpec {
+            name: "tc_drop_rate",
+            family: DROPS_FAMILY,
+            kind: SignalKind::Rate,
+        }]
+    }
+
+    fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
+        let mut out = TickOutput::default();
+        let rediscover = ctx.cgroups_changed
+            || self
+                .last_discovery
+                .is_none_or(|t| t.elapsed() >= REDISCOVER);
+        if rediscover {
+            if !self.rediscover(ctx, &mut out.deltas) {
+                return TickOutput::default();
+            }
+            let limits = self.bandwidth_limits(ctx);
+            out.gauges.push((BW_LIMIT_FAMILY, limits));
+        }
+        for (i, pi) in &self.by_host {
+            let Some(b) = self.probe.read(*i) else {
+                continue;
+            };
+            let prev = self.last.insert(*i, b).unwrap_or_default();
+            push_bytes(&mut out.deltas, &pi.uid, &b, &prev);
+        }
+        // hostNetwork pods: node-device bytes per socket-owner cgroup
+        let per_cgroup = self.probe.read_cgroups();
+        let mut node_bytes = Vec::with_capacity(per_cgroup.len());
+        for (id, b) in per_cgroup {
+            let prev = self.last_cg.insert(id, b).unwrap_or_default();
+            node_bytes.push((id, b, prev));
+        }
+        self.drops(ctx, &mut out.deltas);
+        for (id, b, prev) in node_bytes {
+            match ctx.pod_of_cgroup(id) {
+                Some(Owner::Pod { uid, .. }) => push_bytes(&mut out.deltas, &uid, &b, &prev),
+                Some(_) => {} // a non-pod process on the node: not this series' business
+                None => {
+                    // the cgroup is gone: its last bytes were read above
+                    self.probe.forget_cgroup(id);
+                    self.last_cg.remove(&id);
+                }
+            }
+        }
+        out
+    }
+
+    fn stats(&self) -> UnitStats {
+        UnitStats {
+            maps: vec![
+                MapFill {
+                    map: "if_bytes",
+                    entries: self.by_host.len(),
+                    capacity: Some(loader::IF_BYTES_ENTRIES),
+                },
+                MapFill {
+                    map: "cg_bytes",
+                    entries: self.last_cg.len(),
+                    capacity: Some(loader::CG_BYTES_ENTRIES),
+                },
+                MapFill {
+                    map: "drops",
+                    entries: self.drained,
+                    capacity: Some(loader::DROPS_ENTRIES),
+                },
+                MapFill {
+                    map: "tc_reasons",
+                    entries: self.probe.reasons(),
+                    capacity: Some(self.probe.reasons().max(1) as u32),
+                },
+            ],
+            storage_failures: None,
+            series: vec![
+                SelfSeries {
+                    name: "gpufeed_tc_interfaces",
+                    help: "Pod interfaces the tc programs are attached to",
+                    kind: Kind::Gauge,
+                    value: self.by_host.len() as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_tc_drop_overflow_total",
+                    help: "tc/qdisc drops not recorded because the drop map was full",
+                    kind: Kind::Counter,
+                    value: self.probe.overflow() as f64,
+                },
+            ],
+        }
+    }
+}
+
+fn push_bytes(out: &mut Vec<(Owner, Delta)>, uid: &str, now: &IfBytes, prev: &IfBytes) {
+    let owner = Owner::Pod {
+        uid: uid.to_string(),
+        container_id: None,
+    };
+    // counters only grow while the entry exists; a smaller value is a new entry
+    let d = |n: u64, p: u64| if n >= p { n - p } else { n };
+    for (dir, n) in [
+        (Direction::Egress, d(now.egress_bytes, prev.egress_bytes)),
+        (Direction::Ingress, d(now.ingress_bytes, prev.ingress_bytes)),
+    ] {
+        out.push((
+            owner.clone(),
+            Delta {
+                family: BYTES_FAMILY,
+                labels: Labels::from([("direction", dir.as_str().to_string())]),
+                value: Value::Count(n),
+            },
+        ));
+    }
+}

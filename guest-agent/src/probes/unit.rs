@@ -1,0 +1,280 @@
+//! What a probe unit is: the trait the collector and the exporter drive, and
+//! the few kinds of values a unit hands them.
+//!
+//! A unit reads its BPF maps and returns *deltas* (what happened since its
+//! previous read), each tagged with a series family and the labels the unit
+//! adds to the owner's. The collector adds them to per-owner accumulators and
+//! the exporter renders every family the loaded units declare; neither knows
+//! which probe a family belongs to.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::BorrowedFd;
+
+use super::hist::Hist;
+use super::signal::SignalSpec;
+use super::{KernelBtf, ProbeError, ProbeStatus};
+use crate::cgroups::CgroupTree;
+use crate::collect::Owner;
+use crate::pods::PodStore;
+
+/// Label names and values of a series, in a fixed (sorted) order. Units use it
+/// for the labels they add (`dst`, `direction`, ...); the exporter merges those
+/// with the owner's.
+pub type Labels = BTreeMap<&'static str, String>;
+
+/// The Prometheus type of a family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Pre-bucketed kernel histogram (`Value::Hist`), exported in microseconds.
+    Histogram,
+    /// Monotonic count (`Value::Count`).
+    Counter,
+    /// Monotonic count of nanoseconds (`Value::Count`), exported in seconds.
+    SecondsCounter,
+    /// A value the unit sets whole each time (`TickOutput::gauges`).
+    Gauge,
+}
+
+/// Which owner labels a family carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// `namespace`, `pod`, `container` (or `slice`).
+    Container,
+    /// `namespace`, `pod`: interfaces and annotations belong to pods, not containers.
+    Pod,
+}
+
+/// One exported series family.
+#[derive(Debug)]
+pub struct FamilySpec {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+    pub scope: Scope,
+}
+
+/// A delta (or, in the accumulators, a running total) of one series.
+// Most values are histograms; boxing them to shrink the counters would cost
+// an allocation per delta and tick.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    Hist(Hist),
+    Count(u64),
+}
+
+impl Value {
+    /// Whether adding it changes nothing. A zero delta still *creates* its
+    /// series for an owner that has series already (a clean pod reads 0).
+    pub fn is_zero(&self) -> bool {
+        match self {
+            Value::Hist(h) => h.is_empty(),
+            Value::Count(n) => *n == 0,
+        }
+    }
+
+    pub fn add(&mut self, other: &Value) {
+        match (self, other) {
+            (Value::Hist(a), Value::Hist(b)) => a.add(b),
+            (Value::Count(a), Value::Count(b)) => *a = a.wrapping_add(*b),
+            // a family has one kind; a unit mixing them is a bug, not input
+            (a, b) => debug_assert!(false, "adding {b:?} to {a:?}"),
+        }
+    }
+}
+
+/// One delta a unit read: which family, which labels besides the owner's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delta {
+    pub family: &'static str,
+    pub labels: Labels,
+    pub value: Value,
+}
+
+/// A gauge value the unit sets (not accumulated).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GaugeValue {
+    pub owner: Owner,
+    pub labels: Labels,
+    pub value: f64,
+}
+
+/// What a unit's once-per-tick work produced besides per-cgroup reads.
+#[derive(Debug, Default)]
+pub struct TickOutput {
+    /// Deltas attributed by the unit itself (per interface, drained maps).
+    pub deltas: Vec<(Owner, Delta)>,
+    /// Gauge families replaced whole: (family, all its values now).
+    pub gauges: Vec<(&'static str, Vec<GaugeValue>)>,
+}
+
+/// How full one BPF map is, for `gpufeed_map_entries` / `gpufeed_map_capacity`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MapFill {
+    pub map: &'static str,
+    pub entries: usize,
+    /// `max_entries` for maps that have one (cgroup storage has none: it
+    /// lives and dies with the cgroup).
+    pub capacity: Option<u32>,
+}
+
+/// A self-observation series of one unit (exported without labels).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SelfSeries {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub kind: Kind,
+    pub value: f64,
+}
+
+/// A unit's self-observation, taken at the end of each tick.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UnitStats {
+    pub maps: Vec<MapFill>,
+    /// (`probe` label, events lost because cgroup storage was unavailable)
+    pub storage_failures: Option<(&'static str, u64)>,
+    pub series: Vec<SelfSeries>,
+}
+
+/// What the collector knows that a unit may need in its tick.
+pub struct TickContext<'a> {
+    pub tree: &'a CgroupTree,
+    /// Owner of every live (or just removed) cgroup, by cgroup id.
+    pub owners: &'a HashMap<u64, Owner>,
+    pub pods: &'a PodStore,
+    /// Whether cgroups came or went since the previous tick.
+    pub cgroups_changed: bool,
+}
+
+impl TickContext<'_> {
+    /// The pod of a cgroup (container dropped), or its slice; None for an
+    /// unknown cgroup.
+    pub fn pod_of_cgroup(&self, id: u64) -> Option<Owner> {
+        self.owners.get(&id).map(Owner::pod_level)
+    }
+
+    /// The pids of each pod, from the cgroup.procs of its cgroups.
+    pub fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
+        let mut out: HashMap<String, Vec<i32>> = HashMap::new();
+        for (id, owner) in self.owners {
+            let Owner::Pod { uid, .. } = owner else {
+                continue;
+            };
+            let Some(cg) = self.tree.cgroups.get(id) else {
+                continue;
+            };
+            let procs = self.tree.path_of(cg).join("cgroup.procs");
+            let Ok(text) = std::fs::read_to_string(procs) else {
+                continue;
+            };
+            out.entry(uid.clone())
+                .or_default()
+                .extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+        }
+        out
+    }
+}
+
+/// A loaded probe unit: one BPF object with its reading, delta state and series.
+pub trait Probe: Send {
+    /// The families this unit's deltas and gauges belong to.
+    fn families(&self) -> &'static [FamilySpec];
+
+    /// Latency and rate signals a correlator can read per tick and owner
+    /// (see `collect::Shared::windows`).
+    fn signals(&self) -> Vec<SignalSpec> {
+        Vec::new()
+    }
+
+    /// Reads one cgroup's entry and pushes what changed since the previous
+    /// read of that cgroup. Units keyed by cgroup storage implement it.
+    fn read_cgroup(&mut self, _id: u64, _dir: BorrowedFd<'_>, _out: &mut Vec<Delta>) {}
+
+    /// The cgroup is gone (it was read a last time): forget its delta state.
+    fn forget_cgroup(&mut self, _id: u64) {}
+
+    /// Once per tick, after every cgroup was read: work not keyed by cgroup.
+    fn tick(&mut self, _ctx: &TickContext<'_>) -> TickOutput {
+        TickOutput::default()
+    }
+
+    fn stats(&self) -> UnitStats;
+}
+
+/// What a unit needs from the command line; each unit reads its own part.
+pub struct ProbeConfig {
+    pub sched: super::sched::Config,
+    pub tcp: super::tcp::Config,
+    pub tc: super::tc::Config,
+    pub gpu_driver: super::gpu_driver::Config,
+    pub cuda: super::cuda::CudaOptions,
+}
+
+/// What loading gets: the kernel's BTF, the configuration, and the kernel's
+/// lockdown mode (`None` when off or unreadable).
+pub struct LoadContext<'a> {
+    pub btf: &'a KernelBtf,
+    pub config: &'a ProbeConfig,
+    pub lockdown: Option<&'a str>,
+}
+
+/// The result of loading one unit: the unit when any part of it came up, and
+/// one status per selected `--probes` name (or per part, for `gpufeed_probe_up`).
+pub struct Loaded {
+    pub unit: Option<Box<dyn Probe>>,
+    pub statuses: Vec<ProbeStatus>,
+}
+
+/// A unit as the registry lists it, before anything is loaded.
+#[derive(Debug)]
+pub struct UnitSpec {
+    /// `--probes` names that select it.
+    pub names: &'static [&'static str],
+    /// Loads the unit for the selected subset of `names`.
+    pub load: fn(&LoadContext<'_>, &[&'static str]) -> Result<Loaded, ProbeError>,
+}
+
+/// The loaded units, in registry order.
+pub type Units = Vec<Box<dyn Probe>>;
+
+/// Remembers each cgroup's last absolute reading, to turn the next into a delta.
+pub struct LastRead<T> {
+    last: HashMap<u64, T>,
+}
+
+impl<T> Default for LastRead<T> {
+    fn default() -> Self {
+        LastRead {
+            last: HashMap::new(),
+        }
+    }
+}
+
+impl<T> LastRead<T> {
+    /// Stores `now` as the cgroup's reading and returns `delta(now, previous)`,
+    /// or `now` itself the first time.
+    pub fn advance(&mut self, id: u64, now: T, delta: impl FnOnce(&T, &T) -> T) -> T
+    where
+        T: Clone,
+    {
+        let d = match self.last.get(&id) {
+            Some(prev) => delta(&now, prev),
+            None => now.clone(),
+        };
+        self.last.insert(id, now);
+        d
+    }
+
+    pub fn forget(&mut self, id: u64) {
+        self.last.remove(&id);
+    }
+
+    /// Cgroups with an entry (read at least once and not gone).
+    pub fn len(&self) -> usize {
+        self.last.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.last.is_empty()
+    }
+}
