@@ -59,16 +59,10 @@ static FAMILIES: [FamilySpec; 3] = [
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    Ok(match CudaProbe::load(ctx.config.cuda.clone())? {
-        Ok(p) => Loaded {
-            unit: Some(Box::new(p)),
-            statuses: vec![ProbeStatus::up(NAME)],
-        },
-        Err(st) => Loaded {
-            unit: None,
-            statuses: vec![st],
-        },
-    })
+    Ok(Loaded::single(
+        NAME,
+        CudaProbe::load(ctx.config.cuda.clone())?,
+    ))
 }
 
 /// What to probe.

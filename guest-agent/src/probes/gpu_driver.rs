@@ -95,21 +95,11 @@ static FAMILIES: [FamilySpec; 3] = [
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
     let cfg = &ctx.config.gpu_driver;
-    Ok(
-        match GpuDriverProbe::load(&cfg.devices, cfg.hook, ctx.btf)? {
-            Ok(mut p) => {
-                p.duty = DutyWindow::new(cfg.duty_window);
-                Loaded {
-                    unit: Some(Box::new(p)),
-                    statuses: vec![ProbeStatus::up(NAME)],
-                }
-            }
-            Err(st) => Loaded {
-                unit: None,
-                statuses: vec![st],
-            },
-        },
-    )
+    let loaded = GpuDriverProbe::load(&cfg.devices, cfg.hook, ctx.btf)?.map(|mut p| {
+        p.duty = DutyWindow::new(cfg.duty_window);
+        p
+    });
+    Ok(Loaded::single(NAME, loaded))
 }
 
 /// Mirrors of the constants in bpf/gpu_driver.bpf.c.
@@ -398,7 +388,8 @@ impl GpuDriverProbe {
 
     /// One cgroup's driver time, if any task of it ever called a GPU ioctl.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
-        let now = monotonic_ns();
+        // CLOCK_MONOTONIC is the clock of bpf_ktime_get_ns()
+        let now = gpufeed_shared::clock::monotonic_ns();
         lookup_cgroup(&self.cgroups, cgroup_dir)
             .ok()
             .flatten()
@@ -659,17 +650,6 @@ fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     }
     // SAFETY: the kernel just returned this fd to us and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// CLOCK_MONOTONIC in ns, the clock of bpf_ktime_get_ns().
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 #[cfg(test)]

@@ -225,6 +225,22 @@ pub struct Loaded {
     pub statuses: Vec<ProbeStatus>,
 }
 
+impl Loaded {
+    /// A unit with one `--probes` name: up when it loaded, else down with why.
+    pub fn single<P: Probe + 'static>(name: &'static str, r: Result<P, ProbeStatus>) -> Loaded {
+        match r {
+            Ok(p) => Loaded {
+                unit: Some(Box::new(p)),
+                statuses: vec![ProbeStatus::up(name)],
+            },
+            Err(st) => Loaded {
+                unit: None,
+                statuses: vec![st],
+            },
+        }
+    }
+}
+
 /// A unit as the registry lists it, before anything is loaded.
 #[derive(Debug)]
 pub struct UnitSpec {
