@@ -77,11 +77,7 @@ fn main() {
     std::thread::sleep(Duration::from_millis(300));
 
     let hif = pod.host_if.clone().unwrap();
-    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{hif}/ifindex"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let ifindex = ifindex_of(&hif);
     let mut storage = MaybeUninit::uninit();
     let skel = empty::BenchEmptySkelBuilder::default()
         .open(&mut storage)

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crate::cgroups::CgroupTree;
 use crate::pods::{classify_cgroup, CgroupClass, PodStore};
-use crate::probes::signal::{latency_window, rate_window, SignalKind, SignalWindow};
+use crate::probes::signal::{latency_window, rate_window, SignalKind, SignalSpec, SignalWindow};
 use crate::probes::unit::{
     Delta, FamilySpec, GaugeValue, Labels, TickContext, UnitStats, Units, Value,
 };
@@ -148,7 +148,9 @@ impl Collector {
             for unit in &mut self.units {
                 unit.read_cgroup(id, cg.dir.as_fd(), &mut read);
             }
-            // an owner with no delta this tick is still listed: it may be new
+            if read.is_empty() {
+                continue;
+            }
             let d = deltas.entry(owner.clone()).or_default();
             for Delta {
                 family,
@@ -187,19 +189,21 @@ impl Collector {
                 unit.forget_cgroup(*id);
             }
         }
-        let windows = match self.last_tick.replace(now) {
-            Some(prev) => self.windows(&deltas, now, now.duration_since(prev)),
-            None => Vec::new(),
-        };
+        let previous_tick = self.last_tick.replace(now);
+        let signals: Vec<SignalSpec> = self.units.iter().flat_map(|u| u.signals()).collect();
         let units: Vec<UnitStats> = self.units.iter().map(|u| u.stats()).collect();
 
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        // No series before the first sample: idle cgroups cost nothing, and a
+        // retired owner is not revived by zero deltas.
+        deltas.retain(|owner, series| {
+            !series.values().all(Value::is_zero) || shared.owners.contains_key(owner)
+        });
+        shared.windows = match previous_tick {
+            Some(prev) => windows(&signals, &deltas, now, now.duration_since(prev)),
+            None => Vec::new(),
+        };
         for (owner, series) in deltas {
-            // No series before the first sample: idle cgroups cost nothing, and a
-            // retired owner is not revived by zero deltas.
-            if series.values().all(Value::is_zero) && !shared.owners.contains_key(&owner) {
-                continue;
-            }
             let o = shared.owners.entry(owner).or_default();
             for (key, value) in series {
                 add(&mut o.series, key, value);
@@ -208,7 +212,6 @@ impl Collector {
         for (family, values) in gauges {
             shared.gauges.insert(family, values);
         }
-        shared.windows = windows;
         // Liveness and the grace period: an owner whose cgroups are all gone, or
         // whose pod the API deleted, keeps its series for `grace`, then goes.
         let grace = self.grace;
@@ -247,35 +250,39 @@ impl Collector {
         };
         Ok(())
     }
+}
 
-    /// The signal windows of this tick's deltas.
-    fn windows(&self, deltas: &TickDeltas, at: Instant, window: Duration) -> Vec<SignalWindow> {
-        let signals: Vec<_> = self.units.iter().flat_map(|u| u.signals()).collect();
-        let mut out = Vec::new();
-        for (owner, series) in deltas {
-            for ((family, labels), value) in series {
-                for s in signals.iter().filter(|s| s.family == *family) {
-                    let value = match (s.kind, value) {
-                        (SignalKind::Latency, Value::Hist(h)) => match latency_window(h) {
-                            Some(w) => w,
-                            None => continue,
-                        },
-                        (SignalKind::Rate, Value::Count(n)) => rate_window(*n, window),
-                        _ => continue,
-                    };
-                    out.push(SignalWindow {
-                        owner: owner.clone(),
-                        signal: s.name,
-                        labels: labels.clone(),
-                        at,
-                        window,
-                        value,
-                    });
-                }
+/// The signal windows of one tick's deltas (of owners that have series).
+fn windows(
+    signals: &[SignalSpec],
+    deltas: &TickDeltas,
+    at: Instant,
+    window: Duration,
+) -> Vec<SignalWindow> {
+    let mut out = Vec::new();
+    for (owner, series) in deltas {
+        for ((family, labels), value) in series {
+            for s in signals.iter().filter(|s| s.family == *family) {
+                let value = match (s.kind, value) {
+                    (SignalKind::Latency, Value::Hist(h)) => match latency_window(h) {
+                        Some(w) => w,
+                        None => continue,
+                    },
+                    (SignalKind::Rate, Value::Count(n)) => rate_window(*n, window),
+                    _ => continue,
+                };
+                out.push(SignalWindow {
+                    owner: owner.clone(),
+                    signal: s.name,
+                    labels: labels.clone(),
+                    at,
+                    window,
+                    value,
+                });
             }
         }
-        out
     }
+    out
 }
 
 /// Adds a delta to the series `key`, creating it (a zero delta too: a series
@@ -290,5 +297,163 @@ fn add(
         Entry::Vacant(e) => {
             e.insert(value);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::BorrowedFd;
+    use std::os::unix::fs::MetadataExt;
+    use std::path::Path;
+
+    use super::*;
+    use crate::probes::signal::WindowValue;
+    use crate::probes::unit::{FamilySpec, Kind, Probe, Scope, UnitStats};
+
+    const UID: &str = "1b2c3d4e-5f60-4718-9a2b-3c4d5e6f7a8b";
+    const CID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    const EVENTS: &str = "test_events_total";
+    const OTHER: &str = "test_other_total";
+
+    static FAMILIES: [FamilySpec; 2] = [
+        FamilySpec {
+            name: EVENTS,
+            help: "",
+            kind: Kind::Counter,
+            scope: Scope::Container,
+        },
+        FamilySpec {
+            name: OTHER,
+            help: "",
+            kind: Kind::Counter,
+            scope: Scope::Container,
+        },
+    ];
+
+    /// A unit whose "kernel" is a map of cumulative counts per cgroup id the
+    /// test sets, turned into deltas like a real unit does.
+    #[derive(Default)]
+    struct Fake {
+        kernel: Arc<Mutex<HashMap<u64, u64>>>,
+        last: crate::probes::unit::LastRead<u64>,
+        forgotten: Arc<Mutex<Vec<u64>>>,
+    }
+
+    impl Probe for Fake {
+        fn families(&self) -> &'static [FamilySpec] {
+            &FAMILIES
+        }
+        fn signals(&self) -> Vec<SignalSpec> {
+            vec![SignalSpec {
+                name: "event_rate",
+                family: EVENTS,
+                kind: SignalKind::Rate,
+            }]
+        }
+        fn read_cgroup(&mut self, id: u64, _dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
+            let Some(now) = self.kernel.lock().unwrap().get(&id).copied() else {
+                return;
+            };
+            let d = self.last.advance(id, now, |n, p| n - p);
+            out.push(Delta {
+                family: EVENTS,
+                labels: Labels::new(),
+                value: Value::Count(d),
+            });
+            // a companion series that only ever gets zero deltas
+            out.push(Delta {
+                family: OTHER,
+                labels: Labels::from([("dst", "private".to_string())]),
+                value: Value::Count(0),
+            });
+        }
+        fn forget_cgroup(&mut self, id: u64) {
+            self.last.forget(id);
+            self.forgotten.lock().unwrap().push(id);
+        }
+        fn stats(&self) -> UnitStats {
+            UnitStats::default()
+        }
+    }
+
+    fn ino(p: &Path) -> u64 {
+        std::fs::metadata(p).unwrap().ino()
+    }
+
+    fn count(c: &Collector, owner: &Owner, family: &'static str, labels: Labels) -> Option<u64> {
+        let shared = c.shared.lock().unwrap();
+        match shared.owners.get(owner)?.series.get(&(family, labels))? {
+            Value::Count(n) => Some(*n),
+            Value::Hist(_) => None,
+        }
+    }
+
+    #[test]
+    fn deltas_accumulate_per_owner_with_windows_and_grace() {
+        let root = tempfile::tempdir().unwrap();
+        let container = root
+            .path()
+            .join(format!("kubepods/burstable/pod{UID}/{CID}"));
+        let quiet = root.path().join("system.slice/quiet.service");
+        std::fs::create_dir_all(&container).unwrap();
+        std::fs::create_dir_all(&quiet).unwrap();
+        let fake = Fake::default();
+        let (kernel, forgotten) = (fake.kernel.clone(), fake.forgotten.clone());
+        kernel.lock().unwrap().insert(ino(&container), 5);
+        // a cgroup whose counts never move: no owner, no series
+        kernel.lock().unwrap().insert(ino(&quiet), 0);
+        let mut c = Collector::new(
+            CgroupTree::new(root.path().to_path_buf()),
+            vec![Box::new(fake)],
+            PodStore::default(),
+            Duration::ZERO,
+        );
+        assert_eq!(
+            c.families().iter().map(|f| f.name).collect::<Vec<_>>(),
+            [EVENTS, OTHER]
+        );
+        let pod = Owner::Pod {
+            uid: UID.into(),
+            container_id: Some(CID.into()),
+        };
+        let dst = Labels::from([("dst", "private".to_string())]);
+
+        c.tick().unwrap();
+        assert_eq!(count(&c, &pod, EVENTS, Labels::new()), Some(5));
+        // the zero companion exists beside a non-zero delta: it reads 0
+        assert_eq!(count(&c, &pod, OTHER, dst.clone()), Some(0));
+        assert!(!c
+            .shared
+            .lock()
+            .unwrap()
+            .owners
+            .contains_key(&Owner::Slice("system.slice".into())));
+        assert!(c.shared.lock().unwrap().windows.is_empty(), "first tick");
+
+        kernel.lock().unwrap().insert(ino(&container), 8);
+        std::thread::sleep(Duration::from_millis(20));
+        c.tick().unwrap();
+        assert_eq!(count(&c, &pod, EVENTS, Labels::new()), Some(8));
+        {
+            let shared = c.shared.lock().unwrap();
+            assert_eq!(shared.windows.len(), 1, "{:?}", shared.windows);
+            let w = &shared.windows[0];
+            assert_eq!((w.owner.clone(), w.signal), (pod.clone(), "event_rate"));
+            let WindowValue::Rate { count, per_second } = w.value else {
+                panic!("a rate")
+            };
+            assert_eq!(count, 3);
+            assert!(w.window >= Duration::from_millis(20));
+            assert!((per_second - 3.0 / w.window.as_secs_f64()).abs() < 1e-9);
+        }
+
+        // the container goes: read once more, forgotten, and with no grace
+        // its owner goes in the same tick
+        kernel.lock().unwrap().insert(ino(&container), 10);
+        let id = ino(&container);
+        std::fs::remove_dir(&container).unwrap();
+        c.tick().unwrap();
+        assert_eq!(*forgotten.lock().unwrap(), [id]);
+        assert!(!c.shared.lock().unwrap().owners.contains_key(&pod));
     }
 }

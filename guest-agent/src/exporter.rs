@@ -459,3 +459,163 @@ pub fn bind_error(addr: SocketAddr, e: std::io::Error) -> anyhow::Error {
         "cannot listen on {addr} for /metrics: {e} (choose another with --metrics-listen)"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collect::OwnerStats;
+    use crate::probes::unit::GaugeValue;
+
+    const UID: &str = "1b2c3d4e-5f60-4718-9a2b-3c4d5e6f7a8b";
+    const CID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+    static FAMILIES: [FamilySpec; 3] = [
+        FamilySpec {
+            name: "test_latency_microseconds",
+            help: "h",
+            kind: Kind::Histogram,
+            scope: Scope::Container,
+        },
+        FamilySpec {
+            name: "test_bytes_total",
+            help: "b",
+            kind: Kind::Counter,
+            scope: Scope::Pod,
+        },
+        FamilySpec {
+            name: "test_limit",
+            help: "g",
+            kind: Kind::Gauge,
+            scope: Scope::Pod,
+        },
+    ];
+
+    fn labels(m: &Metric) -> Vec<(String, String)> {
+        m.get_label()
+            .iter()
+            .map(|p| (p.name().to_string(), p.value().to_string()))
+            .collect()
+    }
+
+    fn pod(container: Option<&str>) -> Owner {
+        Owner::Pod {
+            uid: UID.into(),
+            container_id: container.map(str::to_string),
+        }
+    }
+
+    fn owner_with(series: &[((&'static str, Labels), Value)]) -> OwnerStats {
+        OwnerStats {
+            series: series.iter().cloned().collect(),
+            ..OwnerStats::default()
+        }
+    }
+
+    #[test]
+    fn families_render_at_their_scope_and_merge_owners() {
+        let mut h = Hist::default();
+        h.buckets[3] = 2;
+        h.count = 2;
+        h.sum_ns = 10_000;
+        let dir = |d: &str| Labels::from([("direction", d.to_string())]);
+        let mut shared = Shared::default();
+        // the container and the pod-level cgroup: one pod, two owners
+        shared.owners.insert(
+            pod(Some(CID)),
+            owner_with(&[
+                (
+                    ("test_latency_microseconds", Labels::new()),
+                    Value::Hist(h.clone()),
+                ),
+                (("test_bytes_total", dir("egress")), Value::Count(100)),
+            ]),
+        );
+        shared.owners.insert(
+            pod(None),
+            owner_with(&[
+                // no samples yet: no series
+                (
+                    ("test_latency_microseconds", Labels::new()),
+                    Value::Hist(Hist::default()),
+                ),
+                (("test_bytes_total", dir("egress")), Value::Count(20)),
+                (("test_bytes_total", dir("ingress")), Value::Count(0)),
+                // a family no loaded unit declares is not rendered
+                (("test_unknown_total", Labels::new()), Value::Count(1)),
+            ]),
+        );
+        shared.gauges.insert(
+            "test_limit",
+            vec![GaugeValue {
+                owner: pod(None),
+                labels: dir("egress"),
+                value: 1e9,
+            }],
+        );
+        let c = AgentCollector::new(
+            Arc::new(Mutex::new(shared)),
+            PodStore::default(),
+            FAMILIES.iter().collect(),
+            vec![
+                ProbeStatus::up("test"),
+                ProbeStatus::down("other", "no hook"),
+            ],
+        );
+        let out = c.families();
+        let get = |n: &str| out.iter().find(|f| f.name() == n).unwrap();
+        assert!(out.iter().all(|f| f.name() != "test_unknown_total"));
+
+        let lat = get("test_latency_microseconds");
+        assert_eq!(lat.get_field_type(), MetricType::HISTOGRAM);
+        assert_eq!(
+            lat.get_metric().len(),
+            1,
+            "the empty histogram has no series"
+        );
+        let m = &lat.get_metric()[0];
+        assert_eq!(
+            labels(m),
+            [
+                ("container".to_string(), CID[..12].to_string()),
+                ("namespace".to_string(), String::new()),
+                ("pod".to_string(), UID.to_string()),
+            ]
+        );
+        assert_eq!(m.get_histogram().get_sample_count(), 2);
+        assert_eq!(m.get_histogram().get_sample_sum(), 10.0);
+
+        // pod scope: no container label, both owners merged into one series
+        let bytes = get("test_bytes_total");
+        let series: Vec<(Vec<(String, String)>, f64)> = bytes
+            .get_metric()
+            .iter()
+            .map(|m| (labels(m), m.get_counter().get_value()))
+            .collect();
+        let l = |d: &str| {
+            vec![
+                ("direction".to_string(), d.to_string()),
+                ("namespace".to_string(), String::new()),
+                ("pod".to_string(), UID.to_string()),
+            ]
+        };
+        assert_eq!(series, [(l("egress"), 120.0), (l("ingress"), 0.0)]);
+
+        let limit = get("test_limit");
+        assert_eq!(limit.get_metric().len(), 1);
+        assert_eq!(labels(&limit.get_metric()[0]), l("egress"));
+        assert_eq!(limit.get_metric()[0].get_gauge().get_value(), 1e9);
+
+        let up: Vec<(Vec<(String, String)>, f64)> = get("gpufeed_probe_up")
+            .get_metric()
+            .iter()
+            .map(|m| (labels(m), m.get_gauge().get_value()))
+            .collect();
+        assert_eq!(
+            up,
+            [
+                (vec![("probe".to_string(), "test".to_string())], 1.0),
+                (vec![("probe".to_string(), "other".to_string())], 0.0)
+            ]
+        );
+    }
+}

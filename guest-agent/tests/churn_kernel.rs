@@ -18,18 +18,7 @@ fn counts(agent: &Agent) -> (f64, f64, usize) {
 #[test]
 fn five_hundred_pods_created_and_deleted_return_to_baseline() {
     let Some(_lock) = require_root() else { return };
-    let agent = Agent::start(
-        &[
-            "--interval",
-            "200ms",
-            "--no-kube",
-            "--probes",
-            "sched_latency",
-            "--pod-grace",
-            "1s",
-        ],
-        &[],
-    );
+    let agent = Agent::no_kube("200ms", "sched_latency", &["--pod-grace", "1s"]);
     std::thread::sleep(Duration::from_millis(500));
     let base = counts(&agent);
     let sb = CgroupSandbox::new();

@@ -404,13 +404,10 @@ fn gpu_series_on_metrics() {
     let dev = StandInDevice::new(dir);
     let cuda = StandInCuda::new(dir);
     let prefix = format!("{}/nvidia", dir.display());
-    let agent = Agent::start(
+    let agent = Agent::no_kube(
+        "200ms",
+        "gpu_driver,cuda",
         &[
-            "--interval",
-            "200ms",
-            "--no-kube",
-            "--probes",
-            "gpu_driver,cuda",
             "--gpu-device-prefix",
             &prefix,
             "--gpu-driver-name",
@@ -419,7 +416,6 @@ fn gpu_series_on_metrics() {
             "3s",
             "--cuda-launches",
         ],
-        &[],
     );
     let sb = CgroupSandbox::new();
     let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");

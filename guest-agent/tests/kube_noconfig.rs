@@ -1,38 +1,13 @@
 //! `run_watcher` without any Kubernetes configuration: one warning, quiet retries, and it picks
 //! up a kubeconfig that appears later. Its own test binary because it sets KUBECONFIG.
 
-#[path = "common/fake_kube.rs"]
-mod fake_kube;
+mod common;
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fake_kube::{fixture, FakeKube};
+use common::fake_kube::{fixture, FakeKube};
+use common::logs::captured;
 use gpufeed_guest::pods::{run_watcher, PodStore, WatchConfig};
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn lines(&self, level: &str, module: &str) -> Vec<String> {
-        String::from_utf8_lossy(&self.0.lock().unwrap())
-            .lines()
-            .filter(|l| l.contains(&format!(" {level} {module}")))
-            .map(str::to_string)
-            .collect()
-    }
-}
 
 #[tokio::test]
 async fn no_config_warns_once_and_picks_up_a_later_kubeconfig() {
@@ -43,13 +18,7 @@ async fn no_config_warns_once_and_picks_up_a_later_kubeconfig() {
     std::env::remove_var("KUBERNETES_SERVICE_HOST");
     std::env::remove_var("KUBERNETES_SERVICE_PORT");
 
-    let logs = Captured::default();
-    let l = logs.clone();
-    tracing_subscriber::fmt()
-        .with_writer(move || l.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::DEBUG)
-        .init();
+    let logs = captured();
 
     let store = PodStore::default();
     let task = tokio::spawn(run_watcher(

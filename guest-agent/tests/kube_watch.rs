@@ -1,16 +1,14 @@
 //! The pod watcher against recorded kube-apiserver v1.30 JSON served over local HTTP to the
 //! real kube-rs client.
 
-#[path = "common/fake_kube.rs"]
-mod fake_kube;
+mod common;
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use fake_kube::{fixture, fixture_lines, FakeKube};
+use common::fake_kube::{fixture, fixture_lines, FakeKube};
+use common::logs::captured as logs;
 use gpufeed_guest::pods::{
     classify_cgroup, run_watcher_with_client, CgroupClass, PodStore, Qos, WatchConfig,
 };
@@ -375,55 +373,6 @@ async fn relist_after_expired_watch_marks_vanished_pods_deleted() {
     assert_eq!(store.get(BATCH).unwrap().deleted_at, None);
     assert_eq!(store.len(), 4);
     task.abort();
-}
-
-/// Log output of the whole test binary (a global subscriber: scoped ones miss events through
-/// tracing's per-callsite interest cache when tests run in parallel).
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-fn logs() -> &'static Captured {
-    static LOGS: OnceLock<Captured> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let logs = Captured::default();
-        let l = logs.clone();
-        tracing_subscriber::fmt()
-            .with_writer(move || l.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::DEBUG)
-            .init();
-        logs
-    })
-}
-
-impl Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-    /// Lines logged inside the span `span`.
-    fn lines_in(&self, span: &str) -> Vec<String> {
-        self.text()
-            .lines()
-            .filter(|l| l.contains(&format!(" {span}:")))
-            .map(str::to_string)
-            .collect()
-    }
-    fn warn_lines(&self, span: &str) -> Vec<String> {
-        self.lines_in(span)
-            .into_iter()
-            .filter(|l| l.contains(" WARN "))
-            .collect()
-    }
 }
 
 #[tokio::test]

@@ -45,18 +45,7 @@ fn sched_latency_from_wakeup_stamps_agrees_with_schedstat() {
 /// pod; the busy pod's histogram sum against its tasks' schedstat run_delay.
 fn sched_latency_case(method: &str) {
     let sb = CgroupSandbox::new();
-    let agent = Agent::start(
-        &[
-            "--interval",
-            "200ms",
-            "--no-kube",
-            "--probes",
-            "sched_latency",
-            "--sched-method",
-            method,
-        ],
-        &[],
-    );
+    let agent = Agent::no_kube("200ms", "sched_latency", &["--sched-method", method]);
     assert!(
         agent
             .log
@@ -172,16 +161,7 @@ fn tcp_rtt_agrees_with_ss_and_silent_pod_has_none() {
         "tc qdisc add dev {srv_if} root tbf rate 20mbit burst 16kb latency 25ms"
     ));
     let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
-    let agent = Agent::start(
-        &[
-            "--interval",
-            "200ms",
-            "--no-kube",
-            "--probes",
-            "tcp_rtt,tcp_retransmit",
-        ],
-        &[],
-    );
+    let agent = Agent::no_kube("200ms", "tcp_rtt,tcp_retransmit", &[]);
     let mut talker = Pod::random(&sb, Layout::Systemd, "burstable");
     let mut silent = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
     net.join(&mut talker);
@@ -254,16 +234,7 @@ fn retransmits_equal_nstat_and_clean_pod_shows_zero() {
     ));
     let _s1 = spawn_in_ns(&lossy_ns, "exec iperf3 -s -1");
     let _s2 = spawn_in_ns(&clean_ns, "exec iperf3 -s -1");
-    let agent = Agent::start(
-        &[
-            "--interval",
-            "200ms",
-            "--no-kube",
-            "--probes",
-            "tcp_rtt,tcp_retransmit",
-        ],
-        &[],
-    );
+    let agent = Agent::no_kube("200ms", "tcp_rtt,tcp_retransmit", &[]);
     let mut lossy = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
     let mut clean = Pod::random(&sb, Layout::Systemd, "guaranteed");
     net.join(&mut lossy);

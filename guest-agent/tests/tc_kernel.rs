@@ -267,7 +267,7 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     ));
     flooder.spawn("exec sleep 60");
     bystander.spawn("exec sleep 60");
-    let agent = Agent::start(&["--interval", "300ms", "--no-kube", "--probes", "tc"], &[]);
+    let agent = Agent::no_kube("300ms", "tc", &[]);
     wait_attached(&agent, 2.0);
     let d0 = qdisc_dropped(Some(&ns), "eth0");
     let f = flooder.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 3"));
@@ -317,11 +317,7 @@ fn foreign_program_case(attach: &str) {
     net.join(&mut pod);
     pod.spawn("exec sleep 60");
     let hif = pod.host_if.clone().unwrap();
-    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{hif}/ifindex"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let ifindex = ifindex_of(&hif);
 
     // someone else's program is there first (tcx, or a clsact filter)
     let mut storage = MaybeUninit::uninit();
@@ -360,18 +356,7 @@ fn foreign_program_case(attach: &str) {
         u64::from_ne_bytes(v[..8].try_into().unwrap())
     };
 
-    let agent = Agent::start(
-        &[
-            "--interval",
-            "300ms",
-            "--no-kube",
-            "--probes",
-            "tc",
-            "--tc-attach",
-            attach,
-        ],
-        &[],
-    );
+    let agent = Agent::no_kube("300ms", "tc", &["--tc-attach", attach]);
     wait_attached(&agent, 1.0);
     let seen0 = counts(0);
     let rx0 = if_stat(&hif, "rx_bytes");
@@ -483,18 +468,7 @@ fn host_network_pod_bytes_by_socket_on_node_devices() {
     let mut hostnet = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     let mut bystander = Pod::random(&sb, Layout::Systemd, "besteffort");
     bystander.spawn("exec sleep 60");
-    let agent = Agent::start(
-        &[
-            "--interval",
-            "300ms",
-            "--no-kube",
-            "--probes",
-            "tc",
-            "--node-devices",
-            &node.name,
-        ],
-        &[],
-    );
+    let agent = Agent::no_kube("300ms", "tc", &["--node-devices", &node.name]);
     wait_for(Duration::from_secs(10), || {
         agent
             .log

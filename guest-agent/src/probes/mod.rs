@@ -37,7 +37,7 @@ pub fn names() -> Vec<&'static str> {
 /// Help text of `--probes`, from the registry.
 pub fn probes_help() -> String {
     format!(
-        "Probes to load: comma-separated names ({}), `all` or `none`",
+        "Probes to load: comma-separated names ({}), `all` or `none`.",
         names().join(", ")
     )
 }

@@ -112,15 +112,17 @@ pub fn max_ns(h: &Hist) -> Option<f64> {
     })
 }
 
-/// The window of one histogram delta.
+/// The window of one histogram delta. Quantiles are capped by the max, which
+/// the sum can bound more tightly than the bucket does.
 pub fn latency_window(h: &Hist) -> Option<WindowValue> {
     let us = |ns: f64| ns / 1000.0;
+    let max = max_ns(h)?;
     Some(WindowValue::Latency {
         count: h.count,
         sum_us: us(h.sum_ns as f64),
-        p50_us: us(quantile_ns(h, 0.5)?),
-        p99_us: us(quantile_ns(h, 0.99)?),
-        max_us: us(max_ns(h)?),
+        p50_us: us(quantile_ns(h, 0.5)?.min(max)),
+        p99_us: us(quantile_ns(h, 0.99)?.min(max)),
+        max_us: us(max),
     })
 }
 
@@ -227,6 +229,20 @@ mod tests {
     fn one_sample_gives_its_exact_max_and_overflow_reads_its_lower_bound() {
         let h = hist_of(&[123_456]);
         assert_eq!(max_ns(&h), Some(123_456.0));
+        // the bucket alone would put p99 near 131 us, above the one sample
+        let Some(WindowValue::Latency {
+            p50_us,
+            p99_us,
+            max_us,
+            ..
+        }) = latency_window(&h)
+        else {
+            panic!("a latency window")
+        };
+        let exact = 123_456.0 / 1000.0;
+        assert_eq!((p99_us, max_us), (exact, exact));
+        // p50 is halfway through the bucket [65.536, 131.072) us: below the max, kept
+        assert_eq!(p50_us, 98.304);
         let h = hist_of(&[1 << 40]);
         assert_eq!(h.buckets[SLOTS - 1], 1);
         assert_eq!(quantile_ns(&h, 0.99), Some((1u64 << 34) as f64));

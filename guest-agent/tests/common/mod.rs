@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod fake_kube;
+pub mod logs;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
@@ -17,6 +18,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// The index of a network interface of this namespace.
+pub fn ifindex_of(ifname: &str) -> u32 {
+    std::fs::read_to_string(format!("/sys/class/net/{ifname}/ifindex"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
 
 /// A short unique tag (interface names are limited to 15 bytes).
 pub fn uniq() -> String {
@@ -467,6 +477,14 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// The agent without a Kubernetes API (pods labelled by UID), reading
+    /// every `interval`, with `probes` and any further flags.
+    pub fn no_kube(interval: &str, probes: &str, extra: &[&str]) -> Agent {
+        let mut args = vec!["--interval", interval, "--no-kube", "--probes", probes];
+        args.extend_from_slice(extra);
+        Agent::start(&args, &[])
+    }
+
     pub fn start(args: &[&str], env: &[(&str, &str)]) -> Agent {
         // port 0: the agent picks a free port and logs it, so no other process
         // can take the port between choosing and binding it
