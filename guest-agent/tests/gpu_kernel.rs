@@ -58,7 +58,10 @@ struct StandInDevice {
 impl StandInDevice {
     fn new(dir: &Path) -> StandInDevice {
         let hold = dir.join("ioctl_hold");
-        compile_c("gpu/ioctl_hold.c", &hold, &[]);
+        // static: after its exec, no loader opens a file and takes back the
+        // device's fd number before main() runs (its close would hide
+        // whether exec itself forgot the fd)
+        compile_c("gpu/ioctl_hold.c", &hold, &["-static"]);
         let uart = std::fs::metadata("/dev/ttyS0")
             .expect("the driver-time stand-in needs /dev/ttyS0 (an 8250 UART)");
         let node = dir.join("nvidia0");
@@ -70,16 +73,16 @@ impl StandInDevice {
     }
 
     /// The shell command for `calls` ioctls of `tenths` x 100 ms once `go`
-    /// exists, then one of each NVIDIA request class (made by a forked child
-    /// that inherited the fd, with `fork`).
-    fn command(&self, calls: u32, tenths: u32, go: &Path, out: &Path, fork: bool) -> String {
+    /// exists, then one of each NVIDIA request class; `mode` "fork": made by
+    /// a forked child on the inherited fd; "exec": none, the program execs
+    /// and reuses the device's fd number for a pipe.
+    fn command(&self, calls: u32, tenths: u32, go: &Path, out: &Path, mode: &str) -> String {
         format!(
-            "exec {} {} {calls} {tenths} {} {}{}",
+            "exec {} {} {calls} {tenths} {} {} {mode}",
             self.hold.display(),
             self.node.display(),
             go.display(),
             out.display(),
-            if fork { " fork" } else { "" }
         )
     }
 }
@@ -124,7 +127,7 @@ fn driver_time_case(hook: Hook) {
     let (out_a, out_b) = (dir.join("a.out"), dir.join("b.out"));
 
     // a opens its device before the probe exists: found by the /proc seeding
-    let pid_a = a.spawn(&dev.command(3, 1, &go, &out_a, false)) as i32;
+    let pid_a = a.spawn(&dev.command(3, 1, &go, &out_a, "")) as i32;
     assert!(
         wait_for(Duration::from_secs(5), || has_open(pid_a, &node)
             .then_some(()))
@@ -152,16 +155,36 @@ fn driver_time_case(hook: Hook) {
 
     // b opens after the probe is loaded (learned at openat), and a child it
     // forks makes the calls on the inherited fd
-    let pid_b = b.spawn(&dev.command(2, 2, &go, &out_b, true)) as i32;
+    let pid_b = b.spawn(&dev.command(2, 2, &go, &out_b, "fork")) as i32;
     assert!(
         wait_for(Duration::from_secs(5), || has_open(pid_b, &node)
             .then_some(()))
         .is_some(),
         "pod b opened the device"
     );
+    // c opens its device, then execs: exec closes the close-on-exec fd, and
+    // the calls the new image makes on the reused fd number are not GPU calls
+    let mut c = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+    let out_c = dir.join("c.out");
+    let pid_c = c.spawn(&dev.command(3, 1, &go, &out_c, "exec")) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid_c, &node)
+            .then_some(()))
+        .is_some(),
+        "pod c opened the device"
+    );
     File::create(&go).unwrap();
     wait_file(&out_a, "pod a's calls");
     wait_file(&out_b, "pod b's calls");
+    wait_file(&out_c, "pod c's calls after exec");
+    let cg_c = File::open(&c.cgroup).unwrap();
+    assert_eq!(
+        probe
+            .read(cg_c.as_fd())
+            .map(|g| g.ioctl.iter().map(|h| h.count).sum::<u64>()),
+        None,
+        "pod c made no GPU call after exec"
+    );
 
     for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
         let (calls, measured_ns) = measured(out);
@@ -453,7 +476,7 @@ fn gpu_series_on_metrics() {
 
     // driver time
     let (go, out) = (dir.join("go"), dir.join("hold.out"));
-    pod.spawn(&dev.command(3, 1, &go, &out, false));
+    pod.spawn(&dev.command(3, 1, &go, &out, ""));
     File::create(&go).unwrap();
     wait_file(&out, "the ioctl client");
     let (calls, measured_ns) = measured(&out);
