@@ -459,6 +459,8 @@ int gpu_close_range_enter(struct trace_event_raw_sys_enter *ctx)
 #define NR_open -1 /* arm64 has only openat */
 #define NR_close 57
 #define NR_openat 56
+#else
+#error "syscall numbers for this architecture are missing"
 #endif
 #define NR_close_range 436
 #define NR_openat2 437
