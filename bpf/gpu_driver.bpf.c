@@ -197,7 +197,7 @@ static __always_inline int ioctl_enter(__u64 fd, __u32 cmd)
 static __always_inline int ioctl_exit(struct task_struct *task, struct thread_state *ts)
 {
 	struct gpu_cgroup *cg;
-	__u64 now, start;
+	__u64 now, start, since;
 	__u32 slot;
 
 	start = ts->ioctl_start;
@@ -218,9 +218,12 @@ static __always_inline int ioctl_exit(struct task_struct *task, struct thread_st
 		bump(3);
 		return 0;
 	}
-	/* the last task of the cgroup to leave closes the busy interval */
-	if (__sync_fetch_and_add(&cg->inflight, -1) == 1)
-		__sync_fetch_and_add(&cg->busy_ns, now - cg->busy_since);
+	/* The last task of the cgroup to leave closes the busy interval. Its
+	 * start is read before leaving: once the count is 0 the next entrant
+	 * may stamp a new start, later than this task's `now`. */
+	since = cg->busy_since;
+	if (__sync_fetch_and_add(&cg->inflight, -1) == 1 && (__s64)(now - since) > 0)
+		__sync_fetch_and_add(&cg->busy_ns, now - since);
 	return 0;
 }
 

@@ -178,7 +178,11 @@ pub struct GpuDriverCgroup {
     /// ioctl durations per request class (index as [`CMD_CLASSES`]).
     pub ioctl: Vec<Hist>,
     /// Wall time during which at least one task of the cgroup was inside a
-    /// GPU ioctl, including a call still in progress.
+    /// GPU ioctl, up to the end of the last such interval. A busy interval
+    /// still open is left out: userspace cannot read its start and the count
+    /// of tasks inside as one consistent pair (a read between a first
+    /// entrant's increment and its stamp would see the previous interval's
+    /// start), and an overestimate now would have to be taken back later.
     pub busy_ns: u64,
 }
 
@@ -198,30 +202,21 @@ impl GpuDriverCgroup {
                 .zip(&earlier.ioctl)
                 .map(|(now, before)| now.delta_since(before))
                 .collect(),
-            busy_ns: if self.busy_ns >= earlier.busy_ns {
-                self.busy_ns - earlier.busy_ns
-            } else {
-                self.busy_ns
-            },
+            // only ever added to while the cgroup lives
+            busy_ns: self.busy_ns.saturating_sub(earlier.busy_ns),
         }
     }
 
-    /// Decodes `struct gpu_cgroup`; `now_ns` (CLOCK_MONOTONIC) closes an open
-    /// busy interval at the moment of reading.
-    pub fn from_bytes(b: &[u8], now_ns: u64) -> Option<GpuDriverCgroup> {
+    /// Decodes `struct gpu_cgroup`.
+    pub fn from_bytes(b: &[u8]) -> Option<GpuDriverCgroup> {
         let c = decode::<skel::types::gpu_cgroup>(b)?;
-        let open = if c.inflight > 0 {
-            now_ns.saturating_sub(c.busy_since)
-        } else {
-            0
-        };
         Some(GpuDriverCgroup {
             ioctl: c
                 .ioctl
                 .iter()
                 .map(|h| Hist::from_parts(&h.buckets, h.sum_ns))
                 .collect(),
-            busy_ns: c.busy_ns.saturating_add(open),
+            busy_ns: c.busy_ns,
         })
     }
 }
@@ -388,12 +383,10 @@ impl GpuDriverProbe {
 
     /// One cgroup's driver time, if any task of it ever called a GPU ioctl.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
-        // CLOCK_MONOTONIC is the clock of bpf_ktime_get_ns()
-        let now = gpufeed_shared::clock::monotonic_ns();
         lookup_cgroup(&self.cgroups, cgroup_dir)
             .ok()
             .flatten()
-            .and_then(|b| GpuDriverCgroup::from_bytes(&b, now))
+            .and_then(|b| GpuDriverCgroup::from_bytes(&b))
     }
 
     /// Seeds the processes in `tgids` not seen before, and forgets those no
@@ -731,7 +724,7 @@ Block devices:
     }
 
     #[test]
-    fn decode_cgroup_and_open_interval() {
+    fn decode_cgroup_and_busy_deltas() {
         let mut b = vec![0u8; CGROUP_BYTES];
         // one call of 3 us in rm_control
         let at = HIST_BYTES + 2 * 8;
@@ -739,12 +732,19 @@ Block devices:
         let base = CMD_CLASSES.len() * HIST_BYTES;
         b[base..base + 8].copy_from_slice(&5_000u64.to_ne_bytes());
         b[base + 8..base + 16].copy_from_slice(&1_000u64.to_ne_bytes());
-        let c = GpuDriverCgroup::from_bytes(&b, 10_000).unwrap();
+        let c = GpuDriverCgroup::from_bytes(&b).unwrap();
         assert_eq!(c.ioctl[1].count, 1);
-        assert_eq!(c.busy_ns, 5_000, "no call in flight");
+        assert_eq!(c.busy_ns, 5_000);
+        // a call in flight adds nothing until it ends
         b[base + 16..base + 24].copy_from_slice(&1i64.to_ne_bytes());
-        let c = GpuDriverCgroup::from_bytes(&b, 10_000).unwrap();
-        assert_eq!(c.busy_ns, 5_000 + 9_000, "open interval counted up to now");
-        assert!(GpuDriverCgroup::from_bytes(&b[..CGROUP_BYTES - 1], 0).is_none());
+        let open = GpuDriverCgroup::from_bytes(&b).unwrap();
+        assert_eq!(open.busy_ns, 5_000);
+        assert_eq!(open.delta_since(&c).busy_ns, 0);
+        b[base..base + 8].copy_from_slice(&12_000u64.to_ne_bytes());
+        let closed = GpuDriverCgroup::from_bytes(&b).unwrap();
+        let d = closed.delta_since(&open);
+        assert_eq!(d.busy_ns, 7_000);
+        assert_eq!(d.ioctl[1].count, 0, "no new call in the delta");
+        assert!(GpuDriverCgroup::from_bytes(&b[..CGROUP_BYTES - 1]).is_none());
     }
 }
