@@ -278,8 +278,9 @@ static __always_inline int free_dptr(__u64 dptr)
 		return 0;
 	}
 	size = o->size;
-	bpf_map_delete_elem(&cuda_objs, &k);
-	charge(-(__s64)size);
+	/* whoever deletes the entry gives its bytes back, once */
+	if (!bpf_map_delete_elem(&cuda_objs, &k))
+		charge(-(__s64)size);
 	return 0;
 }
 
@@ -306,8 +307,9 @@ static __always_inline void settle(struct obj *h, struct obj_key *k)
 	if (!h->released || h->mappings)
 		return;
 	size = h->size;
-	bpf_map_delete_elem(&cuda_objs, k);
-	charge(-(__s64)size);
+	/* a release and the last unmap on two threads may both get here */
+	if (!bpf_map_delete_elem(&cuda_objs, k))
+		charge(-(__s64)size);
 }
 
 /* CUresult cuMemRelease(CUmemGenericAllocationHandle handle) */
