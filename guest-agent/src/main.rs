@@ -32,7 +32,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Load the probes and serve /metrics and /healthz.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Certificates for the host → guest event stream.
     Certs {
         #[command(subcommand)]
@@ -81,6 +81,38 @@ struct RunArgs {
     /// `auto` (physical NICs), `none`, or NAME[,NAME...].
     #[arg(long, default_value = "auto")]
     node_devices: ifaces::NodeDevices,
+    /// Path prefixes that make a file a GPU device file when it is opened
+    /// (at most 4, each under 64 bytes).
+    #[arg(
+        long,
+        value_name = "PATH",
+        value_delimiter = ',',
+        default_value = "/dev/nvidia"
+    )]
+    gpu_device_prefix: Vec<String>,
+    /// Character-device drivers (names in /proc/devices) whose files, already
+    /// open when the agent starts, are GPU device files.
+    #[arg(
+        long,
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
+    )]
+    gpu_driver_name: Vec<String>,
+    /// Hooks that time GPU driver calls: per-syscall tracepoints (need
+    /// tracefs), the raw sys_enter/sys_exit BTF tracepoints (work under
+    /// lockdown, run for every syscall), or auto.
+    #[arg(long, value_enum, default_value = "auto")]
+    gpu_driver_hook: probes::gpu_driver::Hook,
+    /// Window of ebpf_gpu_active_compute_duty_cycle.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    gpu_duty_window: Duration,
+    /// Count CUDA kernel launches (a uprobe on cuLaunchKernel, the hot launch path).
+    #[arg(long)]
+    cuda_launches: bool,
+    /// Mapped files whose name starts with this are the CUDA driver library.
+    #[arg(long, default_value = "libcuda.so")]
+    cuda_library_prefix: String,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -147,7 +179,7 @@ fn main() -> std::process::ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.cmd {
-        Cmd::Run(args) => run(args),
+        Cmd::Run(args) => run(*args),
         Cmd::Certs { cmd } => certs::run(cmd),
         Cmd::Explain(args) => explain(args),
     };
@@ -203,6 +235,18 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         tc: probes::tc::Config {
             attach: args.tc_attach,
             node_devices: args.node_devices.clone(),
+        },
+        gpu_driver: probes::gpu_driver::Config {
+            devices: probes::gpu_driver::GpuDevices {
+                path_prefixes: args.gpu_device_prefix.clone(),
+                driver_names: args.gpu_driver_name.clone(),
+            },
+            hook: args.gpu_driver_hook,
+            duty_window: args.gpu_duty_window,
+        },
+        cuda: probes::cuda::CudaOptions {
+            library_prefix: args.cuda_library_prefix.clone(),
+            launches: args.cuda_launches,
         },
     };
     let ctx = LoadContext {

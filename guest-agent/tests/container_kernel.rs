@@ -274,6 +274,8 @@ fn assert_all_probes_up(agent: &Agent, context: &str) {
         "tcp_retransmit",
         "tc_bytes",
         "tc_drops",
+        "gpu_driver",
+        "cuda",
     ] {
         assert_eq!(
             value(&s, "gpufeed_probe_up", &[("probe", probe)]),
