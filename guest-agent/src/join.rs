@@ -84,7 +84,7 @@ impl Join {
 
     /// One received host event.
     pub fn host_event(&self, ev: &ReceivedEvent) {
-        let simulated = self.simulated.iter().any(|h| *h == ev.host);
+        let simulated = self.simulated.contains(&ev.host);
         if simulated {
             tracing::info!(host = %ev.host, kind = ev.kind, "simulated host event received");
         }
@@ -131,7 +131,7 @@ impl Join {
     pub fn events(&self) -> Vec<EventView> {
         let mut v = self.corr().recent_events();
         for e in &mut v {
-            if self.simulated.iter().any(|h| *h == e.host) {
+            if self.simulated.contains(&e.host) {
                 e.tags.push("simulated".into());
             }
         }
@@ -250,6 +250,10 @@ fn pod_key(uid: &str, pods: &PodStore) -> PodKey {
     }
 }
 
+/// One pod's merged window while it is being built: (count, sum, Σ p50×count or Σ rate,
+/// p99, max, at).
+type Acc = (u64, f64, f64, f64, f64, i64);
+
 /// The collector's windows as one window per (pod, signal), stamped in guest realtime.
 fn pod_windows(
     windows: &[signal::SignalWindow],
@@ -257,9 +261,7 @@ fn pod_windows(
     now_i: Instant,
     now_ns: i64,
 ) -> Vec<SignalWindow> {
-    // (uid, signal) → (count, sum, Σ p50×count, p99, max, at)
-    let mut merged: BTreeMap<(String, &'static str), (u64, f64, f64, f64, f64, i64)> =
-        BTreeMap::new();
+    let mut merged: BTreeMap<(String, &'static str), Acc> = BTreeMap::new();
     for w in windows {
         let Owner::Pod { uid, .. } = &w.owner else {
             continue;

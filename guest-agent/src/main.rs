@@ -283,10 +283,15 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         collector.families(),
         statuses,
     )))?;
-    let mut join_cfg = correlate::Config::default();
-    join_cfg.before = args.join_before;
-    join_cfg.after = args.join_after;
-    join_cfg.detector.k = args.spike_sensitivity;
+    let join_cfg = correlate::Config {
+        before: args.join_before,
+        after: args.join_after,
+        detector: correlate::DetectorConfig {
+            k: args.spike_sensitivity,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
     let node = node_name(args.node_name.clone());
     let joined = join::Join::new(join_cfg, pods.clone(), node, args.simulated_hosts.clone());
     registry.register(Box::new(join::JoinCollector::new(joined.clone())))?;
@@ -379,7 +384,7 @@ fn explain(args: ExplainArgs) -> anyhow::Result<()> {
                         format!("cannot reach the agent at {url} (is it running? see --url)")
                     })?
                     .error_for_status()
-                    .with_context(|| format!("{url}"))?;
+                    .with_context(|| url.clone())?;
                 r.json::<serde_json::Value>()
                     .await
                     .with_context(|| format!("{url} did not answer JSON (an older agent?)"))
