@@ -6,8 +6,12 @@
 #
 #   demo-egpu.sh tree DIR                 write the tree under DIR
 #   demo-egpu.sh link DIR SPEED WIDTH     set the GPU link, e.g. "2.5 GT/s PCIe" 1
-#   demo-egpu.sh cycle DIR PERIOD         every PERIOD seconds: drop the link to 2.5 GT/s x1
-#                                         for PERIOD/2 seconds, then restore 16.0 GT/s x4
+#   demo-egpu.sh stop POD                 end the POD workload and remove its cgroups
+#   demo-egpu.sh cycle DIR PERIOD [POD]   every PERIOD seconds: drop the link to 2.5 GT/s x1
+#                                         for PERIOD/2 seconds, then restore 16.0 GT/s x4; with
+#                                         POD (a pod-shaped cgroup directory) also run a small
+#                                         workload there that is starved of CPU while the link
+#                                         is down, as a GPU feeder would stall (simulated)
 set -euo pipefail
 
 GPU=pci0000:00/0000:00:1c.4/0000:05:00.0/0000:06:01.0/0000:08:00.0/0000:09:01.0/0000:0a:00.0
@@ -70,18 +74,52 @@ link() {
   write "$1/sys/devices/${GPU%/*}/current_link_width" "$3"
 }
 
+# run CGROUP CMD...: CMD in the cgroup directory CGROUP (created), in the background
+run_in() {
+  mkdir -p "$1"
+  local cg=$1; shift
+  sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" "$@" &
+}
+
+# The demo pod: one container that wakes every 2 ms (its run-queue waits are the signal) and,
+# while the link is down, a second container of CPU hogs on the same CPU.
+workload_start() {
+  run_in "$1/feeder" taskset -c 0 perl -e 'select(undef, undef, undef, 0.002) while 1'
+}
+starve() {
+  for _ in 1 2 3 4 5 6; do run_in "$1/hogs" taskset -c 0 sh -c 'while :; do :; done'; done
+}
+unstarve() {
+  [ -f "$1/hogs/cgroup.procs" ] && xargs -r kill <"$1/hogs/cgroup.procs" 2>/dev/null || true
+}
+stop_all() {
+  for c in "$1/hogs" "$1/feeder"; do
+    [ -f "$c/cgroup.procs" ] && xargs -r kill -9 <"$c/cgroup.procs" 2>/dev/null || true
+  done
+  sleep 0.2
+  rmdir "$1/hogs" "$1/feeder" "$1" 2>/dev/null || true
+}
+
 case "${1:-}" in
   tree) tree "$2" ;;
   link) link "$2" "$3" "$4" ;;
+  stop) stop_all "$2" ;;
   cycle)
     half=$(( $3 / 2 ))
+    pod=${4:-}
+    if [ -n "$pod" ]; then
+      trap 'stop_all "$pod"; exit 0' TERM INT EXIT
+      workload_start "$pod"
+    fi
     while :; do
       sleep "$half"
-      echo "demo-egpu: [simulated] GPU link 16.0 GT/s x4 -> 2.5 GT/s x1"
+      echo "demo-egpu: [simulated] GPU link 16.0 GT/s x4 -> 2.5 GT/s x1${pod:+; the demo pod feeder is starved of CPU}"
       link "$2" "2.5 GT/s PCIe" 1
+      [ -n "$pod" ] && starve "$pod"
       sleep "$half"
       echo "demo-egpu: [simulated] GPU link restored to 16.0 GT/s x4"
       link "$2" "16.0 GT/s PCIe" 4
+      [ -n "$pod" ] && unstarve "$pod"
     done ;;
-  *) sed -n '2,10p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac
