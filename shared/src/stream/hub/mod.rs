@@ -7,11 +7,15 @@
 //! * Per connection: `Hello` → `Welcome{resume_from}`, then events in sequence order on a
 //!   unidirectional stream; de-duplication by `(host, boot, seq)`; acks and clock probes on the
 //!   control stream.
+//! * Before a connection gets any state, [`admission`] decides: a QUIC Retry (address
+//!   validation), a refusal (too many handshakes, or connections from one address), or a
+//!   handshake that must finish within `handshake_timeout`.
 //! * Every rejection (TLS failure, wrong ALPN, unlisted host, refused `Hello`, garbage /
-//!   oversize / truncated frames, protocol violations) logs one `warn` line and increments
+//!   oversize / truncated frames, protocol violations, the limits above) increments
 //!   `gpufeed_stream_frames_rejected_total{host,reason}` (`host="unverified"` before the peer
-//!   is authenticated). Unknown event kinds are skipped and counted with
-//!   `reason="unknown_kind"`.
+//!   is authenticated) and logs a `warn` line; for unauthenticated peers, who can repeat them
+//!   at will, at most one line per reason every 10 s, with the count of those not logged.
+//!   Unknown event kinds are skipped and counted with `reason="unknown_kind"`.
 //! * Recent events are kept in a bounded ring ([`Hub::recent`]) and broadcast
 //!   ([`Hub::subscribe`]); optionally journaled ([`HubConfig::journal`]).
 //!
@@ -22,6 +26,7 @@
 //! and where a KVM PTP clock exists `gpufeed_clock_kvm_ptp_offset_seconds` (hypervisor minus
 //! guest, the cross-check).
 
+pub mod admission;
 pub mod host_state;
 pub mod journal;
 
@@ -70,6 +75,18 @@ pub struct HubConfig {
     pub idle_timeout: Duration,
     /// Where to look for `class/ptp` (KVM PTP cross-check). Default `/sys`.
     pub sysfs_root: PathBuf,
+    /// Connections in their TLS handshake at once; more are refused (`reason="busy"`).
+    /// Default 64.
+    pub max_handshakes: usize,
+    /// Connections (in a handshake or established) from one IP address; more are refused
+    /// (`reason="per_address"`). Default 8.
+    pub max_per_address: usize,
+    /// With this many handshakes in flight, a peer must first validate its address with a
+    /// QUIC Retry (a stateless round trip). Default 0: always.
+    pub retry_above: usize,
+    /// A TLS handshake not done by then is dropped (`reason="handshake_timeout"`). Default 3 s,
+    /// well below the idle timeout.
+    pub handshake_timeout: Duration,
 }
 
 impl HubConfig {
@@ -96,6 +113,10 @@ impl HubConfig {
             clock_probe_interval: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(15),
             sysfs_root: "/sys".into(),
+            max_handshakes: 64,
+            max_per_address: 8,
+            retry_above: 0,
+            handshake_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -262,6 +283,9 @@ struct Inner {
     ptp_warned: Mutex<HashMap<String, Instant>>,
     /// The hosts' own series, exported in this guest's scrape.
     host_states: Arc<host_state::HostStates>,
+    admission: admission::Admission,
+    /// Rejections of unauthenticated peers, which anyone reaching the port can repeat.
+    unverified_log: admission::RateLimitedLog,
 }
 
 /// The running hub. Cheap to clone.
@@ -283,6 +307,11 @@ fn quinn_server_config(
     t.stream_receive_window((4u32 << 20).into());
     t.receive_window((8u32 << 20).into());
     sc.transport_config(Arc::new(t));
+    // Datagrams buffered for connections not yet accepted or refused: the accept loop decides
+    // at once, so little is needed (quinn's defaults allow 100 MB).
+    sc.max_incoming(cfg.max_handshakes.max(1) * 4);
+    sc.incoming_buffer_size(64 << 10);
+    sc.incoming_buffer_size_total(1 << 20);
     Ok(sc)
 }
 
@@ -382,6 +411,12 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         ptp,
         ptp_warned: Mutex::new(HashMap::new()),
         host_states,
+        admission: admission::Admission::new(admission::Limits {
+            max_handshakes: cfg.max_handshakes,
+            max_per_address: cfg.max_per_address,
+            retry_above: cfg.retry_above,
+        }),
+        unverified_log: admission::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
         cfg,
     });
     tokio::spawn(accept_loop(inner.clone()));
@@ -427,13 +462,43 @@ impl Hub {
     }
 }
 
+/// At most one log line per this interval and reason for rejected unauthenticated peers.
+const UNVERIFIED_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
 impl Inner {
-    fn reject(&self, host: &str, reason: &str, remote: SocketAddr, detail: &dyn std::fmt::Display) {
-        tracing::warn!(host, %remote, reason, "hub: rejected: {detail}");
+    /// Counts a rejection and logs it; rejections of unauthenticated peers are logged
+    /// rate-limited (anyone who reaches the port can repeat them).
+    fn reject(
+        &self,
+        host: &str,
+        reason: &'static str,
+        remote: SocketAddr,
+        detail: &dyn std::fmt::Display,
+    ) {
         self.metrics
             .rejected
             .with_label_values(&[host, reason])
             .inc();
+        if host != UNVERIFIED {
+            tracing::warn!(host, %remote, reason, "hub: rejected: {detail}");
+            return;
+        }
+        if let Some(unlogged) = self.unverified_log.note(reason, Instant::now()) {
+            tracing::warn!(host, %remote, reason, unlogged, "hub: rejected: {detail}");
+        }
+    }
+
+    /// Logs the rate-limited rejections not logged yet.
+    fn log_unlogged_rejections(&self) {
+        for (reason, unlogged) in self.unverified_log.due(Instant::now()) {
+            tracing::warn!(
+                host = UNVERIFIED,
+                reason,
+                unlogged,
+                "hub: rejected {unlogged} more unauthenticated connections in the last {}s",
+                UNVERIFIED_LOG_INTERVAL.as_secs()
+            );
+        }
     }
 }
 
@@ -443,6 +508,7 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        inner.log_unlogged_rejections();
         if !stamps.changed() {
             continue;
         }
@@ -466,17 +532,58 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
     }
 }
 
+/// Decides for every incoming connection before it gets any state (see [`admission`]).
 async fn accept_loop(inner: Arc<Inner>) {
     while let Some(incoming) = inner.endpoint.accept().await {
-        tokio::spawn(handle_incoming(inner.clone(), incoming));
+        let remote = incoming.remote_address();
+        let validated = incoming.remote_address_validated();
+        match inner.admission.decide(remote.ip(), validated) {
+            admission::Decision::Retry if incoming.may_retry() => {
+                // Stateless: nothing is kept until the peer echoes the token.
+                let _ = incoming.retry();
+            }
+            admission::Decision::Retry => incoming.ignore(),
+            admission::Decision::Refuse(reason) => {
+                incoming.refuse();
+                inner.reject(
+                    UNVERIFIED,
+                    reason,
+                    remote,
+                    &format_args!(
+                        "too many connections (limits: {} handshakes, {} per address)",
+                        inner.cfg.max_handshakes, inner.cfg.max_per_address
+                    ),
+                );
+            }
+            admission::Decision::Accept(ticket) => {
+                tokio::spawn(handle_incoming(inner.clone(), incoming, ticket));
+            }
+        }
     }
 }
 
-async fn handle_incoming(inner: Arc<Inner>, incoming: quinn::Incoming) {
+async fn handle_incoming(
+    inner: Arc<Inner>,
+    incoming: quinn::Incoming,
+    mut ticket: admission::Ticket,
+) {
     let remote = incoming.remote_address();
-    let conn = match incoming.await {
-        Ok(c) => c,
-        Err(e) => {
+    // Dropping the handshake (at the timeout) closes the connection and frees its state.
+    let conn = match tokio::time::timeout(inner.cfg.handshake_timeout, incoming).await {
+        Err(_) => {
+            inner.reject(
+                UNVERIFIED,
+                "handshake_timeout",
+                remote,
+                &format_args!(
+                    "TLS handshake not done within {:?}",
+                    inner.cfg.handshake_timeout
+                ),
+            );
+            return;
+        }
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
             let reason = tls::classify_handshake_error(&e.to_string());
             inner.reject(
                 UNVERIFIED,
@@ -521,6 +628,9 @@ async fn handle_incoming(inner: Arc<Inner>, incoming: quinn::Incoming) {
         conn.close(CLOSE_REFUSED.into(), b"unlisted host");
         return;
     };
+    // Authenticated: it no longer counts against the handshake limit (its address's place
+    // is kept while it lives).
+    ticket.established();
     let connected = inner.metrics.connected.with_label_values(&[&host]);
     let mut c = Conn {
         inner: &inner,
