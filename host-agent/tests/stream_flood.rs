@@ -100,8 +100,7 @@ async fn flood_while_streaming(
     };
     // The legitimate host starts once the flood is under way.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut sc = fx.stream_config("pve1", addr, None);
-    sc.idle_timeout_ms = 15_000;
+    let sc = fx.stream_config("pve1", addr, None);
     let h = stream::start(sc, "pve1".into(), &prometheus::Registry::new()).unwrap();
     h.push_raw(0, kmsg_lost_raw(0, 1000));
     let received = || {

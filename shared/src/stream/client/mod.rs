@@ -72,9 +72,12 @@ pub struct StreamConfig {
     /// Handshake timeout in ms. Default 10000.
     pub connect_timeout_ms: u64,
     /// QUIC idle timeout in ms (the connection is declared dead after this silence). Default
-    /// 15000.
+    /// 5000: with events outstanding QUIC's retransmission backoff grows, so a guest that
+    /// restarted may not see a packet (and answer with a stateless reset) for longer than this;
+    /// the idle timeout bounds how long the host waits for one.
     pub idle_timeout_ms: u64,
-    /// QUIC keep-alive interval in ms. Default 3000.
+    /// QUIC keep-alive interval in ms. Default 1000 (an idle connection to a restarted guest
+    /// is reset within a second).
     pub keep_alive_ms: u64,
     /// Largest write to the event stream in bytes. Default 65536.
     pub batch_bytes: usize,
@@ -102,8 +105,8 @@ impl Default for StreamConfig {
             reconnect_min_ms: 200,
             reconnect_max_ms: 30_000,
             connect_timeout_ms: 10_000,
-            idle_timeout_ms: 15_000,
-            keep_alive_ms: 3_000,
+            idle_timeout_ms: 5_000,
+            keep_alive_ms: 1_000,
             batch_bytes: 64 * 1024,
             coalesce_us: 500,
             state_interval_ms: 1000,

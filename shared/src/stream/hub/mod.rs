@@ -325,7 +325,9 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
     })?;
     // Stateless-reset key derived from the guest's private key: a restarted guest (same key)
     // answers packets of its predecessor's connections with a valid stateless reset, so hosts
-    // notice at once instead of after the idle timeout.
+    // notice at once instead of after the idle timeout. The connection IDs are keyed from it
+    // too: quinn drops packets whose ID its generator does not validate, and its default key
+    // is random per process, so a restarted guest would drop them instead of resetting.
     let key_pem =
         tls::read(&cfg.tls_dir.join(tls::GUEST_KEY_FILE)).map_err(|source| HubError::Tls {
             dir: cfg.tls_dir.clone(),
@@ -335,10 +337,18 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         &ring::digest::SHA256,
         &[b"gpufeed stateless reset\0".as_slice(), &key_pem].concat(),
     );
-    let ep_cfg = quinn::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
+    let mut ep_cfg = quinn::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
         ring::hmac::HMAC_SHA256,
         seed.as_ref(),
     )));
+    let cid_key = ring::digest::digest(
+        &ring::digest::SHA256,
+        &[b"gpufeed connection ids\0".as_slice(), &key_pem].concat(),
+    );
+    let cid_key = u64::from_le_bytes(cid_key.as_ref()[..8].try_into().unwrap_or_default());
+    ep_cfg.cid_generator(move || {
+        Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+    });
     let socket = std::net::UdpSocket::bind(cfg.listen).map_err(|source| HubError::Bind {
         addr: cfg.listen,
         source,
