@@ -108,6 +108,10 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             check_config,
         } => {
             let cfg = common.load()?;
+            if let Some(s) = &cfg.stream {
+                // What `run` refuses when it starts the stream, with the same message.
+                s.check(&cfg.host_id()).context(STREAM_START)?;
+            }
             if check_config {
                 println!("{}: configuration OK", common.config.display());
                 return Ok(());
@@ -124,6 +128,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+const STREAM_START: &str = "starting the host → guest stream";
+
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.metrics_listen)
         .await
@@ -138,7 +144,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
                 agent.bus.subscribe(),
                 &agent.metrics.registry,
             )
-            .context("starting the host → guest stream")?,
+            .context(STREAM_START)?,
         ),
         _ => None,
     };

@@ -115,6 +115,46 @@ impl Default for StreamConfig {
     }
 }
 
+impl StreamConfig {
+    /// What [`start`] refuses, without starting anything (`--check-config`): guest names that
+    /// are empty, duplicated or no directory name; certificate files that are missing or do
+    /// not parse; a client certificate that does not name `host_id` (every guest would refuse
+    /// the connection). The files are read again at every connection attempt, so renewed
+    /// certificates are picked up.
+    pub fn check(&self, host_id: &str) -> Result<(), StreamError> {
+        for (i, g) in self.guests.iter().enumerate() {
+            let label = g.label();
+            if label.is_empty()
+                || label.contains(['/', '\0'])
+                || label == "."
+                || label == ".."
+                || self.guests[..i].iter().any(|x| x.label() == label)
+            {
+                return Err(StreamError::Config(format!(
+                    "guest name {label:?} is empty, duplicated or not usable as a directory name"
+                )));
+            }
+        }
+        if self.guests.is_empty() {
+            return Ok(());
+        }
+        let read = crate::tls::read;
+        let (ca, cert, key) = (read(&self.ca)?, read(&self.cert)?, read(&self.key)?);
+        crate::tls::client_config(&ca, &cert, &key)?;
+        let names_host = crate::tls::parse_certs(&cert, "client certificate")?
+            .first()
+            .is_some_and(|c| crate::tls::identity_of(c, &[host_id.to_owned()]).is_some());
+        if !names_host {
+            return Err(StreamError::Config(format!(
+                "the client certificate {} does not name this host's id {host_id:?} (host_id); \
+                 every guest would refuse it",
+                self.cert.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One guest (VM) to stream to.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -168,6 +208,8 @@ pub enum StreamError {
     Metrics(#[from] prometheus::Error),
     #[error("stream config: {0}")]
     Config(String),
+    #[error("stream certificates: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 struct Metrics {
@@ -349,19 +391,10 @@ pub fn start_with_state(
         disk_max_bytes: cfg.disk_max_bytes,
         segment_bytes: cfg.segment_bytes,
     };
+    cfg.check(&host_id)?;
     let mut guests = Vec::new();
     for g in &cfg.guests {
         let label = g.label().to_owned();
-        if label.is_empty()
-            || label.contains(['/', '\0'])
-            || label == "."
-            || label == ".."
-            || guests.iter().any(|x: &Arc<Guest>| x.cfg.label() == label)
-        {
-            return Err(StreamError::Config(format!(
-                "guest name {label:?} is empty, duplicated or not usable as a directory name"
-            )));
-        }
         let spool = if cfg.spool_dir.as_os_str().is_empty() {
             Spool::memory(limits)
         } else {
