@@ -284,6 +284,9 @@ struct Inner {
     /// The hosts' own series, exported in this guest's scrape.
     host_states: Arc<host_state::HostStates>,
     admission: admission::Admission,
+    /// Authenticated connections by `stable_id`, with their host: closed when the host leaves
+    /// `allowed-hosts`.
+    live: Mutex<HashMap<usize, (String, quinn::Connection)>>,
     /// Rejections of unauthenticated peers, which anyone reaching the port can repeat.
     unverified_log: admission::RateLimitedLog,
 }
@@ -427,6 +430,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
             retry_above: cfg.retry_above,
         }),
         unverified_log: admission::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
+        live: Mutex::new(HashMap::new()),
         cfg,
     });
     tokio::spawn(accept_loop(inner.clone()));
@@ -498,6 +502,18 @@ impl Inner {
         }
     }
 
+    /// Closes the live connections of hosts not in `allowed` (removed from `allowed-hosts`):
+    /// the certificate check only runs at the handshake.
+    fn drop_unlisted(&self, allowed: &[String]) {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        for (host, conn) in live.values() {
+            if !allowed.contains(host) {
+                tracing::warn!(host = %host, remote = %conn.remote_address(), "hub: host removed from allowed-hosts: closing its connection");
+                conn.close(CLOSE_REFUSED.into(), b"host no longer allowed");
+            }
+        }
+    }
+
     /// Logs the rate-limited rejections not logged yet.
     fn log_unlogged_rejections(&self) {
         for (reason, unlogged) in self.unverified_log.due(Instant::now()) {
@@ -533,6 +549,7 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
             Ok((sc, allowed)) => {
                 inner.endpoint.set_server_config(Some(sc));
                 tracing::info!(dir = %dir.dir.display(), allowed = ?allowed, "hub: TLS files changed: reloaded");
+                inner.drop_unlisted(&allowed);
                 *inner.allowed.write().expect("allowed") = allowed;
             }
             Err(e) => {
@@ -641,6 +658,7 @@ async fn handle_incoming(
     // Authenticated: it no longer counts against the handshake limit (its address's place
     // is kept while it lives).
     ticket.established();
+    let _live = LiveEntry::new(&inner, &host, &conn);
     let connected = inner.metrics.connected.with_label_values(&[&host]);
     let mut c = Conn {
         inner: &inner,
@@ -662,6 +680,34 @@ async fn handle_incoming(
         Err(End::Lost(e)) => {
             tracing::info!(host = %host, %remote, "hub: connection ended: {e}")
         }
+    }
+}
+
+/// A connection's entry in [`Inner::live`], removed when dropped.
+struct LiveEntry<'a> {
+    inner: &'a Inner,
+    id: usize,
+}
+
+impl<'a> LiveEntry<'a> {
+    fn new(inner: &'a Inner, host: &str, conn: &quinn::Connection) -> Self {
+        let id = conn.stable_id();
+        inner
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, (host.to_owned(), conn.clone()));
+        LiveEntry { inner, id }
+    }
+}
+
+impl Drop for LiveEntry<'_> {
+    fn drop(&mut self) {
+        self.inner
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
     }
 }
 
