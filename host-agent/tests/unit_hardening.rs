@@ -35,7 +35,10 @@ fn systemd_analyze_security_rates_the_unit_below_2_5() {
     let text = String::from_utf8_lossy(&out.stdout);
     let level: f64 = text
         .lines()
-        .find_map(|l| l.split("Overall exposure level for gpufeed-host.service: ").nth(1))
+        .find_map(|l| {
+            l.split("Overall exposure level for gpufeed-host.service: ")
+                .nth(1)
+        })
         .and_then(|r| r.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no exposure level in:\n{text}"));

@@ -61,6 +61,10 @@ pub struct StreamConfig {
     /// Events kept in memory per guest (the whole spool when memory-only, else a cache of the
     /// newest). Default 65536.
     pub memory_events: usize,
+    /// ... and at most this many bytes of them (encoded) per guest; the oldest go first (to
+    /// disk, or lost without a spool directory). Default 16 MiB: a few guests and the agent fit
+    /// the unit's `MemoryMax=128M` even with every event at the 64 KiB frame limit.
+    pub memory_bytes: usize,
     /// Disk limit per guest in bytes; beyond it the oldest segment is dropped. Default 256 MiB.
     pub disk_max_bytes: u64,
     /// Segment file size in bytes (the unit dropped when the disk limit is hit). Default 4 MiB.
@@ -100,6 +104,7 @@ impl Default for StreamConfig {
             key: "/etc/gpufeed/tls/host-key.pem".into(),
             spool_dir: "/var/lib/gpufeed/spool".into(),
             memory_events: 65536,
+            memory_bytes: 16 << 20,
             disk_max_bytes: 256 << 20,
             segment_bytes: 4 << 20,
             reconnect_min_ms: 200,
@@ -388,6 +393,7 @@ pub fn start_with_state(
     let metrics = Metrics::new(registry)?;
     let limits = SpoolLimits {
         memory_events: cfg.memory_events,
+        memory_bytes: cfg.memory_bytes,
         disk_max_bytes: cfg.disk_max_bytes,
         segment_bytes: cfg.segment_bytes,
     };
