@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use gpufeed_shared::clock::{ReferenceClock, SystemClock};
 use gpufeed_shared::event::Stamped;
-use gpufeed_shared::proto::EncodedEvent;
+use gpufeed_shared::proto::{self, EncodedEvent};
 use gpufeed_shared::stream::client;
 use prometheus::Registry;
 use tokio::sync::broadcast;
@@ -50,19 +50,11 @@ impl Router {
             if targets.is_empty() {
                 continue;
             }
-            let encoded = postcard::to_allocvec(&ev.event)
-                .map_err(|e| e.to_string())
-                .and_then(|payload| {
-                    EncodedEvent::new(
-                        clock.report(ev.realtime_ns),
-                        ev.monotonic_ns,
-                        ev.event.kind(),
-                        &payload,
-                    )
-                    .map_err(|e| e.to_string())
-                });
+            // An oversized kmsg context is cut (and says so), the event is not dropped.
+            let encoded =
+                proto::encode_event(clock.report(ev.realtime_ns), ev.monotonic_ns, &ev.event);
             let encoded = match encoded {
-                Ok(e) => Arc::new(e),
+                Ok((e, _)) => Arc::new(e),
                 Err(e) => {
                     tracing::error!(kind = ev.event.kind_name(), error = %e, "cannot encode host event; skipped");
                     continue;

@@ -57,6 +57,10 @@ pub struct HubConfig {
     pub tls_dir: PathBuf,
     /// Events kept for [`Hub::recent`]. Default 4096.
     pub recent_capacity: usize,
+    /// ... and at most about this many bytes of them (twice the encoded payload per event, an
+    /// estimate of the decoded size). Default 8 MiB, within the DaemonSet's 256 MiB limit even
+    /// with every event at the frame limit.
+    pub recent_max_bytes: usize,
     /// Append accepted events to this JSON-lines file and seed de-duplication from it at start.
     /// Default none.
     pub journal: Option<PathBuf>,
@@ -105,6 +109,7 @@ impl HubConfig {
             listen,
             tls_dir: tls_dir.into(),
             recent_capacity: 4096,
+            recent_max_bytes: 8 << 20,
             journal: None,
             journal_max_bytes: 64 << 20,
             tls_reload_interval: Duration::from_secs(5),
@@ -267,7 +272,9 @@ impl Metrics {
 
 struct State {
     dedup: Dedup,
-    recent: VecDeque<ReceivedEvent>,
+    /// With each event's estimated size.
+    recent: VecDeque<(usize, ReceivedEvent)>,
+    recent_bytes: usize,
     journal: Option<journal::Journal>,
     clocks: HashMap<String, ClockFilter>,
 }
@@ -414,6 +421,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         state: Mutex::new(State {
             dedup,
             recent: VecDeque::with_capacity(cfg.recent_capacity.min(65536)),
+            recent_bytes: 0,
             journal,
             clocks: HashMap::new(),
         }),
@@ -447,7 +455,7 @@ impl Hub {
     /// The most recent events, oldest first.
     pub fn recent(&self) -> Vec<ReceivedEvent> {
         let st = self.inner.state.lock().expect("hub state");
-        st.recent.iter().cloned().collect()
+        st.recent.iter().map(|(_, e)| e.clone()).collect()
     }
 
     /// Every event received from now on (a receiver that lags loses events).
@@ -948,6 +956,8 @@ impl Conn<'_> {
         let mut garbage = Vec::new();
         let mut fatal = None;
         delivered.clear();
+        // Estimated memory of each delivered event (for the recent ring's byte bound).
+        let mut sizes = Vec::new();
         {
             let mut st = inner.state.lock().expect("hub state");
             let st = &mut *st;
@@ -991,6 +1001,11 @@ impl Conn<'_> {
                         }
                         match postcard::from_bytes::<HostEvent>(&f.payload) {
                             Ok(event) if event.kind() == f.kind => {
+                                sizes.push(
+                                    std::mem::size_of::<ReceivedEvent>()
+                                        + self.host.len()
+                                        + 2 * f.payload.len(),
+                                );
                                 delivered.push(ReceivedEvent {
                                     host: self.host.to_owned(),
                                     boot_id: boot,
@@ -1034,13 +1049,18 @@ impl Conn<'_> {
                     tracing::error!(path = %j.path().display(), error = %e, "hub: event journal write failed");
                 }
             }
-            let cap = inner.cfg.recent_capacity;
-            for e in delivered.iter() {
-                if st.recent.len() >= cap {
-                    st.recent.pop_front();
+            let (cap, max_bytes) = (inner.cfg.recent_capacity, inner.cfg.recent_max_bytes);
+            for (e, size) in delivered.iter().zip(&sizes) {
+                if cap == 0 {
+                    break;
                 }
-                if cap > 0 {
-                    st.recent.push_back(e.clone());
+                st.recent_bytes += size;
+                st.recent.push_back((*size, e.clone()));
+                while st.recent.len() > cap || (st.recent.len() > 1 && st.recent_bytes > max_bytes)
+                {
+                    if let Some((n, _)) = st.recent.pop_front() {
+                        st.recent_bytes -= n;
+                    }
                 }
             }
         }
