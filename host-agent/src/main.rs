@@ -173,14 +173,29 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let mut wd_usec = 0u64;
     if sd_notify::watchdog_enabled(false, &mut wd_usec) && wd_usec > 0 {
         let period = std::time::Duration::from_micros(wd_usec / 2);
-        let bus = agent.bus.clone();
+        let liveness = stream.as_ref().map(|s| s.liveness());
         tokio::spawn(async move {
             let mut iv = tokio::time::interval(period);
+            let mut stuck = false;
             loop {
                 iv.tick().await;
-                // The runtime is alive and the bus accepts events: the agent is healthy.
-                let _ = bus.emitted();
-                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+                // The runtime runs this task; the stream must be moving too, else no ping:
+                // systemd restarts a wedged agent after WatchdogSec.
+                match liveness.as_ref().map_or(Ok(()), |l| l.check(period)) {
+                    Ok(()) => {
+                        if std::mem::take(&mut stuck) {
+                            tracing::info!("watchdog: the stream moves again; pinging");
+                        }
+                        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+                    }
+                    Err(e) => {
+                        if !std::mem::replace(&mut stuck, true) {
+                            tracing::error!(
+                                "watchdog: {e}; not pinging (systemd restarts the agent)"
+                            );
+                        }
+                    }
+                }
             }
         });
     }

@@ -32,7 +32,12 @@ pub struct StreamHandle {
     inner: client::StreamHandle,
     router: Router,
     bus: Option<tokio::task::JoinHandle<()>>,
+    /// The bus task's progress (it beats at least every [`BUS_BEAT`]).
+    bus_beat: Arc<client::Beat>,
 }
+
+/// The bus task beats at least this often, also without events.
+const BUS_BEAT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Routes events to the guests' spools, encoding each once.
 #[derive(Clone)]
@@ -84,10 +89,18 @@ pub fn spawn(
     let mut h = start(cfg, host_id, registry)?;
     let lagged = h.inner.bus_lagged().clone();
     let router = h.router.clone();
+    let beat = h.bus_beat.clone();
+    beat.now();
     h.bus = Some(tokio::spawn(async move {
         let mut batch = Vec::with_capacity(1024);
+        let mut tick = tokio::time::interval(BUS_BEAT);
         loop {
-            match events.recv().await {
+            beat.now();
+            let next = tokio::select! {
+                r = events.recv() => r,
+                _ = tick.tick() => continue,
+            };
+            match next {
                 Ok(ev) => batch.push(ev),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     tracing::warn!(
@@ -152,6 +165,7 @@ pub fn start_with_clock(
         },
         inner,
         bus: None,
+        bus_beat: Arc::default(),
     })
 }
 
@@ -167,6 +181,20 @@ fn filters_of(cfg: &StreamConfig) -> Vec<Filter> {
 }
 
 impl StreamHandle {
+    /// The stream's liveness for the watchdog: the library's tasks and spools, and the task
+    /// that reads the event bus (stuck when routing blocks).
+    pub fn liveness(&self) -> client::Liveness {
+        let l = self.inner.liveness();
+        match &self.bus {
+            Some(bus) => l.with_task(
+                "the event bus reader of the stream",
+                bus.abort_handle(),
+                self.bus_beat.clone(),
+            ),
+            None => l,
+        }
+    }
+
     /// Routes and spools events directly (without the bus). Each event is encoded once, for
     /// every guest it goes to.
     pub fn push(&self, events: &[Stamped]) {

@@ -531,7 +531,107 @@ impl Spools {
     }
 }
 
+/// How long a spool may stay locked before the stream counts as wedged (its operations take
+/// microseconds; a disk write milliseconds).
+const SPOOL_LOCK_PATIENCE: Duration = Duration::from_millis(200);
+
+/// A task's progress: the monotonic time (ns) it last went round its loop. A task that may
+/// wait long for work beats on a timer too, so a stale beat means it is stuck.
+#[derive(Debug, Default)]
+pub struct Beat(std::sync::atomic::AtomicU64);
+
+impl Beat {
+    pub fn now(&self) {
+        self.0.store(
+            crate::clock::monotonic_ns(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    /// Time since the last beat.
+    pub fn age(&self) -> Duration {
+        let last = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        Duration::from_nanos(crate::clock::monotonic_ns().saturating_sub(last))
+    }
+}
+
+/// Whether the stream still works, for a watchdog: its tasks run, its spools are not held
+/// (a task stuck with a spool locked stops every guest's events), and the tasks with a
+/// [`Beat`] went round their loops recently. Cheap to clone.
+#[derive(Clone)]
+pub struct Liveness {
+    tasks: Vec<(String, tokio::task::AbortHandle, Option<Arc<Beat>>)>,
+    guests: Arc<[Arc<Guest>]>,
+    stopping: watch::Receiver<bool>,
+}
+
+impl Liveness {
+    /// Watches another task too (the caller's bus reader, say), stale after `Beat::age`
+    /// exceeds the `max_age` given to [`check`](Self::check).
+    pub fn with_task(
+        mut self,
+        name: impl Into<String>,
+        task: tokio::task::AbortHandle,
+        beat: Arc<Beat>,
+    ) -> Self {
+        self.tasks.push((name.into(), task, Some(beat)));
+        self
+    }
+
+    /// `Err` with what is stuck; `Ok` while shutting down.
+    pub fn check(&self, max_age: Duration) -> Result<(), String> {
+        if *self.stopping.borrow() {
+            return Ok(());
+        }
+        for (name, task, beat) in &self.tasks {
+            if task.is_finished() {
+                return Err(format!("{name} ended"));
+            }
+            if let Some(age) = beat.as_ref().map(|b| b.age()).filter(|a| *a > max_age) {
+                return Err(format!("{name} made no progress for {age:.1?}"));
+            }
+        }
+        for g in self.guests.iter() {
+            let t0 = std::time::Instant::now();
+            loop {
+                match g.spool.try_lock() {
+                    Ok(_) | Err(std::sync::TryLockError::Poisoned(_)) => break,
+                    Err(std::sync::TryLockError::WouldBlock) => {
+                        if t0.elapsed() > SPOOL_LOCK_PATIENCE {
+                            return Err(format!(
+                                "the spool of guest {} stayed locked for {SPOOL_LOCK_PATIENCE:?}",
+                                g.cfg.label()
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl StreamHandle {
+    /// The stream's [`Liveness`] (its connection tasks and spools).
+    pub fn liveness(&self) -> Liveness {
+        Liveness {
+            tasks: self
+                .tasks
+                .iter()
+                .zip(self.spools.guests.iter())
+                .map(|(t, g)| {
+                    (
+                        format!("the connection task of guest {}", g.cfg.label()),
+                        t.abort_handle(),
+                        None,
+                    )
+                })
+                .collect(),
+            guests: self.spools.guests.clone(),
+            stopping: self.stop.subscribe(),
+        }
+    }
+
     /// Where events go in.
     pub fn spools(&self) -> &Spools {
         &self.spools
@@ -575,5 +675,78 @@ impl StreamHandle {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream to a guest that is not there, with real certificates.
+    fn stream(dir: &std::path::Path) -> StreamHandle {
+        let dep = crate::tls::Deployment::generate("127.0.0.1", &["pve1".into()]).unwrap();
+        dep.write_guest_dir(dir).unwrap();
+        dep.write_host_files(dir).unwrap();
+        let cfg = StreamConfig {
+            ca: dir.join(crate::tls::CA_FILE),
+            cert: dir.join(crate::tls::host_cert_file("pve1")),
+            key: dir.join(crate::tls::host_key_file("pve1")),
+            spool_dir: PathBuf::new(),
+            guests: vec![GuestEndpoint {
+                endpoint: "127.0.0.1:9".into(),
+                name: "g".into(),
+                server_name: String::new(),
+                vmids: vec![],
+                devices: vec![],
+            }],
+            ..StreamConfig::default()
+        };
+        let clock = Arc::new(crate::clock::SystemClock);
+        start(cfg, "pve1".into(), &Registry::new(), clock).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn liveness_sees_a_wedged_spool_a_stale_beat_and_an_ended_task() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = stream(dir.path());
+        let max_age = Duration::from_secs(1);
+        let beat = Arc::new(Beat::default());
+        beat.now();
+        let reader = tokio::spawn(std::future::pending::<()>());
+        let l = h
+            .liveness()
+            .with_task("the reader", reader.abort_handle(), beat.clone());
+        assert_eq!(l.check(max_age), Ok(()));
+
+        // A task wedged while holding a spool.
+        let guest = h.spools.guests[0].clone();
+        let (held, release) = (
+            std::sync::mpsc::channel::<()>(),
+            std::sync::mpsc::channel::<()>(),
+        );
+        let holder = std::thread::spawn(move || {
+            let _spool = guest.spool();
+            held.0.send(()).unwrap();
+            let _ = release.1.recv();
+        });
+        held.1.recv().unwrap();
+        let e = l.check(max_age).unwrap_err();
+        assert!(e.contains("spool of guest g"), "{e}");
+        release.0.send(()).unwrap();
+        holder.join().unwrap();
+        assert_eq!(l.check(max_age), Ok(()));
+
+        // A loop that stopped going round.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let e = l.check(max_age).unwrap_err();
+        assert!(e.contains("the reader made no progress"), "{e}");
+        beat.now();
+        assert_eq!(l.check(max_age), Ok(()));
+
+        // A task that ended (a panic, say).
+        reader.abort();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(l.check(max_age), Err("the reader ended".into()));
+        h.shutdown().await;
     }
 }
