@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the gpufeed-guest container image that talos/gpufeed-guest.yaml runs, with buildah and
-# no base image: the binary at /usr/local/bin/gpufeed-guest, the shared libraries it links
+# Builds the gpufeed-guest container image that the DaemonSet in talos/kubernetes/ runs, with
+# buildah and no base image: the binary at /usr/local/bin/gpufeed-guest, the shared libraries it links
 # (libelf, zlib, libgcc_s, libc, the loader) and nothing else. No registry is contacted.
 #
 #   scripts/build-image.sh                       release build, image gpufeed-guest:<version>
@@ -15,6 +15,8 @@
 #
 # The image lands in the local containers storage (podman/buildah, /var/lib/containers).
 set -euo pipefail
+# Modes of what this writes do not depend on the caller's umask (no group/world write).
+umask 022
 cd "$(dirname "$0")/.."
 
 binary=""
@@ -70,7 +72,9 @@ container_root() {
     done
     mkdir -p "$1/var/lib/gpufeed" "$1/etc/gpufeed/tls" "$1/host/sys/fs/cgroup" \
         "$1/sys" "$1/proc" "$1/dev" "$1/tmp"
-    chmod 1777 "$1/tmp"
+    # The agent runs as root on a read-only root and writes nothing to /tmp; a world-writable
+    # directory would only be a hazard, and Talos refuses extensions that contain one.
+    chmod 0755 "$1/tmp"
 }
 
 if $extension; then

@@ -7,6 +7,12 @@
 # Ctrl-C stops everything. Options:
 #   --state DIR   keep certificates, spool and journal in DIR (default: a fresh temp dir,
 #                 removed at exit)
+#   --demo        also run a second, simulated host agent on a recorded Thunderbolt eGPU tree
+#                 whose link drops to 2.5 GT/s x1 for 30 s every minute, and a small workload in
+#                 a pod-shaped cgroup that is starved of CPU while the link is down: within two
+#                 minutes the page at / shows the link drop joined to that pod. Everything the
+#                 demo simulates is labelled simulated on the page, in /events and in the log.
+#   --dev         a debug build instead of the release build (builds faster, runs slower)
 #   --check       start everything, wait until the guest has the host stream connected and
 #                 Prometheus has scraped both agents, print the URLs, stop (for tests and CI)
 set -euo pipefail
@@ -14,11 +20,15 @@ cd "$(dirname "$0")/.."
 
 state=""
 check=0
+demo=0
+profile=release
 while [ $# -gt 0 ]; do
   case "$1" in
     --state) state="$2"; shift 2 ;;
     --check) check=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --demo) demo=1; shift ;;
+    --dev) profile=dev; shift ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "quickstart.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -29,8 +39,8 @@ fi
 
 ./scripts/setup.sh
 export PATH="$HOME/.cargo/bin:/root/.cargo/bin:$PATH"
-echo "quickstart: building the release binaries (a few minutes the first time)"
-cargo build --release -p gpufeed-guest -p gpufeed-host
+echo "quickstart: building the $profile binaries (a few minutes the first time)"
+cargo build --profile "$profile" -p gpufeed-guest -p gpufeed-host
 
 guest_metrics=${GPUFEED_GUEST_METRICS:-127.0.0.1:9745}
 host_metrics=${GPUFEED_HOST_METRICS:-127.0.0.1:9847}
@@ -43,18 +53,25 @@ if [ -z "$state" ]; then
 fi
 mkdir -p "$state"
 pids=()
+demo_pod=""
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  if [ -n "$demo_pod" ]; then
+    ./scripts/demo-egpu.sh stop "$demo_pod"
+    rmdir "$demo_pod/.." "$demo_pod/../.." "$demo_pod/../../.." 2>/dev/null || true
+  fi
   wait 2>/dev/null || true
   [ "$keep_state" = 1 ] || rm -rf "$state"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-bin=./target/release
+bin=./target/$([ "$profile" = dev ] && echo debug || echo release)
 host=$(hostname)
+demo_host=demo-egpu
 if [ ! -f "$state/certs/ca.pem" ]; then
-  "$bin/gpufeed-guest" certs init --out "$state/certs" --guest-addr "$quic" --host "$host" >/dev/null
+  "$bin/gpufeed-guest" certs init --out "$state/certs" --guest-addr "$quic" --host "$host" \
+    --host "$demo_host" >/dev/null
 fi
 # The generated host configuration, with the spool in the state directory and the metrics
 # address of this stack.
@@ -67,8 +84,41 @@ fi
 pids+=($!)
 "$bin/gpufeed-guest" run --metrics-listen "$guest_metrics" --quic-listen "$quic" \
   --tls-dir "$state/certs/guest" --event-journal "$state/journal.jsonl" --no-kube \
-  >"$state/guest.log" 2>&1 &
+  --simulated-host "$demo_host" >"$state/guest.log" 2>&1 &
 pids+=($!)
+
+if [ "$demo" = 1 ]; then
+  # The simulated host: the recorded eGPU tree as its root, nothing of this machine's own.
+  ./scripts/demo-egpu.sh tree "$state/demo-root"
+  cat >"$state/demo-host.toml" <<TOML
+host_id = "$demo_host"
+root = "$state/demo-root"
+metrics_listen = "127.0.0.1:9848"
+devices = ["0000:0a:00.0"]
+[pcie]
+poll_interval_ms = 200
+[bridge]
+enabled = false
+[host]
+enabled = false
+[thunderbolt]
+uevents = false
+[stream]
+ca = "$state/certs/ca.pem"
+cert = "$state/certs/host-$demo_host.pem"
+key = "$state/certs/host-$demo_host-key.pem"
+spool_dir = ""
+[[stream.guests]]
+name = "guest"
+endpoint = "$quic"
+TOML
+  "$bin/gpufeed-host" run --config "$state/demo-host.toml" >"$state/demo-host.log" 2>&1 &
+  pids+=($!)
+  cg=$(awk '$3 == "cgroup2" { print $2; exit }' /proc/self/mounts)
+  demo_pod="$cg/gpufeed-demo/kubepods/burstable/pod00000000-0000-4000-8000-00000000de70"
+  ./scripts/demo-egpu.sh cycle "$state/demo-root" 60 "$demo_pod" >"$state/demo.log" 2>&1 &
+  pids+=($!)
+fi
 
 cat >"$state/prometheus.yml" <<YAML
 global: { scrape_interval: 5s, evaluation_interval: 5s }
@@ -107,6 +157,8 @@ wait_metric "http://$host_metrics/metrics" '^gpufeed_host_stream_connected\{[^}]
 
 cat <<MSG
 gpufeed on this machine (state and logs in $state)
+  incident page http://$guest_metrics/   (the same as text: $bin/gpufeed-guest explain)
+  host events   http://$guest_metrics/events
   guest agent   http://$guest_metrics/metrics
   host agent    http://$host_metrics/metrics   (events live: $bin/gpufeed-host watch --config $state/host.toml)
   host → guest  QUIC with mutual TLS on $quic
@@ -124,6 +176,10 @@ if [ "$check" = 1 ]; then
   done
   echo "quickstart: Prometheus did not scrape both agents" >&2
   exit 1
+fi
+if [ "$demo" = 1 ]; then
+  echo "demo: the simulated host $demo_host drops its GPU link every minute (log: $state/demo.log);"
+  echo "      the pod 00000000-0000-4000-8000-00000000de70 is starved meanwhile: watch http://$guest_metrics/"
 fi
 echo "Ctrl-C stops everything."
 wait -n "${pids[@]}"

@@ -10,6 +10,8 @@ packages=(
   iproute2 iperf3 prometheus util-linux procps curl
   # host agent packaging checks
   dpkg-dev systemd
+  # the incident page, rendered in a real browser by the tests
+  chromium
   # the container image (scripts/build-image.sh) and the DaemonSet run by a real runtime
   # (runc: Debian's crun refuses hybrid cgroup hosts)
   buildah podman runc

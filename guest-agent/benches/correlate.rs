@@ -16,10 +16,10 @@ const S: i64 = 1_000_000_000;
 const T0: i64 = 1_790_000_000 * S;
 const PODS: usize = 250;
 const SIGNALS: [&str; 5] = [
-    "sched_latency",
+    "run_queue_wait",
     "tcp_rtt",
-    "tcp_retransmit",
-    "tc_drop",
+    "tcp_retransmit_rate",
+    "tc_drop_rate",
     "gpu_ioctl_latency",
 ];
 const WARMUP: i64 = 120;
@@ -54,7 +54,7 @@ fn windows(rng: &mut fastrand::Rng, pods: &[PodKey], tick: i64) -> Vec<SignalWin
         // Every 30 s, a tenth of the pods are hot for 5 ticks.
         let hot = tick % 30 < 5 && i % 10 == (tick / 30) as usize % 10;
         for signal in SIGNALS {
-            let rate = signal == "tcp_retransmit" || signal == "tc_drop";
+            let rate = signal == "tcp_retransmit_rate" || signal == "tc_drop_rate";
             let z = (-2.0 * rng.f64().max(1e-12).ln()).sqrt()
                 * (std::f64::consts::TAU * rng.f64()).cos();
             let mut p99 = if rate { 0.0 } else { 100.0 * (0.2 * z).exp() };

@@ -181,15 +181,22 @@ impl AgentCollector {
                 let m = merged.remove(f.name).unwrap_or_default();
                 match f.kind {
                     Kind::Histogram => histogram_family(f.name, f.help, m.hists),
-                    Kind::Counter => family(
-                        f.name,
-                        f.help,
-                        MetricType::COUNTER,
-                        m.counts
-                            .into_iter()
-                            .map(|(l, v)| counter(&l, v as f64))
-                            .collect(),
-                    ),
+                    Kind::Counter | Kind::SecondsCounter => {
+                        let unit = if f.kind == Kind::SecondsCounter {
+                            1e-9
+                        } else {
+                            1.0
+                        };
+                        family(
+                            f.name,
+                            f.help,
+                            MetricType::COUNTER,
+                            m.counts
+                                .into_iter()
+                                .map(|(l, v)| counter(&l, v as f64 * unit))
+                                .collect(),
+                        )
+                    }
                     Kind::Gauge => family(f.name, f.help, MetricType::GAUGE, m.gauges),
                 }
             })
@@ -253,7 +260,9 @@ impl AgentCollector {
         ));
         for s in stats.units.iter().flat_map(|u| u.series.iter()) {
             let (t, m) = match s.kind {
-                Kind::Counter => (MetricType::COUNTER, counter(&Labels::new(), s.value)),
+                Kind::Counter | Kind::SecondsCounter => {
+                    (MetricType::COUNTER, counter(&Labels::new(), s.value))
+                }
                 _ => (MetricType::GAUGE, gauge(&Labels::new(), s.value)),
             };
             out.push(family(s.name, s.help, t, vec![m]));
@@ -406,6 +415,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     registry: Registry,
     healthy: Arc<dyn Fn() -> bool + Send + Sync>,
+    more: axum::Router,
 ) -> std::io::Result<()> {
     use axum::http::{header, StatusCode};
     use axum::routing::get;
@@ -441,7 +451,8 @@ pub async fn serve(
                     }
                 }
             }),
-        );
+        )
+        .merge(more);
     serve_bounded(listener, app).await
 }
 

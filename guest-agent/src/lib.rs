@@ -12,6 +12,7 @@ pub mod exporter;
 pub mod hub;
 pub mod ifaces;
 pub mod incident;
+pub mod join;
 pub mod netlink;
 pub mod pods;
 pub mod privileges;

@@ -11,7 +11,8 @@ use clap::{Parser, Subcommand};
 
 use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
 use gpufeed_guest::{
-    certs, cgroups, collect, dst, exporter, hub, ifaces, pods, privileges, probes,
+    certs, cgroups, collect, correlate, dst, exporter, hub, ifaces, incident, join, pods,
+    privileges, probes,
 };
 
 /// Default /metrics port: not used by any well-known exporter.
@@ -31,12 +32,25 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Load the probes and serve /metrics and /healthz.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Certificates for the host → guest event stream.
     Certs {
         #[command(subcommand)]
         cmd: certs::CertsCmd,
     },
+    /// What a running agent has joined: host links now, host events with the pods they hit,
+    /// spikes no host event explains (the page at / as text).
+    Explain(ExplainArgs),
+}
+
+#[derive(Parser, Debug)]
+struct ExplainArgs {
+    /// How far back to look.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    since: Duration,
+    /// The agent's HTTP address (what it serves /metrics on).
+    #[arg(long, default_value_t = format!("http://127.0.0.1:{DEFAULT_METRICS_PORT}"))]
+    url: String,
 }
 
 #[derive(Parser, Debug)]
@@ -67,6 +81,38 @@ struct RunArgs {
     /// `auto` (physical NICs), `none`, or NAME[,NAME...].
     #[arg(long, default_value = "auto")]
     node_devices: ifaces::NodeDevices,
+    /// Path prefixes that make a file a GPU device file when it is opened
+    /// (at most 4, each under 64 bytes).
+    #[arg(
+        long,
+        value_name = "PATH",
+        value_delimiter = ',',
+        default_value = "/dev/nvidia"
+    )]
+    gpu_device_prefix: Vec<String>,
+    /// Character-device drivers (names in /proc/devices) whose files, already
+    /// open when the agent starts, are GPU device files.
+    #[arg(
+        long,
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
+    )]
+    gpu_driver_name: Vec<String>,
+    /// Hooks that time GPU driver calls: per-syscall tracepoints (need
+    /// tracefs), the raw sys_enter/sys_exit BTF tracepoints (work under
+    /// lockdown, run for every syscall), or auto.
+    #[arg(long, value_enum, default_value = "auto")]
+    gpu_driver_hook: probes::gpu_driver::Hook,
+    /// Window of ebpf_gpu_active_compute_duty_cycle.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    gpu_duty_window: Duration,
+    /// Count CUDA kernel launches (a uprobe on cuLaunchKernel, the hot launch path).
+    #[arg(long)]
+    cuda_launches: bool,
+    /// Mapped files whose name starts with this are the CUDA driver library.
+    #[arg(long, default_value = "libcuda.so")]
+    cuda_library_prefix: String,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -88,6 +134,28 @@ struct RunArgs {
     /// de-duplication, so a restarted guest neither repeats nor re-requests events.
     #[arg(long, env = "GPUFEED_EVENT_JOURNAL")]
     event_journal: Option<PathBuf>,
+    /// A spike joins a host event up to this long before it...
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    join_before: Duration,
+    /// ...and up to this long after it.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    join_after: Duration,
+    /// A window is a spike when it exceeds the baseline median by this many robust standard
+    /// deviations (1.4826 × MAD); lower finds more spikes.
+    #[arg(long, default_value_t = 6.0, value_parser = parse_sensitivity)]
+    spike_sensitivity: f64,
+    /// A host (its certificate name) that is a simulation, e.g. the quickstart demo's: its
+    /// events are labelled simulated on /, /events and in the log. Repeatable.
+    #[arg(long = "simulated-host", value_name = "HOST")]
+    simulated_hosts: Vec<String>,
+}
+
+fn parse_sensitivity(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(k) if (1.0..=100.0).contains(&k) => Ok(k),
+        Ok(k) => Err(format!("{k} is outside 1..100")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {
@@ -111,8 +179,9 @@ fn main() -> std::process::ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let result = match cli.cmd {
-        Cmd::Run(args) => run(args),
+        Cmd::Run(args) => run(*args),
         Cmd::Certs { cmd } => certs::run(cmd),
+        Cmd::Explain(args) => explain(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -167,6 +236,18 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             attach: args.tc_attach,
             node_devices: args.node_devices.clone(),
         },
+        gpu_driver: probes::gpu_driver::Config {
+            devices: probes::gpu_driver::GpuDevices {
+                path_prefixes: args.gpu_device_prefix.clone(),
+                driver_names: args.gpu_driver_name.clone(),
+            },
+            hook: args.gpu_driver_hook,
+            duty_window: args.gpu_duty_window,
+        },
+        cuda: probes::cuda::CudaOptions {
+            library_prefix: args.cuda_library_prefix.clone(),
+            launches: args.cuda_launches,
+        },
     };
     let ctx = LoadContext {
         btf: &btf,
@@ -202,6 +283,18 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         collector.families(),
         statuses,
     )))?;
+    let join_cfg = correlate::Config {
+        before: args.join_before,
+        after: args.join_after,
+        detector: correlate::DetectorConfig {
+            k: args.spike_sensitivity,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let node = node_name(args.node_name.clone());
+    let joined = join::Join::new(join_cfg, pods.clone(), node, args.simulated_hosts.clone());
+    registry.register(Box::new(join::JoinCollector::new(joined.clone())))?;
 
     // The tick runs on its own thread: it is all blocking syscalls.
     let started = Instant::now();
@@ -209,6 +302,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     {
         let last = last_tick_ms.clone();
         let interval = args.interval;
+        let joined = joined.clone();
         std::thread::Builder::new()
             .name("tick".into())
             .spawn(move || {
@@ -219,6 +313,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                     if let Err(e) = collector.tick() {
                         tracing::warn!("reading the cgroup hierarchy failed: {e}");
                         continue;
+                    }
+                    {
+                        let shared = collector.shared.lock().unwrap_or_else(|e| e.into_inner());
+                        joined.tick(&shared);
                     }
                     last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
@@ -237,36 +335,69 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             tracing::info!(node = %cfg.node_name, "watching this node's pods");
             tokio::spawn(pods::run_watcher(pods.clone(), cfg));
         }
-        // The hub: host events in; kept for the correlator and /events (hub::Hub::recent).
-        let _hub = match args.quic_listen {
-            Some(listen) => {
-                let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
-                hc.journal = args.event_journal.clone();
-                Some(
-                    hub::serve(hc, &registry)
-                        .await
-                        .context("starting the hub (--quic-listen)")?,
-                )
-            }
-            None => None,
-        };
+        // The hub: host events and host state in, joined with the pods' signals.
+        if let Some(listen) = args.quic_listen {
+            let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
+            hc.journal = args.event_journal.clone();
+            let hub = hub::serve(hc, &registry)
+                .await
+                .context("starting the hub (--quic-listen)")?;
+            joined.attach_hub(hub);
+        }
         let listener = tokio::net::TcpListener::bind(args.metrics_listen)
             .await
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
-        tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
+        tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /events, /api/state and the page at /");
         let stale_after = (args.interval * 3).as_millis() as u64 + 1000;
         let healthy = Arc::new(move || {
             let now = started.elapsed().as_millis() as u64;
             now.saturating_sub(last_tick_ms.load(Ordering::Relaxed)) <= stale_after
         });
         tokio::select! {
-            r = exporter::serve(listener, registry, healthy) => r.context("metrics server"),
+            r = exporter::serve(listener, registry, healthy, join::router(joined)) => r.context("metrics server"),
             _ = shutdown_signal() => {
                 tracing::info!("shutting down");
                 Ok(())
             }
         }
     })
+}
+
+fn explain(args: ExplainArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let base = args.url.trim_end_matches('/').to_string();
+    let (events, state) = rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()?;
+        let get = |path: &'static str| {
+            let url = format!("{base}{path}");
+            let client = client.clone();
+            async move {
+                let r = client
+                    .get(&url)
+                    .send()
+                    .await
+                    .with_context(|| {
+                        format!("cannot reach the agent at {url} (is it running? see --url)")
+                    })?
+                    .error_for_status()
+                    .with_context(|| url.clone())?;
+                r.json::<serde_json::Value>()
+                    .await
+                    .with_context(|| format!("{url} did not answer JSON (an older agent?)"))
+            }
+        };
+        anyhow::Ok((get("/events").await?, get("/api/state").await?))
+    })?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0);
+    print!("{}", incident::explain(&events, &state, args.since, now_ms));
+    Ok(())
 }
 
 async fn shutdown_signal() {

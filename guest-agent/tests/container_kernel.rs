@@ -1,4 +1,4 @@
-//! The DaemonSet of `talos/gpufeed-guest.yaml`, run for real: the image that
+//! The DaemonSet of `talos/kubernetes/overlays/stream`, run for real: the image that
 //! `scripts/build-image.sh` builds, started by a container runtime (podman with runc) with
 //! exactly the manifest's security context (capabilities dropped to its list, read-only root,
 //! no privilege escalation, its user), host network and PID namespaces, and its volumes. The
@@ -24,13 +24,13 @@
 //! the service's mounts and the ExtensionServiceConfig's files and environment.
 
 mod common;
+mod manifests;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
-use serde::Deserialize;
 use serde_yaml::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpufeed-guest");
@@ -48,16 +48,12 @@ fn have(tool: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// The pod template spec of the DaemonSet.
+/// The pod template spec of the DaemonSet, as `kubectl apply -k` applies it with the host
+/// stream on (the Secret volume and the QUIC listener included).
 fn daemonset_pod_spec() -> Value {
-    let text = std::fs::read_to_string(repo().join("talos/gpufeed-guest.yaml")).unwrap();
-    for de in serde_yaml::Deserializer::from_str(&text) {
-        let v = Value::deserialize(de).unwrap();
-        if v["kind"].as_str() == Some("DaemonSet") {
-            return v["spec"]["template"]["spec"].clone();
-        }
-    }
-    panic!("talos/gpufeed-guest.yaml has no DaemonSet");
+    manifests::object(&manifests::kustomize("overlays/stream"), "DaemonSet")["spec"]["template"]
+        ["spec"]
+        .clone()
 }
 
 /// Removes the image (unmounting it first) and any container left behind, even when the test
@@ -278,6 +274,8 @@ fn assert_all_probes_up(agent: &Agent, context: &str) {
         "tcp_retransmit",
         "tc_bytes",
         "tc_drops",
+        "gpu_driver",
+        "cuda",
     ] {
         assert_eq!(
             value(&s, "gpufeed_probe_up", &[("probe", probe)]),
@@ -418,6 +416,71 @@ fn yaml(path: &Path) -> Value {
     serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// Talos's content rules for an extension's rootfs; panics naming the first offender.
+fn assert_extension_rootfs_valid(rootfs: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    fn walk(dir: &Path, rootfs: &Path, files: &mut usize) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            let meta = std::fs::symlink_metadata(&p).unwrap();
+            let rel = Path::new("/").join(p.strip_prefix(rootfs).unwrap());
+            assert_eq!(
+                meta.permissions().mode() & 0o002,
+                0,
+                "world-writable in the extension: {}",
+                rel.display()
+            );
+            let t = meta.file_type();
+            if t.is_dir() {
+                walk(&p, rootfs, files);
+            } else if t.is_file() {
+                assert!(
+                    rel.starts_with("/usr/local"),
+                    "{} is outside the paths Talos allows extensions",
+                    rel.display()
+                );
+                *files += 1;
+            } else {
+                assert!(
+                    t.is_symlink(),
+                    "special file in the extension: {}",
+                    rel.display()
+                );
+            }
+        }
+    }
+    let mut files = 0;
+    walk(rootfs, rootfs, &mut files);
+    assert!(files > 3, "{files} files in the extension rootfs");
+}
+
+#[test]
+fn extension_rootfs_check_catches_a_world_writable_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    for f in [
+        "usr/local/a",
+        "usr/local/b",
+        "usr/local/c",
+        "usr/local/lib/d",
+    ] {
+        let p = d.path().join(f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, "x").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    for dir in ["usr", "usr/local", "usr/local/lib"] {
+        std::fs::set_permissions(d.path().join(dir), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+    }
+    assert_extension_rootfs_valid(d.path());
+    let tmp = d.path().join("usr/local/tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let r = std::panic::catch_unwind(|| assert_extension_rootfs_valid(d.path()));
+    assert!(r.is_err(), "a 1777 directory passed");
+}
+
 #[test]
 fn talos_extension_image_layout_and_service_run() {
     let Some(_lock) = require_root() else { return };
@@ -448,6 +511,30 @@ fn talos_extension_image_layout_and_service_run() {
         std::fs::read(&service_file).unwrap(),
         "the service definition is talos/extension-service.yaml"
     );
+    // What Talos's extension loader and validator accept (siderolabs/talos,
+    // pkg/machinery/extensions): the image holds manifest.yaml and rootfs/ only; the manifest
+    // has its required metadata; under rootfs/ nothing is world-writable, there are only
+    // directories, regular files and symlinks, and every file is under a path Talos allows
+    // extensions to add to (here: /usr/local).
+    let mut top: Vec<String> = std::fs::read_dir(&mnt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    top.sort();
+    assert_eq!(
+        top,
+        ["manifest.yaml", "rootfs"],
+        "extension image top level"
+    );
+    for key in ["name", "version", "author", "description"] {
+        assert!(
+            manifest["metadata"][key]
+                .as_str()
+                .is_some_and(|v| !v.trim().is_empty()),
+            "manifest metadata.{key}"
+        );
+    }
+    assert_extension_rootfs_valid(&mnt.join("rootfs"));
     let root = mnt.join(format!("rootfs/usr/local/lib/containers/{name}"));
     let entry = service["container"]["entrypoint"].as_str().unwrap();
     let meta = std::fs::metadata(root.join(entry.trim_start_matches('/'))).unwrap();

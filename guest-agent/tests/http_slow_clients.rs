@@ -53,6 +53,7 @@ async fn slow_clients_cost_bounded_memory_and_a_scrape_still_answers() {
         listener,
         reg,
         Arc::new(|| true),
+        axum::Router::new(),
     ));
     assert!(scrape(addr).await.contains("slow_clients_test_gauge 42"));
     let base = rss_bytes();

@@ -13,6 +13,7 @@
 //! discovery attaches to the agent's pod. Everything after discovery is Prometheus's own.
 
 mod common;
+mod manifests;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -20,14 +21,9 @@ use std::time::Duration;
 
 use common::*;
 
-/// The PodMonitor in the shipped manifests.
+/// The PodMonitor in the shipped manifests, as `kubectl apply -k` applies it.
 fn shipped_pod_monitor() -> serde_yaml::Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../talos/gpufeed-guest.yaml");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let pm = serde_yaml::Deserializer::from_str(&text)
-        .map(|d| <serde_yaml::Value as serde::Deserialize>::deserialize(d).unwrap())
-        .find(|d| d["kind"] == "PodMonitor");
-    pm.expect("a PodMonitor in talos/gpufeed-guest.yaml")
+    manifests::object(&manifests::kustomize("overlays/operator"), "PodMonitor").clone()
 }
 
 /// A Kubernetes label name as a Prometheus label name suffix (what discovery does).

@@ -15,7 +15,12 @@ use common::*;
 fn shipped_promql() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut out = Vec::new();
-    for dir in ["docs", "talos", "talos/tests"] {
+    for dir in [
+        "docs",
+        "talos",
+        "talos/tests",
+        "talos/kubernetes/components/prometheus-operator",
+    ] {
         let Ok(entries) = std::fs::read_dir(root.join(dir)) else {
             continue;
         };

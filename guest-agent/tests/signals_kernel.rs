@@ -15,7 +15,7 @@ use gpufeed_guest::ifaces::NodeDevices;
 use gpufeed_guest::pods::PodStore;
 use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
 use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
-use gpufeed_guest::probes::{self, sched, tc, tcp, KernelBtf};
+use gpufeed_guest::probes::{self, cuda, gpu_driver, sched, tc, tcp, KernelBtf};
 
 fn collector() -> Collector {
     let btf = KernelBtf::load();
@@ -30,6 +30,8 @@ fn collector() -> Collector {
             attach: tc::AttachMode::Auto,
             node_devices: NodeDevices::None,
         },
+        gpu_driver: gpu_driver::Config::default(),
+        cuda: cuda::CudaOptions::default(),
     };
     let ctx = LoadContext {
         btf: &btf,

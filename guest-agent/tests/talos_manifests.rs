@@ -1,4 +1,5 @@
-//! Keeps `talos/` true to the binary: every YAML document parses; the DaemonSet's and the
+//! Keeps `talos/` true to the binary: every YAML document parses (the Kubernetes objects as
+//! `kubectl kustomize` builds them); the DaemonSet's and the
 //! extension service's arguments are parsed by the real `gpufeed-guest run` (with `--help`
 //! last, clap parses and validates every flag and value, then prints help instead of running);
 //! RBAC, capabilities, ports, mounts and the TLS Secret agree with the binary and with
@@ -8,46 +9,26 @@
 //! (Debian package `prometheus`).
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-use serde::Deserialize;
 use serde_yaml::Value;
+
+mod manifests;
+use manifests::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpufeed-guest");
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn talos() -> PathBuf {
-    repo().join("talos")
-}
-
-/// Every document of every `talos/*.yaml`, with its file name.
+/// Everything a user deploys: the objects of the kustomize overlay with every component
+/// (`kubectl kustomize talos/kubernetes/overlays/full`), and the Talos documents.
 fn documents() -> Vec<(String, Value)> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(talos())
-        .expect("talos/ exists")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+    let mut out: Vec<(String, Value)> = kustomize("overlays/full")
+        .into_iter()
+        .map(|v| ("overlays/full".to_string(), v))
         .collect();
-    files.sort();
-    assert!(files.len() >= 5, "talos/ has too few manifests: {files:?}");
-    let mut out = Vec::new();
-    for f in files {
-        let text = std::fs::read_to_string(&f).unwrap();
-        let name = f.file_name().unwrap().to_string_lossy().into_owned();
-        let mut n = 0;
-        for de in serde_yaml::Deserializer::from_str(&text) {
-            let v = Value::deserialize(de).unwrap_or_else(|e| panic!("{name}: {e}"));
-            if v.is_null() {
-                continue; // a comment-only document before the first `---`
-            }
-            out.push((name.clone(), v));
-            n += 1;
-        }
-        assert!(n > 0, "{name}: no YAML documents");
-    }
+    let talos = talos_documents();
+    assert!(talos.len() >= 4, "talos/*.yaml has too few documents");
+    out.extend(talos);
     out
 }
 
@@ -364,9 +345,16 @@ fn daemonset_matches_the_binary() {
 
     // Service and PodMonitor reach the metrics port of these pods.
     let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
+    let selects_the_pods = |selector: &Value, what: &str| {
+        let sel = selector.as_mapping().expect("a label map");
+        assert!(!sel.is_empty(), "{what}: empty selector");
+        for (k, v) in sel {
+            assert_eq!(&pod_labels[k], v, "{what}: selects {k:?}={v:?}");
+        }
+    };
     let svc = one(&docs, "Service");
     assert_eq!(svc["spec"]["clusterIP"].as_str(), Some("None"));
-    assert_eq!(svc["spec"]["selector"], *pod_labels);
+    selects_the_pods(&svc["spec"]["selector"], "Service");
     assert_eq!(svc["spec"]["ports"][0]["port"].as_u64(), Some(metrics_port));
     assert_eq!(
         svc["spec"]["ports"][0]["targetPort"].as_str(),
@@ -374,7 +362,7 @@ fn daemonset_matches_the_binary() {
     );
     let pm = one(&docs, "PodMonitor");
     assert_eq!(pm["apiVersion"].as_str(), Some("monitoring.coreos.com/v1"));
-    assert_eq!(pm["spec"]["selector"]["matchLabels"], *pod_labels);
+    selects_the_pods(&pm["spec"]["selector"]["matchLabels"], "PodMonitor");
     let ep = &pm["spec"]["podMetricsEndpoints"][0];
     assert_eq!(ep["port"].as_str(), Some("metrics"));
     assert_eq!(ep["path"].as_str(), Some("/metrics"));
@@ -496,7 +484,6 @@ fn series_names(expr: &str) -> Vec<String> {
 
 fn source_text() -> String {
     let mut text = std::fs::read_to_string(repo().join("docs/metrics.md")).unwrap();
-    text += &std::fs::read_to_string(repo().join("host-agent/src/metrics.rs")).unwrap();
     fn rs(dir: &Path, text: &mut String) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -508,6 +495,9 @@ fn source_text() -> String {
         }
     }
     rs(&repo().join("guest-agent/src"), &mut text);
+    rs(&repo().join("host-agent/src"), &mut text);
+    // the hub's gpufeed_stream_* series are registered in the shared stream library
+    rs(&repo().join("shared/src"), &mut text);
     text
 }
 
@@ -556,7 +546,7 @@ fn prometheus_rules_pass_promtool() {
         String::from_utf8_lossy(&o.stderr)
     );
     std::fs::copy(
-        talos().join("tests/prometheus-rules.promtool.yaml"),
+        repo().join("talos/tests/prometheus-rules.promtool.yaml"),
         dir.path().join("tests.yaml"),
     )
     .unwrap();
@@ -580,4 +570,241 @@ fn prometheus_rules_pass_promtool() {
     .unwrap();
     let o = promtool(&["check", "rules", "broken.yaml"], dir.path());
     assert!(!o.status.success(), "promtool accepted a broken expression");
+}
+
+/// A Markdown heading's anchor as GitHub and most renderers make it.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == '-' || *c == '_' || *c == ' ')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+/// The sections of a Markdown file by anchor, with their text.
+fn sections(md: &str) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut cur: Option<String> = None;
+    for line in md.lines() {
+        if let Some(h) = line.strip_prefix("## ") {
+            cur = Some(anchor_of(h));
+            out.insert(anchor_of(h), String::new());
+        } else if let Some(c) = &cur {
+            let s = out.get_mut(c).unwrap();
+            s.push_str(line);
+            s.push('\n');
+        }
+    }
+    out
+}
+
+#[test]
+fn every_alert_has_a_runbook() {
+    let docs = documents();
+    let pr = one(&docs, "PrometheusRule");
+    let runbooks = std::fs::read_to_string(repo().join("docs/runbooks.md")).unwrap();
+    let sections = sections(&runbooks);
+    let mut alerts = 0;
+    for g in pr["spec"]["groups"].as_sequence().unwrap() {
+        for r in g["rules"].as_sequence().unwrap() {
+            let Some(alert) = r["alert"].as_str() else {
+                continue;
+            };
+            alerts += 1;
+            let url = r["annotations"]["runbook_url"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{alert}: no runbook_url"));
+            let (file, anchor) = url
+                .split_once('#')
+                .unwrap_or_else(|| panic!("{alert}: {url} has no anchor"));
+            assert_eq!(file, "docs/runbooks.md", "{alert}");
+            assert_eq!(anchor, alert.to_lowercase(), "{alert}: anchor");
+            let text = sections
+                .get(anchor)
+                .unwrap_or_else(|| panic!("{alert}: no section #{anchor} in docs/runbooks.md"));
+            // what to check and what to do
+            assert!(
+                text.contains("Check") && text.contains("Do:"),
+                "{alert}: the runbook says what to check and do"
+            );
+        }
+    }
+    assert!(alerts >= 10, "{alert} alerts", alert = alerts);
+    // the anchor check can fail
+    assert!(!sections.contains_key("gpufeednosuchalert"));
+    assert_eq!(anchor_of("GpufeedAgentDown"), "gpufeedagentdown");
+}
+
+/// The extension service definition's schema as Talos reads it (`services.Spec` in
+/// siderolabs/talos, pkg/machinery/extensions/services): unknown keys are errors here because
+/// Talos would ignore them silently.
+// Every field Talos knows is declared, read or not: deny_unknown_fields rejects the rest.
+#[allow(dead_code)]
+mod talos_service {
+    use serde::Deserialize;
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Spec {
+        pub name: String,
+        pub container: Container,
+        #[serde(default)]
+        pub depends: Vec<Dependency>,
+        pub restart: String,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields, rename_all = "camelCase")]
+    pub struct Container {
+        pub entrypoint: String,
+        #[serde(default)]
+        pub environment: Vec<String>,
+        #[serde(default)]
+        pub environment_file: Option<String>,
+        #[serde(default)]
+        pub args: Vec<String>,
+        #[serde(default)]
+        pub mounts: Vec<Mount>,
+        #[serde(default)]
+        pub security: Option<Security>,
+    }
+
+    /// An OCI runtime-spec mount.
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Mount {
+        pub destination: String,
+        #[serde(rename = "type")]
+        pub kind: Option<String>,
+        pub source: Option<String>,
+        #[serde(default)]
+        pub options: Vec<String>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields, rename_all = "camelCase")]
+    pub struct Security {
+        #[serde(default)]
+        pub writeable_sysfs: bool,
+        #[serde(default)]
+        pub masked_paths: Vec<String>,
+        #[serde(default)]
+        pub readonly_paths: Vec<String>,
+        #[serde(default)]
+        pub writeable_rootfs: bool,
+        #[serde(default)]
+        pub rootfs_propagation: Option<String>,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct Dependency {
+        pub service: Option<String>,
+        pub path: Option<String>,
+        pub network: Option<Vec<String>>,
+        pub time: Option<bool>,
+        pub configuration: Option<bool>,
+    }
+
+    /// Talos's validation: the name, restart kind, entrypoint, and exactly one condition per
+    /// dependency (absolute paths, known network states).
+    pub fn validate(spec: &Spec) -> Result<(), String> {
+        let mut errs = Vec::new();
+        if spec.name.is_empty()
+            || !spec
+                .name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
+        {
+            errs.push(format!("name {:?} is invalid", spec.name));
+        }
+        if !["always", "never", "untilSuccess"].contains(&spec.restart.as_str()) {
+            errs.push(format!("restart kind {:?} is invalid", spec.restart));
+        }
+        if spec.container.entrypoint.is_empty() {
+            errs.push("container entrypoint is empty".into());
+        }
+        for m in &spec.container.mounts {
+            if !m.destination.starts_with('/') {
+                errs.push(format!(
+                    "mount destination {:?} is not absolute",
+                    m.destination
+                ));
+            }
+        }
+        for d in &spec.depends {
+            let set = [
+                d.service.is_some(),
+                d.path.is_some(),
+                d.network.as_ref().is_some_and(|n| !n.is_empty()),
+                d.time == Some(true),
+                d.configuration == Some(true),
+            ]
+            .iter()
+            .filter(|x| **x)
+            .count();
+            if set != 1 {
+                errs.push(format!("a dependency sets {set} conditions, not one"));
+            }
+            if let Some(p) = &d.path {
+                if !p.starts_with('/') {
+                    errs.push(format!("dependency path {p:?} is not absolute"));
+                }
+            }
+            for n in d.network.iter().flatten() {
+                if !["addresses", "connectivity", "hostname", "etcfiles"].contains(&n.as_str()) {
+                    errs.push(format!("unknown network dependency {n:?}"));
+                }
+            }
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs.join("; "))
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Spec, String> {
+        let spec: Spec = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        validate(&spec)?;
+        Ok(spec)
+    }
+}
+
+#[test]
+fn extension_service_follows_the_talos_schema() {
+    let text = std::fs::read_to_string(repo().join("talos/extension-service.yaml")).unwrap();
+    let spec = talos_service::parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(spec.name, "gpufeed-guest");
+    assert!(spec.container.entrypoint.starts_with('/'));
+    let sec = spec.container.security.expect("security");
+    assert!(!sec.writeable_rootfs && !sec.writeable_sysfs);
+    // The TLS files come from the ExtensionServiceConfig: the service waits for them.
+    assert!(spec.depends.iter().any(|d| d.configuration == Some(true)));
+    for m in &spec.container.mounts {
+        assert_eq!(m.kind.as_deref(), Some("bind"), "{}", m.destination);
+        assert!(m.source.as_deref().is_some_and(|s| s.starts_with('/')));
+        assert!(
+            m.options.iter().any(|o| o == "ro" || o == "rw"),
+            "{}",
+            m.destination
+        );
+    }
+
+    // The schema check can fail: a misspelt key, a wrong restart kind, a double dependency.
+    let typo = text.replace("writeableRootfs:", "writableRootfs:");
+    assert!(
+        talos_service::parse(&typo).is_err(),
+        "misspelt key accepted"
+    );
+    let bad_restart = text.replace("restart: always", "restart: sometimes");
+    assert!(talos_service::parse(&bad_restart).is_err());
+    let double = text.replace(
+        "  - configuration: true\n",
+        "  - configuration: true\n    time: true\n",
+    );
+    assert_ne!(double, text);
+    assert!(talos_service::parse(&double).is_err());
 }

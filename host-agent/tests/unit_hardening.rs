@@ -1,6 +1,7 @@
 //! The shipped systemd unit keeps only the capabilities a feature needs (each justified in a
-//! comment there), keeps /sys and /proc/sys read-only, creates private files, and
-//! `systemd-analyze security` rates it better than the 3.2 of the unit before these changes.
+//! comment there: kmsg, and `setns` for `[bridge] netns`), keeps /sys and /proc/sys read-only,
+//! creates private files, and `systemd-analyze security` rates it better than the 3.2 of the
+//! unit before these changes.
 
 use std::process::Command;
 
@@ -14,7 +15,10 @@ fn directive(key: &str) -> Vec<&'static str> {
 
 #[test]
 fn unit_keeps_only_the_capabilities_it_needs() {
-    assert_eq!(directive("CapabilityBoundingSet"), vec!["CAP_SYSLOG"]);
+    assert_eq!(
+        directive("CapabilityBoundingSet"),
+        vec!["CAP_SYSLOG CAP_SYS_ADMIN"]
+    );
     assert_eq!(directive("AmbientCapabilities"), vec![""]);
     assert_eq!(directive("ProtectKernelTunables"), vec!["yes"]);
     assert_eq!(directive("UMask"), vec!["0077"]);
@@ -23,7 +27,7 @@ fn unit_keeps_only_the_capabilities_it_needs() {
 }
 
 #[test]
-fn systemd_analyze_security_rates_the_unit_below_2_5() {
+fn systemd_analyze_security_rates_the_unit_at_most_2_6() {
     let dir = tempfile::tempdir().unwrap();
     let unit = dir.path().join("gpufeed-host.service");
     std::fs::write(&unit, UNIT).unwrap();
@@ -43,5 +47,5 @@ fn systemd_analyze_security_rates_the_unit_below_2_5() {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no exposure level in:\n{text}"));
     eprintln!("systemd-analyze security: {level}");
-    assert!(level <= 2.5, "exposure {level}");
+    assert!(level <= 2.6, "exposure {level}");
 }

@@ -50,6 +50,10 @@ impl Rolling {
         self.arrival.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.arrival.is_empty()
+    }
+
     pub fn clear(&mut self) {
         self.arrival.clear();
         self.sorted.clear();

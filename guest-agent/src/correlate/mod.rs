@@ -63,12 +63,12 @@ impl Default for Config {
         let policy = |rate, abs_floor| SignalPolicy { rate, abs_floor };
         let signals = [
             // µs: run-queue waits under 50 µs more than usual do not starve a GPU feeder.
-            ("sched_latency", policy(false, 50.0)),
+            ("run_queue_wait", policy(false, 50.0)),
             // µs: a 200 µs rise in RTT is below what a link fault does to a request.
             ("tcp_rtt", policy(false, 200.0)),
             // per second
-            ("tcp_retransmit", policy(true, 1.0)),
-            ("tc_drop", policy(true, 1.0)),
+            ("tcp_retransmit_rate", policy(true, 1.0)),
+            ("tc_drop_rate", policy(true, 1.0)),
         ]
         .into_iter()
         .map(|(s, p)| (s.to_string(), p))

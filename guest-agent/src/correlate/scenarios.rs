@@ -1,15 +1,15 @@
 //! Seeded scenario generator and the precision/recall measurement of the join.
 //!
 //! One scenario is five minutes of one-second ticks on one VM:
-//! * 3–12 pods; each has `sched_latency`, half also `tcp_rtt`, a third `tcp_retransmit`.
+//! * 3–12 pods; each has `run_queue_wait`, half also `tcp_rtt`, a third `tcp_retransmit_rate`.
 //!   A fifth appear during the run, a sixth are deleted during it (`forget_pod`).
 //! * Noise: p99 = median × exp(σ·N(0,1)) (log-normal) with a median of 20–200 µs
-//!   (`sched_latency`) or 100–2000 µs (`tcp_rtt`) and σ 0.05–0.3 per pod signal; 1% of
+//!   (`run_queue_wait`) or 100–2000 µs (`tcp_rtt`) and σ 0.05–0.3 per pod signal; 1% of
 //!   windows are single-window outliers ×2–4; 3% are thin (under 20 observations, p99 anywhere
 //!   in 0–10× the median). Retransmits are zero with 5% of windows at 0.1–0.8/s.
 //! * 1–4 host events, at least 20 s apart, of random incident kinds (AER ones as bursts of
 //!   1–3 reports within 0.3 s). 60% have an effect on 1–3 pods with 30 s of history, on one
-//!   or two of their signals: ×3–20 (`sched_latency`), ×3–10 (`tcp_rtt`) or 5–50/s
+//!   or two of their signals: ×3–20 (`run_queue_wait`), ×3–10 (`tcp_rtt`) or 5–50/s
 //!   retransmits, lasting 3–12 ticks, starting 0–2 ticks after the event's window.
 //! * 0–2 guest-internal spikes (no host event) of the same sizes, at random times: where one
 //!   falls within reach of an event it is a false join, as it would be in the field.
@@ -48,9 +48,9 @@ enum Kind {
 impl Kind {
     fn name(self) -> &'static str {
         match self {
-            Kind::Sched => "sched_latency",
+            Kind::Sched => "run_queue_wait",
             Kind::Rtt => "tcp_rtt",
-            Kind::Retransmit => "tcp_retransmit",
+            Kind::Retransmit => "tcp_retransmit_rate",
         }
     }
 }

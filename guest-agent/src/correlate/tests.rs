@@ -54,7 +54,7 @@ impl Sim {
                 count: 100,
                 sum: 0.0,
                 p50: 0.0,
-                p99: v.unwrap_or(if *signal == "sched_latency" {
+                p99: v.unwrap_or(if *signal == "run_queue_wait" {
                     40.0 + (self.t % 5) as f64
                 } else {
                     0.0
@@ -67,7 +67,7 @@ impl Sim {
     }
 
     fn quiet(&mut self, pods: &[&PodKey], ticks: usize) {
-        let q: Vec<_> = pods.iter().map(|p| (*p, "sched_latency", None)).collect();
+        let q: Vec<_> = pods.iter().map(|p| (*p, "run_queue_wait", None)).collect();
         for _ in 0..ticks {
             self.tick(&q);
         }
@@ -113,7 +113,11 @@ fn value(fams: &[MetricFamily], name: &str, labels: &[(&str, &str)]) -> Option<f
 fn spikes_of(sim: &Sim, p: &str) -> Option<f64> {
     sim.value(
         export::LATENCY_SPIKES,
-        &[("signal", "sched_latency"), ("namespace", "ml"), ("pod", p)],
+        &[
+            ("signal", "run_queue_wait"),
+            ("namespace", "ml"),
+            ("pod", p),
+        ],
     )
 }
 
@@ -122,7 +126,7 @@ fn correlated(sim: &Sim, event: &str, p: &str) -> Option<f64> {
         export::CORRELATED_SPIKES,
         &[
             ("event", event),
-            ("signal", "sched_latency"),
+            ("signal", "run_queue_wait"),
             ("namespace", "ml"),
             ("pod", p),
         ],
@@ -138,7 +142,7 @@ fn contention(sim: &mut Sim, pods: &[&PodKey], hot: &PodKey, between: impl Fn(&m
         between(sim, t);
         let row: Vec<_> = pods
             .iter()
-            .map(|p| (*p, "sched_latency", (*p == hot).then_some(900.0)))
+            .map(|p| (*p, "run_queue_wait", (*p == hot).then_some(900.0)))
             .collect();
         sim.tick(&row);
     }
@@ -170,14 +174,14 @@ fn link_degradation_joins_the_pod_that_spiked_and_not_the_other() {
         export::EVENT_IMPACT,
         &[
             ("event", "link_degraded"),
-            ("signal", "sched_latency"),
+            ("signal", "run_queue_wait"),
             ("namespace", "ml"),
             ("pod", "vllm-0"),
         ],
     );
     assert_eq!(impact, Some(900.0 / 42.0));
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "sched_latency")]),
+        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(1.0)
     );
     let ev = &sim.c.recent_events()[0];
@@ -237,7 +241,7 @@ fn a_late_event_explains_a_spike_already_counted_as_unexplained() {
     assert_eq!(un.len(), 1);
     assert!(!un[0].pending);
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "sched_latency")]),
+        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(0.0)
     );
     // The host was disconnected; its spool delivers the event now, 16 s late.
@@ -245,7 +249,7 @@ fn a_late_event_explains_a_spike_already_counted_as_unexplained() {
     assert_eq!(correlated(&sim, "link_degraded", "vllm-0"), Some(1.0));
     assert!(sim.c.unexplained_spikes(sim.now()).is_empty());
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "sched_latency")]),
+        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(1.0)
     );
 }
@@ -255,14 +259,14 @@ fn a_fresh_spike_is_pending_before_it_is_unexplained() {
     let a = pod("vllm-0");
     let mut sim = Sim::new();
     sim.quiet(&[&a], 30);
-    sim.tick(&[(&a, "sched_latency", Some(900.0))]);
-    sim.tick(&[(&a, "sched_latency", Some(900.0))]);
+    sim.tick(&[(&a, "run_queue_wait", Some(900.0))]);
+    sim.tick(&[(&a, "run_queue_wait", Some(900.0))]);
     let un = sim.c.unexplained_spikes(sim.now());
     assert_eq!(un.len(), 1);
     assert!(un[0].pending);
     // Pending spikes are not in the ratio yet.
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "sched_latency")]),
+        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         None
     );
     assert_eq!(spikes_of(&sim, "vllm-0"), Some(1.0));
@@ -277,8 +281,8 @@ fn out_of_order_events_each_join_their_own_pod() {
         let hot_a = (0..5).contains(&i); // windows at 31..35
         let hot_b = (30..35).contains(&i); // windows at 61..65
         sim.tick(&[
-            (&a, "sched_latency", hot_a.then_some(900.0)),
-            (&b, "sched_latency", hot_b.then_some(900.0)),
+            (&a, "run_queue_wait", hot_a.then_some(900.0)),
+            (&b, "run_queue_wait", hot_b.then_some(900.0)),
         ]);
     }
     // Delivered newest first.
@@ -323,7 +327,7 @@ fn overlapping_events_count_a_spike_once_per_kind() {
     let lags: Vec<i64> = evs.iter().map(|e| e.affected[0].lag_ms).collect();
     assert_eq!(lags, vec![-1500, 100, 800]);
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "sched_latency")]),
+        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(1.0)
     );
 }
@@ -334,18 +338,18 @@ fn a_pod_that_appears_mid_window_is_warming_up_and_not_joined() {
     let mut sim = Sim::new();
     sim.quiet(&[&a], 28);
     sim.tick(&[
-        (&a, "sched_latency", None),
-        (&c, "sched_latency", Some(45.0)),
+        (&a, "run_queue_wait", None),
+        (&c, "run_queue_wait", Some(45.0)),
     ]);
     sim.tick(&[
-        (&a, "sched_latency", None),
-        (&c, "sched_latency", Some(43.0)),
+        (&a, "run_queue_wait", None),
+        (&c, "run_queue_wait", Some(43.0)),
     ]);
     sim.event(&degraded(), 30.5, 0.0, 0.0);
     for _ in 0..5 {
         sim.tick(&[
-            (&a, "sched_latency", Some(900.0)),
-            (&c, "sched_latency", Some(900.0)),
+            (&a, "run_queue_wait", Some(900.0)),
+            (&c, "run_queue_wait", Some(900.0)),
         ]);
     }
     assert_eq!(correlated(&sim, "link_degraded", "vllm-0"), Some(1.0));
@@ -365,12 +369,12 @@ fn a_pod_deleted_mid_window_stays_in_history_without_series() {
     let mut sim = Sim::new();
     sim.quiet(&[&a, &b], 30);
     sim.tick(&[
-        (&a, "sched_latency", Some(900.0)),
-        (&b, "sched_latency", None),
+        (&a, "run_queue_wait", Some(900.0)),
+        (&b, "run_queue_wait", None),
     ]);
     sim.tick(&[
-        (&a, "sched_latency", Some(900.0)),
-        (&b, "sched_latency", None),
+        (&a, "run_queue_wait", Some(900.0)),
+        (&b, "run_queue_wait", None),
     ]);
     assert_eq!(spikes_of(&sim, "vllm-0"), Some(1.0));
     // The pod crashed and was deleted; the host's event arrives after that.
@@ -390,8 +394,8 @@ fn a_pod_deleted_mid_window_stays_in_history_without_series() {
     // A new pod of the same name (new uid) starts from scratch.
     let a2 = PodKey::new("ml", "vllm-0", "uid-2");
     sim.tick(&[
-        (&a2, "sched_latency", Some(900.0)),
-        (&b, "sched_latency", None),
+        (&a2, "run_queue_wait", Some(900.0)),
+        (&b, "run_queue_wait", None),
     ]);
     assert_eq!(spikes_of(&sim, "vllm-0"), None, "warming up");
 }
@@ -404,7 +408,7 @@ fn flat_zero_and_a_warming_pod_do_not_storm() {
         // tc drops flat zero with an odd sub-floor blip; a pod starting hot and settling.
         let blip = (i % 17 == 0).then_some(0.8);
         let warm = (i < 8).then_some(5000.0 / (i + 1) as f64);
-        sim.tick(&[(&a, "tc_drop", blip), (&w, "sched_latency", warm)]);
+        sim.tick(&[(&a, "tc_drop_rate", blip), (&w, "run_queue_wait", warm)]);
         if i == 5 || i == 40 {
             let t = sim.t as f64 - 0.5;
             sim.event(&degraded(), t, 0.0, 0.0);
@@ -494,7 +498,7 @@ fn events_serve_as_grafana_annotations() {
     assert_eq!(
         e["text"],
         "PCIe link 0000:09:00.0: 16.0 GT/s x4 → 2.5 GT/s x1 (width_reduction): \
-         ml/vllm-0 sched_latency ×21.4"
+         ml/vllm-0 run_queue_wait ×21.4"
     );
     assert_eq!(
         e["tags"],
@@ -573,7 +577,7 @@ fn hostile_windows_and_times_do_not_panic() {
     let mut c = Correlator::new(Config::default());
     let w = |at, p99| SignalWindow {
         pod: a.clone(),
-        signal: "sched_latency".into(),
+        signal: "run_queue_wait".into(),
         at,
         count: u64::MAX,
         sum: f64::NAN,

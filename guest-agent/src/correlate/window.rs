@@ -23,14 +23,14 @@ impl PodKey {
 
 /// One tick of one latency signal of one pod, summarised from the probe's delta.
 ///
-/// For a distribution signal (`sched_latency`, `tcp_rtt`) `count` is the number of
+/// For a distribution signal (`run_queue_wait`, `tcp_rtt`) `count` is the number of
 /// observations and `p50`/`p99`/`max` are their quantiles. For a rate signal
-/// (`tcp_retransmit`, `tc_drop`) the unit reports the per-second rate of the window in
+/// (`tcp_retransmit_rate`, `tc_drop_rate`) the unit reports the per-second rate of the window in
 /// `p50`, `p99` and `max` and the number of events in `count`. The detector tests `p99`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SignalWindow {
     pub pod: PodKey,
-    /// `sched_latency`, `tcp_rtt`, `tcp_retransmit`, `tc_drop`, or a later unit's name.
+    /// `run_queue_wait`, `tcp_rtt`, `tcp_retransmit_rate`, `tc_drop_rate`, or a later unit's name.
     pub signal: String,
     /// End of the window, guest `CLOCK_REALTIME` in ns.
     pub at: i64,

@@ -9,6 +9,8 @@
 //! rest of the agent: the kernel keeps programs alive through their links and
 //! maps through the handles.
 
+pub mod cuda;
+pub mod gpu_driver;
 pub mod hist;
 pub mod sched;
 pub mod signal;
@@ -19,7 +21,13 @@ pub mod unit;
 use unit::{LoadContext, UnitSpec, Units};
 
 /// Every probe unit. Adding a probe adds one line here.
-pub const UNITS: &[UnitSpec] = &[sched::UNIT, tcp::UNIT, tc::UNIT];
+pub const UNITS: &[UnitSpec] = &[
+    sched::UNIT,
+    tcp::UNIT,
+    tc::UNIT,
+    gpu_driver::UNIT,
+    cuda::UNIT,
+];
 
 /// `--probes` names, in registry order.
 pub fn names() -> Vec<&'static str> {
@@ -294,8 +302,10 @@ mod tests {
         let e = select("sched_latency,gpu").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unknown probe \"gpu\" (known: sched_latency, tcp_rtt, tcp_retransmit, tc, all, none)"
+            "unknown probe \"gpu\" (known: sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda, all, none)"
         );
-        assert!(probes_help().contains("sched_latency, tcp_rtt, tcp_retransmit, tc"));
+        assert!(
+            probes_help().contains("sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda")
+        );
     }
 }

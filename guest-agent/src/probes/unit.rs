@@ -29,6 +29,8 @@ pub enum Kind {
     Histogram,
     /// Monotonic count (`Value::Count`).
     Counter,
+    /// Monotonic count of nanoseconds (`Value::Count`), exported in seconds.
+    SecondsCounter,
     /// A value the unit sets whole each time (`TickOutput::gauges`).
     Gauge,
 }
@@ -204,6 +206,8 @@ pub struct ProbeConfig {
     pub sched: super::sched::Config,
     pub tcp: super::tcp::Config,
     pub tc: super::tc::Config,
+    pub gpu_driver: super::gpu_driver::Config,
+    pub cuda: super::cuda::CudaOptions,
 }
 
 /// What loading gets: the kernel's BTF, the configuration, and the kernel's
@@ -219,6 +223,22 @@ pub struct LoadContext<'a> {
 pub struct Loaded {
     pub unit: Option<Box<dyn Probe>>,
     pub statuses: Vec<ProbeStatus>,
+}
+
+impl Loaded {
+    /// A unit with one `--probes` name: up when it loaded, else down with why.
+    pub fn single<P: Probe + 'static>(name: &'static str, r: Result<P, ProbeStatus>) -> Loaded {
+        match r {
+            Ok(p) => Loaded {
+                unit: Some(Box::new(p)),
+                statuses: vec![ProbeStatus::up(name)],
+            },
+            Err(st) => Loaded {
+                unit: None,
+                statuses: vec![st],
+            },
+        }
+    }
 }
 
 /// A unit as the registry lists it, before anything is loaded.

@@ -877,3 +877,19 @@ pub fn attach_tcx(
         })
         .collect()
 }
+
+/// Compiles a C fixture from tests/fixtures with the system compiler into
+/// `out` (extra arguments go after the source: libraries, `-shared`, ...).
+pub fn compile_c(fixture: &str, out: &Path, extra: &[&str]) {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(fixture);
+    let status = Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(out)
+        .arg(&src)
+        .args(extra)
+        .status()
+        .expect("running cc");
+    assert!(status.success(), "cc {} failed", src.display());
+}

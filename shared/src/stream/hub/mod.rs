@@ -452,6 +452,23 @@ impl Hub {
         self.inner.host_states.get(host)
     }
 
+    /// Every allowed host and whether its stream is connected now.
+    pub fn hosts(&self) -> Vec<(String, bool)> {
+        let allowed = self
+            .inner
+            .allowed
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        allowed
+            .into_iter()
+            .map(|h| {
+                let up = self.inner.metrics.connected.with_label_values(&[&h]).get() > 0;
+                (h, up)
+            })
+            .collect()
+    }
+
     /// The most recent events, oldest first.
     pub fn recent(&self) -> Vec<ReceivedEvent> {
         let st = self.inner.state.lock().expect("hub state");

@@ -1,0 +1,463 @@
+// SPDX-License-Identifier: GPL-2.0 OR Apache-2.0
+/*
+ * CUDA driver API per cgroup, from uprobes on each container's own
+ * libcuda.so.1: device memory reserved (classic allocations and the virtual
+ * memory management API), bytes copied between host and device by direction,
+ * and kernel launches.
+ *
+ * Userspace attaches these programs once per distinct library file (device,
+ * inode) for all processes; a uprobe binds to (inode, offset), so one attach
+ * covers every process and container that maps that file.
+ *
+ * Loads under lockdown=confidentiality: uprobes, one tp_btf hook, and
+ * bpf_probe_read_user for out-parameters (the CUDA API returns pointers and
+ * handles through user memory, read at the uretprobe). No kernel reads.
+ *
+ * Accounting (a signed byte count per cgroup, `vram`):
+ *   - cuMemAlloc_v2/AllocPitch_v2/AllocManaged/AllocAsync add the size at a
+ *     successful return and remember (tgid, dptr) -> size; cuMemFree_v2 and
+ *     cuMemFreeAsync subtract what that pointer holds.
+ *   - cuMemCreate is the physical allocation of the VMM API: it adds the size
+ *     and remembers (tgid, handle). The memory lives until the handle is
+ *     released *and* no mapping uses it (cuMemRelease, cuMemUnmap), so both
+ *     are tracked; cuMemMap/cuMemUnmap by themselves add nothing.
+ *   - cuMemImportFromShareableHandle yields a handle to memory another
+ *     process created (and was counted there): it is tracked with size 0.
+ *   - When a process exits, what it still holds is subtracted.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include "cgroup.h"
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+#define CUDA_SUCCESS 0
+/* Adjacent mappings one cuMemUnmap may cover (it must unmap whole mappings). */
+#define MAX_UNMAP_SPAN 32
+
+/* Per cgroup; mirrored in probes/cuda.rs. */
+struct cuda_cgroup {
+	__s64 vram_bytes;
+	__u64 h2d_bytes;
+	__u64 d2h_bytes;
+	__u64 launches;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_CGRP_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct cuda_cgroup);
+} cuda_cgroup SEC(".maps");
+
+#define KIND_DPTR 0    /* classic allocation: key is the device pointer */
+#define KIND_HANDLE 1  /* VMM allocation handle */
+#define KIND_MAPPING 2 /* VMM mapping: key is the virtual address */
+
+struct obj_key {
+	__u32 tgid;
+	__u32 kind;
+	__u64 id;
+};
+
+struct obj {
+	__u64 size;	/* bytes this object holds (0 for imports and mappings) */
+	__u64 handle;	/* KIND_MAPPING: the handle mapped */
+	__u64 span;	/* KIND_MAPPING: bytes mapped */
+	__u32 mappings; /* KIND_HANDLE: live mappings */
+	__u32 released; /* KIND_HANDLE: cuMemRelease was called */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 131072);
+	__type(key, struct obj_key);
+	__type(value, struct obj);
+} cuda_objs SEC(".maps");
+
+/* Bytes each process holds, and the cgroup they were charged to, so that
+ * its exit can give them back. */
+struct proc_vram {
+	__s64 bytes;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, struct proc_vram);
+} cuda_procs SEC(".maps");
+
+/* A call between its uprobe and its uretprobe, per thread. */
+#define CALL_ALLOC 1
+#define CALL_PITCH 2
+#define CALL_CREATE 3
+#define CALL_IMPORT 4
+
+struct pending {
+	__u64 out;   /* user address of the out-parameter (dptr or handle) */
+	__u64 out2;  /* cuMemAllocPitch: user address of *pPitch */
+	__u64 size;  /* requested bytes, or the height for pitch allocations */
+	__u32 call;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u64);
+	__type(value, struct pending);
+} cuda_pending SEC(".maps");
+
+/* [0] cgroup storage unavailable, [1] object map full, [2] frees of unknown
+ * pointers or handles (allocated before the probe was attached). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 3);
+	__type(key, __u32);
+	__type(value, __u64);
+} cuda_stats SEC(".maps");
+
+static __always_inline void bump(__u32 i)
+{
+	__u64 *v = bpf_map_lookup_elem(&cuda_stats, &i);
+
+	if (v)
+		*v += 1;
+}
+
+static __always_inline struct cuda_cgroup *my_cgroup(void)
+{
+	struct cuda_cgroup *cg;
+
+	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(bpf_get_current_task_btf()), 0,
+				  BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (!cg)
+		bump(0);
+	return cg;
+}
+
+static __always_inline __u32 tgid(void)
+{
+	return bpf_get_current_pid_tgid() >> 32;
+}
+
+/* Charges `delta` bytes to the calling process and its cgroup. */
+static __always_inline void charge(__s64 delta)
+{
+	struct cuda_cgroup *cg;
+	struct proc_vram *pv, zero = {};
+	__u32 pid = tgid();
+
+	if (delta == 0)
+		return;
+	pv = bpf_map_lookup_elem(&cuda_procs, &pid);
+	if (!pv) {
+		bpf_map_update_elem(&cuda_procs, &pid, &zero, BPF_NOEXIST);
+		pv = bpf_map_lookup_elem(&cuda_procs, &pid);
+	}
+	if (pv)
+		__sync_fetch_and_add(&pv->bytes, delta);
+	cg = my_cgroup();
+	if (cg)
+		__sync_fetch_and_add(&cg->vram_bytes, delta);
+}
+
+static __always_inline void remember(__u32 kind, __u64 id, struct obj *o)
+{
+	struct obj_key k = {.tgid = tgid(), .kind = kind, .id = id};
+
+	if (bpf_map_update_elem(&cuda_objs, &k, o, BPF_ANY))
+		bump(1);
+}
+
+static __always_inline int stash(__u32 call, __u64 out, __u64 out2, __u64 size)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	struct pending p = {.out = out, .out2 = out2, .size = size, .call = call};
+
+	bpf_map_update_elem(&cuda_pending, &id, &p, BPF_ANY);
+	return 0;
+}
+
+/* CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_alloc, __u64 *dptr, __u64 bytesize)
+{
+	return stash(CALL_ALLOC, (__u64)dptr, 0, bytesize);
+}
+
+/* CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_alloc_managed, __u64 *dptr, __u64 bytesize)
+{
+	return stash(CALL_ALLOC, (__u64)dptr, 0, bytesize);
+}
+
+/* CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_alloc_async, __u64 *dptr, __u64 bytesize)
+{
+	return stash(CALL_ALLOC, (__u64)dptr, 0, bytesize);
+}
+
+/* CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+ *                             size_t Height, unsigned int ElementSizeBytes) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_alloc_pitch, __u64 *dptr, __u64 *pitch, __u64 width, __u64 height)
+{
+	return stash(CALL_PITCH, (__u64)dptr, (__u64)pitch, height);
+}
+
+/* CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+ *                      const CUmemAllocationProp *prop, unsigned long long flags) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_create, __u64 *handle, __u64 size)
+{
+	return stash(CALL_CREATE, (__u64)handle, 0, size);
+}
+
+/* CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+ *                                         void *osHandle, CUmemAllocationHandleType type) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_import, __u64 *handle)
+{
+	return stash(CALL_IMPORT, (__u64)handle, 0, 0);
+}
+
+/* One uretprobe for every call stashed above. */
+SEC("uretprobe")
+int BPF_URETPROBE(cu_alloc_ret, int ret)
+{
+	__u64 id = bpf_get_current_pid_tgid(), out = 0, pitch = 0;
+	struct pending *p = bpf_map_lookup_elem(&cuda_pending, &id);
+	struct obj o = {};
+	__u64 size;
+	__u32 call;
+
+	if (!p)
+		return 0;
+	call = p->call;
+	size = p->size;
+	if (ret != CUDA_SUCCESS || bpf_probe_read_user(&out, sizeof(out), (void *)p->out)) {
+		bpf_map_delete_elem(&cuda_pending, &id);
+		return 0;
+	}
+	if (call == CALL_PITCH) {
+		if (bpf_probe_read_user(&pitch, sizeof(pitch), (void *)p->out2)) {
+			bpf_map_delete_elem(&cuda_pending, &id);
+			return 0;
+		}
+		size = pitch * size; /* pitch x height */
+	}
+	bpf_map_delete_elem(&cuda_pending, &id);
+	if (call == CALL_IMPORT)
+		size = 0; /* counted by the process that created it */
+	o.size = size;
+	remember(call == CALL_CREATE || call == CALL_IMPORT ? KIND_HANDLE : KIND_DPTR, out, &o);
+	charge(size);
+	return 0;
+}
+
+static __always_inline struct obj *find(__u32 kind, __u64 id, struct obj_key *k)
+{
+	k->tgid = tgid();
+	k->kind = kind;
+	k->id = id;
+	return bpf_map_lookup_elem(&cuda_objs, k);
+}
+
+static __always_inline int free_dptr(__u64 dptr)
+{
+	struct obj_key k;
+	struct obj *o = find(KIND_DPTR, dptr, &k);
+	__u64 size;
+
+	if (!o) {
+		bump(2);
+		return 0;
+	}
+	size = o->size;
+	/* whoever deletes the entry gives its bytes back, once */
+	if (!bpf_map_delete_elem(&cuda_objs, &k))
+		charge(-(__s64)size);
+	return 0;
+}
+
+/* CUresult cuMemFree_v2(CUdeviceptr dptr) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_free, __u64 dptr)
+{
+	return free_dptr(dptr);
+}
+
+/* CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_free_async, __u64 dptr)
+{
+	return free_dptr(dptr);
+}
+
+/* Gives a handle's memory back once it is released and unmapped everywhere
+ * in this process. */
+static __always_inline void settle(struct obj *h, struct obj_key *k)
+{
+	__u64 size;
+
+	if (!h->released || h->mappings)
+		return;
+	size = h->size;
+	/* a release and the last unmap on two threads may both get here */
+	if (!bpf_map_delete_elem(&cuda_objs, k))
+		charge(-(__s64)size);
+}
+
+/* CUresult cuMemRelease(CUmemGenericAllocationHandle handle) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_release, __u64 handle)
+{
+	struct obj_key k;
+	struct obj *h = find(KIND_HANDLE, handle, &k);
+
+	if (!h) {
+		bump(2);
+		return 0;
+	}
+	h->released = 1;
+	settle(h, &k);
+	return 0;
+}
+
+/* CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+ *                   CUmemGenericAllocationHandle handle, unsigned long long flags) */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_map, __u64 ptr, __u64 size, __u64 offset, __u64 handle)
+{
+	struct obj_key k;
+	struct obj *h = find(KIND_HANDLE, handle, &k);
+	struct obj m = {.handle = handle, .span = size};
+
+	if (!h) {
+		bump(2);
+		return 0;
+	}
+	__sync_fetch_and_add(&h->mappings, 1);
+	remember(KIND_MAPPING, ptr, &m);
+	return 0;
+}
+
+/* CUresult cuMemUnmap(CUdeviceptr ptr, size_t size): the range must consist of
+ * whole mappings, possibly several adjacent ones. */
+SEC("uprobe")
+int BPF_UPROBE(cu_mem_unmap, __u64 ptr, __u64 size)
+{
+	__u64 end = ptr + size;
+
+	for (int i = 0; i < MAX_UNMAP_SPAN && ptr < end; i++) {
+		struct obj_key mk, hk;
+		struct obj *m = find(KIND_MAPPING, ptr, &mk), *h;
+		__u64 handle, span;
+
+		if (!m) {
+			bump(2);
+			return 0;
+		}
+		handle = m->handle;
+		span = m->span;
+		bpf_map_delete_elem(&cuda_objs, &mk);
+		h = find(KIND_HANDLE, handle, &hk);
+		if (h) {
+			if (h->mappings)
+				__sync_fetch_and_sub(&h->mappings, 1);
+			settle(h, &hk);
+		}
+		if (!span)
+			return 0;
+		ptr += span;
+	}
+	return 0;
+}
+
+static __always_inline int copied(__u64 bytes, bool to_device)
+{
+	struct cuda_cgroup *cg = my_cgroup();
+
+	if (!cg)
+		return 0;
+	if (to_device)
+		__sync_fetch_and_add(&cg->h2d_bytes, bytes);
+	else
+		__sync_fetch_and_add(&cg->d2h_bytes, bytes);
+	return 0;
+}
+
+/* CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
+ * and cuMemcpyHtoDAsync_v2(..., CUstream hStream) */
+SEC("uprobe")
+int BPF_UPROBE(cu_memcpy_htod, __u64 dst, __u64 src, __u64 bytes)
+{
+	return copied(bytes, true);
+}
+
+/* CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
+ * and cuMemcpyDtoHAsync_v2(..., CUstream hStream) */
+SEC("uprobe")
+int BPF_UPROBE(cu_memcpy_dtoh, __u64 dst, __u64 src, __u64 bytes)
+{
+	return copied(bytes, false);
+}
+
+/* cuLaunchKernel: counted only (the launch path is hot; opt-in). */
+SEC("uprobe")
+int BPF_UPROBE(cu_launch_kernel)
+{
+	struct cuda_cgroup *cg = my_cgroup();
+
+	if (cg)
+		__sync_fetch_and_add(&cg->launches, 1);
+	return 0;
+}
+
+struct drop_ctx {
+	__u32 tgid;
+};
+
+static long drop_objects(struct bpf_map *map, struct obj_key *k, struct obj *o,
+			 struct drop_ctx *c)
+{
+	if (k->tgid == c->tgid)
+		bpf_map_delete_elem(&cuda_objs, k);
+	return 0;
+}
+
+/* A process that exits gives back what it still holds. */
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(cuda_exit, struct task_struct *p)
+{
+	struct drop_ctx c = {.tgid = p->tgid};
+	struct cuda_cgroup *cg;
+	struct proc_vram *pv;
+	__s64 bytes;
+
+	/* the last thread of the process, which need not be the leader */
+	if (p->signal->live.counter != 0)
+		return 0;
+	pv = bpf_map_lookup_elem(&cuda_procs, &c.tgid);
+	if (!pv)
+		return 0;
+	bytes = pv->bytes;
+	/* several exiting threads can see live == 0; the one whose delete
+	 * succeeds settles the process */
+	if (bpf_map_delete_elem(&cuda_procs, &c.tgid))
+		return 0;
+	bpf_for_each_map_elem(&cuda_objs, drop_objects, &c, 0);
+	if (!bytes)
+		return 0;
+	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(p), 0,
+				  BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (cg)
+		__sync_fetch_and_add(&cg->vram_bytes, -bytes);
+	else
+		bump(0);
+	return 0;
+}

@@ -1,0 +1,413 @@
+//! The join in the running agent: the probe units' signal windows and the hub's host events
+//! go into the [`Correlator`]; its series go to /metrics and its views to `/events`,
+//! `/api/state` and the page at `/`.
+//!
+//! The correlator is sans-IO; this module owns the clocks and the plumbing:
+//! * every tick, the collector's windows (per owner, signal and label set) become one window
+//!   per (pod, signal): containers of a pod and destinations of a signal are merged (counts and
+//!   sums add, p50 is count-weighted, p99 and max are the largest), since a spike of any part
+//!   is a spike of the pod; slices are not pods and are left out;
+//! * a pod the collector no longer has (its grace period ended) is forgotten;
+//! * host events arrive from the hub with the clock offset it measured at receipt.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use prometheus::core::{Collector as PromCollector, Desc};
+use prometheus::proto::MetricFamily;
+
+use crate::collect::{Owner, Shared};
+use crate::correlate::events::Payload;
+use crate::correlate::export::EventView;
+use crate::correlate::{Config, Correlator, HostInput, PodKey, SignalWindow};
+use crate::hub::{Hub, ReceivedEvent};
+use crate::incident::{self, HostView, PageState};
+use crate::pods::PodStore;
+use crate::probes::signal::{self, WindowValue};
+
+/// Guest realtime now, ns.
+fn realtime_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// The correlator and what the agent knows around it.
+pub struct Join {
+    corr: Mutex<Correlator>,
+    pods: PodStore,
+    node: String,
+    /// Hosts the operator declared simulated (`--simulated-host`): labelled so on the page.
+    simulated: Vec<String>,
+    hub: Mutex<Option<Hub>>,
+    live: Mutex<HashSet<PodKey>>,
+}
+
+impl Join {
+    pub fn new(cfg: Config, pods: PodStore, node: String, simulated: Vec<String>) -> Arc<Join> {
+        Arc::new(Join {
+            corr: Mutex::new(Correlator::new(cfg)),
+            pods,
+            node,
+            simulated,
+            hub: Mutex::new(None),
+            live: Mutex::new(HashSet::new()),
+        })
+    }
+
+    fn corr(&self) -> std::sync::MutexGuard<'_, Correlator> {
+        self.corr.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The hub whose host events and state this join reads; starts the event task.
+    pub fn attach_hub(self: &Arc<Self>, hub: Hub) {
+        let mut rx = hub.subscribe();
+        *self.hub.lock().unwrap_or_else(|e| e.into_inner()) = Some(hub);
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                match rx.recv().await {
+                    Ok(ev) => me.host_event(&ev),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(
+                            missed = n,
+                            "correlator fell behind the hub; host events not joined"
+                        )
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        });
+    }
+
+    /// One received host event.
+    pub fn host_event(&self, ev: &ReceivedEvent) {
+        let simulated = self.simulated.contains(&ev.host);
+        if simulated {
+            tracing::info!(host = %ev.host, kind = ev.kind, "simulated host event received");
+        }
+        let input = HostInput {
+            host: &ev.host,
+            host_realtime_ns: ev.host_realtime_ns,
+            clock_offset_ns: ev.clock_offset_ns.unwrap_or(0),
+            payload: Payload::Known(&ev.event),
+        };
+        self.corr().host_event(input, realtime_ns());
+    }
+
+    /// After a tick: the collector's windows into the correlator, gone pods forgotten.
+    pub fn tick(&self, shared: &Shared) {
+        let now_i = Instant::now();
+        let now_ns = realtime_ns();
+        let windows = pod_windows(&shared.windows, &self.pods, now_i, now_ns);
+        let live: HashSet<PodKey> = shared
+            .owners
+            .keys()
+            .filter_map(|o| match o {
+                Owner::Pod { uid, .. } => Some(pod_key(uid, &self.pods)),
+                _ => None,
+            })
+            .collect();
+        tracing::trace!(
+            windows = shared.windows.len(),
+            pod_windows = windows.len(),
+            "signal windows into the correlator"
+        );
+        for w in &windows {
+            tracing::trace!(pod = %w.pod.pod, signal = %w.signal, count = w.count, p50 = w.p50, p99 = w.p99, max = w.max, "window");
+        }
+        let mut corr = self.corr();
+        corr.observe(windows.iter(), now_ns);
+        let mut prev = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        for gone in prev.difference(&live) {
+            corr.forget_pod(gone);
+        }
+        *prev = live;
+    }
+
+    /// `/events`: recent host events with the pods they hit, newest first.
+    pub fn events(&self) -> Vec<EventView> {
+        let mut v = self.corr().recent_events();
+        for e in &mut v {
+            if self.simulated.contains(&e.host) {
+                e.tags.push("simulated".into());
+            }
+        }
+        v
+    }
+
+    /// `/api/state`.
+    pub fn page_state(&self) -> PageState {
+        let hub = self.hub.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let hosts = hub
+            .map(|h| {
+                h.hosts()
+                    .into_iter()
+                    .map(|(host, connected)| HostView {
+                        links: h
+                            .host_state(&host)
+                            .map(|s| incident::links_of(&s))
+                            .unwrap_or_default(),
+                        simulated: self.simulated.contains(&host),
+                        connected,
+                        host,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        PageState {
+            node: self.node.clone(),
+            hosts,
+            unexplained: self.corr().unexplained_spikes(realtime_ns()),
+        }
+    }
+}
+
+/// The page at `/` (one self-contained file: no framework, no external assets).
+const PAGE: &str = include_str!("web/index.html");
+
+/// `/`, `/events` and `/api/state`.
+pub fn router(join: Arc<Join>) -> axum::Router {
+    use axum::http::header;
+    use axum::routing::get;
+    let (j1, j2) = (join.clone(), join);
+    axum::Router::new()
+        .route(
+            "/",
+            get(|| async {
+                (
+                    [
+                        (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+                        // the page loads nothing from elsewhere; say so to the browser
+                        (
+                            header::CONTENT_SECURITY_POLICY,
+                            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
+                        ),
+                    ],
+                    PAGE,
+                )
+            }),
+        )
+        .route(
+            "/events",
+            get(move || {
+                let j = j1.clone();
+                async move { axum::Json(j.events()) }
+            }),
+        )
+        .route(
+            "/api/state",
+            get(move || {
+                let j = j2.clone();
+                async move { axum::Json(j.page_state()) }
+            }),
+        )
+}
+
+/// The correlation series for a registry.
+pub struct JoinCollector {
+    join: Arc<Join>,
+    descs: Vec<Desc>,
+}
+
+impl JoinCollector {
+    pub fn new(join: Arc<Join>) -> JoinCollector {
+        let descs = [(
+            crate::correlate::export::LATENCY_SPIKES,
+            "Latency spikes detected per pod and signal",
+        )]
+        .into_iter()
+        .filter_map(|(n, h)| Desc::new(n.into(), h.into(), vec![], Default::default()).ok())
+        .collect();
+        JoinCollector { join, descs }
+    }
+}
+
+impl PromCollector for JoinCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.join.corr().metric_families(realtime_ns())
+    }
+}
+
+fn pod_key(uid: &str, pods: &PodStore) -> PodKey {
+    match pods.get(uid) {
+        Some(m) => PodKey {
+            namespace: m.namespace,
+            pod: m.name,
+            uid: uid.to_string(),
+        },
+        None => PodKey {
+            namespace: String::new(),
+            pod: uid.to_string(),
+            uid: uid.to_string(),
+        },
+    }
+}
+
+/// One pod's merged window while it is being built: (count, sum, Σ p50×count or Σ rate,
+/// p99, max, at).
+type Acc = (u64, f64, f64, f64, f64, i64);
+
+/// The collector's windows as one window per (pod, signal), stamped in guest realtime.
+fn pod_windows(
+    windows: &[signal::SignalWindow],
+    pods: &PodStore,
+    now_i: Instant,
+    now_ns: i64,
+) -> Vec<SignalWindow> {
+    let mut merged: BTreeMap<(String, &'static str), Acc> = BTreeMap::new();
+    for w in windows {
+        let Owner::Pod { uid, .. } = &w.owner else {
+            continue;
+        };
+        let at = now_ns - now_i.saturating_duration_since(w.at).as_nanos() as i64;
+        let (count, sum, p50, p99, max) = match w.value {
+            WindowValue::Latency {
+                count,
+                sum_us,
+                p50_us,
+                p99_us,
+                max_us,
+            } => (count, sum_us, p50_us, p99_us, max_us),
+            // A rate is its own quantiles: the correlator reads p99 for rate signals.
+            WindowValue::Rate { count, per_second } => {
+                (count, per_second, per_second, per_second, per_second)
+            }
+        };
+        let e = merged
+            .entry((uid.clone(), w.signal))
+            .or_insert((0, 0.0, 0.0, 0.0, 0.0, at));
+        match w.value {
+            WindowValue::Latency { .. } => {
+                e.0 += count;
+                e.1 += sum;
+                e.2 += p50 * count as f64;
+                e.3 = e.3.max(p99);
+                e.4 = e.4.max(max);
+            }
+            WindowValue::Rate { .. } => {
+                // rates of the parts add up
+                e.0 += count;
+                e.1 += sum;
+                e.2 += p50;
+                e.3 += p99;
+                e.4 += max;
+            }
+        }
+        e.5 = e.5.max(at);
+    }
+    merged
+        .into_iter()
+        .map(|((uid, sig), (count, sum, p50x, p99, max, at))| {
+            let rate = windows
+                .iter()
+                .find(|w| w.signal == sig)
+                .is_some_and(|w| matches!(w.value, WindowValue::Rate { .. }));
+            SignalWindow {
+                pod: pod_key(&uid, pods),
+                signal: sig.to_string(),
+                at,
+                count,
+                sum,
+                p50: if rate || count == 0 {
+                    p50x
+                } else {
+                    p50x / count as f64
+                },
+                p99,
+                max,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probes::unit::Labels;
+    use std::time::Duration;
+
+    fn window(
+        uid: &str,
+        container: &str,
+        signal: &'static str,
+        value: WindowValue,
+    ) -> signal::SignalWindow {
+        signal::SignalWindow {
+            owner: Owner::Pod {
+                uid: uid.into(),
+                container_id: Some(container.into()),
+            },
+            signal,
+            labels: Labels::new(),
+            at: Instant::now(),
+            window: Duration::from_secs(1),
+            value,
+        }
+    }
+
+    #[test]
+    fn containers_and_destinations_merge_into_one_window_per_pod_and_signal() {
+        let lat = |count, p50, p99, max| WindowValue::Latency {
+            count,
+            sum_us: p50 * count as f64,
+            p50_us: p50,
+            p99_us: p99,
+            max_us: max,
+        };
+        let ws = vec![
+            window("u1", "c1", "run_queue_wait", lat(30, 10.0, 40.0, 50.0)),
+            window("u1", "c2", "run_queue_wait", lat(10, 50.0, 900.0, 1000.0)),
+            window(
+                "u1",
+                "c1",
+                "tcp_retransmit_rate",
+                WindowValue::Rate {
+                    count: 3,
+                    per_second: 3.0,
+                },
+            ),
+            window(
+                "u1",
+                "c2",
+                "tcp_retransmit_rate",
+                WindowValue::Rate {
+                    count: 1,
+                    per_second: 1.0,
+                },
+            ),
+            window("u2", "c3", "run_queue_wait", lat(5, 2.0, 3.0, 4.0)),
+            signal::SignalWindow {
+                owner: Owner::Slice("system.slice".into()),
+                ..window("x", "y", "run_queue_wait", lat(100, 1.0, 1.0, 1.0))
+            },
+        ];
+        let pods = PodStore::default();
+        let out = pod_windows(&ws, &pods, Instant::now(), 1_000_000_000);
+        assert_eq!(out.len(), 3, "{out:?}");
+        let rq = out
+            .iter()
+            .find(|w| w.pod.uid == "u1" && w.signal == "run_queue_wait")
+            .unwrap();
+        assert_eq!(rq.count, 40);
+        assert_eq!(rq.sum, 30.0 * 10.0 + 10.0 * 50.0);
+        assert_eq!(rq.p50, (30.0 * 10.0 + 10.0 * 50.0) / 40.0);
+        assert_eq!(rq.p99, 900.0);
+        assert_eq!(rq.max, 1000.0);
+        // unknown to the API: the pod is named by its UID, as in /metrics
+        assert_eq!(rq.pod.pod, "u1");
+        assert_eq!(rq.pod.namespace, "");
+        let rt = out
+            .iter()
+            .find(|w| w.signal == "tcp_retransmit_rate")
+            .unwrap();
+        assert_eq!((rt.count, rt.p99), (4, 4.0));
+        assert!(rq.at <= 1_000_000_000 && rq.at > 1_000_000_000 - 1_000_000_000);
+    }
+}

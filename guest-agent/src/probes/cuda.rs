@@ -1,0 +1,554 @@
+//! CUDA driver API per cgroup by uprobes on `libcuda.so` (`bpf/cuda.bpf.c`):
+//! device memory reserved, host↔device copy bytes, kernel launches.
+//!
+//! Each container brings its own copy of the library (or bind-mounts the
+//! host's). [`CudaProbe::scan`] finds it in `/proc/<pid>/maps`, opens it
+//! through `/proc/<pid>/root`, and attaches once per distinct file (device,
+//! inode): a uprobe binds to the file, not to a process, so one attach covers
+//! every process that maps it, now or later.
+
+mod skel {
+    include!(concat!(env!("OUT_DIR"), "/cuda.skel.rs"));
+}
+
+use std::collections::{HashMap, HashSet};
+use std::mem::MaybeUninit;
+use std::os::fd::BorrowedFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
+
+use super::unit::{
+    Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
+    Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+};
+use super::{decode, err, handle, lookup_cgroup, percpu_sum, ProbeError, ProbeStatus};
+use crate::collect::Owner;
+
+pub const NAME: &str = "cuda";
+pub const VRAM: &str = "ebpf_gpu_vram_reserved_bytes";
+pub const PCIE: &str = "ebpf_gpu_pcie_bytes_total";
+pub const LAUNCHES: &str = "ebpf_gpu_kernel_launches_total";
+
+pub const UNIT: UnitSpec = UnitSpec {
+    names: &[NAME],
+    load: load_unit,
+};
+
+static FAMILIES: [FamilySpec; 3] = [
+    FamilySpec {
+        name: VRAM,
+        help: "GPU memory the container's processes hold through the CUDA driver API (allocations and VMM physical allocations)",
+        kind: Kind::Gauge,
+        scope: Scope::Container,
+    },
+    FamilySpec {
+        name: PCIE,
+        help: "Bytes copied between host and GPU by the pod through the CUDA driver API, by direction (h2d, d2h)",
+        kind: Kind::Counter,
+        scope: Scope::Pod,
+    },
+    FamilySpec {
+        name: LAUNCHES,
+        help: "CUDA kernel launches (cuLaunchKernel; counted only with --cuda-launches)",
+        kind: Kind::Counter,
+        scope: Scope::Container,
+    },
+];
+
+fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
+    Ok(Loaded::single(
+        NAME,
+        CudaProbe::load(ctx.config.cuda.clone())?,
+    ))
+}
+
+/// What to probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Mapped files whose name starts with this are the driver library
+    /// (maps shows the resolved name, e.g. `libcuda.so.550.54.15`).
+    pub library_prefix: String,
+    /// Count cuLaunchKernel (a uprobe on the hot launch path).
+    pub launches: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            library_prefix: "libcuda.so".into(),
+            launches: false,
+        }
+    }
+}
+
+/// One cgroup's CUDA numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CudaCgroup {
+    /// Device memory its processes hold now (signed: memory allocated before
+    /// the probe attached and freed after shows as a negative contribution).
+    pub vram_bytes: i64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub launches: u64,
+}
+
+unsafe impl plain::Plain for skel::types::cuda_cgroup {}
+
+impl CudaCgroup {
+    /// Decodes `struct cuda_cgroup`.
+    pub fn from_bytes(b: &[u8]) -> Option<CudaCgroup> {
+        let c = decode::<skel::types::cuda_cgroup>(b)?;
+        Some(CudaCgroup {
+            vram_bytes: c.vram_bytes,
+            h2d_bytes: c.h2d_bytes,
+            d2h_bytes: c.d2h_bytes,
+            launches: c.launches,
+        })
+    }
+
+    /// Counter deltas since `earlier` (a counter that went backwards is a new
+    /// storage instance: all of it is new); the VRAM gauge is taken as is.
+    pub fn delta_since(&self, earlier: &CudaCgroup) -> CudaCgroup {
+        let d = |now: u64, before: u64| if now >= before { now - before } else { now };
+        CudaCgroup {
+            vram_bytes: self.vram_bytes,
+            h2d_bytes: d(self.h2d_bytes, earlier.h2d_bytes),
+            d2h_bytes: d(self.d2h_bytes, earlier.d2h_bytes),
+            launches: d(self.launches, earlier.launches),
+        }
+    }
+}
+
+/// Which program handles a symbol, and whether at entry or at return.
+#[derive(Clone, Copy)]
+enum Prog {
+    Alloc,
+    AllocManaged,
+    AllocAsync,
+    AllocPitch,
+    Create,
+    Import,
+    AllocRet,
+    Free,
+    FreeAsync,
+    Release,
+    Map,
+    Unmap,
+    HtoD,
+    DtoH,
+    Launch,
+}
+
+/// The driver API functions probed: (symbol, entry program, whether its
+/// out-parameters are read at return). Signatures are in bpf/cuda.bpf.c.
+const SYMBOLS: &[(&str, Prog, bool)] = &[
+    ("cuMemAlloc_v2", Prog::Alloc, true),
+    ("cuMemAllocManaged", Prog::AllocManaged, true),
+    ("cuMemAllocAsync", Prog::AllocAsync, true),
+    ("cuMemAllocPitch_v2", Prog::AllocPitch, true),
+    ("cuMemCreate", Prog::Create, true),
+    ("cuMemImportFromShareableHandle", Prog::Import, true),
+    ("cuMemFree_v2", Prog::Free, false),
+    ("cuMemFreeAsync", Prog::FreeAsync, false),
+    ("cuMemRelease", Prog::Release, false),
+    ("cuMemMap", Prog::Map, false),
+    ("cuMemUnmap", Prog::Unmap, false),
+    ("cuMemcpyHtoD_v2", Prog::HtoD, false),
+    ("cuMemcpyHtoDAsync_v2", Prog::HtoD, false),
+    ("cuMemcpyDtoH_v2", Prog::DtoH, false),
+    ("cuMemcpyDtoHAsync_v2", Prog::DtoH, false),
+    ("cuLaunchKernel", Prog::Launch, false),
+];
+
+/// A mapped library as /proc/<pid>/maps names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappedLib {
+    /// (major, minor) of the filesystem and inode, from the maps line.
+    pub dev: (u32, u32),
+    pub inode: u64,
+    /// The path as the process sees it.
+    pub path: String,
+}
+
+/// Mapped files in /proc/<pid>/maps text whose name starts with `prefix`.
+/// Lines: `start-end perms offset major:minor inode path`.
+pub fn find_libs(maps: &str, prefix: &str) -> Vec<MappedLib> {
+    let mut out: Vec<MappedLib> = Vec::new();
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(_), Some(_), Some(_), Some(dev), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let path = f.collect::<Vec<_>>().join(" ");
+        let name = path.rsplit('/').next().unwrap_or("");
+        if !path.starts_with('/') || !name.starts_with(prefix) || path.ends_with("(deleted)") {
+            continue;
+        }
+        let Some((maj, min)) = dev.split_once(':') else {
+            continue;
+        };
+        let (Ok(maj), Ok(min), Ok(inode)) = (
+            u32::from_str_radix(maj, 16),
+            u32::from_str_radix(min, 16),
+            inode.parse::<u64>(),
+        ) else {
+            continue;
+        };
+        let lib = MappedLib {
+            dev: (maj, min),
+            inode,
+            path,
+        };
+        if !out.contains(&lib) {
+            out.push(lib);
+        }
+    }
+    out
+}
+
+pub struct CudaProbe {
+    // Programs must stay attachable after load, for libraries found later:
+    // the skeleton is leaked once (one probe per agent).
+    skel: &'static skel::CudaSkel<'static>,
+    _exit: Link,
+    cgroups: MapHandle,
+    stats: MapHandle,
+    opts: CudaOptions,
+    /// Library files already attached, by (dev, inode), and their links.
+    attached: HashMap<(u64, u64), Vec<Link>>,
+    /// Processes whose maps held the library (not scanned again).
+    done: HashSet<i32>,
+    /// Address-space size of each process at its last scan: maps is read
+    /// again only when it changed (mapping a library changes it).
+    vsize: HashMap<i32, u64>,
+    last: LastRead<CudaCgroup>,
+    /// VRAM per cgroup at its last read.
+    vram: HashMap<u64, i64>,
+}
+
+impl CudaProbe {
+    pub fn load(opts: CudaOptions) -> Result<Result<CudaProbe, ProbeStatus>, ProbeError> {
+        let storage: &'static mut MaybeUninit<OpenObject> =
+            Box::leak(Box::new(MaybeUninit::uninit()));
+        let open = skel::CudaSkelBuilder::default()
+            .open(storage)
+            .map_err(err(NAME, "open"))?;
+        let skel = open.load().map_err(err(NAME, "load"))?;
+        let exit = skel
+            .progs
+            .cuda_exit
+            .attach()
+            .map_err(err(NAME, "attach sched_process_exit"))?;
+        let skel: &'static skel::CudaSkel<'static> = Box::leak(Box::new(skel));
+        Ok(Ok(CudaProbe {
+            _exit: exit,
+            cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
+            stats: handle(NAME, &skel.maps.cuda_stats)?,
+            skel,
+            opts,
+            attached: HashMap::new(),
+            done: HashSet::new(),
+            vsize: HashMap::new(),
+            last: LastRead::default(),
+            vram: HashMap::new(),
+        }))
+    }
+
+    /// Looks for the driver library in the processes `tgids` not yet known to
+    /// map it, and attaches to every new library file. Returns the number of
+    /// files newly attached.
+    pub fn scan(&mut self, tgids: &HashSet<i32>) -> usize {
+        self.done.retain(|t| tgids.contains(t));
+        self.vsize.retain(|t, _| tgids.contains(t));
+        let mut new = 0;
+        for &tgid in tgids {
+            if self.done.contains(&tgid) {
+                continue;
+            }
+            match vsize(tgid) {
+                Some(v) if self.vsize.get(&tgid) == Some(&v) => continue,
+                Some(v) => {
+                    self.vsize.insert(tgid, v);
+                }
+                None => continue,
+            }
+            let Ok(maps) = std::fs::read_to_string(format!("/proc/{tgid}/maps")) else {
+                continue;
+            };
+            let libs = find_libs(&maps, &self.opts.library_prefix);
+            if libs.is_empty() {
+                continue;
+            }
+            self.done.insert(tgid);
+            for lib in libs {
+                match self.attach_file(tgid, &lib) {
+                    Ok(true) => new += 1,
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(tgid, path = %lib.path, "cuda: {e}"),
+                }
+            }
+        }
+        new
+    }
+
+    /// Attaches to one mapped library unless its file is attached already.
+    fn attach_file(&mut self, tgid: i32, lib: &MappedLib) -> Result<bool, String> {
+        // The path is the process's view: inside its root for a container,
+        // or a host path when the file is reachable from the agent's root
+        // (a chroot below it). The inode from maps tells which is the file.
+        let candidates = [
+            PathBuf::from(format!("/proc/{tgid}/root{}", lib.path)),
+            PathBuf::from(&lib.path),
+        ];
+        let found = candidates.iter().find_map(|p| {
+            let md = std::fs::metadata(p).ok()?;
+            let dev = (libc::major(md.dev()), libc::minor(md.dev()));
+            (md.ino() == lib.inode && dev == lib.dev).then(|| (p.clone(), (md.dev(), md.ino())))
+        });
+        let Some((path, key)) = found else {
+            return Err("mapped library not reachable through /proc/<pid>/root".into());
+        };
+        if self.attached.contains_key(&key) {
+            return Ok(false);
+        }
+        let mut links = Vec::new();
+        for &(sym, prog, ret) in SYMBOLS {
+            if matches!(prog, Prog::Launch) && !self.opts.launches {
+                continue;
+            }
+            let entry = attach_one(self.prog(prog), &path, sym, false);
+            let Ok(entry) = entry else {
+                // older drivers lack some symbols
+                tracing::debug!(symbol = sym, path = %path.display(), "not attached");
+                continue;
+            };
+            links.push(entry);
+            if ret {
+                links.push(attach_one(self.prog(Prog::AllocRet), &path, sym, true)?);
+            }
+        }
+        tracing::info!(path = %path.display(), probes = links.len(), "cuda: attached");
+        self.attached.insert(key, links);
+        Ok(true)
+    }
+
+    fn prog(&self, p: Prog) -> &'static ProgramMut<'static> {
+        let skel: &'static skel::CudaSkel<'static> = self.skel;
+        let progs = &skel.progs;
+        match p {
+            Prog::Alloc => &progs.cu_mem_alloc,
+            Prog::AllocManaged => &progs.cu_mem_alloc_managed,
+            Prog::AllocAsync => &progs.cu_mem_alloc_async,
+            Prog::AllocPitch => &progs.cu_mem_alloc_pitch,
+            Prog::Create => &progs.cu_mem_create,
+            Prog::Import => &progs.cu_mem_import,
+            Prog::AllocRet => &progs.cu_alloc_ret,
+            Prog::Free => &progs.cu_mem_free,
+            Prog::FreeAsync => &progs.cu_mem_free_async,
+            Prog::Release => &progs.cu_mem_release,
+            Prog::Map => &progs.cu_mem_map,
+            Prog::Unmap => &progs.cu_mem_unmap,
+            Prog::HtoD => &progs.cu_memcpy_htod,
+            Prog::DtoH => &progs.cu_memcpy_dtoh,
+            Prog::Launch => &progs.cu_launch_kernel,
+        }
+    }
+
+    /// Distinct library files attached.
+    pub fn files(&self) -> usize {
+        self.attached.len()
+    }
+
+    /// One cgroup's numbers, if any of its processes called a probed function.
+    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
+        lookup_cgroup(&self.cgroups, cgroup_dir)
+            .ok()
+            .flatten()
+            .and_then(|b| CudaCgroup::from_bytes(&b))
+    }
+
+    /// (cgroup storage unavailable, object map full, frees of unknown objects)
+    pub fn kernel_stats(&self) -> [u64; 3] {
+        [0, 1, 2].map(|i| percpu_sum(&self.stats, i))
+    }
+}
+
+impl Probe for CudaProbe {
+    fn families(&self) -> &'static [FamilySpec] {
+        &FAMILIES
+    }
+
+    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
+        let Some(now) = self.read(dir) else { return };
+        self.vram.insert(id, now.vram_bytes);
+        let d = self.last.advance(id, now, CudaCgroup::delta_since);
+        for (direction, bytes) in [("h2d", d.h2d_bytes), ("d2h", d.d2h_bytes)] {
+            out.push(Delta {
+                family: PCIE,
+                labels: Labels::from([("direction", direction.to_string())]),
+                value: Value::Count(bytes),
+            });
+        }
+        if self.opts.launches {
+            out.push(Delta {
+                family: LAUNCHES,
+                labels: Labels::new(),
+                value: Value::Count(d.launches),
+            });
+        }
+    }
+
+    fn forget_cgroup(&mut self, id: u64) {
+        self.last.forget(id);
+        self.vram.remove(&id);
+    }
+
+    fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
+        let pids: HashSet<i32> = ctx.pod_pids().into_values().flatten().collect();
+        self.scan(&pids);
+        let mut per_owner: HashMap<&Owner, i64> = HashMap::new();
+        for (id, bytes) in &self.vram {
+            if let Some(owner) = ctx.owners.get(id) {
+                *per_owner.entry(owner).or_default() += bytes;
+            }
+        }
+        TickOutput {
+            deltas: Vec::new(),
+            gauges: vec![(
+                VRAM,
+                per_owner
+                    .into_iter()
+                    .map(|(owner, bytes)| GaugeValue {
+                        owner: owner.clone(),
+                        labels: Labels::new(),
+                        // memory allocated before the probe attached and freed
+                        // after it makes a cgroup's balance negative
+                        value: bytes.max(0) as f64,
+                    })
+                    .collect(),
+            )],
+        }
+    }
+
+    fn stats(&self) -> UnitStats {
+        let [failures, full, unknown] = self.kernel_stats();
+        UnitStats {
+            maps: vec![MapFill {
+                map: "cuda_cgroup",
+                entries: self.last.len(),
+                capacity: None,
+            }],
+            storage_failures: Some((NAME, failures)),
+            series: vec![
+                SelfSeries {
+                    name: "gpufeed_cuda_libraries",
+                    help: "Distinct libcuda files (device, inode) the CUDA probes are attached to",
+                    kind: Kind::Gauge,
+                    value: self.files() as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_cuda_objects_dropped_total",
+                    help: "CUDA allocations not tracked because the object map was full",
+                    kind: Kind::Counter,
+                    value: full as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_cuda_unknown_frees_total",
+                    help: "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)",
+                    kind: Kind::Counter,
+                    value: unknown as f64,
+                },
+            ],
+        }
+    }
+}
+
+/// Virtual memory size of a process (field 23 of /proc/<pid>/stat).
+fn vsize(tgid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{tgid}/stat")).ok()?;
+    // the command name (field 2) may hold spaces and parentheses: skip past its end
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(20)?.parse().ok()
+}
+
+fn attach_one(
+    prog: &ProgramMut<'static>,
+    path: &std::path::Path,
+    sym: &str,
+    retprobe: bool,
+) -> Result<Link, String> {
+    prog.attach_uprobe_with_opts(
+        -1,
+        path,
+        0,
+        UprobeOpts {
+            func_name: Some(sym.to_string()),
+            retprobe,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| format!("attaching {sym}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libraries_from_maps() {
+        let maps = "\
+55d0c0a00000-55d0c0a01000 r--p 00000000 fd:01 1234 /usr/bin/python3.11
+7f1c2a000000-7f1c2a200000 r--p 00000000 fd:01 5678 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15
+7f1c2a200000-7f1c2b000000 r-xp 00200000 fd:01 5678 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15
+7f1c2c000000-7f1c2c001000 rw-p 00000000 00:00 0 
+7f1c2d000000-7f1c2d001000 r--p 00000000 00:1f 99 /tmp/x y/libcuda.so.1
+7f1c2e000000-7f1c2e001000 r--p 00000000 fd:01 77 /old/libcuda.so.1 (deleted)
+7ffd1000-7ffd2000 rw-p 00000000 00:00 0 [stack]
+garbage line
+";
+        let libs = find_libs(maps, "libcuda.so");
+        assert_eq!(
+            libs,
+            vec![
+                MappedLib {
+                    dev: (0xfd, 1),
+                    inode: 5678,
+                    path: "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15".into()
+                },
+                MappedLib {
+                    dev: (0, 0x1f),
+                    inode: 99,
+                    path: "/tmp/x y/libcuda.so.1".into()
+                },
+            ]
+        );
+        assert!(find_libs("", "libcuda.so").is_empty());
+    }
+
+    #[test]
+    fn vsize_of_self() {
+        let v = vsize(std::process::id() as i32).expect("own /proc/<pid>/stat");
+        assert!(
+            v > 1 << 20,
+            "a running test has more than 1 MiB mapped: {v}"
+        );
+        assert_eq!(vsize(-1), None);
+    }
+
+    #[test]
+    fn decode_cgroup() {
+        let mut b = Vec::new();
+        for v in [-4096i64 as u64, 10, 20, 3] {
+            b.extend_from_slice(&v.to_ne_bytes());
+        }
+        let c = CudaCgroup::from_bytes(&b).unwrap();
+        assert_eq!(c.vram_bytes, -4096);
+        assert_eq!((c.h2d_bytes, c.d2h_bytes, c.launches), (10, 20, 3));
+        assert!(CudaCgroup::from_bytes(&b[..31]).is_none());
+    }
+}

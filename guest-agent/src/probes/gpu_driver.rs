@@ -1,0 +1,750 @@
+//! GPU driver time per cgroup: ioctl() on GPU device files (`bpf/gpu_driver.bpf.c`).
+//!
+//! The kernel side learns which file descriptors are GPU device files when
+//! they are opened. Processes that opened theirs before the agent started are
+//! seeded from here: [`GpuDriverProbe::seed`] stats `/proc/<pid>/fd/*` against
+//! the character-device majors of the configured drivers (read from
+//! `/proc/devices`) and writes the process's bitmap through a pidfd.
+
+mod skel {
+    include!(concat!(env!("OUT_DIR"), "/gpu_driver.skel.rs"));
+}
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
+
+use super::hist::{Hist, HIST_BYTES};
+use super::signal::{SignalKind, SignalSpec};
+use super::unit::{
+    Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
+    Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+};
+use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use crate::collect::Owner;
+
+pub const NAME: &str = "gpu_driver";
+pub const IOCTL: &str = "ebpf_gpu_ioctl_latency_microseconds";
+pub const COMPUTE: &str = "ebpf_gpu_compute_time_seconds_total";
+pub const DUTY: &str = "ebpf_gpu_active_compute_duty_cycle";
+
+pub const UNIT: UnitSpec = UnitSpec {
+    names: &[NAME],
+    load: load_unit,
+};
+
+/// Which syscall hooks time the driver calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Hook {
+    /// Per-syscall tracepoints when tracefs has them, raw_syscalls otherwise.
+    Auto,
+    /// `syscalls:sys_{enter,exit}_ioctl` and the open/close ones: run only for
+    /// those syscalls, attached by their tracefs ids.
+    Syscalls,
+    /// The BTF tracepoints `sys_enter`/`sys_exit`: no tracefs needed (it is
+    /// gone under lockdown=confidentiality), but they run for every syscall.
+    RawSyscalls,
+}
+
+/// What the unit takes from the command line.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub devices: GpuDevices,
+    pub hook: Hook,
+    /// The window the duty cycle is the busy share of.
+    pub duty_window: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            devices: GpuDevices::default(),
+            hook: Hook::Auto,
+            duty_window: Duration::from_secs(30),
+        }
+    }
+}
+
+static FAMILIES: [FamilySpec; 3] = [
+    FamilySpec {
+        name: IOCTL,
+        help: "Time in ioctl() on GPU device files (the driver), by request class",
+        kind: Kind::Histogram,
+        scope: Scope::Container,
+    },
+    FamilySpec {
+        name: COMPUTE,
+        help: "Wall time during which at least one task of the container was inside a GPU driver ioctl",
+        kind: Kind::SecondsCounter,
+        scope: Scope::Container,
+    },
+    FamilySpec {
+        name: DUTY,
+        help: "Share of the last window (--gpu-duty-window) with a task of the container inside a GPU driver ioctl",
+        kind: Kind::Gauge,
+        scope: Scope::Container,
+    },
+];
+
+fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
+    let cfg = &ctx.config.gpu_driver;
+    let loaded = GpuDriverProbe::load(&cfg.devices, cfg.hook, ctx.btf)?.map(|mut p| {
+        p.duty = DutyWindow::new(cfg.duty_window);
+        p
+    });
+    Ok(Loaded::single(NAME, loaded))
+}
+
+/// Mirrors of the constants in bpf/gpu_driver.bpf.c.
+const GPU_FD_BITS: usize = 8192;
+const GPU_FD_WORDS: usize = GPU_FD_BITS / 64;
+const MAX_PREFIXES: usize = 4;
+const PREFIX_LEN: usize = 64;
+const O_CLOEXEC: u32 = 0o2000000;
+
+/// The `cmd` label of each request class, in the kernel's slot order.
+pub const CMD_CLASSES: [&str; 8] = [
+    "other",
+    "rm_control",
+    "rm_alloc",
+    "rm_free",
+    "rm_map_memory",
+    "rm_unmap_memory",
+    "rm_vid_heap_control",
+    "uvm",
+];
+
+/// Which files are GPU device files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuDevices {
+    /// Path prefixes matched when a file is opened (absolute paths as passed
+    /// to open/openat; at most four, each shorter than 64 bytes).
+    pub path_prefixes: Vec<String>,
+    /// Character-device driver names in /proc/devices whose majors mark
+    /// already open GPU files.
+    pub driver_names: Vec<String>,
+}
+
+impl Default for GpuDevices {
+    fn default() -> Self {
+        GpuDevices {
+            path_prefixes: vec!["/dev/nvidia".into()],
+            driver_names: vec![
+                "nvidia-frontend".into(),
+                "nvidia-uvm".into(),
+                "nvidia-caps".into(),
+            ],
+        }
+    }
+}
+
+/// Majors of the named character-device drivers in /proc/devices text
+/// ("Character devices:" section, lines "<major> <name>").
+pub fn char_majors(proc_devices: &str, names: &[String]) -> Vec<u32> {
+    let mut in_char = false;
+    let mut out = Vec::new();
+    for line in proc_devices.lines() {
+        let line = line.trim();
+        if line.ends_with(':') {
+            in_char = line == "Character devices:";
+            continue;
+        }
+        if !in_char {
+            continue;
+        }
+        if let Some((major, name)) = line.split_once(char::is_whitespace) {
+            if names.iter().any(|n| n == name.trim()) {
+                if let Ok(m) = major.parse::<u32>() {
+                    if !out.contains(&m) {
+                        out.push(m);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// One cgroup's driver time.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GpuDriverCgroup {
+    /// ioctl durations per request class (index as [`CMD_CLASSES`]).
+    pub ioctl: Vec<Hist>,
+    /// Wall time during which at least one task of the cgroup was inside a
+    /// GPU ioctl, up to the end of the last such interval. A busy interval
+    /// still open is left out: userspace cannot read its start and the count
+    /// of tasks inside as one consistent pair (a read between a first
+    /// entrant's increment and its stamp would see the previous interval's
+    /// start), and an overestimate now would have to be taken back later.
+    pub busy_ns: u64,
+}
+
+const CGROUP_BYTES: usize = CMD_CLASSES.len() * HIST_BYTES + 3 * 8;
+
+unsafe impl plain::Plain for skel::types::gpu_cgroup {}
+const _: () = assert!(std::mem::size_of::<skel::types::gpu_cgroup>() == CGROUP_BYTES);
+const _: () = assert!(std::mem::size_of::<skel::types::hist>() == HIST_BYTES);
+
+impl GpuDriverCgroup {
+    /// `self - earlier`: per-class histogram deltas and the busy time added.
+    pub fn delta_since(&self, earlier: &GpuDriverCgroup) -> GpuDriverCgroup {
+        GpuDriverCgroup {
+            ioctl: self
+                .ioctl
+                .iter()
+                .zip(&earlier.ioctl)
+                .map(|(now, before)| now.delta_since(before))
+                .collect(),
+            // only ever added to while the cgroup lives
+            busy_ns: self.busy_ns.saturating_sub(earlier.busy_ns),
+        }
+    }
+
+    /// Decodes `struct gpu_cgroup`.
+    pub fn from_bytes(b: &[u8]) -> Option<GpuDriverCgroup> {
+        let c = decode::<skel::types::gpu_cgroup>(b)?;
+        Some(GpuDriverCgroup {
+            ioctl: c
+                .ioctl
+                .iter()
+                .map(|h| Hist::from_parts(&h.buckets, h.sum_ns))
+                .collect(),
+            busy_ns: c.busy_ns,
+        })
+    }
+}
+
+pub struct GpuDriverProbe {
+    cgroups: MapHandle,
+    fds: MapHandle,
+    stats: MapHandle,
+    majors: Vec<u32>,
+    seeded: HashSet<i32>,
+    _links: Vec<Link>,
+    last: LastRead<GpuDriverCgroup>,
+    /// Busy time read this tick, per cgroup, for the duty cycle.
+    busy_read: Vec<(u64, u64)>,
+    duty: DutyWindow,
+}
+
+/// Whether tracefs has the event `syscalls/<name>` (libbpf attaches per-syscall
+/// tracepoints by the id it finds there).
+fn syscall_event(name: &str) -> bool {
+    ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
+        .iter()
+        .any(|t| Path::new(&format!("{t}/events/syscalls/{name}/id")).exists())
+}
+
+impl GpuDriverProbe {
+    /// Loads and attaches; `Ok(Err(status))` when the kernel lacks a hook.
+    pub fn load(
+        devices: &GpuDevices,
+        hook: Hook,
+        btf: &KernelBtf,
+    ) -> Result<Result<GpuDriverProbe, ProbeStatus>, ProbeError> {
+        if devices.path_prefixes.len() > MAX_PREFIXES
+            || devices
+                .path_prefixes
+                .iter()
+                .any(|p| p.is_empty() || p.len() >= PREFIX_LEN)
+        {
+            return Ok(Err(ProbeStatus::down(
+                NAME,
+                format!(
+                    "at most {MAX_PREFIXES} device path prefixes, each 1..{} bytes",
+                    PREFIX_LEN - 1
+                ),
+            )));
+        }
+        let has_events = ["sys_enter_ioctl", "sys_exit_ioctl", "sys_enter_openat"]
+            .iter()
+            .all(|e| syscall_event(e));
+        let has_raw = btf.has_tracepoint("sys_enter") && btf.has_tracepoint("sys_exit");
+        let per_syscall = match hook {
+            Hook::Auto if has_events => true,
+            Hook::Auto | Hook::RawSyscalls if has_raw => false,
+            Hook::Syscalls if has_events => true,
+            Hook::Syscalls => {
+                return Ok(Err(ProbeStatus::down(
+                    NAME,
+                    "no tracefs events syscalls/sys_{enter,exit}_ioctl (tracefs not mounted, or removed by lockdown)",
+                )))
+            }
+            _ => {
+                return Ok(Err(ProbeStatus::down(
+                    NAME,
+                    "neither tracefs syscall events nor the BTF tracepoints sys_enter/sys_exit",
+                )))
+            }
+        };
+        let majors = std::fs::read_to_string("/proc/devices")
+            .map(|t| char_majors(&t, &devices.driver_names))
+            .unwrap_or_default();
+
+        let mut storage = MaybeUninit::uninit();
+        let mut open = skel::GpuDriverSkelBuilder::default()
+            .open(&mut storage)
+            .map_err(err(NAME, "open"))?;
+        if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+            ro.n_prefixes = devices.path_prefixes.len() as u32;
+            for (i, p) in devices.path_prefixes.iter().enumerate() {
+                ro.prefix_len[i] = p.len() as u32;
+                for (j, b) in p.bytes().enumerate() {
+                    ro.prefixes[i][j] = b as _;
+                }
+            }
+        }
+        // open(2) and openat2(2) are optional (arm64 has no open; openat2 is 5.6+)
+        let has_open = per_syscall && syscall_event("sys_enter_open");
+        let has_openat2 = per_syscall && syscall_event("sys_enter_openat2");
+        let p = &mut open.progs;
+        for prog in [
+            &mut p.gpu_ioctl_enter,
+            &mut p.gpu_ioctl_exit,
+            &mut p.gpu_openat_enter,
+            &mut p.gpu_openat_exit,
+            &mut p.gpu_close_enter,
+            &mut p.gpu_close_range_enter,
+        ] {
+            prog.set_autoload(per_syscall);
+        }
+        p.gpu_open_enter.set_autoload(has_open);
+        p.gpu_open_exit.set_autoload(has_open);
+        p.gpu_openat2_enter.set_autoload(has_openat2);
+        p.gpu_openat2_exit.set_autoload(has_openat2);
+        p.gpu_sys_enter.set_autoload(!per_syscall);
+        p.gpu_sys_exit.set_autoload(!per_syscall);
+        let skel = open.load().map_err(err(NAME, "load"))?;
+        let p = &skel.progs;
+        let mut progs = vec![
+            (&p.gpu_exec, "sched_process_exec"),
+            (&p.gpu_fork, "sched_process_fork"),
+        ];
+        if per_syscall {
+            progs.extend([
+                (&p.gpu_ioctl_enter, "sys_enter_ioctl"),
+                (&p.gpu_ioctl_exit, "sys_exit_ioctl"),
+                (&p.gpu_openat_enter, "sys_enter_openat"),
+                (&p.gpu_openat_exit, "sys_exit_openat"),
+                (&p.gpu_close_enter, "sys_enter_close"),
+                (&p.gpu_close_range_enter, "sys_enter_close_range"),
+            ]);
+            if has_open {
+                progs.extend([
+                    (&p.gpu_open_enter, "sys_enter_open"),
+                    (&p.gpu_open_exit, "sys_exit_open"),
+                ]);
+            }
+            if has_openat2 {
+                progs.extend([
+                    (&p.gpu_openat2_enter, "sys_enter_openat2"),
+                    (&p.gpu_openat2_exit, "sys_exit_openat2"),
+                ]);
+            }
+        } else {
+            progs.extend([
+                (&p.gpu_sys_enter, "sys_enter"),
+                (&p.gpu_sys_exit, "sys_exit"),
+            ]);
+        }
+        let mut links = Vec::new();
+        for (prog, hook) in progs {
+            links.push(prog.attach().map_err(|source| ProbeError::Libbpf {
+                probe: NAME,
+                what: hook,
+                source,
+            })?);
+        }
+        tracing::info!(
+            hook = if per_syscall { "syscalls" } else { "raw_syscalls" },
+            ?majors,
+            prefixes = ?devices.path_prefixes,
+            "GPU driver time"
+        );
+        Ok(Ok(GpuDriverProbe {
+            cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
+            fds: handle(NAME, &skel.maps.gpu_fds)?,
+            stats: handle(NAME, &skel.maps.gpu_stats)?,
+            majors,
+            seeded: HashSet::new(),
+            _links: links,
+            last: LastRead::default(),
+            busy_read: Vec::new(),
+            duty: DutyWindow::new(Config::default().duty_window),
+        }))
+    }
+
+    /// One cgroup's driver time, if any task of it ever called a GPU ioctl.
+    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
+        lookup_cgroup(&self.cgroups, cgroup_dir)
+            .ok()
+            .flatten()
+            .and_then(|b| GpuDriverCgroup::from_bytes(&b))
+    }
+
+    /// Seeds the processes in `tgids` not seen before, and forgets those no
+    /// longer listed. Returns how many GPU fds were found.
+    pub fn seed_new(&mut self, tgids: &HashSet<i32>) -> usize {
+        self.seeded.retain(|t| tgids.contains(t));
+        let mut found = 0;
+        for &tgid in tgids {
+            if self.seeded.insert(tgid) {
+                found += self.seed(tgid).unwrap_or(0);
+            }
+        }
+        found
+    }
+
+    /// Adds the GPU device files process `tgid` has open now to its bitmap in
+    /// the kernel. Returns how many there are.
+    pub fn seed(&self, tgid: i32) -> io::Result<usize> {
+        let mut open = [0u64; GPU_FD_WORDS];
+        let mut cloexec = [0u64; GPU_FD_WORDS];
+        let mut n = 0;
+        for e in std::fs::read_dir(format!("/proc/{tgid}/fd"))? {
+            let Ok(e) = e else { continue };
+            let Some(fd) = e.file_name().to_str().and_then(|s| s.parse::<usize>().ok()) else {
+                continue;
+            };
+            // stat follows the link to the open file itself
+            let Ok(md) = std::fs::metadata(e.path()) else {
+                continue;
+            };
+            if !md.file_type().is_char_device()
+                || !self.majors.contains(&libc::major(md.rdev()))
+                || fd >= GPU_FD_BITS
+            {
+                continue;
+            }
+            open[fd / 64] |= 1 << (fd % 64);
+            if fd_cloexec(tgid, fd) {
+                cloexec[fd / 64] |= 1 << (fd % 64);
+            }
+            n += 1;
+        }
+        if n == 0 {
+            return Ok(0);
+        }
+        let pidfd = pidfd_open(tgid)?;
+        let key = pidfd.as_raw_fd().to_ne_bytes();
+        // merge with what the kernel learned meanwhile
+        if let Ok(Some(cur)) = self.fds.lookup(&key, MapFlags::ANY) {
+            for (w, c) in cur.chunks_exact(8).enumerate() {
+                let v = u64::from_ne_bytes(c.try_into().unwrap());
+                if w < GPU_FD_WORDS {
+                    open[w] |= v;
+                } else if w < 2 * GPU_FD_WORDS {
+                    cloexec[w - GPU_FD_WORDS] |= v;
+                }
+            }
+        }
+        let value: Vec<u8> = open
+            .iter()
+            .chain(cloexec.iter())
+            .flat_map(|w| w.to_ne_bytes())
+            .collect();
+        self.fds
+            .update(&key, &value, MapFlags::ANY)
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        Ok(n)
+    }
+
+    /// (storage unavailable, fds learned at open, fds beyond the tracked
+    /// range, calls that changed cgroup)
+    pub fn kernel_stats(&self) -> [u64; 4] {
+        [0, 1, 2, 3].map(|i| percpu_sum(&self.stats, i))
+    }
+}
+
+impl Probe for GpuDriverProbe {
+    fn families(&self) -> &'static [FamilySpec] {
+        &FAMILIES
+    }
+
+    fn signals(&self) -> Vec<SignalSpec> {
+        vec![SignalSpec {
+            name: "gpu_ioctl",
+            family: IOCTL,
+            kind: SignalKind::Latency,
+        }]
+    }
+
+    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
+        let Some(now) = self.read(dir) else { return };
+        let d = self.last.advance(id, now, GpuDriverCgroup::delta_since);
+        for (class, h) in CMD_CLASSES.iter().zip(d.ioctl) {
+            if !h.is_empty() {
+                out.push(Delta {
+                    family: IOCTL,
+                    labels: Labels::from([("cmd", class.to_string())]),
+                    value: Value::Hist(h),
+                });
+            }
+        }
+        out.push(Delta {
+            family: COMPUTE,
+            labels: Labels::new(),
+            value: Value::Count(d.busy_ns),
+        });
+        self.busy_read.push((id, d.busy_ns));
+    }
+
+    fn forget_cgroup(&mut self, id: u64) {
+        self.last.forget(id);
+    }
+
+    fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
+        let pids: HashSet<i32> = ctx.pod_pids().into_values().flatten().collect();
+        let seeded = self.seed_new(&pids);
+        if seeded > 0 {
+            tracing::debug!(fds = seeded, "GPU fds seeded from /proc");
+        }
+        let mut busy: HashMap<Owner, u64> = HashMap::new();
+        for (id, ns) in self.busy_read.drain(..) {
+            if let Some(owner) = ctx.owners.get(&id) {
+                *busy.entry(owner.clone()).or_default() += ns;
+            }
+        }
+        let live: HashSet<&Owner> = ctx.owners.values().collect();
+        TickOutput {
+            deltas: Vec::new(),
+            gauges: vec![(DUTY, self.duty.record(Instant::now(), busy, &live))],
+        }
+    }
+
+    fn stats(&self) -> UnitStats {
+        let [failures, learned, untracked, moved] = self.kernel_stats();
+        UnitStats {
+            maps: vec![MapFill {
+                map: "gpu_cgroup",
+                entries: self.last.len(),
+                capacity: None,
+            }],
+            storage_failures: Some((NAME, failures)),
+            series: vec![
+                SelfSeries {
+                    name: "gpufeed_gpu_fds_learned_total",
+                    help: "GPU device files the kernel saw being opened",
+                    kind: Kind::Counter,
+                    value: learned as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_gpu_fds_untracked_total",
+                    help: "GPU device files opened at an fd number too high to track (not timed)",
+                    kind: Kind::Counter,
+                    value: untracked as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_gpu_ioctl_cgroup_moves_total",
+                    help: "GPU ioctls that ended in another cgroup than they began (timed, not counted busy)",
+                    kind: Kind::Counter,
+                    value: moved as f64,
+                },
+            ],
+        }
+    }
+}
+
+/// Busy time per owner over a sliding window: the duty cycle is the busy
+/// nanoseconds added since the oldest sample in the window over the time
+/// since that sample.
+pub struct DutyWindow {
+    window: Duration,
+    last_tick: Option<Instant>,
+    /// Per owner: (when, cumulative busy ns) samples, oldest first.
+    owners: HashMap<Owner, VecDeque<(Instant, u64)>>,
+}
+
+impl DutyWindow {
+    pub fn new(window: Duration) -> DutyWindow {
+        DutyWindow {
+            window,
+            last_tick: None,
+            owners: HashMap::new(),
+        }
+    }
+
+    /// Adds one tick's busy time per owner; returns every live owner's duty
+    /// cycle (0..=1). An owner first seen now had its busy time since the
+    /// previous tick (its cgroup had no entry before); at the first tick the
+    /// time before is unknown, so that tick is only the baseline.
+    pub fn record(
+        &mut self,
+        now: Instant,
+        busy: HashMap<Owner, u64>,
+        live: &HashSet<&Owner>,
+    ) -> Vec<GaugeValue> {
+        let prev_tick = self.last_tick.replace(now);
+        self.owners.retain(|o, _| live.contains(o));
+        for (owner, ns) in busy {
+            if !live.contains(&owner) {
+                continue;
+            }
+            let samples = self.owners.entry(owner).or_insert_with(|| {
+                let mut v = VecDeque::new();
+                if let Some(t) = prev_tick {
+                    v.push_back((t, 0));
+                }
+                v
+            });
+            let total = samples.back().map(|s| s.1).unwrap_or(0) + ns;
+            samples.push_back((now, total));
+        }
+        let mut out = Vec::new();
+        for (owner, samples) in &mut self.owners {
+            if samples.back().is_some_and(|s| s.0 != now) {
+                let total = samples.back().map(|s| s.1).unwrap_or(0);
+                samples.push_back((now, total));
+            }
+            while samples.len() > 2 && now.duration_since(samples[1].0) >= self.window {
+                samples.pop_front();
+            }
+            let (Some(first), Some(last)) = (samples.front(), samples.back()) else {
+                continue;
+            };
+            let elapsed = last.0.duration_since(first.0).as_nanos() as f64;
+            if elapsed <= 0.0 {
+                continue;
+            }
+            out.push(GaugeValue {
+                owner: owner.clone(),
+                labels: Labels::new(),
+                value: ((last.1 - first.1) as f64 / elapsed).clamp(0.0, 1.0),
+            });
+        }
+        out
+    }
+}
+
+/// Whether fd `fd` of `tgid` is close-on-exec (the "flags:" line of fdinfo, octal).
+fn fd_cloexec(tgid: i32, fd: usize) -> bool {
+    std::fs::read_to_string(format!("/proc/{tgid}/fdinfo/{fd}"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .is_some_and(|f| f & O_CLOEXEC != 0)
+}
+
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this fd to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// /proc/devices as a host with the NVIDIA driver shows it.
+    const PROC_DEVICES: &str = "Character devices:
+  1 mem
+  4 /dev/vc/0
+  4 tty
+  4 ttyS
+195 nvidia-frontend
+234 nvidia-uvm
+237 nvidia-caps
+238 nvidia-caps-imex-channels
+254 gpiochip
+
+Block devices:
+  7 loop
+195 nvidia-frontend
+";
+
+    fn pod(n: u8) -> Owner {
+        Owner::Pod {
+            uid: format!("uid-{n}"),
+            container_id: Some(format!("c{n}")),
+        }
+    }
+
+    #[test]
+    fn duty_cycle_is_the_busy_share_of_the_window() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let (a, b) = (pod(1), pod(2));
+        let live_ab = HashSet::from([&a, &b]);
+        let mut w = DutyWindow::new(Duration::from_secs(4));
+        // first tick: baseline only
+        let g = w.record(
+            t0,
+            HashMap::from([(a.clone(), 5 * 1_000_000_000)]),
+            &live_ab,
+        );
+        assert!(g.is_empty(), "no window yet: {g:?}");
+        let value = |g: &[GaugeValue], o: &Owner| g.iter().find(|v| &v.owner == o).map(|v| v.value);
+        // a is busy half of every second; b appears busy the whole first second
+        let half = 500_000_000;
+        let g = w.record(
+            t0 + s,
+            HashMap::from([(a.clone(), half), (b.clone(), 1_000_000_000)]),
+            &live_ab,
+        );
+        assert_eq!(value(&g, &a), Some(0.5));
+        assert_eq!(value(&g, &b), Some(1.0));
+        for i in 2..=10 {
+            let g = w.record(t0 + i * s, HashMap::from([(a.clone(), half)]), &live_ab);
+            assert_eq!(value(&g, &a), Some(0.5), "tick {i}");
+            let b_now = value(&g, &b).unwrap();
+            // b's busy second leaves the 4 s window after 4 more ticks
+            let want = if i <= 4 { 1.0 / i as f64 } else { 0.0 };
+            assert!(
+                (b_now - want).abs() < 1e-9,
+                "tick {i}: b {b_now} want {want}"
+            );
+        }
+        // a gone: its series goes
+        let g = w.record(t0 + 11 * s, HashMap::new(), &HashSet::from([&b]));
+        assert_eq!(value(&g, &a), None);
+        assert_eq!(value(&g, &b), Some(0.0));
+    }
+
+    #[test]
+    fn majors_from_proc_devices() {
+        let names = GpuDevices::default().driver_names;
+        assert_eq!(char_majors(PROC_DEVICES, &names), vec![195, 234, 237]);
+        assert_eq!(char_majors(PROC_DEVICES, &["ttyS".into()]), vec![4]);
+        assert!(char_majors("garbage\n\0\n", &names).is_empty());
+        assert!(char_majors("", &names).is_empty());
+    }
+
+    #[test]
+    fn decode_cgroup_and_busy_deltas() {
+        let mut b = vec![0u8; CGROUP_BYTES];
+        // one call of 3 us in rm_control
+        let at = HIST_BYTES + 2 * 8;
+        b[at..at + 8].copy_from_slice(&1u64.to_ne_bytes());
+        let base = CMD_CLASSES.len() * HIST_BYTES;
+        b[base..base + 8].copy_from_slice(&5_000u64.to_ne_bytes());
+        b[base + 8..base + 16].copy_from_slice(&1_000u64.to_ne_bytes());
+        let c = GpuDriverCgroup::from_bytes(&b).unwrap();
+        assert_eq!(c.ioctl[1].count, 1);
+        assert_eq!(c.busy_ns, 5_000);
+        // a call in flight adds nothing until it ends
+        b[base + 16..base + 24].copy_from_slice(&1i64.to_ne_bytes());
+        let open = GpuDriverCgroup::from_bytes(&b).unwrap();
+        assert_eq!(open.busy_ns, 5_000);
+        assert_eq!(open.delta_since(&c).busy_ns, 0);
+        b[base..base + 8].copy_from_slice(&12_000u64.to_ne_bytes());
+        let closed = GpuDriverCgroup::from_bytes(&b).unwrap();
+        let d = closed.delta_since(&open);
+        assert_eq!(d.busy_ns, 7_000);
+        assert_eq!(d.ioctl[1].count, 0, "no new call in the delta");
+        assert!(GpuDriverCgroup::from_bytes(&b[..CGROUP_BYTES - 1]).is_none());
+    }
+}

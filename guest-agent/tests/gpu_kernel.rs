@@ -1,0 +1,551 @@
+//! GPU probes on the real kernel, driven by stand-ins (no GPU and no NVIDIA
+//! driver exist on the machines that run the tests):
+//!
+//! * driver time: a device node with the serial port's major:minor under a
+//!   configured "GPU" path prefix and driver name. `ioctl(TCSBRKP, n)` on it
+//!   is a real character-device ioctl that the tty layer holds for n x 100 ms
+//!   (send_break), so the test knows what the probe must see.
+//! * CUDA: a libcuda.so.1 built here from C with the driver API's real
+//!   signatures, loaded with dlopen by a client program in two pods, one of
+//!   them inside its own mount namespace and pivoted root like a container.
+
+mod common;
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use gpufeed_guest::probes::cuda::{CudaCgroup, CudaOptions, CudaProbe};
+use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, CMD_CLASSES};
+use gpufeed_guest::probes::KernelBtf;
+
+fn pids(pods: &[&Pod]) -> HashSet<i32> {
+    pods.iter().flat_map(|p| p.pids()).collect()
+}
+
+fn wait_file(path: &Path, what: &str) {
+    assert!(
+        wait_for(Duration::from_secs(20), || path.exists().then_some(())).is_some(),
+        "{what}: {} did not appear",
+        path.display()
+    );
+}
+
+/// Whether process `pid` has `target` open.
+fn has_open(pid: i32, target: &Path) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == target))
+        })
+        .unwrap_or(false)
+}
+
+/// /proc/devices name of the serial driver that stands in for the GPU's.
+const UART_DRIVER: &str = "ttyS";
+
+/// The driver-time stand-in: a device node with the 8250 UART's numbers at
+/// `<dir>/nvidia0`, and the client program that holds ioctls on it.
+struct StandInDevice {
+    hold: PathBuf,
+    node: PathBuf,
+}
+
+impl StandInDevice {
+    fn new(dir: &Path) -> StandInDevice {
+        let hold = dir.join("ioctl_hold");
+        // static: after its exec, no loader opens a file and takes back the
+        // device's fd number before main() runs (its close would hide
+        // whether exec itself forgot the fd)
+        compile_c("gpu/ioctl_hold.c", &hold, &["-static"]);
+        let uart = std::fs::metadata("/dev/ttyS0")
+            .expect("the driver-time stand-in needs /dev/ttyS0 (an 8250 UART)");
+        let node = dir.join("nvidia0");
+        let c_node = std::ffi::CString::new(node.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string path; mknod creates a device node there.
+        let rc = unsafe { libc::mknod(c_node.as_ptr(), libc::S_IFCHR | 0o600, uart.rdev()) };
+        assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
+        StandInDevice { hold, node }
+    }
+
+    /// The shell command for `calls` ioctls of `tenths` x 100 ms once `go`
+    /// exists, then one of each NVIDIA request class; `mode` "fork": made by
+    /// a forked child on the inherited fd; "exec": none, the program execs
+    /// and reuses the device's fd number for a pipe.
+    fn command(&self, calls: u32, tenths: u32, go: &Path, out: &Path, mode: &str) -> String {
+        format!(
+            "exec {} {} {calls} {tenths} {} {} {mode}",
+            self.hold.display(),
+            self.node.display(),
+            go.display(),
+            out.display(),
+        )
+    }
+}
+
+/// (calls, total ns) the client measured itself.
+fn measured(out: &Path) -> (u64, u64) {
+    let text = std::fs::read_to_string(out).unwrap();
+    let mut f = text.split_whitespace().map(|v| v.parse::<u64>().unwrap());
+    (f.next().unwrap(), f.next().unwrap())
+}
+
+fn within_10_percent(got: f64, want: f64) -> bool {
+    (got - want).abs() <= 0.1 * want
+}
+
+#[test]
+fn driver_time_per_pod_from_per_syscall_tracepoints() {
+    let Some(_lock) = require_root() else { return };
+    driver_time_case(Hook::Syscalls);
+}
+
+/// The hook that works without tracefs (lockdown=confidentiality).
+#[test]
+fn driver_time_per_pod_from_raw_syscall_btf_tracepoints() {
+    let Some(_lock) = require_root() else { return };
+    driver_time_case(Hook::RawSyscalls);
+}
+
+/// Two pods make ioctls the kernel holds for a known time: pod a opened its
+/// device before the probe loaded (seeded from /proc), pod b after (learned at
+/// openat). Each also makes as many ioctls that are not GPU calls.
+fn driver_time_case(hook: Hook) {
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let node = dev.node.clone();
+
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let go = dir.join("go");
+    let (out_a, out_b) = (dir.join("a.out"), dir.join("b.out"));
+
+    // a opens its device before the probe exists: found by the /proc seeding
+    let pid_a = a.spawn(&dev.command(3, 1, &go, &out_a, "")) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid_a, &node)
+            .then_some(()))
+        .is_some(),
+        "pod a opened the device"
+    );
+
+    let devices = GpuDevices {
+        path_prefixes: vec![format!("{}/nvidia", dir.display())],
+        driver_names: vec![UART_DRIVER.into()],
+    };
+    let mut probe = GpuDriverProbe::load(&devices, hook, &KernelBtf::load())
+        .expect("gpu_driver loads")
+        .expect("kernel has the hooks");
+    assert_eq!(
+        probe.seed_new(&pids(&[&a, &b])),
+        1,
+        "a's one device fd seeded"
+    );
+    assert_eq!(
+        probe.seed_new(&pids(&[&a, &b])),
+        0,
+        "a process is seeded once"
+    );
+
+    // b opens after the probe is loaded (learned at openat), and a child it
+    // forks makes the calls on the inherited fd
+    let pid_b = b.spawn(&dev.command(2, 2, &go, &out_b, "fork")) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid_b, &node)
+            .then_some(()))
+        .is_some(),
+        "pod b opened the device"
+    );
+    // c opens its device, then execs: exec closes the close-on-exec fd, and
+    // the calls the new image makes on the reused fd number are not GPU calls
+    let mut c = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+    let out_c = dir.join("c.out");
+    let pid_c = c.spawn(&dev.command(3, 1, &go, &out_c, "exec")) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid_c, &node)
+            .then_some(()))
+        .is_some(),
+        "pod c opened the device"
+    );
+    File::create(&go).unwrap();
+    wait_file(&out_a, "pod a's calls");
+    wait_file(&out_b, "pod b's calls");
+    wait_file(&out_c, "pod c's calls after exec");
+    let cg_c = File::open(&c.cgroup).unwrap();
+    assert_eq!(
+        probe
+            .read(cg_c.as_fd())
+            .map(|g| g.ioctl.iter().map(|h| h.count).sum::<u64>()),
+        None,
+        "pod c made no GPU call after exec"
+    );
+
+    for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
+        let (calls, measured_ns) = measured(out);
+        let cg = File::open(&pod.cgroup).unwrap();
+        let got = probe.read(cg.as_fd()).expect("the pod has driver time");
+        let count: u64 = got.ioctl[0].count;
+        let sum: u64 = got.ioctl.iter().map(|h| h.sum_ns).sum();
+        eprintln!(
+            "pod {name}: {count} calls, {sum} ns in the probe, {measured_ns} ns measured, busy {} ns",
+            got.busy_ns
+        );
+        // exact: the pipe ioctls and the reused fd number are not GPU calls;
+        // TCSBRKP and NV_ESC_CARD_INFO are `other`, one of each other class
+        assert_eq!(count, calls + 1, "pod {name}: cmd other");
+        for (class, h) in CMD_CLASSES.iter().zip(&got.ioctl).skip(1) {
+            assert_eq!(h.count, 1, "pod {name}: cmd {class}");
+        }
+        let within = |v: u64| within_10_percent(v as f64, measured_ns as f64);
+        assert!(
+            within(sum),
+            "pod {name}: sum {sum} vs measured {measured_ns}"
+        );
+        // one task per pod: busy wall time is the sum of its calls
+        assert!(
+            within(got.busy_ns),
+            "pod {name}: busy {} vs measured {measured_ns}",
+            got.busy_ns
+        );
+    }
+    let stats = probe.kernel_stats();
+    assert_eq!(stats[0], 0, "no storage failures");
+    assert!(stats[1] >= 1, "b's open was learned in the kernel");
+}
+
+/// Expected numbers of one cuda_app run with scale `s` after phases 1..=4.
+struct Expect {
+    s: u64,
+}
+
+const MIB: u64 = 1024 * 1024;
+
+impl Expect {
+    fn pitched(&self) -> u64 {
+        (1000 * self.s).div_ceil(512) * 512 * 300
+    }
+    fn managed(&self) -> u64 {
+        64 * 1024 * self.s
+    }
+    fn after_alloc(&self) -> i64 {
+        (self.s * MIB + self.pitched() + self.managed() + 128 * 1024 * self.s) as i64
+    }
+    fn after_free(&self) -> i64 {
+        (self.pitched() + self.managed()) as i64
+    }
+    fn after_vmm(&self) -> i64 {
+        // two physical allocations; the import aliases the second one
+        self.after_free() + (4 * self.s * MIB) as i64
+    }
+    fn h2d(&self) -> u64 {
+        (4096 + 1000) * self.s
+    }
+    fn d2h(&self) -> u64 {
+        (2048 + 24) * self.s
+    }
+}
+
+struct App {
+    /// the pod's container cgroup
+    cgroup: PathBuf,
+    /// control directory as the test sees it
+    ctl: PathBuf,
+    expect: Expect,
+}
+
+impl App {
+    fn step(&self, n: u32) {
+        File::create(self.ctl.join(format!("go{n}"))).unwrap();
+        wait_file(&self.ctl.join(format!("done{n}")), "cuda_app phase");
+    }
+
+    fn read(&self, probe: &CudaProbe) -> CudaCgroup {
+        let cg = File::open(&self.cgroup).unwrap();
+        probe.read(cg.as_fd()).unwrap_or_default()
+    }
+}
+
+/// The CUDA stand-in: libcuda.so.1 built from C in `<dir>/lib`, a copy in a
+/// container root where distributions put it, and the client program.
+struct StandInCuda {
+    lib_dir: PathBuf,
+    app: PathBuf,
+    root: PathBuf,
+    /// control directory of a client that runs on the host's root
+    host_ctl: PathBuf,
+}
+
+impl StandInCuda {
+    fn new(dir: &Path) -> StandInCuda {
+        let lib_dir = dir.join("lib");
+        std::fs::create_dir(&lib_dir).unwrap();
+        let lib = lib_dir.join("libcuda.so.1");
+        compile_c(
+            "cuda/fake_libcuda.c",
+            &lib,
+            &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
+        );
+        let app = dir.join("cuda_app");
+        compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
+        let root = dir.join("rootfs");
+        let root_lib = root.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&root_lib).unwrap();
+        std::fs::create_dir_all(root.join("ctl")).unwrap();
+        std::fs::copy(&lib, root_lib.join("libcuda.so.1")).unwrap();
+        let host_ctl = dir.join("ctl");
+        std::fs::create_dir(&host_ctl).unwrap();
+        StandInCuda {
+            lib_dir,
+            app,
+            root,
+            host_ctl,
+        }
+    }
+
+    /// The client with scale `s` on the host's root.
+    fn host_command(&self, s: u64) -> String {
+        format!(
+            "LD_LIBRARY_PATH={} exec {} {} {s}",
+            self.lib_dir.display(),
+            self.app.display(),
+            self.host_ctl.display()
+        )
+    }
+}
+
+#[test]
+fn cuda_vram_and_copies_per_pod_from_uprobes() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let cuda = StandInCuda::new(dir);
+    let (app, root) = (cuda.app.clone(), cuda.root.clone());
+    let host_ctl = cuda.host_ctl.clone();
+
+    let sb = CgroupSandbox::new();
+    let mut host_pod = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
+    let mut ctr_pod = Pod::random(&sb, Layout::Systemd, "burstable");
+
+    let mut probe = CudaProbe::load(CudaOptions {
+        launches: true,
+        ..CudaOptions::default()
+    })
+    .expect("cuda probe loads")
+    .expect("kernel has the hooks");
+
+    let pid_a = host_pod.spawn(&cuda.host_command(1));
+    let pid_c = ctr_pod.spawn(&format!(
+        "LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu exec {} /ctl 2 {}",
+        app.display(),
+        root.display()
+    ));
+    let a = App {
+        cgroup: host_pod.cgroup.clone(),
+        ctl: host_ctl,
+        expect: Expect { s: 1 },
+    };
+    let c = App {
+        cgroup: ctr_pod.cgroup.clone(),
+        ctl: root.join("ctl"),
+        expect: Expect { s: 2 },
+    };
+    let all = || pids(&[&host_pod, &ctr_pod]);
+    // not mapped yet: nothing to attach
+    assert_eq!(probe.scan(&all()), 0);
+    // the library is mapped later (dlopen): the next scan attaches, once per file
+    a.step(0);
+    c.step(0);
+    assert_eq!(probe.scan(&all()), 2, "two distinct library files");
+    assert_eq!(probe.scan(&all()), 0, "each file is attached once");
+    assert_eq!(probe.files(), 2);
+
+    for app in [&a, &c] {
+        let e = &app.expect;
+        app.step(1);
+        let got = app.read(&probe);
+        assert_eq!(
+            got.vram_bytes,
+            e.after_alloc(),
+            "s={}: after allocations",
+            e.s
+        );
+        assert_eq!(got.h2d_bytes, e.h2d(), "s={}: host to device", e.s);
+        assert_eq!(got.d2h_bytes, e.d2h(), "s={}: device to host", e.s);
+        assert_eq!(got.launches, 5 * e.s, "s={}: launches", e.s);
+        app.step(2);
+        assert_eq!(
+            app.read(&probe).vram_bytes,
+            e.after_free(),
+            "s={}: after frees",
+            e.s
+        );
+        app.step(3);
+        assert_eq!(
+            app.read(&probe).vram_bytes,
+            e.after_vmm(),
+            "s={}: VMM allocations, a released-but-mapped handle still held, an import not counted twice",
+            e.s
+        );
+        app.step(4);
+        assert_eq!(
+            app.read(&probe).vram_bytes,
+            e.after_free(),
+            "s={}: unmapping and releasing gives VMM memory back",
+            e.s
+        );
+    }
+    // exit without freeing: the process's remaining bytes go back
+    File::create(a.ctl.join("go5")).unwrap();
+    File::create(c.ctl.join("go5")).unwrap();
+    host_pod.wait_exit(pid_a, Duration::from_secs(10));
+    ctr_pod.wait_exit(pid_c, Duration::from_secs(10));
+    for app in [&a, &c] {
+        let got = app.read(&probe);
+        assert_eq!(got.vram_bytes, 0, "s={}: exit returns VRAM", app.expect.s);
+        assert_eq!(got.h2d_bytes, app.expect.h2d(), "copy counters stay");
+    }
+    assert_eq!(
+        probe.kernel_stats(),
+        [0, 0, 0],
+        "no lost events, no unknown frees"
+    );
+}
+
+/// The agent binary with both GPU probes: the series on /metrics follow what
+/// the stand-ins did, in one pod, labelled by pod UID and container.
+#[test]
+fn gpu_series_on_metrics() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let cuda = StandInCuda::new(dir);
+    let prefix = format!("{}/nvidia", dir.display());
+    let agent = Agent::no_kube(
+        "200ms",
+        "gpu_driver,cuda",
+        &[
+            "--gpu-device-prefix",
+            &prefix,
+            "--gpu-driver-name",
+            UART_DRIVER,
+            "--gpu-duty-window",
+            "3s",
+            "--cuda-launches",
+        ],
+    );
+    let sb = CgroupSandbox::new();
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let labels = [
+        ("pod", pod.uid.clone()),
+        ("container", pod.container_id[..12].to_string()),
+    ];
+    let sel = |extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, String)> {
+        let mut v: Vec<(&'static str, String)> = labels.to_vec();
+        v.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+        v
+    };
+    let get = |name: &str, extra: &[(&'static str, &'static str)]| {
+        let want = sel(extra);
+        let want: Vec<(&str, &str)> = want.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        value(&agent.scrape(), name, &want)
+    };
+    let wait_value = |name: &str, extra: &[(&'static str, &'static str)], want: f64| {
+        let got = wait_for(Duration::from_secs(10), || {
+            get(name, extra).filter(|v| (v - want).abs() < 1e-9)
+        });
+        assert!(
+            got.is_some(),
+            "{name}{extra:?} = {want}; last {:?}",
+            get(name, extra)
+        );
+    };
+    for probe in ["gpu_driver", "cuda"] {
+        assert_eq!(
+            value(&agent.scrape(), "gpufeed_probe_up", &[("probe", probe)]),
+            Some(1.0),
+            "probe {probe}"
+        );
+    }
+
+    // driver time
+    let (go, out) = (dir.join("go"), dir.join("hold.out"));
+    pod.spawn(&dev.command(3, 1, &go, &out, ""));
+    File::create(&go).unwrap();
+    wait_file(&out, "the ioctl client");
+    let (calls, measured_ns) = measured(&out);
+    wait_value(
+        "ebpf_gpu_ioctl_latency_microseconds_count",
+        &[("cmd", "other")],
+        (calls + 1) as f64,
+    );
+    wait_value(
+        "ebpf_gpu_ioctl_latency_microseconds_count",
+        &[("cmd", "rm_control")],
+        1.0,
+    );
+    let sum_us = get(
+        "ebpf_gpu_ioctl_latency_microseconds_sum",
+        &[("cmd", "other")],
+    )
+    .unwrap();
+    assert!(
+        within_10_percent(sum_us, measured_ns as f64 / 1e3),
+        "sum {sum_us} us vs measured {measured_ns} ns"
+    );
+    let busy_s = get("ebpf_gpu_compute_time_seconds_total", &[]).unwrap();
+    assert!(
+        within_10_percent(busy_s, measured_ns as f64 / 1e9),
+        "compute time {busy_s} s vs measured {measured_ns} ns"
+    );
+    let duty = get("ebpf_gpu_active_compute_duty_cycle", &[]).expect("a duty cycle");
+    assert!(
+        duty > 0.0 && duty <= 1.0,
+        "duty cycle {duty} while just busy"
+    );
+    // idle for longer than the window: the duty cycle falls to 0
+    wait_value("ebpf_gpu_active_compute_duty_cycle", &[], 0.0);
+
+    // CUDA: the library is mapped once the client runs; the agent attaches
+    // within an interval, then the client allocates and copies
+    let pid = pod.spawn(&cuda.host_command(1));
+    let step = |n: u32| {
+        File::create(cuda.host_ctl.join(format!("go{n}"))).unwrap();
+        wait_file(&cuda.host_ctl.join(format!("done{n}")), "cuda_app phase");
+    };
+    step(0);
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            value(&agent.scrape(), "gpufeed_cuda_libraries", &[]).filter(|v| *v == 1.0)
+        })
+        .is_some(),
+        "the agent attached to the library"
+    );
+    step(1);
+    let e = Expect { s: 1 };
+    wait_value("ebpf_gpu_vram_reserved_bytes", &[], e.after_alloc() as f64);
+    let pod_only = [("pod", pod.uid.as_str())];
+    let pcie = |d: &str| {
+        value(
+            &agent.scrape(),
+            "ebpf_gpu_pcie_bytes_total",
+            &[pod_only[0], ("direction", d)],
+        )
+    };
+    assert_eq!(pcie("h2d"), Some(e.h2d() as f64));
+    assert_eq!(pcie("d2h"), Some(e.d2h() as f64));
+    wait_value("ebpf_gpu_kernel_launches_total", &[], 5.0);
+    step(2);
+    step(3);
+    wait_value("ebpf_gpu_vram_reserved_bytes", &[], e.after_vmm() as f64);
+    step(4);
+    File::create(cuda.host_ctl.join("go5")).unwrap();
+    pod.wait_exit(pid, Duration::from_secs(10));
+    wait_value("ebpf_gpu_vram_reserved_bytes", &[], 0.0);
+}
