@@ -11,7 +11,7 @@
 //! | `DIR/ca.pem`, `DIR/ca-key.pem` | the deployment CA (keep the key offline) |
 //! | `DIR/guest/` | the guest's `--tls-dir`: `ca.pem`, `guest.pem`, `guest-key.pem`, `allowed-hosts` |
 //! | `DIR/gpufeed-guest-tls.yaml` | the same four files as a Kubernetes Secret, to mount at the `--tls-dir` |
-//! | `DIR/host-NAME.pem`, `DIR/host-NAME-key.pem` | each host's client certificate and key |
+//! | `DIR/host-NAME.pem`, `DIR/host-NAME.key` | each host's client certificate and key |
 //! | `DIR/host-NAME.toml` | a complete `gpufeed-host run --config` file streaming to `HOST:PORT` with them |
 //!
 //! The server certificate names `HOST` (DNS name or IP address); a host certificate names the

@@ -453,7 +453,64 @@ pub async fn serve(
             }),
         )
         .merge(more);
-    axum::serve(listener, app).await
+    serve_bounded(listener, app).await
+}
+
+/// How long a client may take to send a request's headers (a connection that stalls in them
+/// is closed). Applies to every request of a kept-alive connection, not to a response that
+/// takes long (event streams).
+const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Open HTTP connections at once, and from one IP address; beyond them a new connection is
+/// closed at once. Each costs some 10 KiB of buffers, so the caps bound the server's memory.
+const MAX_HTTP_CONNECTIONS: usize = 512;
+const MAX_HTTP_PER_ADDRESS: usize = 64;
+
+/// Serves `app` on `listener` with a header read timeout and connection caps: the node
+/// address is reachable from every pod, and `axum::serve` has neither.
+async fn serve_bounded(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+) -> std::io::Result<()> {
+    use gpufeed_shared::stream::hub::admission::{Admission, Decision, Limits, RateLimitedLog};
+    // Every connection holds its place for its lifetime (never `established`).
+    let admission = Admission::new(Limits {
+        max_handshakes: MAX_HTTP_CONNECTIONS,
+        max_per_address: MAX_HTTP_PER_ADDRESS,
+        retry_above: usize::MAX,
+    });
+    let refusals = RateLimitedLog::new(std::time::Duration::from_secs(10));
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of file descriptors or a connection reset before accept: not fatal.
+                tracing::warn!(error = %e, "metrics server: accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let ticket = match admission.decide(peer.ip(), true) {
+            Decision::Accept(t) => t,
+            Decision::Refuse(reason) => {
+                if let Some(unlogged) = refusals.note(reason, Instant::now()) {
+                    tracing::warn!(%peer, reason, unlogged, "metrics server: too many connections (limits: {MAX_HTTP_CONNECTIONS} in all, {MAX_HTTP_PER_ADDRESS} per address); closed");
+                }
+                continue;
+            }
+            Decision::Retry => continue,
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "metrics server: connection ended");
+            }
+            drop(ticket);
+        });
+    }
 }
 
 pub fn bind_error(addr: SocketAddr, e: std::io::Error) -> anyhow::Error {

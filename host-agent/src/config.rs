@@ -259,8 +259,18 @@ mod tests {
         assert_eq!(s.spool_dir, d.spool_dir);
         assert_eq!(s.spool_dir, Path::new("/var/lib/gpufeed/spool"));
         assert_eq!(
-            (s.memory_events, s.disk_max_bytes, s.segment_bytes),
-            (d.memory_events, d.disk_max_bytes, d.segment_bytes)
+            (
+                s.memory_events,
+                s.memory_bytes,
+                s.disk_max_bytes,
+                s.segment_bytes
+            ),
+            (
+                d.memory_events,
+                d.memory_bytes,
+                d.disk_max_bytes,
+                d.segment_bytes
+            )
         );
         assert_eq!(
             (s.reconnect_min_ms, s.reconnect_max_ms, s.connect_timeout_ms),

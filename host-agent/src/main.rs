@@ -108,6 +108,10 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             check_config,
         } => {
             let cfg = common.load()?;
+            if let Some(s) = &cfg.stream {
+                // What `run` refuses when it starts the stream, with the same message.
+                s.check(&cfg.host_id()).context(STREAM_START)?;
+            }
             if check_config {
                 println!("{}: configuration OK", common.config.display());
                 return Ok(());
@@ -124,6 +128,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+const STREAM_START: &str = "starting the host → guest stream";
+
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.metrics_listen)
         .await
@@ -138,7 +144,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
                 agent.bus.subscribe(),
                 &agent.metrics.registry,
             )
-            .context("starting the host → guest stream")?,
+            .context(STREAM_START)?,
         ),
         _ => None,
     };
@@ -167,14 +173,29 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     let mut wd_usec = 0u64;
     if sd_notify::watchdog_enabled(false, &mut wd_usec) && wd_usec > 0 {
         let period = std::time::Duration::from_micros(wd_usec / 2);
-        let bus = agent.bus.clone();
+        let liveness = stream.as_ref().map(|s| s.liveness());
         tokio::spawn(async move {
             let mut iv = tokio::time::interval(period);
+            let mut stuck = false;
             loop {
                 iv.tick().await;
-                // The runtime is alive and the bus accepts events: the agent is healthy.
-                let _ = bus.emitted();
-                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+                // The runtime runs this task; the stream must be moving too, else no ping:
+                // systemd restarts a wedged agent after WatchdogSec.
+                match liveness.as_ref().map_or(Ok(()), |l| l.check(period)) {
+                    Ok(()) => {
+                        if std::mem::take(&mut stuck) {
+                            tracing::info!("watchdog: the stream moves again; pinging");
+                        }
+                        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+                    }
+                    Err(e) => {
+                        if !std::mem::replace(&mut stuck, true) {
+                            tracing::error!(
+                                "watchdog: {e}; not pinging (systemd restarts the agent)"
+                            );
+                        }
+                    }
+                }
             }
         });
     }

@@ -42,7 +42,7 @@ async fn certs_init_then_stream_with_the_generated_files() {
         "guest/allowed-hosts",
         "gpufeed-guest-tls.yaml",
         "host-pve1.pem",
-        "host-pve1-key.pem",
+        "host-pve1.key",
         "host-pve1.toml",
         "host-pve2.toml",
     ] {
@@ -53,7 +53,7 @@ async fn certs_init_then_stream_with_the_generated_files() {
     for secret in [
         "ca-key.pem",
         "guest/guest-key.pem",
-        "host-pve1-key.pem",
+        "host-pve1.key",
         "gpufeed-guest-tls.yaml",
     ] {
         let mode = std::fs::metadata(dir.join(secret))
@@ -129,4 +129,27 @@ async fn certs_init_then_stream_with_the_generated_files() {
         certs::split_guest_addr("[::1]:7845").unwrap(),
         ("::1".to_string(), 7845)
     );
+}
+
+/// Host names `a` and `a-key`: each keeps its own certificate and key, and each host's
+/// configuration passes the agent's start check (its certificate names it, its key parses).
+#[test]
+fn hosts_a_and_a_key_do_not_overwrite_each_other() {
+    let out = tempfile::tempdir().unwrap();
+    let args = certs::CertsInitArgs {
+        out: out.path().to_owned(),
+        guest_addr: "127.0.0.1:7845".into(),
+        hosts: vec!["a".into(), "a-key".into()],
+        namespace: "gpufeed".into(),
+        secret_name: "gpufeed-guest-tls".into(),
+        force: false,
+    };
+    certs::init(&args).unwrap();
+    let dir = out.path().canonicalize().unwrap();
+    for h in ["a", "a-key"] {
+        let cfg = Config::load(&dir.join(format!("host-{h}.toml"))).unwrap();
+        let sc = cfg.stream.clone().unwrap();
+        sc.check(&cfg.host_id())
+            .unwrap_or_else(|e| panic!("host {h}: {e}"));
+    }
 }

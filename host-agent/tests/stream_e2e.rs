@@ -197,3 +197,74 @@ async fn memory_spool_overflow_is_reported_exactly() {
 async fn disk_spool_overflow_is_reported_exactly() {
     overflow(true).await;
 }
+
+/// An AER event whose kmsg context is above the frame limit (an error storm) reaches the guest
+/// with its context cut, and the guest's recent ring holds at most `recent_max_bytes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_context_is_cut_and_the_recent_ring_is_bounded_in_bytes() {
+    use gpufeed_shared::event::{AerCounter, AerSeverity, Source};
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let greg = prometheus::Registry::new();
+    let mut hc = hub_config(fx.path());
+    hc.recent_capacity = 10_000;
+    hc.recent_max_bytes = 256 << 10;
+    let hub = hub::serve(hc, &greg).await.unwrap();
+    let h = stream::start(
+        fx.stream_config("pve1", hub.local_addr(), None),
+        "pve1".into(),
+        &prometheus::Registry::new(),
+    )
+    .unwrap();
+    let storm = |i: u64| Stamped {
+        realtime_ns: i as i64,
+        monotonic_ns: i,
+        event: HostEvent::AerCounter(AerCounter {
+            bdf: "0000:01:00.0".into(),
+            vmid: Some(100),
+            severity: AerSeverity::Correctable,
+            error: "RxErr".into(),
+            delta: 1,
+            total: i,
+            detail: None,
+            // 512 lines of 200 bytes: 100 KiB, above the 64 KiB frame limit.
+            kmsg_context: (0..512)
+                .map(|l| format!("{l:04} {}", "x".repeat(195)))
+                .collect(),
+            source: Source::Poll,
+        }),
+    };
+    let batch: Vec<Stamped> = (0..100).map(storm).collect();
+    h.push(&batch);
+    let received = || {
+        metric(
+            &greg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || received() == 100.0).await,
+        "{}",
+        received()
+    );
+    let recent = hub.recent();
+    let HostEvent::AerCounter(last) = &recent.last().unwrap().event else {
+        panic!()
+    };
+    assert_eq!(last.total, 99);
+    let ctx: usize = last.kmsg_context.iter().map(String::len).sum();
+    assert!(
+        ctx <= gpufeed_shared::proto::KMSG_CONTEXT_MAX_BYTES,
+        "{ctx}"
+    );
+    assert!(last.kmsg_context.last().unwrap().contains("more lines cut"));
+    // Each event is some 16 KiB in the ring's estimate: 256 KiB hold about 16 of the 100.
+    assert!(
+        (8..=20).contains(&recent.len()),
+        "{} events in the ring",
+        recent.len()
+    );
+    h.shutdown().await;
+    hub.shutdown().await;
+}

@@ -60,6 +60,7 @@ fn assert_accounted(seqs: &[u64], losses: &[SpoolLoss], end: u64) {
 fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
     let fs = TinyFs::mount(64);
     let lim = SpoolLimits {
+        memory_bytes: usize::MAX,
         memory_events: 1000,
         disk_max_bytes: 16 << 20,
         segment_bytes: 16 << 10,

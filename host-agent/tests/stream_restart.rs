@@ -9,10 +9,9 @@
 
 mod stream_support;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +21,6 @@ use gpufeed_shared::event::{HostEvent, Stamped};
 use stream_support::*;
 
 const N: u64 = 100_000;
-const CHILD: &str = "GPUFEED_STREAM_TEST_CHILD";
 
 /// Entry point of the child processes; does nothing in a normal test run.
 #[test]
@@ -31,27 +29,11 @@ fn child_process_entry() {
         return;
     };
     let env = |k: &str| std::env::var(k).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    tracing_subscriber::fmt()
-        .with_env_filter("info")
-        .with_ansi(false)
-        .with_writer(std::io::stderr)
-        .init();
+    let rt = child_runtime();
     let tls_dir = PathBuf::from(env("T_TLS"));
     let addr: SocketAddr = env("T_ADDR").parse().unwrap();
     match role.as_str() {
-        "guest" => rt.block_on(async {
-            let mut c = hub_config(&tls_dir);
-            c.listen = addr;
-            c.journal = Some(env("T_JOURNAL").into());
-            let _hub = hub::serve(c, &prometheus::Registry::new()).await.unwrap();
-            println!("READY");
-            std::future::pending::<()>().await;
-        }),
+        "guest" => run_guest_child(&rt),
         "host" => rt.block_on(async {
             let spool = PathBuf::from(env("T_SPOOL"));
             let mut cfg = stream_config_in(&tls_dir, "pve1", addr, Some(&spool));
@@ -94,46 +76,6 @@ fn child_process_entry() {
         }),
         r => panic!("unknown child role {r}"),
     }
-}
-
-struct Proc {
-    child: Child,
-    log: PathBuf,
-}
-
-fn spawn_child(role: &str, dir: &Path, n: usize, envs: &[(&str, String)]) -> Proc {
-    let log = dir.join(format!("{role}-{n}.log"));
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "child_process_entry",
-        "--exact",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(CHILD, role)
-    .stdout(Stdio::piped())
-    .stderr(std::fs::File::create(&log).unwrap());
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    let t0 = Instant::now();
-    while !line.contains("READY") {
-        line.clear();
-        if out.read_line(&mut line).unwrap() == 0 || t0.elapsed() > Duration::from_secs(20) {
-            panic!(
-                "{role} child did not start; log:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-    }
-    // Keep draining stdout so the child never blocks on it.
-    std::thread::spawn(move || {
-        let _ = std::io::copy(&mut out, &mut std::io::sink());
-    });
-    Proc { child, log }
 }
 
 /// Event lines in the journal so far (counted incrementally).

@@ -265,3 +265,38 @@ async fn hello_with_foreign_identity_is_refused() {
     );
     hub.shutdown().await;
 }
+
+/// A host removed from `allowed-hosts` loses its live connection at the reload (the
+/// certificate check only runs at the handshake), and cannot connect again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_host_from_allowed_hosts_drops_its_connection() {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1", "pve2"]);
+    let reg = prometheus::Registry::new();
+    let hub = hub::serve(hub_config(fx.path()), &reg).await.unwrap();
+    let hreg = prometheus::Registry::new();
+    let h = gpufeed_host::stream::start(
+        fx.stream_config("pve1", hub.local_addr(), None),
+        "pve1".into(),
+        &hreg,
+    )
+    .unwrap();
+    let connected = || metric(&reg, "gpufeed_stream_connected", &[("host", "pve1")]);
+    assert!(wait_for(Duration::from_secs(2), || connected() == 1.0).await);
+    std::fs::write(fx.path().join(tls::ALLOWED_HOSTS_FILE), "pve2\n").unwrap();
+    assert!(
+        wait_for(Duration::from_secs(2), || connected() == 0.0).await,
+        "pve1 still connected after its removal"
+    );
+    // Its reconnects are refused: it stays out.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(connected(), 0.0);
+    let host_side = metric(
+        &hreg,
+        "gpufeed_host_stream_connected",
+        &[("guest", "guest")],
+    );
+    assert_eq!(host_side, 0.0);
+    h.shutdown().await;
+    hub.shutdown().await;
+}

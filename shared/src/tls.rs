@@ -11,7 +11,7 @@
 //!
 //! Files written by [`Deployment::write_guest_dir`]: `ca.pem`, `guest.pem`, `guest-key.pem`,
 //! `allowed-hosts` (one host name per line); for each host `host-NAME.pem`,
-//! `host-NAME-key.pem` (see [`Deployment::write_host_files`]).
+//! `host-NAME.key` (see [`Deployment::write_host_files`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -35,12 +35,13 @@ pub const GUEST_CERT_FILE: &str = "guest.pem";
 pub const GUEST_KEY_FILE: &str = "guest-key.pem";
 pub const ALLOWED_HOSTS_FILE: &str = "allowed-hosts";
 
-/// `host-NAME.pem` / `host-NAME-key.pem`.
+/// `host-NAME.pem` / `host-NAME.key`. Distinct suffixes: with `host-NAME-key.pem`, host
+/// `a-key`'s certificate would be host `a`'s key file.
 pub fn host_cert_file(name: &str) -> String {
     format!("host-{name}.pem")
 }
 pub fn host_key_file(name: &str) -> String {
-    format!("host-{name}-key.pem")
+    format!("host-{name}.key")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -516,7 +517,7 @@ impl Deployment {
         write_file(&dir.join(ALLOWED_HOSTS_FILE), allowed.as_bytes(), false)
     }
 
-    /// Writes `host-NAME.pem` and `host-NAME-key.pem` for every host into `dir`.
+    /// Writes `host-NAME.pem` and `host-NAME.key` for every host into `dir`.
     pub fn write_host_files(&self, dir: &Path) -> Result<(), TlsError> {
         for (h, i) in &self.hosts {
             write_file(&dir.join(host_cert_file(h)), i.cert_pem.as_bytes(), false)?;
@@ -526,7 +527,9 @@ impl Deployment {
     }
 }
 
-/// Writes a file atomically (temp file + rename); `secret` files get mode 0600.
+/// Writes a file atomically (temp file + rename); `secret` files get mode 0600. The temporary
+/// file is new (`O_EXCL`, never a link or file planted at its name: it is not followed nor
+/// reused) and named after the whole file name, so two files never share one.
 pub fn write_file(path: &Path, data: &[u8], secret: bool) -> Result<(), TlsError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -534,17 +537,31 @@ pub fn write_file(path: &Path, data: &[u8], secret: bool) -> Result<(), TlsError
         path: path.to_owned(),
         source,
     };
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(if secret { 0o600 } else { 0o644 })
-        .open(&tmp)
-        .map_err(io)?;
-    f.write_all(data).map_err(io)?;
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let mut attempt = 0u32;
+    let (tmp, mut f) = loop {
+        let tmp = path.with_file_name(format!(".{name}.{}.{attempt}.tmp", std::process::id()));
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(if secret { 0o600 } else { 0o644 })
+            .open(&tmp)
+        {
+            Ok(f) => break (tmp, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 100 => {
+                attempt += 1;
+            }
+            Err(e) => return Err(io(e)),
+        }
+    };
+    let written = f.write_all(data).and_then(|()| f.sync_all());
     drop(f);
-    std::fs::rename(&tmp, path).map_err(io)
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -633,6 +650,43 @@ mod tests {
         ] {
             assert_eq!(classify_handshake_error(text), reason, "{text}");
         }
+    }
+
+    #[test]
+    fn host_file_names_never_collide() {
+        for (a, b) in [("a", "a-key"), ("a", "a.key"), ("a.pem", "a")] {
+            let files = [
+                host_cert_file(a),
+                host_key_file(a),
+                host_cert_file(b),
+                host_key_file(b),
+            ];
+            for (i, f) in files.iter().enumerate() {
+                assert!(!files[..i].contains(f), "{a} and {b} share {f}");
+            }
+        }
+    }
+
+    #[test]
+    fn write_file_does_not_follow_a_planted_link() {
+        let dir = std::env::temp_dir().join(format!("gpufeed-tls-link-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        // Links at the names a temporary file could have had.
+        std::os::unix::fs::symlink(&victim, dir.join("k.tmp")).unwrap();
+        std::os::unix::fs::symlink(
+            &victim,
+            dir.join(format!(".k.pem.{}.0.tmp", std::process::id())),
+        )
+        .unwrap();
+        write_file(&dir.join("k.pem"), b"secret", true).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("k.pem")).unwrap(),
+            "secret"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

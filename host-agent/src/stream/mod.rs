@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use gpufeed_shared::clock::{ReferenceClock, SystemClock};
 use gpufeed_shared::event::Stamped;
-use gpufeed_shared::proto::EncodedEvent;
+use gpufeed_shared::proto::{self, EncodedEvent};
 use gpufeed_shared::stream::client;
 use prometheus::Registry;
 use tokio::sync::broadcast;
@@ -32,7 +32,12 @@ pub struct StreamHandle {
     inner: client::StreamHandle,
     router: Router,
     bus: Option<tokio::task::JoinHandle<()>>,
+    /// The bus task's progress (it beats at least every [`BUS_BEAT`]).
+    bus_beat: Arc<client::Beat>,
 }
+
+/// The bus task beats at least this often, also without events.
+const BUS_BEAT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Routes events to the guests' spools, encoding each once.
 #[derive(Clone)]
@@ -50,19 +55,11 @@ impl Router {
             if targets.is_empty() {
                 continue;
             }
-            let encoded = postcard::to_allocvec(&ev.event)
-                .map_err(|e| e.to_string())
-                .and_then(|payload| {
-                    EncodedEvent::new(
-                        clock.report(ev.realtime_ns),
-                        ev.monotonic_ns,
-                        ev.event.kind(),
-                        &payload,
-                    )
-                    .map_err(|e| e.to_string())
-                });
+            // An oversized kmsg context is cut (and says so), the event is not dropped.
+            let encoded =
+                proto::encode_event(clock.report(ev.realtime_ns), ev.monotonic_ns, &ev.event);
             let encoded = match encoded {
-                Ok(e) => Arc::new(e),
+                Ok((e, _)) => Arc::new(e),
                 Err(e) => {
                     tracing::error!(kind = ev.event.kind_name(), error = %e, "cannot encode host event; skipped");
                     continue;
@@ -92,10 +89,18 @@ pub fn spawn(
     let mut h = start(cfg, host_id, registry)?;
     let lagged = h.inner.bus_lagged().clone();
     let router = h.router.clone();
+    let beat = h.bus_beat.clone();
+    beat.now();
     h.bus = Some(tokio::spawn(async move {
         let mut batch = Vec::with_capacity(1024);
+        let mut tick = tokio::time::interval(BUS_BEAT);
         loop {
-            match events.recv().await {
+            beat.now();
+            let next = tokio::select! {
+                r = events.recv() => r,
+                _ = tick.tick() => continue,
+            };
+            match next {
                 Ok(ev) => batch.push(ev),
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     tracing::warn!(
@@ -160,6 +165,7 @@ pub fn start_with_clock(
         },
         inner,
         bus: None,
+        bus_beat: Arc::default(),
     })
 }
 
@@ -175,6 +181,20 @@ fn filters_of(cfg: &StreamConfig) -> Vec<Filter> {
 }
 
 impl StreamHandle {
+    /// The stream's liveness for the watchdog: the library's tasks and spools, and the task
+    /// that reads the event bus (stuck when routing blocks).
+    pub fn liveness(&self) -> client::Liveness {
+        let l = self.inner.liveness();
+        match &self.bus {
+            Some(bus) => l.with_task(
+                "the event bus reader of the stream",
+                bus.abort_handle(),
+                self.bus_beat.clone(),
+            ),
+            None => l,
+        }
+    }
+
     /// Routes and spools events directly (without the bus). Each event is encoded once, for
     /// every guest it goes to.
     pub fn push(&self, events: &[Stamped]) {

@@ -4,9 +4,10 @@
 
 pub use gpufeed_shared::stream::hub;
 
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -243,4 +244,82 @@ impl Drop for TinyFs {
             .arg(&self.mnt)
             .status();
     }
+}
+
+/// The environment variable that makes a test binary's `child_process_entry` a child role.
+pub const CHILD: &str = "GPUFEED_STREAM_TEST_CHILD";
+
+/// A child's runtime, logging to stderr (its log file).
+pub fn child_runtime() -> tokio::runtime::Runtime {
+    tracing_subscriber::fmt()
+        .with_env_filter("info")
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .init();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The "guest" child role: a hub on `T_ADDR` with the TLS files in `T_TLS` and the journal
+/// `T_JOURNAL`, until killed. With `T_DEFAULT_IDLE` set, the hub's default idle timeout
+/// instead of the tests' short one.
+pub fn run_guest_child(rt: &tokio::runtime::Runtime) {
+    let env = |k: &str| std::env::var(k).unwrap();
+    rt.block_on(async {
+        let mut c = hub_config(Path::new(&env("T_TLS")));
+        c.listen = env("T_ADDR").parse().unwrap();
+        c.journal = Some(env("T_JOURNAL").into());
+        if std::env::var_os("T_DEFAULT_IDLE").is_some() {
+            c.idle_timeout = hub::HubConfig::new(c.listen, "").idle_timeout;
+        }
+        let _hub = hub::serve(c, &prometheus::Registry::new()).await.unwrap();
+        println!("READY");
+        std::future::pending::<()>().await;
+    })
+}
+
+/// A child process of a test binary: this binary re-executed with [`CHILD`] set to a role,
+/// running its `child_process_entry` test.
+pub struct Proc {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+/// Starts role `role` (its stderr in `dir/ROLE-N.log`) and waits for its `READY` line.
+pub fn spawn_child(role: &str, dir: &Path, n: usize, envs: &[(&str, String)]) -> Proc {
+    let log = dir.join(format!("{role}-{n}.log"));
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "child_process_entry",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD, role)
+    .stdout(Stdio::piped())
+    .stderr(std::fs::File::create(&log).unwrap());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let t0 = Instant::now();
+    while !line.contains("READY") {
+        line.clear();
+        if out.read_line(&mut line).unwrap() == 0 || t0.elapsed() > Duration::from_secs(20) {
+            panic!(
+                "{role} child did not start; log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+    }
+    // Keep draining stdout so the child never blocks on it.
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut out, &mut std::io::sink());
+    });
+    Proc { child, log }
 }

@@ -91,6 +91,11 @@ pub struct EncodedEvent {
 const EVENT_TAG: u8 = 3;
 
 impl EncodedEvent {
+    /// Memory it holds (for byte bounds).
+    pub fn heap_bytes(&self) -> usize {
+        std::mem::size_of::<Self>() + self.tail.len()
+    }
+
     pub fn new(
         host_realtime_ns: i64,
         host_monotonic_ns: u64,

@@ -23,6 +23,7 @@
 //! without state), so `seq` is unique per `(host, boot)` and strictly increasing on the wire.
 
 mod codec;
+mod fit;
 mod guest;
 mod host;
 mod session;
@@ -31,6 +32,7 @@ pub use codec::{
     decode_one, encode, encode_to_vec, DecodeError, EncodeError, EncodedEvent, FrameDecoder,
     HEADER_LEN,
 };
+pub use fit::{encode_event, KMSG_CONTEXT_MAX_BYTES};
 pub use guest::{Accounted, GuestConnection, GuestTiming};
 pub use host::{HostConnection, HostOutput, StateSender};
 pub use session::{

@@ -141,9 +141,16 @@ impl ClientSession {
 /// De-duplication by `(host, boot, seq)`: per sequence space, the highest sequence number that
 /// was delivered or accounted as lost (the watermark). Events arrive in order on one stream, so
 /// anything at or below the watermark is a duplicate of a retransmission.
+///
+/// A host starts a new sequence space (`boot`) only when its spool state is lost, and never
+/// goes back to an old one; the table keeps the [`Dedup::BOOTS_PER_HOST`] most recently used
+/// spaces per host, so that it does not grow with every such restart.
 #[derive(Debug, Default, Clone)]
 pub struct Dedup {
-    marks: HashMap<(String, u64), u64>,
+    /// `(host, boot)` → (watermark, last use).
+    marks: HashMap<(String, u64), (u64, u64)>,
+    /// A logical clock for "last use".
+    uses: u64,
 }
 
 /// What to do with an event frame.
@@ -157,18 +164,46 @@ pub enum EventVerdict {
 }
 
 impl Dedup {
+    /// Sequence spaces kept per host.
+    pub const BOOTS_PER_HOST: usize = 4;
+
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Highest accounted sequence number of `(host, boot)`.
     pub fn watermark(&self, host: &str, boot: u64) -> Option<u64> {
-        self.marks.get(&(host.to_owned(), boot)).copied()
+        self.marks.get(&(host.to_owned(), boot)).map(|m| m.0)
+    }
+
+    /// The watermark of `(host, boot)` for an update, created at `init` if new (then the
+    /// host's least recently used spaces beyond [`Dedup::BOOTS_PER_HOST`] are forgotten).
+    fn mark(&mut self, host: &str, boot: u64, init: u64) -> (&mut u64, bool) {
+        self.uses += 1;
+        let key = (host.to_owned(), boot);
+        let new = !self.marks.contains_key(&key);
+        if new {
+            let mut same_host: Vec<(u64, u64)> = self
+                .marks
+                .iter()
+                .filter(|((h, _), _)| h == host)
+                .map(|((_, b), (_, used))| (*used, *b))
+                .collect();
+            if same_host.len() >= Self::BOOTS_PER_HOST {
+                same_host.sort_unstable();
+                for (_, b) in &same_host[..=same_host.len() - Self::BOOTS_PER_HOST] {
+                    self.marks.remove(&(host.to_owned(), *b));
+                }
+            }
+        }
+        let m = self.marks.entry(key).or_insert((init, 0));
+        m.1 = self.uses;
+        (&mut m.0, new)
     }
 
     /// Seeds a watermark (from persisted state); never lowers one.
     pub fn seed(&mut self, host: &str, boot: u64, up_to: u64) {
-        let w = self.marks.entry((host.to_owned(), boot)).or_insert(up_to);
+        let (w, _) = self.mark(host, boot, up_to);
         *w = (*w).max(up_to);
     }
 
@@ -179,16 +214,13 @@ impl Dedup {
 
     /// Accounts an event.
     pub fn on_event(&mut self, host: &str, boot: u64, seq: u64) -> EventVerdict {
-        match self.marks.get_mut(&(host.to_owned(), boot)) {
-            Some(w) if seq <= *w => EventVerdict::Duplicate,
-            Some(w) => {
+        match self.mark(host, boot, seq) {
+            (_, true) => EventVerdict::Deliver { gap: 0 },
+            (w, false) if seq <= *w => EventVerdict::Duplicate,
+            (w, false) => {
                 let gap = seq - *w - 1;
                 *w = seq;
                 EventVerdict::Deliver { gap }
-            }
-            None => {
-                self.marks.insert((host.to_owned(), boot), seq);
-                EventVerdict::Deliver { gap: 0 }
             }
         }
     }
@@ -200,26 +232,24 @@ impl Dedup {
             return 0;
         }
         let span = loss.last_seq - loss.first_seq + 1;
-        let key = (host.to_owned(), boot);
-        match self.marks.get_mut(&key) {
-            Some(w) if loss.last_seq <= *w => 0,
-            Some(w) => {
+        match self.mark(host, boot, loss.last_seq) {
+            (_, true) => loss.dropped.min(span),
+            (w, false) if loss.last_seq <= *w => 0,
+            (w, false) => {
                 let from = loss.first_seq.max(*w + 1);
                 let fresh = loss.last_seq - from + 1;
                 *w = loss.last_seq;
                 // `dropped` may be less than the span if acknowledged events sat in between.
                 fresh.min(loss.dropped).min(span)
             }
-            None => {
-                self.marks.insert(key, loss.last_seq);
-                loss.dropped.min(span)
-            }
         }
     }
 
     /// All watermarks, for persistence.
     pub fn iter(&self) -> impl Iterator<Item = (&str, u64, u64)> {
-        self.marks.iter().map(|((h, b), w)| (h.as_str(), *b, *w))
+        self.marks
+            .iter()
+            .map(|((h, b), (w, _))| (h.as_str(), *b, *w))
     }
 }
 
@@ -461,6 +491,29 @@ mod tests {
             kind: 1,
             payload: vec![],
         })
+    }
+
+    #[test]
+    fn dedup_keeps_the_newest_boots_of_each_host() {
+        let mut d = Dedup::new();
+        for boot in 0..10u64 {
+            d.on_event("pve1", boot, 5);
+            d.on_event("pve2", 100 + boot, 5);
+            // The current space stays in use while the newer ones come.
+            assert_eq!(d.on_event("pve1", boot, 5), EventVerdict::Duplicate);
+        }
+        fn boots(d: &Dedup, h: &str) -> Vec<u64> {
+            let mut b: Vec<u64> = d.iter().filter(|e| e.0 == h).map(|e| e.1).collect();
+            b.sort_unstable();
+            b
+        }
+        assert_eq!(boots(&d, "pve1"), vec![6, 7, 8, 9]);
+        assert_eq!(boots(&d, "pve2"), vec![106, 107, 108, 109]);
+        // A space in use is kept even when older ones were created after it.
+        d.on_event("pve1", 6, 6);
+        d.on_event("pve1", 42, 0);
+        assert_eq!(boots(&d, "pve1"), vec![6, 8, 9, 42]);
+        assert_eq!(d.watermark("pve1", 6), Some(6));
     }
 
     #[test]

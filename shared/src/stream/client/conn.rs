@@ -68,6 +68,18 @@ pub enum ConnError {
 pub const CLOSE_SHUTDOWN: u32 = 0;
 pub const CLOSE_PROTOCOL: u32 = 1;
 
+/// For this long after an established connection was lost, reconnect attempts are at most
+/// [`FAST_RECONNECT_MAX`] apart and each lasts at most [`FAST_CONNECT_TIMEOUT`]: a guest that
+/// restarts (an agent update, a crash) is back within seconds, and waiting out a grown backoff
+/// would leave its events queued for that long.
+const FAST_RECONNECT_FOR: Duration = Duration::from_secs(60);
+const FAST_RECONNECT_MAX: Duration = Duration::from_millis(500);
+const FAST_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The RTT assumed before a measurement: the guest is a VM of this host (sub-millisecond), so
+/// quinn's 333 ms default would space the first Initial retransmissions a second and more
+/// apart.
+const INITIAL_RTT: Duration = Duration::from_millis(100);
+
 /// Exponential backoff with jitter: the n-th delay is uniform in `[d/2, d]` with
 /// `d = min(max, min * 2^n)`.
 #[derive(Debug)]
@@ -106,13 +118,19 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
         Duration::from_millis(c.cfg.reconnect_max_ms),
     );
     let mut last_error = String::new();
+    let mut lost_at: Option<std::time::Instant> = None;
     loop {
         if *stop.borrow() {
             return;
         }
+        let fast = lost_at.is_some_and(|t| t.elapsed() < FAST_RECONNECT_FOR);
+        let mut connect_timeout = Duration::from_millis(c.cfg.connect_timeout_ms);
+        if fast {
+            connect_timeout = connect_timeout.min(FAST_CONNECT_TIMEOUT);
+        }
         let mut stop2 = stop.clone();
         let res = tokio::select! {
-            r = connect_and_stream(&g, &c, &mut stop2) => r,
+            r = connect_and_stream(&g, &c, connect_timeout, &mut stop2) => r,
             _ = stop.changed() => return,
         };
         g.m.connected.set(0);
@@ -120,6 +138,7 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
             Ok(Outcome::Stopped) => return,
             Ok(Outcome::Streamed(e)) => {
                 backoff.reset();
+                lost_at = Some(std::time::Instant::now());
                 tracing::warn!(guest = %label, error = %e, "host stream: connection to guest lost; reconnecting");
                 last_error.clear();
             }
@@ -133,7 +152,10 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
                 }
             }
         }
-        let delay = backoff.next_delay();
+        let mut delay = backoff.next_delay();
+        if fast {
+            delay = delay.min(FAST_RECONNECT_MAX);
+        }
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = stop.changed() => return,
@@ -160,6 +182,7 @@ fn client_config(c: &Common) -> Result<quinn::ClientConfig, ConnError> {
         Duration::from_millis(c.cfg.idle_timeout_ms.max(1)).try_into()?,
     ));
     t.keep_alive_interval(Some(Duration::from_millis(c.cfg.keep_alive_ms.max(1))));
+    t.initial_rtt(INITIAL_RTT);
     cfg.transport_config(Arc::new(t));
     Ok(cfg)
 }
@@ -178,6 +201,7 @@ async fn resolve(endpoint: &str) -> Result<SocketAddr, ConnError> {
 async fn connect_and_stream(
     g: &Guest,
     c: &Common,
+    connect_timeout: Duration,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<Outcome, ConnError> {
     // Certificates are read at every attempt, so renewed files are picked up on reconnect.
@@ -191,24 +215,21 @@ async fn connect_and_stream(
     let endpoint = quinn::Endpoint::client(bind).map_err(ConnError::Bind)?;
     let server_name = g.cfg.server_name();
     let connecting = endpoint.connect_with(cfg, addr, &server_name)?;
-    let conn =
-        match tokio::time::timeout(Duration::from_millis(c.cfg.connect_timeout_ms), connecting)
-            .await
-        {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => {
-                g.m.connects_err.inc();
-                return Err(ConnError::Handshake {
-                    addr,
-                    server_name,
-                    source: e,
-                });
-            }
-            Err(_) => {
-                g.m.connects_err.inc();
-                return Err(ConnError::HandshakeTimeout(addr));
-            }
-        };
+    let conn = match tokio::time::timeout(connect_timeout, connecting).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => {
+            g.m.connects_err.inc();
+            return Err(ConnError::Handshake {
+                addr,
+                server_name,
+                source: e,
+            });
+        }
+        Err(_) => {
+            g.m.connects_err.inc();
+            return Err(ConnError::HandshakeTimeout(addr));
+        }
+    };
     let res = stream(g, c, &conn, stop).await;
     let (code, why): (u32, &[u8]) = match &res {
         Ok(Outcome::Stopped) => (CLOSE_SHUTDOWN, b"shutdown"),

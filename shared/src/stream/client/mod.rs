@@ -61,6 +61,10 @@ pub struct StreamConfig {
     /// Events kept in memory per guest (the whole spool when memory-only, else a cache of the
     /// newest). Default 65536.
     pub memory_events: usize,
+    /// ... and at most this many bytes of them (encoded) per guest; the oldest go first (to
+    /// disk, or lost without a spool directory). Default 16 MiB: a few guests and the agent fit
+    /// the unit's `MemoryMax=128M` even with every event at the 64 KiB frame limit.
+    pub memory_bytes: usize,
     /// Disk limit per guest in bytes; beyond it the oldest segment is dropped. Default 256 MiB.
     pub disk_max_bytes: u64,
     /// Segment file size in bytes (the unit dropped when the disk limit is hit). Default 4 MiB.
@@ -72,9 +76,12 @@ pub struct StreamConfig {
     /// Handshake timeout in ms. Default 10000.
     pub connect_timeout_ms: u64,
     /// QUIC idle timeout in ms (the connection is declared dead after this silence). Default
-    /// 15000.
+    /// 5000: with events outstanding QUIC's retransmission backoff grows, so a guest that
+    /// restarted may not see a packet (and answer with a stateless reset) for longer than this;
+    /// the idle timeout bounds how long the host waits for one.
     pub idle_timeout_ms: u64,
-    /// QUIC keep-alive interval in ms. Default 3000.
+    /// QUIC keep-alive interval in ms. Default 1000 (an idle connection to a restarted guest
+    /// is reset within a second).
     pub keep_alive_ms: u64,
     /// Largest write to the event stream in bytes. Default 65536.
     pub batch_bytes: usize,
@@ -97,18 +104,59 @@ impl Default for StreamConfig {
             key: "/etc/gpufeed/tls/host-key.pem".into(),
             spool_dir: "/var/lib/gpufeed/spool".into(),
             memory_events: 65536,
+            memory_bytes: 16 << 20,
             disk_max_bytes: 256 << 20,
             segment_bytes: 4 << 20,
             reconnect_min_ms: 200,
             reconnect_max_ms: 30_000,
             connect_timeout_ms: 10_000,
-            idle_timeout_ms: 15_000,
-            keep_alive_ms: 3_000,
+            idle_timeout_ms: 5_000,
+            keep_alive_ms: 1_000,
             batch_bytes: 64 * 1024,
             coalesce_us: 500,
             state_interval_ms: 1000,
             guests: Vec::new(),
         }
+    }
+}
+
+impl StreamConfig {
+    /// What [`start`] refuses, without starting anything (`--check-config`): guest names that
+    /// are empty, duplicated or no directory name; certificate files that are missing or do
+    /// not parse; a client certificate that does not name `host_id` (every guest would refuse
+    /// the connection). The files are read again at every connection attempt, so renewed
+    /// certificates are picked up.
+    pub fn check(&self, host_id: &str) -> Result<(), StreamError> {
+        for (i, g) in self.guests.iter().enumerate() {
+            let label = g.label();
+            if label.is_empty()
+                || label.contains(['/', '\0'])
+                || label == "."
+                || label == ".."
+                || self.guests[..i].iter().any(|x| x.label() == label)
+            {
+                return Err(StreamError::Config(format!(
+                    "guest name {label:?} is empty, duplicated or not usable as a directory name"
+                )));
+            }
+        }
+        if self.guests.is_empty() {
+            return Ok(());
+        }
+        let read = crate::tls::read;
+        let (ca, cert, key) = (read(&self.ca)?, read(&self.cert)?, read(&self.key)?);
+        crate::tls::client_config(&ca, &cert, &key)?;
+        let names_host = crate::tls::parse_certs(&cert, "client certificate")?
+            .first()
+            .is_some_and(|c| crate::tls::identity_of(c, &[host_id.to_owned()]).is_some());
+        if !names_host {
+            return Err(StreamError::Config(format!(
+                "the client certificate {} does not name this host's id {host_id:?} (host_id); \
+                 every guest would refuse it",
+                self.cert.display()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -165,6 +213,8 @@ pub enum StreamError {
     Metrics(#[from] prometheus::Error),
     #[error("stream config: {0}")]
     Config(String),
+    #[error("stream certificates: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 struct Metrics {
@@ -343,22 +393,14 @@ pub fn start_with_state(
     let metrics = Metrics::new(registry)?;
     let limits = SpoolLimits {
         memory_events: cfg.memory_events,
+        memory_bytes: cfg.memory_bytes,
         disk_max_bytes: cfg.disk_max_bytes,
         segment_bytes: cfg.segment_bytes,
     };
+    cfg.check(&host_id)?;
     let mut guests = Vec::new();
     for g in &cfg.guests {
         let label = g.label().to_owned();
-        if label.is_empty()
-            || label.contains(['/', '\0'])
-            || label == "."
-            || label == ".."
-            || guests.iter().any(|x: &Arc<Guest>| x.cfg.label() == label)
-        {
-            return Err(StreamError::Config(format!(
-                "guest name {label:?} is empty, duplicated or not usable as a directory name"
-            )));
-        }
         let spool = if cfg.spool_dir.as_os_str().is_empty() {
             Spool::memory(limits)
         } else {
@@ -489,7 +531,107 @@ impl Spools {
     }
 }
 
+/// How long a spool may stay locked before the stream counts as wedged (its operations take
+/// microseconds; a disk write milliseconds).
+const SPOOL_LOCK_PATIENCE: Duration = Duration::from_millis(200);
+
+/// A task's progress: the monotonic time (ns) it last went round its loop. A task that may
+/// wait long for work beats on a timer too, so a stale beat means it is stuck.
+#[derive(Debug, Default)]
+pub struct Beat(std::sync::atomic::AtomicU64);
+
+impl Beat {
+    pub fn now(&self) {
+        self.0.store(
+            crate::clock::monotonic_ns(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    /// Time since the last beat.
+    pub fn age(&self) -> Duration {
+        let last = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        Duration::from_nanos(crate::clock::monotonic_ns().saturating_sub(last))
+    }
+}
+
+/// Whether the stream still works, for a watchdog: its tasks run, its spools are not held
+/// (a task stuck with a spool locked stops every guest's events), and the tasks with a
+/// [`Beat`] went round their loops recently. Cheap to clone.
+#[derive(Clone)]
+pub struct Liveness {
+    tasks: Vec<(String, tokio::task::AbortHandle, Option<Arc<Beat>>)>,
+    guests: Arc<[Arc<Guest>]>,
+    stopping: watch::Receiver<bool>,
+}
+
+impl Liveness {
+    /// Watches another task too (the caller's bus reader, say), stale after `Beat::age`
+    /// exceeds the `max_age` given to [`check`](Self::check).
+    pub fn with_task(
+        mut self,
+        name: impl Into<String>,
+        task: tokio::task::AbortHandle,
+        beat: Arc<Beat>,
+    ) -> Self {
+        self.tasks.push((name.into(), task, Some(beat)));
+        self
+    }
+
+    /// `Err` with what is stuck; `Ok` while shutting down.
+    pub fn check(&self, max_age: Duration) -> Result<(), String> {
+        if *self.stopping.borrow() {
+            return Ok(());
+        }
+        for (name, task, beat) in &self.tasks {
+            if task.is_finished() {
+                return Err(format!("{name} ended"));
+            }
+            if let Some(age) = beat.as_ref().map(|b| b.age()).filter(|a| *a > max_age) {
+                return Err(format!("{name} made no progress for {age:.1?}"));
+            }
+        }
+        for g in self.guests.iter() {
+            let t0 = std::time::Instant::now();
+            loop {
+                match g.spool.try_lock() {
+                    Ok(_) | Err(std::sync::TryLockError::Poisoned(_)) => break,
+                    Err(std::sync::TryLockError::WouldBlock) => {
+                        if t0.elapsed() > SPOOL_LOCK_PATIENCE {
+                            return Err(format!(
+                                "the spool of guest {} stayed locked for {SPOOL_LOCK_PATIENCE:?}",
+                                g.cfg.label()
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl StreamHandle {
+    /// The stream's [`Liveness`] (its connection tasks and spools).
+    pub fn liveness(&self) -> Liveness {
+        Liveness {
+            tasks: self
+                .tasks
+                .iter()
+                .zip(self.spools.guests.iter())
+                .map(|(t, g)| {
+                    (
+                        format!("the connection task of guest {}", g.cfg.label()),
+                        t.abort_handle(),
+                        None,
+                    )
+                })
+                .collect(),
+            guests: self.spools.guests.clone(),
+            stopping: self.stop.subscribe(),
+        }
+    }
+
     /// Where events go in.
     pub fn spools(&self) -> &Spools {
         &self.spools
@@ -533,5 +675,78 @@ impl StreamHandle {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream to a guest that is not there, with real certificates.
+    fn stream(dir: &std::path::Path) -> StreamHandle {
+        let dep = crate::tls::Deployment::generate("127.0.0.1", &["pve1".into()]).unwrap();
+        dep.write_guest_dir(dir).unwrap();
+        dep.write_host_files(dir).unwrap();
+        let cfg = StreamConfig {
+            ca: dir.join(crate::tls::CA_FILE),
+            cert: dir.join(crate::tls::host_cert_file("pve1")),
+            key: dir.join(crate::tls::host_key_file("pve1")),
+            spool_dir: PathBuf::new(),
+            guests: vec![GuestEndpoint {
+                endpoint: "127.0.0.1:9".into(),
+                name: "g".into(),
+                server_name: String::new(),
+                vmids: vec![],
+                devices: vec![],
+            }],
+            ..StreamConfig::default()
+        };
+        let clock = Arc::new(crate::clock::SystemClock);
+        start(cfg, "pve1".into(), &Registry::new(), clock).unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn liveness_sees_a_wedged_spool_a_stale_beat_and_an_ended_task() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = stream(dir.path());
+        let max_age = Duration::from_secs(1);
+        let beat = Arc::new(Beat::default());
+        beat.now();
+        let reader = tokio::spawn(std::future::pending::<()>());
+        let l = h
+            .liveness()
+            .with_task("the reader", reader.abort_handle(), beat.clone());
+        assert_eq!(l.check(max_age), Ok(()));
+
+        // A task wedged while holding a spool.
+        let guest = h.spools.guests[0].clone();
+        let (held, release) = (
+            std::sync::mpsc::channel::<()>(),
+            std::sync::mpsc::channel::<()>(),
+        );
+        let holder = std::thread::spawn(move || {
+            let _spool = guest.spool();
+            held.0.send(()).unwrap();
+            let _ = release.1.recv();
+        });
+        held.1.recv().unwrap();
+        let e = l.check(max_age).unwrap_err();
+        assert!(e.contains("spool of guest g"), "{e}");
+        release.0.send(()).unwrap();
+        holder.join().unwrap();
+        assert_eq!(l.check(max_age), Ok(()));
+
+        // A loop that stopped going round.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let e = l.check(max_age).unwrap_err();
+        assert!(e.contains("the reader made no progress"), "{e}");
+        beat.now();
+        assert_eq!(l.check(max_age), Ok(()));
+
+        // A task that ended (a panic, say).
+        reader.abort();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(l.check(max_age), Err("the reader ended".into()));
+        h.shutdown().await;
     }
 }

@@ -1,7 +1,8 @@
 //! Bounded spool of one guest: every event waits here, as its encoded wire frame, until the
 //! guest acknowledges it.
 //!
-//! * **Memory** holds the newest `memory_events` events, shared with the other guests' spools
+//! * **Memory** holds the newest `memory_events` events, at most `memory_bytes` of them (their
+//!   encoded size; the newest event is always kept), shared with the other guests' spools
 //!   (each [`EncodedEvent`] is encoded once; the per-guest frame is written when sent). Without a spool directory that is the
 //!   whole spool: when it is full, the oldest frame is dropped.
 //! * **Disk** (with a spool directory): every frame is also appended to segment files
@@ -29,6 +30,8 @@ use crate::proto::{encode, EncodedEvent, Message, SpoolLoss, HEADER_LEN};
 #[derive(Debug, Clone, Copy)]
 pub struct SpoolLimits {
     pub memory_events: usize,
+    /// Encoded bytes of the events in memory (a count alone lets 64 KiB events take 4 GiB).
+    pub memory_bytes: usize,
     pub disk_max_bytes: u64,
     pub segment_bytes: u64,
 }
@@ -105,6 +108,8 @@ pub struct Spool {
     losses: Vec<(u64, u64)>,
     dropped_total: u64,
     mem: VecDeque<(u64, Arc<EncodedEvent>)>,
+    /// [`EncodedEvent::heap_bytes`] of `mem`.
+    mem_bytes: usize,
     limits: SpoolLimits,
     disk: Option<Disk>,
     meta_dirty: bool,
@@ -125,6 +130,7 @@ impl Spool {
             losses: Vec::new(),
             dropped_total: 0,
             mem: VecDeque::new(),
+            mem_bytes: 0,
             limits: SpoolLimits {
                 memory_events: limits.memory_events.max(1),
                 ..limits
@@ -257,6 +263,18 @@ impl Spool {
     }
 
     /// Lowest sequence number not acknowledged.
+    /// Bytes of the events held in memory.
+    pub fn memory_bytes(&self) -> usize {
+        self.mem_bytes
+    }
+
+    /// Lets the oldest event in memory go.
+    fn mem_pop_front(&mut self) {
+        if let Some((_, ev)) = self.mem.pop_front() {
+            self.mem_bytes -= ev.heap_bytes();
+        }
+    }
+
     fn low(&self) -> u64 {
         self.acked.map_or(0, |a| a + 1)
     }
@@ -273,9 +291,12 @@ impl Spool {
         // next_seq is persisted with the state (at most every flush interval), so that a
         // restart after a lost segment tail does not hand out its numbers again.
         self.meta_dirty = true;
+        self.mem_bytes += ev.heap_bytes();
         self.mem.push_back((seq, ev));
         let mut dropped = 0;
-        while self.mem.len() > self.limits.memory_events {
+        while self.mem.len() > self.limits.memory_events
+            || (self.mem.len() > 1 && self.mem_bytes > self.limits.memory_bytes)
+        {
             let Some(&(s, _)) = self.mem.front() else {
                 break;
             };
@@ -306,7 +327,7 @@ impl Spool {
                 self.record_loss(s, s);
                 dropped += 1;
             }
-            self.mem.pop_front();
+            self.mem_pop_front();
         }
         Ok((seq, dropped))
     }
@@ -439,7 +460,7 @@ impl Spool {
             0
         };
         while self.mem.front().is_some_and(|(s, _)| *s <= last) {
-            self.mem.pop_front();
+            self.mem_pop_front();
         }
         // The loss must be on disk before the events disappear from it: where the state
         // cannot be written, the file stays (a restart re-sends those events, which the guest
@@ -488,7 +509,7 @@ impl Spool {
         self.acked = Some(up_to);
         self.meta_dirty = true;
         while self.mem.front().is_some_and(|(s, _)| *s <= up_to) {
-            self.mem.pop_front();
+            self.mem_pop_front();
         }
         self.losses.retain(|(_, l)| *l > up_to);
         let deletable = self
@@ -881,6 +902,7 @@ mod tests {
 
     fn limits(mem: usize, disk: u64, seg: u64) -> SpoolLimits {
         SpoolLimits {
+            memory_bytes: usize::MAX,
             memory_events: mem,
             disk_max_bytes: disk,
             segment_bytes: seg,
@@ -940,6 +962,35 @@ mod tests {
         let (seqs, losses) = drain(&mut s, 0);
         assert_eq!(seqs, (21..25).collect::<Vec<_>>());
         assert!(losses.is_empty());
+    }
+
+    #[test]
+    fn memory_is_bounded_in_bytes_too() {
+        let big = |i: u64| ev(i as i64, i, 1, vec![7; 60_000]);
+        // Timestamps of later events take a byte or two more.
+        let one = big(0).heap_bytes() + 8;
+        let mut s = Spool::memory(SpoolLimits {
+            memory_bytes: 10 * one,
+            ..limits(65536, 0, 0)
+        });
+        let mut dropped = 0;
+        for i in 0..100 {
+            dropped += s.push(big(i)).unwrap().1;
+            assert!(s.memory_bytes() <= 10 * one);
+        }
+        assert_eq!((s.pending(), dropped), (10, 90));
+        let (seqs, losses) = drain(&mut s, 0);
+        assert_eq!(seqs, (90..100).collect::<Vec<_>>());
+        assert_eq!(losses[0].dropped, 90);
+        // One event larger than the bound is still kept (alone).
+        let mut tiny = Spool::memory(SpoolLimits {
+            memory_bytes: 10,
+            ..limits(65536, 0, 0)
+        });
+        tiny.push(big(0)).unwrap();
+        assert_eq!(tiny.pending(), 1);
+        s.ack(99).unwrap();
+        assert_eq!(s.memory_bytes(), 0);
     }
 
     #[test]

@@ -7,11 +7,15 @@
 //! * Per connection: `Hello` → `Welcome{resume_from}`, then events in sequence order on a
 //!   unidirectional stream; de-duplication by `(host, boot, seq)`; acks and clock probes on the
 //!   control stream.
+//! * Before a connection gets any state, [`admission`] decides: a QUIC Retry (address
+//!   validation), a refusal (too many handshakes, or connections from one address), or a
+//!   handshake that must finish within `handshake_timeout`.
 //! * Every rejection (TLS failure, wrong ALPN, unlisted host, refused `Hello`, garbage /
-//!   oversize / truncated frames, protocol violations) logs one `warn` line and increments
+//!   oversize / truncated frames, protocol violations, the limits above) increments
 //!   `gpufeed_stream_frames_rejected_total{host,reason}` (`host="unverified"` before the peer
-//!   is authenticated). Unknown event kinds are skipped and counted with
-//!   `reason="unknown_kind"`.
+//!   is authenticated) and logs a `warn` line; for unauthenticated peers, who can repeat them
+//!   at will, at most one line per reason every 10 s, with the count of those not logged.
+//!   Unknown event kinds are skipped and counted with `reason="unknown_kind"`.
 //! * Recent events are kept in a bounded ring ([`Hub::recent`]) and broadcast
 //!   ([`Hub::subscribe`]); optionally journaled ([`HubConfig::journal`]).
 //!
@@ -22,6 +26,7 @@
 //! and where a KVM PTP clock exists `gpufeed_clock_kvm_ptp_offset_seconds` (hypervisor minus
 //! guest, the cross-check).
 
+pub mod admission;
 pub mod host_state;
 pub mod journal;
 
@@ -52,6 +57,10 @@ pub struct HubConfig {
     pub tls_dir: PathBuf,
     /// Events kept for [`Hub::recent`]. Default 4096.
     pub recent_capacity: usize,
+    /// ... and at most about this many bytes of them (twice the encoded payload per event, an
+    /// estimate of the decoded size). Default 8 MiB, within the DaemonSet's 256 MiB limit even
+    /// with every event at the frame limit.
+    pub recent_max_bytes: usize,
     /// Append accepted events to this JSON-lines file and seed de-duplication from it at start.
     /// Default none.
     pub journal: Option<PathBuf>,
@@ -70,6 +79,18 @@ pub struct HubConfig {
     pub idle_timeout: Duration,
     /// Where to look for `class/ptp` (KVM PTP cross-check). Default `/sys`.
     pub sysfs_root: PathBuf,
+    /// Connections in their TLS handshake at once; more are refused (`reason="busy"`).
+    /// Default 64.
+    pub max_handshakes: usize,
+    /// Connections (in a handshake or established) from one IP address; more are refused
+    /// (`reason="per_address"`). Default 8.
+    pub max_per_address: usize,
+    /// With this many handshakes in flight, a peer must first validate its address with a
+    /// QUIC Retry (a stateless round trip). Default 0: always.
+    pub retry_above: usize,
+    /// A TLS handshake not done by then is dropped (`reason="handshake_timeout"`). Default 3 s,
+    /// well below the idle timeout.
+    pub handshake_timeout: Duration,
 }
 
 impl HubConfig {
@@ -88,6 +109,7 @@ impl HubConfig {
             listen,
             tls_dir: tls_dir.into(),
             recent_capacity: 4096,
+            recent_max_bytes: 8 << 20,
             journal: None,
             journal_max_bytes: 64 << 20,
             tls_reload_interval: Duration::from_secs(5),
@@ -96,6 +118,10 @@ impl HubConfig {
             clock_probe_interval: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(15),
             sysfs_root: "/sys".into(),
+            max_handshakes: 64,
+            max_per_address: 8,
+            retry_above: 0,
+            handshake_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -246,7 +272,9 @@ impl Metrics {
 
 struct State {
     dedup: Dedup,
-    recent: VecDeque<ReceivedEvent>,
+    /// With each event's estimated size.
+    recent: VecDeque<(usize, ReceivedEvent)>,
+    recent_bytes: usize,
     journal: Option<journal::Journal>,
     clocks: HashMap<String, ClockFilter>,
 }
@@ -262,6 +290,12 @@ struct Inner {
     ptp_warned: Mutex<HashMap<String, Instant>>,
     /// The hosts' own series, exported in this guest's scrape.
     host_states: Arc<host_state::HostStates>,
+    admission: admission::Admission,
+    /// Authenticated connections by `stable_id`, with their host: closed when the host leaves
+    /// `allowed-hosts`.
+    live: Mutex<HashMap<usize, (String, quinn::Connection)>>,
+    /// Rejections of unauthenticated peers, which anyone reaching the port can repeat.
+    unverified_log: admission::RateLimitedLog,
 }
 
 /// The running hub. Cheap to clone.
@@ -283,6 +317,11 @@ fn quinn_server_config(
     t.stream_receive_window((4u32 << 20).into());
     t.receive_window((8u32 << 20).into());
     sc.transport_config(Arc::new(t));
+    // Datagrams buffered for connections not yet accepted or refused: the accept loop decides
+    // at once, so little is needed (quinn's defaults allow 100 MB).
+    sc.max_incoming(cfg.max_handshakes.max(1) * 4);
+    sc.incoming_buffer_size(64 << 10);
+    sc.incoming_buffer_size_total(1 << 20);
     Ok(sc)
 }
 
@@ -296,7 +335,9 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
     })?;
     // Stateless-reset key derived from the guest's private key: a restarted guest (same key)
     // answers packets of its predecessor's connections with a valid stateless reset, so hosts
-    // notice at once instead of after the idle timeout.
+    // notice at once instead of after the idle timeout. The connection IDs are keyed from it
+    // too: quinn drops packets whose ID its generator does not validate, and its default key
+    // is random per process, so a restarted guest would drop them instead of resetting.
     let key_pem =
         tls::read(&cfg.tls_dir.join(tls::GUEST_KEY_FILE)).map_err(|source| HubError::Tls {
             dir: cfg.tls_dir.clone(),
@@ -306,10 +347,18 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         &ring::digest::SHA256,
         &[b"gpufeed stateless reset\0".as_slice(), &key_pem].concat(),
     );
-    let ep_cfg = quinn::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
+    let mut ep_cfg = quinn::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
         ring::hmac::HMAC_SHA256,
         seed.as_ref(),
     )));
+    let cid_key = ring::digest::digest(
+        &ring::digest::SHA256,
+        &[b"gpufeed connection ids\0".as_slice(), &key_pem].concat(),
+    );
+    let cid_key = u64::from_le_bytes(cid_key.as_ref()[..8].try_into().unwrap_or_default());
+    ep_cfg.cid_generator(move || {
+        Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key))
+    });
     let socket = std::net::UdpSocket::bind(cfg.listen).map_err(|source| HubError::Bind {
         addr: cfg.listen,
         source,
@@ -372,6 +421,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         state: Mutex::new(State {
             dedup,
             recent: VecDeque::with_capacity(cfg.recent_capacity.min(65536)),
+            recent_bytes: 0,
             journal,
             clocks: HashMap::new(),
         }),
@@ -382,6 +432,13 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         ptp,
         ptp_warned: Mutex::new(HashMap::new()),
         host_states,
+        admission: admission::Admission::new(admission::Limits {
+            max_handshakes: cfg.max_handshakes,
+            max_per_address: cfg.max_per_address,
+            retry_above: cfg.retry_above,
+        }),
+        unverified_log: admission::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
+        live: Mutex::new(HashMap::new()),
         cfg,
     });
     tokio::spawn(accept_loop(inner.clone()));
@@ -415,7 +472,7 @@ impl Hub {
     /// The most recent events, oldest first.
     pub fn recent(&self) -> Vec<ReceivedEvent> {
         let st = self.inner.state.lock().expect("hub state");
-        st.recent.iter().cloned().collect()
+        st.recent.iter().map(|(_, e)| e.clone()).collect()
     }
 
     /// Every event received from now on (a receiver that lags loses events).
@@ -444,13 +501,55 @@ impl Hub {
     }
 }
 
+/// At most one log line per this interval and reason for rejected unauthenticated peers.
+const UNVERIFIED_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
 impl Inner {
-    fn reject(&self, host: &str, reason: &str, remote: SocketAddr, detail: &dyn std::fmt::Display) {
-        tracing::warn!(host, %remote, reason, "hub: rejected: {detail}");
+    /// Counts a rejection and logs it; rejections of unauthenticated peers are logged
+    /// rate-limited (anyone who reaches the port can repeat them).
+    fn reject(
+        &self,
+        host: &str,
+        reason: &'static str,
+        remote: SocketAddr,
+        detail: &dyn std::fmt::Display,
+    ) {
         self.metrics
             .rejected
             .with_label_values(&[host, reason])
             .inc();
+        if host != UNVERIFIED {
+            tracing::warn!(host, %remote, reason, "hub: rejected: {detail}");
+            return;
+        }
+        if let Some(unlogged) = self.unverified_log.note(reason, Instant::now()) {
+            tracing::warn!(host, %remote, reason, unlogged, "hub: rejected: {detail}");
+        }
+    }
+
+    /// Closes the live connections of hosts not in `allowed` (removed from `allowed-hosts`):
+    /// the certificate check only runs at the handshake.
+    fn drop_unlisted(&self, allowed: &[String]) {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        for (host, conn) in live.values() {
+            if !allowed.contains(host) {
+                tracing::warn!(host = %host, remote = %conn.remote_address(), "hub: host removed from allowed-hosts: closing its connection");
+                conn.close(CLOSE_REFUSED.into(), b"host no longer allowed");
+            }
+        }
+    }
+
+    /// Logs the rate-limited rejections not logged yet.
+    fn log_unlogged_rejections(&self) {
+        for (reason, unlogged) in self.unverified_log.due(Instant::now()) {
+            tracing::warn!(
+                host = UNVERIFIED,
+                reason,
+                unlogged,
+                "hub: rejected {unlogged} more unauthenticated connections in the last {}s",
+                UNVERIFIED_LOG_INTERVAL.as_secs()
+            );
+        }
     }
 }
 
@@ -460,6 +559,7 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        inner.log_unlogged_rejections();
         if !stamps.changed() {
             continue;
         }
@@ -474,6 +574,7 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
             Ok((sc, allowed)) => {
                 inner.endpoint.set_server_config(Some(sc));
                 tracing::info!(dir = %dir.dir.display(), allowed = ?allowed, "hub: TLS files changed: reloaded");
+                inner.drop_unlisted(&allowed);
                 *inner.allowed.write().expect("allowed") = allowed;
             }
             Err(e) => {
@@ -483,17 +584,58 @@ async fn reload_loop(inner: Arc<Inner>, dir: GuestTlsDir) {
     }
 }
 
+/// Decides for every incoming connection before it gets any state (see [`admission`]).
 async fn accept_loop(inner: Arc<Inner>) {
     while let Some(incoming) = inner.endpoint.accept().await {
-        tokio::spawn(handle_incoming(inner.clone(), incoming));
+        let remote = incoming.remote_address();
+        let validated = incoming.remote_address_validated();
+        match inner.admission.decide(remote.ip(), validated) {
+            admission::Decision::Retry if incoming.may_retry() => {
+                // Stateless: nothing is kept until the peer echoes the token.
+                let _ = incoming.retry();
+            }
+            admission::Decision::Retry => incoming.ignore(),
+            admission::Decision::Refuse(reason) => {
+                incoming.refuse();
+                inner.reject(
+                    UNVERIFIED,
+                    reason,
+                    remote,
+                    &format_args!(
+                        "too many connections (limits: {} handshakes, {} per address)",
+                        inner.cfg.max_handshakes, inner.cfg.max_per_address
+                    ),
+                );
+            }
+            admission::Decision::Accept(ticket) => {
+                tokio::spawn(handle_incoming(inner.clone(), incoming, ticket));
+            }
+        }
     }
 }
 
-async fn handle_incoming(inner: Arc<Inner>, incoming: quinn::Incoming) {
+async fn handle_incoming(
+    inner: Arc<Inner>,
+    incoming: quinn::Incoming,
+    mut ticket: admission::Ticket,
+) {
     let remote = incoming.remote_address();
-    let conn = match incoming.await {
-        Ok(c) => c,
-        Err(e) => {
+    // Dropping the handshake (at the timeout) closes the connection and frees its state.
+    let conn = match tokio::time::timeout(inner.cfg.handshake_timeout, incoming).await {
+        Err(_) => {
+            inner.reject(
+                UNVERIFIED,
+                "handshake_timeout",
+                remote,
+                &format_args!(
+                    "TLS handshake not done within {:?}",
+                    inner.cfg.handshake_timeout
+                ),
+            );
+            return;
+        }
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
             let reason = tls::classify_handshake_error(&e.to_string());
             inner.reject(
                 UNVERIFIED,
@@ -538,6 +680,10 @@ async fn handle_incoming(inner: Arc<Inner>, incoming: quinn::Incoming) {
         conn.close(CLOSE_REFUSED.into(), b"unlisted host");
         return;
     };
+    // Authenticated: it no longer counts against the handshake limit (its address's place
+    // is kept while it lives).
+    ticket.established();
+    let _live = LiveEntry::new(&inner, &host, &conn);
     let connected = inner.metrics.connected.with_label_values(&[&host]);
     let mut c = Conn {
         inner: &inner,
@@ -559,6 +705,34 @@ async fn handle_incoming(inner: Arc<Inner>, incoming: quinn::Incoming) {
         Err(End::Lost(e)) => {
             tracing::info!(host = %host, %remote, "hub: connection ended: {e}")
         }
+    }
+}
+
+/// A connection's entry in [`Inner::live`], removed when dropped.
+struct LiveEntry<'a> {
+    inner: &'a Inner,
+    id: usize,
+}
+
+impl<'a> LiveEntry<'a> {
+    fn new(inner: &'a Inner, host: &str, conn: &quinn::Connection) -> Self {
+        let id = conn.stable_id();
+        inner
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, (host.to_owned(), conn.clone()));
+        LiveEntry { inner, id }
+    }
+}
+
+impl Drop for LiveEntry<'_> {
+    fn drop(&mut self) {
+        self.inner
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
     }
 }
 
@@ -799,6 +973,8 @@ impl Conn<'_> {
         let mut garbage = Vec::new();
         let mut fatal = None;
         delivered.clear();
+        // Estimated memory of each delivered event (for the recent ring's byte bound).
+        let mut sizes = Vec::new();
         {
             let mut st = inner.state.lock().expect("hub state");
             let st = &mut *st;
@@ -842,6 +1018,11 @@ impl Conn<'_> {
                         }
                         match postcard::from_bytes::<HostEvent>(&f.payload) {
                             Ok(event) if event.kind() == f.kind => {
+                                sizes.push(
+                                    std::mem::size_of::<ReceivedEvent>()
+                                        + self.host.len()
+                                        + 2 * f.payload.len(),
+                                );
                                 delivered.push(ReceivedEvent {
                                     host: self.host.to_owned(),
                                     boot_id: boot,
@@ -885,13 +1066,18 @@ impl Conn<'_> {
                     tracing::error!(path = %j.path().display(), error = %e, "hub: event journal write failed");
                 }
             }
-            let cap = inner.cfg.recent_capacity;
-            for e in delivered.iter() {
-                if st.recent.len() >= cap {
-                    st.recent.pop_front();
+            let (cap, max_bytes) = (inner.cfg.recent_capacity, inner.cfg.recent_max_bytes);
+            for (e, size) in delivered.iter().zip(&sizes) {
+                if cap == 0 {
+                    break;
                 }
-                if cap > 0 {
-                    st.recent.push_back(e.clone());
+                st.recent_bytes += size;
+                st.recent.push_back((*size, e.clone()));
+                while st.recent.len() > cap || (st.recent.len() > 1 && st.recent_bytes > max_bytes)
+                {
+                    if let Some((n, _)) = st.recent.pop_front() {
+                        st.recent_bytes -= n;
+                    }
                 }
             }
         }
