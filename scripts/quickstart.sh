@@ -106,7 +106,7 @@ uevents = false
 [stream]
 ca = "$state/certs/ca.pem"
 cert = "$state/certs/host-$demo_host.pem"
-key = "$state/certs/host-$demo_host-key.pem"
+key = "$state/certs/host-$demo_host.key"
 spool_dir = ""
 [[stream.guests]]
 name = "guest"

@@ -100,7 +100,7 @@ endpoint = "127.0.0.1:{quic}"
         root = dir.join("root").display(),
         ca = certs.join("ca.pem").display(),
         cert = certs.join(format!("host-{HOST}.pem")).display(),
-        key = certs.join(format!("host-{HOST}-key.pem")).display(),
+        key = certs.join(format!("host-{HOST}.key")).display(),
     );
     std::fs::write(dir.join("host.toml"), &cfg).unwrap();
     let child = Command::new(host_binary())
