@@ -198,15 +198,7 @@ mod tests {
         }
     }
 
-    fn ev(seq: u64) -> Message {
-        Message::Event(EventFrame {
-            seq,
-            host_realtime_ns: 0,
-            host_monotonic_ns: 0,
-            kind: 1,
-            payload: vec![],
-        })
-    }
+    use super::super::test_event as ev;
 
     fn connected(dedup: &Dedup, boot: u64, now: u64) -> GuestConnection {
         let mut g = GuestConnection::new("pve1", timing(), now);

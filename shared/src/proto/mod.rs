@@ -211,3 +211,15 @@ mod bytes {
         d.deserialize_byte_buf(V)
     }
 }
+
+/// An empty event frame with this sequence number (the state-machine tests' unit of traffic).
+#[cfg(test)]
+pub(crate) fn test_event(seq: u64) -> Message {
+    Message::Event(EventFrame {
+        seq,
+        host_realtime_ns: 0,
+        host_monotonic_ns: 0,
+        kind: 1,
+        payload: vec![],
+    })
+}

@@ -483,15 +483,7 @@ mod tests {
         d.next_frame().unwrap().unwrap()
     }
 
-    fn event(seq: u64) -> Message {
-        Message::Event(EventFrame {
-            seq,
-            host_realtime_ns: 0,
-            host_monotonic_ns: 0,
-            kind: 1,
-            payload: vec![],
-        })
-    }
+    use super::super::test_event as event;
 
     #[test]
     fn dedup_keeps_the_newest_boots_of_each_host() {
