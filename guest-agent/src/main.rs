@@ -162,7 +162,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         sched: probes::sched::Config {
             method: args.sched_method,
         },
-        tcp: probes::tcp::Config { dst },
+        tcp: probes::tcp::Config {
+            dst,
+            rtt_every: args.interval,
+        },
         tc: probes::tc::Config {
             attach: args.tc_attach,
             node_devices: args.node_devices.clone(),

@@ -97,3 +97,107 @@ fn sched_latency_of_migrating_tasks_matches_schedstat() {
         err * 100.0
     );
 }
+
+const RTT: &str = "ebpf_tcp_rtt_microseconds";
+
+/// Connections established before the agent starts, busy while it attaches:
+/// their first segments after the attach must already find the destination
+/// table filled, or the sockets stay `dst="other"` for their lifetime.
+#[test]
+fn connections_older_than_the_agent_get_their_destination() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv_ns, srv_ip, _) = net.server();
+    let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
+    let mut talker = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    net.join(&mut talker);
+    std::thread::sleep(Duration::from_millis(300));
+    // eight unshaped uploads: tens of thousands of ACKs a second while the
+    // agent loads, so segments arrive between any two of its steps
+    talker.spawn(&format!("exec iperf3 -c {srv_ip} -t 15 -P 8"));
+    let ns = talker.netns.clone().unwrap();
+    let up = wait_for(Duration::from_secs(5), || {
+        let n = sh(&format!(
+            "ip netns exec {ns} ss -Htn state established dst {srv_ip}"
+        ))
+        .lines()
+        .count();
+        (n >= 9).then_some(())
+    });
+    assert!(up.is_some(), "the uploads are established before the agent");
+    let agent = Agent::no_kube("200ms", "tcp_rtt,tcp_retransmit", &[]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let s = agent.scrape();
+    let tl = pod_labels(&talker);
+    let dsts: Vec<(String, f64)> = find(&s, &format!("{RTT}_count"), &sel(&tl))
+        .iter()
+        .map(|x| (x.label("dst").to_string(), x.value))
+        .collect();
+    eprintln!("RTT samples by dst: {dsts:?}");
+    assert!(
+        dsts.iter().any(|(d, n)| d == "private" && *n > 0.0),
+        "the uploads to 10.213.x.x are 'private'"
+    );
+    assert!(
+        dsts.iter().all(|(d, _)| d == "private"),
+        "no socket classified before the table was filled: {dsts:?}"
+    );
+}
+
+/// A pod uploading through a 20 Mbit/s token bucket for 6 s, slow start
+/// included: the mean of the RTT histogram over the run (`_sum`/`_count`)
+/// against `ss -ti`'s smoothed RTT sampled every 100 ms over the same run.
+/// Per-segment samples over-weight the ACK-dense phases; one sample per
+/// socket per interval follows the connection's time.
+#[test]
+fn rtt_mean_over_a_whole_upload_follows_time_like_ss() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv_ns, srv_ip, srv_if) = net.server();
+    sh(&format!(
+        "tc qdisc add dev {srv_if} root tbf rate 20mbit burst 16kb latency 25ms"
+    ));
+    let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
+    let agent = Agent::no_kube("200ms", "tcp_rtt,tcp_retransmit", &[]);
+    let mut talker = Pod::random(&sb, Layout::Systemd, "burstable");
+    net.join(&mut talker);
+    std::thread::sleep(Duration::from_millis(300));
+    let ns = talker.netns.clone().unwrap();
+    let pid = talker.spawn(&format!("exec iperf3 -c {srv_ip} -t 6 -l 16k"));
+    let mut ss = Vec::new();
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_secs(8) {
+        if let Some(r) = ss_rtt_us(&ns, &srv_ip) {
+            ss.push(r);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        if !talker.pids().contains(&(pid as i32)) {
+            break;
+        }
+    }
+    talker.wait_exit(pid, Duration::from_secs(10));
+    std::thread::sleep(Duration::from_millis(700));
+    let s = agent.scrape();
+    let mut want = sel(&pod_labels(&talker))
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string()))
+        .collect::<Vec<_>>();
+    want.push(("dst", "private".to_string()));
+    let want: Vec<(&str, &str)> = want.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let sum = value(&s, &format!("{RTT}_sum"), &want).expect("the upload has RTT samples");
+    let count = value(&s, &format!("{RTT}_count"), &want).unwrap();
+    let ours = sum / count;
+    let theirs = ss.iter().sum::<f64>() / ss.len() as f64;
+    eprintln!(
+        "mean srtt over the run: ours {ours:.0} us ({count} samples), ss {theirs:.0} us ({} readings)",
+        ss.len()
+    );
+    assert!(ss.len() >= 40, "ss saw the socket for the run");
+    assert!(theirs > 2_000.0, "the shaped link adds queueing delay");
+    assert!(
+        (ours - theirs).abs() / theirs < 0.20,
+        "ours {ours:.0} us vs ss {theirs:.0} us"
+    );
+}
