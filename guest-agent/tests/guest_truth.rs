@@ -201,3 +201,98 @@ fn rtt_mean_over_a_whole_upload_follows_time_like_ss() {
         "ours {ours:.0} us vs ss {theirs:.0} us"
     );
 }
+
+const VLLM_UID: &str = "8faa3759-bf25-436b-b765-e6efbb602f44";
+const VLLM_NAME: &str = "vllm-llama3-8b-6f9c7d5b8-x2k4q";
+const NODE: &str = "talos-gpu-worker-1";
+
+/// The recorded pod list with the vllm container restarted: `cid_new` runs,
+/// `cid_old` is its last state (as the kubelet reports a restart).
+fn restarted_list(cid_old: &str, cid_new: &str) -> String {
+    let mut list: serde_json::Value =
+        serde_json::from_str(&common::fake_kube::fixture("pods-list.json")).unwrap();
+    for pod in list["items"].as_array_mut().unwrap() {
+        if pod["metadata"]["uid"] == VLLM_UID {
+            let cs = &mut pod["status"]["containerStatuses"][0];
+            cs["containerID"] = format!("containerd://{cid_new}").into();
+            cs["restartCount"] = 1.into();
+            cs["lastState"] = serde_json::json!({
+                "terminated": {"exitCode": 137, "containerID": format!("containerd://{cid_old}")}
+            });
+        }
+    }
+    list.to_string()
+}
+
+/// A container restarts into a new cgroup under the same pod; both map to one
+/// label set (namespace, pod, container name). Through the old container's
+/// grace period and past it, every sample of the summed counter and
+/// histogram must be at least the one before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_stay_monotonic_through_a_container_restart() {
+    let Some(_lock) = require_root() else { return };
+    let (cid_old, cid_new) = (random_cid(), random_cid());
+    let kube =
+        common::fake_kube::FakeKube::start(NODE, restarted_list(&cid_old, &cid_new), Vec::new())
+            .await;
+    let sb = CgroupSandbox::new();
+    let mut old = Pod::new(&sb, Layout::Systemd, "burstable", VLLM_UID, &cid_old);
+    old.spawn("exec perl -e 'select(undef, undef, undef, 0.002) while 1'");
+    let (agent, _kc) = agent_with_kube(
+        &kube,
+        &[
+            "--interval",
+            "200ms",
+            "--probes",
+            "sched_latency",
+            "--node-name",
+            NODE,
+            "--pod-grace",
+            "1s",
+        ],
+    )
+    .await;
+    let want = [
+        ("namespace", "inference"),
+        ("pod", VLLM_NAME),
+        ("container", "vllm"),
+    ];
+    let read = |agent: &Agent| {
+        let s = agent.scrape();
+        (
+            value(&s, &format!("{SCHED}_count"), &want),
+            value(&s, &format!("{SCHED}_sum"), &want),
+        )
+    };
+    let first = wait_for(Duration::from_secs(10), || {
+        let (c, _) = read(&agent);
+        c.filter(|c| *c > 0.0)
+    });
+    assert!(first.is_some(), "the old container has a named series");
+    // the restart: a new container cgroup in the same pod, the old one removed
+    let mut new = Pod::new(&sb, Layout::Systemd, "burstable", VLLM_UID, &cid_new);
+    new.spawn("exec perl -e 'select(undef, undef, undef, 0.002) while 1'");
+    std::thread::sleep(Duration::from_millis(300));
+    old.kill_all();
+    std::fs::remove_dir(&old.cgroup).unwrap();
+    let (mut last_c, mut last_s) = (0.0, 0.0);
+    let start = std::time::Instant::now();
+    let mut readings = 0;
+    while start.elapsed() < Duration::from_secs(4) {
+        let (c, s) = read(&agent);
+        let (c, s) = (c.expect("the series lives"), s.unwrap());
+        assert!(
+            c >= last_c && s >= last_s,
+            "the series went back at {:?}: count {last_c} -> {c}, sum {last_s} -> {s}",
+            start.elapsed()
+        );
+        (last_c, last_s) = (c, s);
+        readings += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("{readings} readings, monotonic up to count {last_c}");
+    assert!(
+        last_c > first.unwrap(),
+        "the new container's samples add to the same series"
+    );
+}
