@@ -296,3 +296,101 @@ async fn counters_stay_monotonic_through_a_container_restart() {
         "the new container's samples add to the same series"
     );
 }
+
+mod redirect {
+    include!(concat!(env!("OUT_DIR"), "/redirect_keep_sk.skel.rs"));
+}
+
+const BYTES: &str = "ebpf_tc_bytes_total";
+
+/// Cilium-style host routing for an ordinary pod: tc on the pod veth's host
+/// side redirects its packets to the node device with bpf_redirect_neigh
+/// (the skb keeps the pod's socket), and the node device's replies come back
+/// the same way. The pod's egress must be counted once (on its veth), not
+/// again on the node device, where only sockets of the host's network
+/// namespace (hostNetwork pods) are credited.
+#[test]
+fn redirected_pod_egress_is_not_counted_again_on_the_node_device() {
+    use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+    use std::mem::MaybeUninit;
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let tag = uniq();
+    let net = 1 + (std::process::id() % 250);
+    let (pod_ns, far_ns) = (format!("gfrp{tag}"), format!("gfrf{tag}"));
+    let (pod_if, node_if) = (format!("gfrh{tag}"), format!("gfrn{tag}"));
+    let (pod_ip, far_ip) = (format!("10.217.{net}.2"), format!("10.218.{net}.2"));
+    struct Cleanup(String);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            sh_quiet(&self.0);
+        }
+    }
+    let _cleanup = Cleanup(format!(
+        "ip netns pids {pod_ns} | xargs -r kill -9; ip netns pids {far_ns} | xargs -r kill -9; \
+         ip netns del {pod_ns}; ip netns del {far_ns}; ip link del {pod_if}; ip link del {node_if}"
+    ));
+    sh(&format!(
+        "ip netns add {pod_ns} && ip netns add {far_ns} && \
+         ip link add {pod_if} type veth peer name eth0 netns {pod_ns} && \
+         ip addr add 10.217.{net}.1/30 dev {pod_if} && ip link set {pod_if} up && \
+         ip -n {pod_ns} addr add {pod_ip}/30 dev eth0 && ip -n {pod_ns} link set eth0 up && \
+         ip -n {pod_ns} link set lo up && ip -n {pod_ns} route add default via 10.217.{net}.1 && \
+         ip link add {node_if} type veth peer name eth0 netns {far_ns} && \
+         ip addr add 10.218.{net}.1/30 dev {node_if} && ip link set {node_if} up && \
+         ip -n {far_ns} addr add {far_ip}/30 dev eth0 && ip -n {far_ns} link set eth0 up && \
+         ip -n {far_ns} link set lo up && ip -n {far_ns} route add default via 10.218.{net}.1"
+    ));
+    // the host routing: each direction redirected, nothing forwarded by the stack
+    let mut links = Vec::new();
+    for (from, to) in [(&pod_if, &node_if), (&node_if, &pod_if)] {
+        // the link keeps the program; the skeleton can go
+        let mut storage = MaybeUninit::uninit();
+        let mut open = redirect::RedirectKeepSkSkelBuilder::default()
+            .open(&mut storage)
+            .unwrap();
+        open.maps.rodata_data.as_deref_mut().unwrap().to_ifindex = ifindex_of(to);
+        let skel = open.load().unwrap();
+        links.extend(attach_tcx(
+            &skel.progs.redirect_neigh_ip,
+            ifindex_of(from),
+            &[libbpf_sys::BPF_TCX_INGRESS],
+        ));
+    }
+    let _srv = spawn_in_ns(&far_ns, "exec iperf3 -s");
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    pod.netns = Some(pod_ns.clone());
+    pod.ip = Some(pod_ip.clone());
+    pod.spawn("exec sleep 60");
+    let agent = Agent::no_kube("300ms", "tc", &["--node-devices", &node_if]);
+    wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        value(&s, "gpufeed_tc_interfaces", &[]).filter(|n| *n >= 1.0)
+    })
+    .expect("tc attached to the pod's veth");
+    std::thread::sleep(Duration::from_millis(500));
+    let veth_rx0 = if_stat(&pod_if, "rx_bytes");
+    let node_tx0 = if_stat(&node_if, "tx_bytes");
+    let s0 = agent.scrape();
+    let eg0 = value(&s0, BYTES, &[("pod", &pod.uid), ("direction", "egress")]).unwrap_or(0.0);
+    let up = pod.spawn(&format!("exec iperf3 -c {far_ip} -t 2"));
+    pod.wait_exit(up, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(900));
+    let veth_rx = (if_stat(&pod_if, "rx_bytes") - veth_rx0) as f64;
+    let node_tx = (if_stat(&node_if, "tx_bytes") - node_tx0) as f64;
+    let s = agent.scrape();
+    let eg = value(&s, BYTES, &[("pod", &pod.uid), ("direction", "egress")])
+        .expect("the pod's egress is counted")
+        - eg0;
+    eprintln!("redirected pod: egress ours {eg}, its veth {veth_rx}, node device tx {node_tx}");
+    assert!(
+        veth_rx > 10_000_000.0 && node_tx > 0.9 * veth_rx,
+        "the upload went out through the node device by the redirect"
+    );
+    assert!(
+        (eg - veth_rx).abs() / veth_rx < 0.02,
+        "egress {eg} counted once = veth {veth_rx} (twice would be {})",
+        2.0 * veth_rx
+    );
+    drop(links);
+}
