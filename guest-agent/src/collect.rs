@@ -33,7 +33,7 @@ pub enum Owner {
 }
 
 impl Owner {
-    fn of(class: CgroupClass) -> Owner {
+    pub fn of(class: CgroupClass) -> Owner {
         match class {
             CgroupClass::Pod {
                 uid, container_id, ..

@@ -16,3 +16,4 @@ pub mod netlink;
 pub mod pods;
 pub mod privileges;
 pub mod probes;
+pub mod selftest;
