@@ -181,7 +181,8 @@ int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_s
 		}
 		*seen = run_delay + ending;
 		delta += ending;
-		if (delta)
+		/* a switch-in after a wait is a sample, a wait of 0 ns too */
+		if (queued || delta)
 			record(next, delta);
 		return 0;
 	}
