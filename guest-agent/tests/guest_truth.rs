@@ -320,13 +320,7 @@ fn redirected_pod_egress_is_not_counted_again_on_the_node_device() {
     let (pod_ns, far_ns) = (format!("gfrp{tag}"), format!("gfrf{tag}"));
     let (pod_if, node_if) = (format!("gfrh{tag}"), format!("gfrn{tag}"));
     let (pod_ip, far_ip) = (format!("10.217.{net}.2"), format!("10.218.{net}.2"));
-    struct Cleanup(String);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            sh_quiet(&self.0);
-        }
-    }
-    let _cleanup = Cleanup(format!(
+    let _cleanup = ShOnDrop(format!(
         "ip netns pids {pod_ns} | xargs -r kill -9; ip netns pids {far_ns} | xargs -r kill -9; \
          ip netns del {pod_ns}; ip netns del {far_ns}; ip link del {pod_if}; ip link del {node_if}"
     ));

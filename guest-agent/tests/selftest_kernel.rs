@@ -33,13 +33,7 @@ fn selftest_figures_agree_with_the_kernel_under_load() {
     let net = 1 + (std::process::id() % 250);
     let (ns, host_if) = (format!("gfsp{tag}"), format!("gfsh{tag}"));
     let host_ip = format!("10.219.{net}.1");
-    struct Cleanup(String);
-    impl Drop for Cleanup {
-        fn drop(&mut self) {
-            sh_quiet(&self.0);
-        }
-    }
-    let _cleanup = Cleanup(format!(
+    let _cleanup = ShOnDrop(format!(
         "ip netns pids {ns} | xargs -r kill -9; ip netns del {ns}; ip link del {host_if}"
     ));
     // A pod namespace whose veth leads to the root namespace, with a token

@@ -901,3 +901,13 @@ pub fn ss_rtt_us(ns: &str, dst: &str) -> Option<f64> {
     }
     best.map(|(_, r)| r)
 }
+
+/// Runs a shell command (quietly) when dropped: cleanup of what a test built
+/// by hand (namespaces, links), also when the test fails.
+pub struct ShOnDrop(pub String);
+
+impl Drop for ShOnDrop {
+    fn drop(&mut self) {
+        sh_quiet(&self.0);
+    }
+}
