@@ -5,7 +5,7 @@
 //!
 //! | probe | agent | kernel |
 //! |---|---|---|
-//! | `sched_latency` | run-queue histogram sums of the owners (pods, slices) whose set of threads did not change during the run | `run_delay` (`/proc/<tid>/schedstat`) summed over those threads |
+//! | `sched_latency` | run-queue histogram sums of the owners (pods, slices) where no task came or went during the run (the same threads at both ends, and the cgroups' CPU time, `cpu.stat`, all theirs) | `run_delay` (`/proc/<tid>/schedstat`) summed over those threads |
 //! | `tcp_retransmit` | retransmitted segments of every owner | `TcpRetransSegs` summed over every network namespace a process lives in |
 //! | `tcp_rtt` | mean of the RTT samples | `ss -ti` srtt every 100 ms of sockets that received a segment within an interval, averaged |
 //! | `tc_bytes` | bytes of every pod, both directions | rx + tx bytes of every veth in this namespace whose peer is in another |
@@ -52,6 +52,9 @@ impl Row {
 struct Kernel {
     /// threads of each owner with their run_delay (ns)
     threads: HashMap<Owner, BTreeSet<(u64, u64)>>,
+    /// per owner: CPU time of its cgroups (cpu.stat, exited tasks included)
+    /// and of its present threads (schedstat), both in µs
+    cpu: HashMap<Owner, (u64, u64)>,
     retrans: u64,
     veth_bytes: u64,
     qdisc_drops: u64,
@@ -65,9 +68,22 @@ pub fn run(
     duration: Duration,
     interval: Duration,
 ) -> Vec<Row> {
-    let _ = collector.tick();
-    let before = kernel_now(cgroup_root);
-    let ours0 = totals(collector);
+    // Each kernel reading right after a tick of the agent, at both ends, so
+    // that what happens while one is read cancels out.
+    let snapshot = |collector: &mut Collector| {
+        let _ = collector.tick();
+        let threads_ours = totals(collector);
+        let (threads, cpu) = owner_threads(cgroup_root);
+        let _ = collector.tick();
+        let ours = totals(collector);
+        let kernel = Kernel {
+            threads,
+            cpu,
+            ..counters_now()
+        };
+        (threads_ours.sched_by_owner, ours, kernel)
+    };
+    let (sched0, ours0, before) = snapshot(collector);
     let started = Instant::now();
     let mut next_tick = started + interval;
     let mut rtt_readings = Vec::new();
@@ -82,9 +98,7 @@ pub fn run(
             next_tick += interval;
         }
     }
-    let _ = collector.tick();
-    let after = kernel_now(cgroup_root);
-    let ours = totals(collector);
+    let (sched1, ours, after) = snapshot(collector);
     // owners whose threads are the same at both ends
     let tids = |s: &BTreeSet<(u64, u64)>| s.iter().map(|(t, _)| *t).collect::<Vec<_>>();
     let delay_sum = |s: &BTreeSet<(u64, u64)>| s.iter().map(|(_, d)| *d).sum::<u64>();
@@ -96,10 +110,18 @@ pub fn run(
         if end.is_empty() || tids(start) != tids(end) {
             continue;
         }
+        // The same threads at both ends, and no CPU time the cgroup counted
+        // that they did not: no task came and went in between.
+        let cpu = |k: &Kernel| k.cpu.get(owner).copied().unwrap_or_default();
+        let ((cg0, th0), (cg1, th1)) = (cpu(&before), cpu(&after));
+        let unexplained = (cg1.saturating_sub(cg0)).abs_diff(th1.saturating_sub(th0));
+        if unexplained > 1000 + (cg1.saturating_sub(cg0)) / 1000 {
+            continue;
+        }
         stable += 1;
         delay += delay_sum(end).saturating_sub(delay_sum(start));
-        let agent = |t: &Totals| t.sched_by_owner.get(owner).copied().unwrap_or(0);
-        ours_delay += agent(&ours).saturating_sub(agent(&ours0));
+        let agent = |t: &HashMap<Owner, u64>| t.get(owner).copied().unwrap_or(0);
+        ours_delay += agent(&sched1).saturating_sub(agent(&sched0));
     }
     let ss_mean = if rtt_readings.is_empty() {
         0.0
@@ -211,11 +233,9 @@ fn totals(c: &Collector) -> Totals {
     t
 }
 
-fn kernel_now(cgroup_root: &Path) -> Kernel {
-    let mut k = Kernel {
-        threads: owner_threads(cgroup_root),
-        ..Kernel::default()
-    };
+/// The kernel's counters (without the threads, see `owner_threads`).
+fn counters_now() -> Kernel {
+    let mut k = Kernel::default();
     let mut netns = HashSet::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return k;
@@ -239,30 +259,49 @@ fn kernel_now(cgroup_root: &Path) -> Kernel {
     k
 }
 
-/// Each owner's threads (cgroup.threads of its cgroups) with their run_delay.
-fn owner_threads(root: &Path) -> HashMap<Owner, BTreeSet<(u64, u64)>> {
+/// Each owner's threads (cgroup.threads of its cgroups) with their run_delay,
+/// and its CPU time as the cgroup counts it and as its present threads do.
+#[allow(clippy::type_complexity)]
+fn owner_threads(
+    root: &Path,
+) -> (
+    HashMap<Owner, BTreeSet<(u64, u64)>>,
+    HashMap<Owner, (u64, u64)>,
+) {
     let mut tree = CgroupTree::new(root.to_path_buf());
-    let mut out: HashMap<Owner, BTreeSet<(u64, u64)>> = HashMap::new();
+    let mut threads: HashMap<Owner, BTreeSet<(u64, u64)>> = HashMap::new();
+    let mut cpu: HashMap<Owner, (u64, u64)> = HashMap::new();
     if tree.refresh().is_err() {
-        return out;
+        return (threads, cpu);
     }
     for cg in tree.cgroups.values() {
         let owner = Owner::of(classify_cgroup(&cg.path));
-        let threads = std::fs::read_to_string(format!(
-            "/proc/self/fd/{}/cgroup.threads",
-            cg.dir.as_raw_fd()
-        ))
-        .unwrap_or_default();
-        let set = out.entry(owner).or_default();
-        for tid in threads.lines().filter_map(|l| l.trim().parse::<u64>().ok()) {
-            let delay = std::fs::read_to_string(format!("/proc/{tid}/schedstat"))
-                .ok()
-                .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .unwrap_or(0);
+        let file = |name: &str| {
+            std::fs::read_to_string(format!("/proc/self/fd/{}/{name}", cg.dir.as_raw_fd()))
+                .unwrap_or_default()
+        };
+        let usage_us = file("cpu.stat")
+            .lines()
+            .find_map(|l| l.strip_prefix("usage_usec ")?.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        let set = threads.entry(owner.clone()).or_default();
+        let c = cpu.entry(owner).or_default();
+        c.0 += usage_us;
+        for tid in file("cgroup.threads")
+            .lines()
+            .filter_map(|l| l.trim().parse::<u64>().ok())
+        {
+            let stat =
+                std::fs::read_to_string(format!("/proc/{tid}/schedstat")).unwrap_or_default();
+            let mut f = stat
+                .split_whitespace()
+                .map(|v| v.parse::<u64>().unwrap_or(0));
+            let (on_cpu, delay) = (f.next().unwrap_or(0), f.next().unwrap_or(0));
+            c.1 += on_cpu / 1000;
             set.insert((tid, delay));
         }
     }
-    out
+    (threads, cpu)
 }
 
 /// A counter from /proc/net/snmp's header/value line pairs.
