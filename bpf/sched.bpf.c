@@ -6,13 +6,23 @@
  * Two ways to know when the task became runnable:
  *
  * 1. sched_info (default, kernels with CONFIG_SCHED_INFO, which SCHEDSTATS and
- *    TASK_DELAY_ACCT select): the scheduler itself stamps
- *    next->sched_info.last_queued with the run-queue clock when the task is
- *    enqueued (woken, new, or preempted while runnable), and at switch-in adds
- *    rq->clock - last_queued to the task's run_delay (/proc/<pid>/schedstat).
- *    sched_switch fires just before that, with rq->clock already updated, so
- *    the same subtraction here yields exactly the wait the kernel accounts.
- *    Only the switch hook is needed: no wakeup programs, no per-task state.
+ *    TASK_DELAY_ACCT select): the scheduler itself keeps each task's
+ *    cumulative run-queue wait, sched_info.run_delay (/proc/<pid>/schedstat),
+ *    and stamps sched_info.last_queued with the run-queue clock while the task
+ *    waits. The probe follows run_delay itself, per task, so that its sum is
+ *    the kernel's by construction:
+ *      - at switch-in the wait that ends now is rq->clock - last_queued
+ *        (sched_switch fires just before sched_info_arrive() adds exactly that,
+ *        with rq->clock already updated);
+ *      - a queued task the load balancer moves to another CPU has its wait so
+ *        far added to run_delay at the move (sched_info_dequeue() clears
+ *        last_queued), so that part shows up as run_delay - what we had seen;
+ *    and the task's storage keeps run_delay as it will be once this switch is
+ *    accounted. One sample is one switch-in after a wait, its value the whole
+ *    wait however many CPUs it spanned. A task first seen by the probe starts
+ *    from its run_delay then, or from 0 if it was created after the probe
+ *    loaded (started_ns), so waits of tasks older than the agent are not
+ *    counted and waits of newer ones are all counted.
  * 2. stamp (fallback): the wakeup, wakeup_new and switch hooks stamp the task in
  *    task-local storage with bpf_ktime_get_ns() when it becomes runnable or is
  *    preempted, and the switch hook measures at switch-in.
@@ -35,6 +45,18 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 /* Chosen by userspace before load (it checks the kernel's BTF for
  * task_struct.sched_info and sched_entity.cfs_rq / cfs_rq.rq). */
 const volatile bool use_sched_info = false;
+/* CLOCK_MONOTONIC (task_struct.start_time's clock) just before attaching:
+ * tasks started later have all their run_delay counted. */
+const volatile __u64 started_ns = 0;
+
+/* sched_info method: the task's run_delay including the wait ended at its
+ * last switch-in, i.e. what has been counted. */
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u64);
+} delay_seen SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
@@ -114,27 +136,54 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_struct *next,
 	     unsigned int prev_state)
 {
-	__u64 *ts, now;
+	__u64 *ts, now, delta;
 
 	if (use_sched_info) {
 		struct rq *rq;
-		__u64 queued;
+		__u64 queued, run_delay, ending = 0, *seen;
 
 		if (!bpf_core_field_exists(next->sched_info) || next->pid == 0)
 			return 0;
 		queued = next->sched_info.last_queued;
-		if (!queued)
-			return 0;
-		/* This CPU's run queue, reached through the task: set_task_rq() keeps
-		 * se.cfs_rq on the task's CPU for every scheduling class, and at
-		 * switch-in that is this CPU. (The per-CPU `runqueues` symbol would
-		 * need CONFIG_KALLSYMS_ALL.) */
-		if (!bpf_core_field_exists(next->se.cfs_rq))
-			return 0;
-		rq = next->se.cfs_rq->rq;
-		if (!rq)
-			return 0;
-		record(next, rq->clock - queued);
+		if (queued) {
+			/* This CPU's run queue, reached through the task: set_task_rq()
+			 * keeps se.cfs_rq on the task's CPU for every scheduling class,
+			 * and at switch-in that is this CPU. (The per-CPU `runqueues`
+			 * symbol would need CONFIG_KALLSYMS_ALL.) */
+			if (!bpf_core_field_exists(next->se.cfs_rq))
+				return 0;
+			rq = next->se.cfs_rq->rq;
+			if (!rq)
+				return 0;
+			ending = rq->clock - queued;
+			if ((__s64)ending < 0) {
+				bump_stat(0);
+				ending = 0;
+			}
+		}
+		run_delay = next->sched_info.run_delay;
+		seen = bpf_task_storage_get(&delay_seen, next, 0, 0);
+		if (!seen) {
+			seen = bpf_task_storage_get(&delay_seen, next, 0,
+						    BPF_LOCAL_STORAGE_GET_F_CREATE);
+			if (!seen) {
+				bump_stat(1);
+				return 0;
+			}
+			*seen = next->start_time >= started_ns ? 0 : run_delay;
+		}
+		/* run_delay - *seen: waits the kernel accounted without a
+		 * switch-in (a queued task moved to another CPU) */
+		delta = run_delay - *seen;
+		if ((__s64)delta < 0) {
+			bump_stat(0);
+			delta = 0;
+		}
+		*seen = run_delay + ending;
+		delta += ending;
+		/* a switch-in after a wait is a sample, a wait of 0 ns too */
+		if (queued || delta)
+			record(next, delta);
 		return 0;
 	}
 

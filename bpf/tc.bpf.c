@@ -10,8 +10,10 @@
  *
  * hostNetwork pods have no veth of their own: on the node's devices the
  * node_* programs count bytes per socket-owner cgroup instead. Outgoing
- * packets carry their socket; for incoming ones the socket is looked up from
- * the packet's addresses and ports (TCP and UDP).
+ * packets carry their socket (counted only when it belongs to the host's
+ * network namespace: other pods' packets were counted on their veth); for
+ * incoming ones the socket is looked up from the packet's addresses and ports
+ * (TCP and UDP) in the host's namespace.
  *
  * Drops: tp_btf/kfree_skb, filtered to the reasons of the tc/qdisc layer
  * (userspace fills tc_reasons from the kernel's own enum), counted per
@@ -89,13 +91,30 @@ static __always_inline void count_cgroup(__u64 cg, int dir, __u32 len)
 	b[dir].packets += 1;
 }
 
+/* Inode of the host's network namespace (the node devices'), set by userspace
+ * before load; 0 = unknown, every socket counts. */
+const volatile __u32 host_netns_ino = 0;
+
 SEC("tc")
 int tc_node_egress(struct __sk_buff *skb)
 {
 	__u64 cg = bpf_skb_cgroup_id(skb); /* 0 without a local socket (forwarded) */
+	struct bpf_sock *sk = skb->sk;
 
-	if (cg)
-		count_cgroup(cg, 0, skb->len);
+	if (!cg || !sk)
+		return TC_ACT_UNSPEC;
+	/* Only sockets of the host's namespace: an ordinary pod's packets that
+	 * reach the node device with their socket still attached (host routing
+	 * by bpf_redirect_neigh/peer, as Cilium does) were counted on its veth. */
+	if (host_netns_ino) {
+		struct sock_common *c =
+			bpf_rdonly_cast(sk, bpf_core_type_id_kernel(struct sock_common));
+		struct net *net = c->skc_net.net;
+
+		if (!net || net->ns.inum != host_netns_ino)
+			return TC_ACT_UNSPEC;
+	}
+	count_cgroup(cg, 0, skb->len);
 	return TC_ACT_UNSPEC;
 }
 

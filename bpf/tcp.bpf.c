@@ -8,8 +8,14 @@
  *
  * The destination class ("dst" label) comes from a longest-prefix-match trie
  * filled by userspace with named CIDRs. The match is done once per socket and
- * cached in socket-local storage, so the per-segment path is two local-storage
- * lookups and a few atomic adds.
+ * cached in socket-local storage.
+ *
+ * RTT: at most one sample per socket per agent tick (rtt_every_ns), the
+ * socket's smoothed RTT at its first received segment after the tick's time
+ * has passed since its last sample. The mean over samples is then a time
+ * average of each connection's srtt, as `ss -ti` sampled at a fixed rate would
+ * give, not a segment average. A segment that brings neither a sample nor a
+ * retransmit costs one socket-storage lookup.
  *
  * Retransmits are not counted per tracepoint hit: the tracepoint does not see
  * every segment the kernel adds to TcpRetransSegs. Instead each hook that
@@ -48,7 +54,13 @@ struct {
 struct sock_state {
 	__u32 dst_plus1;	  /* dst class index + 1 */
 	__u32 total_retrans_seen; /* tcp_sock.total_retrans already counted */
+	__u64 rtt_at;		  /* ktime ns of the socket's last RTT sample, 0 = none */
 };
+
+/* Set by userspace before load: the agent's tick. A socket gives at most one
+ * RTT sample per tick, so the mean follows the connection's time rather than
+ * its segment count (slow start and bursts bring many ACKs per second). */
+const volatile __u64 rtt_every_ns = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
@@ -169,17 +181,30 @@ int BPF_PROG(tcp_probe, struct sock *sk, const struct sk_buff *skb)
 	struct tcp_cgroup *st;
 	struct sock_state *ss;
 	__u32 srtt, cls;
+	__u64 now;
+	bool sample;
 
 	if (!tp)
 		return 0;
-	st = owner_stats(sk);
 	ss = sock_state_of(sk, tp, 0);
-	if (!st || !ss)
+	if (!ss)
+		return 0;
+	/* One sample: the socket's smoothed RTT at its first segment after a
+	 * tick's time without one. Most segments stop here, before the owner's
+	 * storage is looked up. */
+	srtt = tp->srtt_us; /* microseconds << 3 */
+	now = bpf_ktime_get_ns();
+	sample = srtt && (!ss->rtt_at || now - ss->rtt_at >= rtt_every_ns);
+	if (!sample && tp->total_retrans == ss->total_retrans_seen)
+		return 0;
+	st = owner_stats(sk);
+	if (!st)
 		return 0;
 	cls = dst_of(ss);
-	srtt = tp->srtt_us; /* microseconds << 3 */
-	if (srtt)
+	if (sample) {
+		ss->rtt_at = now;
 		hist_record(&st->rtt[cls], (__u64)srtt * 125); /* (us << 3) * 1000 / 8 = ns */
+	}
 	sync_retrans(st, ss, tp, cls);
 	return 0;
 }

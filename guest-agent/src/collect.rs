@@ -8,7 +8,7 @@
 //! without restarting its counters.
 
 use std::collections::btree_map::Entry;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,7 +17,7 @@ use crate::cgroups::CgroupTree;
 use crate::pods::{classify_cgroup, CgroupClass, PodStore};
 use crate::probes::signal::{latency_window, rate_window, SignalKind, SignalSpec, SignalWindow};
 use crate::probes::unit::{
-    Delta, FamilySpec, GaugeValue, Labels, TickContext, UnitStats, Units, Value,
+    Delta, FamilySpec, GaugeValue, Labels, Scope, TickContext, UnitStats, Units, Value,
 };
 
 /// Who a cgroup's numbers belong to.
@@ -33,7 +33,7 @@ pub enum Owner {
 }
 
 impl Owner {
-    fn of(class: CgroupClass) -> Owner {
+    pub fn of(class: CgroupClass) -> Owner {
         match class {
             CgroupClass::Pod {
                 uid, container_id, ..
@@ -212,26 +212,21 @@ impl Collector {
         for (family, values) in gauges {
             shared.gauges.insert(family, values);
         }
-        // Liveness and the grace period: an owner whose cgroups are all gone, or
-        // whose pod the API deleted, keeps its series for `grace`, then goes.
-        let grace = self.grace;
-        let pods = &self.pods;
-        shared.owners.retain(|owner, o| {
-            o.live_cgroups = live.get(owner).copied().unwrap_or(0);
-            let deleted = match owner {
-                Owner::Pod { uid, .. } => pods.get(uid).is_some_and(|m| m.deleted_at.is_some()),
-                Owner::Slice(_) => false,
-                Owner::Unattributed => return true,
-            };
-            if o.live_cgroups == 0 || deleted {
-                let since = *o.gone_since.get_or_insert(now);
-                now.duration_since(since) < grace
-            } else {
-                o.gone_since = None;
-                true
-            }
-        });
-        self.pods.prune(grace);
+        let scopes: HashMap<&'static str, Scope> = self
+            .units
+            .iter()
+            .flat_map(|u| u.families())
+            .map(|f| (f.name, f.scope))
+            .collect();
+        retire(
+            &mut shared.owners,
+            &live,
+            &self.pods,
+            &scopes,
+            self.grace,
+            now,
+        );
+        self.pods.prune(self.grace);
         let (mut owners_pod, mut owners_slice) = (0, 0);
         for o in shared.owners.keys() {
             match o {
@@ -249,6 +244,111 @@ impl Collector {
             units,
         };
         Ok(())
+    }
+}
+
+/// Liveness and the grace period. An owner whose cgroups are all gone, or
+/// whose pod the API deleted, keeps its series for `grace`; then it goes, or,
+/// while its pod lives on, hands its totals to the owner that carries the same
+/// label set, so that no series the exporter sums ever goes down while its
+/// labels live:
+///
+/// * a restarted container (same container name, new id and cgroup): to the
+///   running container of that name; until one runs, the old owner stays;
+/// * a container the API does not name (exported as `container=""`): to the
+///   pod-level owner;
+/// * without the API (containers labelled by their own id): the pod-scope
+///   families go to the pod-level owner, the container's own series go with
+///   their label set.
+///
+/// A pod that is gone or deleted takes all its owners' label sets with it.
+fn retire(
+    owners: &mut HashMap<Owner, OwnerStats>,
+    live: &HashMap<Owner, usize>,
+    pods: &PodStore,
+    scopes: &HashMap<&'static str, Scope>,
+    grace: Duration,
+    now: Instant,
+) {
+    let deleted = |uid: &str| pods.get(uid).is_some_and(|m| m.deleted_at.is_some());
+    let live_pods: HashSet<&str> = live
+        .iter()
+        .filter_map(|(o, n)| match o {
+            Owner::Pod { uid, .. } if *n > 0 && !deleted(uid) => Some(uid.as_str()),
+            _ => None,
+        })
+        .collect();
+    let mut expired = Vec::new();
+    for (owner, o) in owners.iter_mut() {
+        o.live_cgroups = live.get(owner).copied().unwrap_or(0);
+        let gone = match owner {
+            Owner::Pod { uid, .. } => o.live_cgroups == 0 || deleted(uid),
+            Owner::Slice(_) => o.live_cgroups == 0,
+            Owner::Unattributed => false,
+        };
+        if !gone {
+            o.gone_since = None;
+            continue;
+        }
+        let since = *o.gone_since.get_or_insert(now);
+        if now.duration_since(since) >= grace {
+            expired.push(owner.clone());
+        }
+    }
+    for owner in expired {
+        let Owner::Pod {
+            uid,
+            container_id: Some(cid),
+        } = &owner
+        else {
+            // a slice, or a pod-level owner: its labels go with it (a pod-level
+            // owner of a live pod waits for the pod)
+            if !matches!(&owner, Owner::Pod { uid, .. } if live_pods.contains(uid.as_str())) {
+                owners.remove(&owner);
+            }
+            continue;
+        };
+        if !live_pods.contains(uid.as_str()) {
+            owners.remove(&owner);
+            continue;
+        }
+        let pod_level = owner.pod_level();
+        let (heir, only_pod_scope) = match pods.get(uid) {
+            Some(meta) => match meta.container_name(cid) {
+                Some(name) => {
+                    let running = live.iter().find_map(|(o, n)| match o {
+                        Owner::Pod {
+                            uid: u,
+                            container_id: Some(c),
+                        } if *n > 0 && u == uid && meta.container_name(c) == Some(name) => {
+                            Some(o.clone())
+                        }
+                        _ => None,
+                    });
+                    match running {
+                        Some(o) => (o, false),
+                        None => continue, // not restarted (yet): keep it
+                    }
+                }
+                None => (pod_level, false),
+            },
+            None => (pod_level, true),
+        };
+        let Some(gone) = owners.remove(&owner) else {
+            continue;
+        };
+        let handed: Vec<_> = gone
+            .series
+            .into_iter()
+            .filter(|(key, _)| !only_pod_scope || scopes.get(key.0) == Some(&Scope::Pod))
+            .collect();
+        if handed.is_empty() {
+            continue;
+        }
+        let into = owners.entry(heir).or_default();
+        for (key, value) in handed {
+            add(&mut into.series, key, value);
+        }
     }
 }
 
@@ -455,5 +555,88 @@ mod tests {
         c.tick().unwrap();
         assert_eq!(*forgotten.lock().unwrap(), [id]);
         assert!(!c.shared.lock().unwrap().owners.contains_key(&pod));
+    }
+
+    fn counts(series: &[(&'static str, u64)]) -> OwnerStats {
+        OwnerStats {
+            series: series
+                .iter()
+                .map(|(f, n)| ((*f, Labels::new()), Value::Count(*n)))
+                .collect(),
+            ..OwnerStats::default()
+        }
+    }
+
+    fn pod(cid: Option<&str>) -> Owner {
+        Owner::Pod {
+            uid: UID.into(),
+            container_id: cid.map(String::from),
+        }
+    }
+
+    #[test]
+    fn a_gone_container_hands_its_totals_to_the_owner_with_its_labels() {
+        const POD_SCOPE: &str = "test_pod_bytes_total";
+        let scopes = HashMap::from([(EVENTS, Scope::Container), (POD_SCOPE, Scope::Pod)]);
+        let now = Instant::now();
+        let (old, new, init) = (pod(Some("old")), pod(Some("new")), pod(Some("init")));
+        let pods = PodStore::default();
+        pods.upsert(crate::pods::PodMeta {
+            uid: UID.into(),
+            namespace: "ns".into(),
+            name: "p".into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            containers: HashMap::from([
+                ("old".into(), "main".into()),
+                ("new".into(), "main".into()),
+                ("init".into(), "setup".into()),
+            ]),
+            ips: vec![],
+            host_network: false,
+            deleted_at: None,
+        });
+        let mut owners = HashMap::from([
+            (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
+            (new.clone(), counts(&[(EVENTS, 2)])),
+            (init.clone(), counts(&[(EVENTS, 1)])),
+        ]);
+        // only the new container's cgroup lives; grace 0: the others expire now
+        let live = HashMap::from([(new.clone(), 1)]);
+        retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        assert!(
+            !owners.contains_key(&old),
+            "the restarted container handed over"
+        );
+        let n = &owners[&new].series;
+        assert_eq!(n[&(EVENTS, Labels::new())], Value::Count(7));
+        assert_eq!(n[&(POD_SCOPE, Labels::new())], Value::Count(7));
+        assert!(
+            owners.contains_key(&init),
+            "a container not restarted keeps its series while the pod lives"
+        );
+
+        // without the API: only pod-scope families go to the pod level
+        let pods = PodStore::default();
+        let mut owners = HashMap::from([
+            (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
+            (new.clone(), counts(&[(EVENTS, 2)])),
+        ]);
+        retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        assert!(!owners.contains_key(&old));
+        let p = &owners[&pod(None)].series;
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[&(POD_SCOPE, Labels::new())], Value::Count(7));
+
+        // the pod gone: every owner goes with its labels
+        retire(
+            &mut owners,
+            &HashMap::new(),
+            &pods,
+            &scopes,
+            Duration::ZERO,
+            now,
+        );
+        assert!(owners.is_empty());
     }
 }

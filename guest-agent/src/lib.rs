@@ -17,3 +17,4 @@ pub mod netlink;
 pub mod pods;
 pub mod privileges;
 pub mod probes;
+pub mod selftest;

@@ -38,6 +38,16 @@ enum Cmd {
         #[command(subcommand)]
         cmd: certs::CertsCmd,
     },
+    /// Run every probe on this node for a while and print its figures beside
+    /// the kernel's own (schedstat, nstat, ss, interface and qdisc counters).
+    Selftest {
+        /// How long to measure.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        /// How often kernel maps are read (as `run --interval`).
+        #[arg(long, default_value = "1s", value_parser = parse_interval)]
+        interval: Duration,
+    },
     /// What a running agent has joined: host links now, host events with the pods they hit,
     /// spikes no host event explains (the page at / as text).
     Explain(ExplainArgs),
@@ -182,6 +192,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Run(args) => run(*args),
         Cmd::Certs { cmd } => certs::run(cmd),
         Cmd::Explain(args) => explain(args),
+        Cmd::Selftest { duration, interval } => selftest(duration, interval),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -190,6 +201,51 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::from(2)
         }
     }
+}
+
+fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
+    let root = cgroups::cgroup2_mount().context("cannot find the cgroup v2 hierarchy")?;
+    probes::route_libbpf_logs();
+    let btf = probes::KernelBtf::load();
+    let config = ProbeConfig {
+        sched: probes::sched::Config {
+            method: probes::sched::Method::Auto,
+        },
+        tcp: probes::tcp::Config {
+            dst: dst::DstTable::defaults(),
+            rtt_every: interval,
+        },
+        tc: probes::tc::Config {
+            attach: probes::tc::AttachMode::Auto,
+            // pod veths only: their counters are the kernel's side of the bytes
+            node_devices: ifaces::NodeDevices::None,
+        },
+        gpu_driver: probes::gpu_driver::Config::default(),
+        cuda: probes::cuda::CudaOptions::default(),
+    };
+    let lockdown = privileges::lockdown();
+    let ctx = LoadContext {
+        btf: &btf,
+        config: &config,
+        lockdown: lockdown.as_deref(),
+    };
+    let (units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
+    for s in statuses.iter().filter(|s| !s.up) {
+        println!(
+            "{}: not loaded ({})",
+            s.name,
+            s.reason.as_deref().unwrap_or("")
+        );
+    }
+    let mut collector = collect::Collector::new(
+        cgroups::CgroupTree::new(root.clone()),
+        units,
+        pods::PodStore::default(),
+        Duration::from_secs(3600),
+    );
+    let rows = gpufeed_guest::selftest::run(&mut collector, &root, duration, interval);
+    print!("{}", gpufeed_guest::selftest::render(&rows));
+    Ok(())
 }
 
 fn node_name(arg: Option<String>) -> String {
@@ -231,7 +287,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         sched: probes::sched::Config {
             method: args.sched_method,
         },
-        tcp: probes::tcp::Config { dst },
+        tcp: probes::tcp::Config {
+            dst,
+            rtt_every: args.interval,
+        },
         tc: probes::tc::Config {
             attach: args.tc_attach,
             node_devices: args.node_devices.clone(),

@@ -403,7 +403,9 @@ fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
     .unwrap_or(0.0);
     assert!(waits > 100.0, "two spinning threads waited {waits} times");
     let rtts = value(&s, "ebpf_tcp_rtt_microseconds_count", &[("pod", &uid)]).unwrap_or(0.0);
-    assert!(rtts > 20.0, "iperf3 gave {rtts} RTT samples");
+    // one sample per socket per interval (1 s): a 2 s upload's data and
+    // control connections give a few
+    assert!(rtts >= 2.0, "iperf3 gave {rtts} RTT samples");
     let mean = value(&s, "ebpf_tcp_rtt_microseconds_sum", &[("pod", &uid)]).unwrap() / rtts;
     assert!(
         (5.0..100_000.0).contains(&mean),
@@ -664,7 +666,8 @@ fn talos_extension_image_layout_and_service_run() {
             &[("pod", &uid)],
         )?;
         let rtts = value(&s, "ebpf_tcp_rtt_microseconds_count", &[("pod", &uid)])?;
-        (waits > 100.0 && rtts > 20.0).then_some(s)
+        // one RTT sample per socket per interval: a few from a 2 s upload
+        (waits > 100.0 && rtts >= 2.0).then_some(s)
     });
     let s = seen.unwrap_or_else(|| {
         let text = agent.try_get("/metrics").unwrap_or_default();

@@ -125,30 +125,6 @@ fn sched_latency_case(method: &str) {
     busy.signal_all(libc::SIGCONT);
 }
 
-/// Mean of the `rtt:` values ss reports for the busiest socket to `dst`, in us.
-fn ss_rtt_us(ns: &str, dst: &str) -> Option<f64> {
-    let out = sh(&format!("ip netns exec {ns} ss -tin dst {dst}"));
-    // pick the socket with the most bytes_acked (the data connection)
-    let mut best: Option<(u64, f64)> = None;
-    for line in out.lines() {
-        let rtt = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("rtt:"))
-            .and_then(|r| r.split('/').next()?.parse::<f64>().ok());
-        let acked = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("bytes_acked:"))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0);
-        if let Some(r) = rtt {
-            if best.is_none_or(|(a, _)| acked > a) {
-                best = Some((acked, r * 1000.0));
-            }
-        }
-    }
-    best.map(|(_, r)| r)
-}
-
 #[test]
 fn tcp_rtt_agrees_with_ss_and_silent_pod_has_none() {
     let Some(_lock) = require_root() else { return };

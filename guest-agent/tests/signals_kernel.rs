@@ -25,6 +25,7 @@ fn collector() -> Collector {
         },
         tcp: tcp::Config {
             dst: DstTable::defaults(),
+            rtt_every: Duration::from_millis(200),
         },
         tc: tc::Config {
             attach: tc::AttachMode::Auto,

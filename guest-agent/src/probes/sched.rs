@@ -62,8 +62,8 @@ fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, P
 pub enum Method {
     /// sched_info when the kernel has it, stamp otherwise.
     Auto,
-    /// The scheduler's own `sched_info.last_queued` against the run-queue clock:
-    /// one hook (switch), exactly what /proc/<pid>/schedstat accounts.
+    /// The scheduler's own `sched_info`: one hook (switch) that follows each
+    /// task's `run_delay` (/proc/<pid>/schedstat), waits before a migration included.
     SchedInfo,
     /// Stamps in task storage from the wakeup, wakeup_new and switch hooks.
     Stamp,
@@ -112,6 +112,8 @@ impl SchedProbe {
             .map_err(err(NAME, "open"))?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.use_sched_info = use_sched_info;
+            // tasks created from now on have all their run_delay counted
+            ro.started_ns = monotonic_ns();
         }
         open.progs.sched_wakeup.set_autoload(!use_sched_info);
         open.progs.sched_wakeup_new.set_autoload(!use_sched_info);
@@ -159,6 +161,17 @@ impl SchedProbe {
             .and_then(|b| decode::<skel::types::hist>(&b))
             .map(|h| Hist::from_parts(&h.buckets, h.sum_ns))
     }
+}
+
+/// CLOCK_MONOTONIC in ns, the clock of `task_struct.start_time`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 impl Probe for SchedProbe {

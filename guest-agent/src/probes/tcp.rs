@@ -41,16 +41,19 @@ pub const UNIT: UnitSpec = UnitSpec {
     load: load_unit,
 };
 
-/// The unit's part of the command line: the named destinations (`--dst`).
+/// The unit's part of the command line: the named destinations (`--dst`)
+/// and the agent's tick (`--interval`), which is also the shortest time
+/// between two RTT samples of one socket.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub dst: DstTable,
+    pub rtt_every: std::time::Duration,
 }
 
 static FAMILIES: [FamilySpec; 2] = [
     FamilySpec {
         name: RTT_FAMILY,
-        help: "TCP smoothed RTT per received segment, attributed to the socket's owner",
+        help: "TCP smoothed RTT, at most one sample per socket per interval, attributed to the socket's owner",
         kind: Kind::Histogram,
         scope: Scope::Container,
     },
@@ -63,7 +66,7 @@ static FAMILIES: [FamilySpec; 2] = [
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    let (p, statuses) = TcpProbe::load(ctx.btf, &ctx.config.tcp.dst)?;
+    let (p, statuses) = TcpProbe::load(ctx.btf, &ctx.config.tcp)?;
     Ok(Loaded {
         unit: p.map(|p| Box::new(p) as Box<dyn Probe>),
         statuses: statuses
@@ -129,8 +132,9 @@ impl TcpProbe {
     /// statuses say which are up. `Ok((None, ..))` when neither is.
     pub fn load(
         btf: &KernelBtf,
-        dst: &DstTable,
+        config: &Config,
     ) -> Result<(Option<TcpProbe>, Vec<ProbeStatus>), ProbeError> {
+        let dst = &config.dst;
         let has_rtt = btf.has_tracepoint("tcp_probe");
         let has_retrans =
             btf.has_tracepoint("tcp_retransmit_skb") && btf.has_tracepoint("tcp_destroy_sock");
@@ -158,10 +162,23 @@ impl TcpProbe {
         open.progs.tcp_retransmit_skb.set_autoload(has_retrans);
         open.progs.tcp_destroy_sock.set_autoload(has_retrans);
         open.progs.tcp_retransmit_synack.set_autoload(has_synack);
+        if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+            ro.rtt_every_ns = config.rtt_every.as_nanos().min(u64::MAX as u128) as u64;
+        }
         let lpm = dst.lpm_entries();
         // exactly the prefixes --dst names (an LPM trie needs at least one slot)
         set_max_entries(OBJ, &mut open.maps.dst_cidrs, lpm.len().max(1) as u32)?;
         let skel = open.load().map_err(err(OBJ, "load"))?;
+        // The table before the hooks: a socket is classified once, at its
+        // first segment, and keeps that class for its lifetime, so one seen
+        // before the table was filled would stay `other`.
+        let lpm_len = lpm.len();
+        for (key, idx) in lpm {
+            skel.maps
+                .dst_cidrs
+                .update(&key, &idx.to_ne_bytes(), MapFlags::ANY)
+                .map_err(err(OBJ, "filling dst_cidrs"))?;
+        }
         let mut links = Vec::new();
         if has_rtt {
             links.push(
@@ -192,13 +209,6 @@ impl TcpProbe {
                     .attach()
                     .map_err(err(RETRANS, "attach tcp_retransmit_synack"))?,
             );
-        }
-        let lpm_len = lpm.len();
-        for (key, idx) in lpm {
-            skel.maps
-                .dst_cidrs
-                .update(&key, &idx.to_ne_bytes(), MapFlags::ANY)
-                .map_err(err(OBJ, "filling dst_cidrs"))?;
         }
         Ok((
             Some(TcpProbe {

@@ -893,3 +893,37 @@ pub fn compile_c(fixture: &str, out: &Path, extra: &[&str]) {
         .expect("running cc");
     assert!(status.success(), "cc {} failed", src.display());
 }
+
+/// The `rtt:` (smoothed RTT) ss reports for the busiest socket to `dst`, in us.
+pub fn ss_rtt_us(ns: &str, dst: &str) -> Option<f64> {
+    let out = sh(&format!("ip netns exec {ns} ss -tin dst {dst}"));
+    // pick the socket with the most bytes_acked (the data connection)
+    let mut best: Option<(u64, f64)> = None;
+    for line in out.lines() {
+        let rtt = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("rtt:"))
+            .and_then(|r| r.split('/').next()?.parse::<f64>().ok());
+        let acked = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("bytes_acked:"))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        if let Some(r) = rtt {
+            if best.is_none_or(|(a, _)| acked > a) {
+                best = Some((acked, r * 1000.0));
+            }
+        }
+    }
+    best.map(|(_, r)| r)
+}
+
+/// Runs a shell command (quietly) when dropped: cleanup of what a test built
+/// by hand (namespaces, links), also when the test fails.
+pub struct ShOnDrop(pub String);
+
+impl Drop for ShOnDrop {
+    fn drop(&mut self) {
+        sh_quiet(&self.0);
+    }
+}

@@ -140,6 +140,10 @@ impl TcProbe {
         open.progs.kfree_skb.set_autoload(drops_up);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.read_addrs = read_addrs;
+            // node devices count only sockets of this (the host's) namespace
+            ro.host_netns_ino = std::fs::metadata("/proc/self/ns/net")
+                .map(|m| std::os::unix::fs::MetadataExt::ino(&m) as u32)
+                .unwrap_or(0);
         }
         let skel = open.load().map_err(err(OBJ, "load"))?;
         let drop_link = if drops_up {
