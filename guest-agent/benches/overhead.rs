@@ -188,9 +188,14 @@ fn main() {
         }
         Err(e) => eprintln!("runqlat not available ({e}); install libbpf-tools"),
     }
-    for (name, method) in [
-        ("gpufeed-guest (all probes)", "auto"),
-        ("gpufeed-guest (stamp fallback)", "stamp"),
+    // The scheduler, TCP and tc probes without the GPU ones, then every probe: the GPU probes
+    // hook syscalls (ioctl, open, close), and the ping-pong is nothing but syscalls, so the
+    // difference between the two rows is their cost to a process that never touches a GPU.
+    const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
+    for (name, method, probes) in [
+        ("gpufeed-guest (sched, TCP, tc)", "auto", NO_GPU),
+        ("gpufeed-guest (all probes, GPU included)", "auto", "all"),
+        ("gpufeed-guest (stamp fallback; sched, TCP, tc)", "stamp", NO_GPU),
     ] {
         let _k = Killed(
             Command::new(agent_bin)
@@ -201,6 +206,8 @@ fn main() {
                     "127.0.0.1:0",
                     "--sched-method",
                     method,
+                    "--probes",
+                    probes,
                 ])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -208,7 +215,12 @@ fn main() {
                 .unwrap(),
         );
         std::thread::sleep(Duration::from_secs(1));
+        let mut k = _k;
+        if let Ok(Some(status)) = k.0.try_wait() {
+            panic!("{name}: the agent exited ({status}) before the measurement");
+        }
         rows.push(measure(name, Some(b)));
+        drop(k);
     }
     // a second baseline, to show the noise of the machine within this run
     rows.push(measure("nothing attached (again)", Some(b)));
