@@ -195,9 +195,13 @@ fn main() {
     for (name, method, probes) in [
         ("gpufeed-guest (sched, TCP, tc)", "auto", NO_GPU),
         ("gpufeed-guest (all probes, GPU included)", "auto", "all"),
-        ("gpufeed-guest (stamp fallback; sched, TCP, tc)", "stamp", NO_GPU),
+        (
+            "gpufeed-guest (stamp fallback; sched, TCP, tc)",
+            "stamp",
+            NO_GPU,
+        ),
     ] {
-        let _k = Killed(
+        let mut agent = Killed(
             Command::new(agent_bin)
                 .args([
                     "run",
@@ -215,12 +219,11 @@ fn main() {
                 .unwrap(),
         );
         std::thread::sleep(Duration::from_secs(1));
-        let mut k = _k;
-        if let Ok(Some(status)) = k.0.try_wait() {
+        if let Ok(Some(status)) = agent.0.try_wait() {
             panic!("{name}: the agent exited ({status}) before the measurement");
         }
         rows.push(measure(name, Some(b)));
-        drop(k);
+        drop(agent);
     }
     // a second baseline, to show the noise of the machine within this run
     rows.push(measure("nothing attached (again)", Some(b)));
