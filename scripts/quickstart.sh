@@ -58,7 +58,9 @@ cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   if [ -n "$demo_pod" ]; then
     ./scripts/demo-egpu.sh stop "$demo_pod"
-    rmdir "$demo_pod/.." "$demo_pod/../.." "$demo_pod/../../.." 2>/dev/null || true
+    # the pod's parents, up to the demo's own top-level cgroup
+    d=$(dirname "$demo_pod")
+    for _ in 1 2 3; do rmdir "$d" 2>/dev/null || true; d=$(dirname "$d"); done
   fi
   wait 2>/dev/null || true
   [ "$keep_state" = 1 ] || rm -rf "$state"
