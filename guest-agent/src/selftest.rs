@@ -55,7 +55,9 @@ struct Kernel {
     /// per owner: CPU time of its cgroups (cpu.stat, exited tasks included)
     /// and of its present threads (schedstat), both in µs
     cpu: HashMap<Owner, (u64, u64)>,
-    retrans: u64,
+    /// `TcpRetransSegs` per network namespace (by inode): a namespace made or gone between
+    /// the two reads would otherwise add or remove its whole history
+    retrans: HashMap<u64, u64>,
     veth_bytes: u64,
     qdisc_drops: u64,
 }
@@ -141,7 +143,12 @@ pub fn run(
             probe: tcp::RETRANS,
             unit: "segments",
             agent: (ours.retrans - ours0.retrans) as f64,
-            kernel: after.retrans.saturating_sub(before.retrans) as f64,
+            // over the namespaces that exist at both reads
+            kernel: after
+                .retrans
+                .iter()
+                .filter_map(|(ns, n)| Some(n.saturating_sub(*before.retrans.get(ns)?)))
+                .sum::<u64>() as f64,
             over: None,
         },
         Row {
@@ -247,10 +254,11 @@ fn counters_now() -> Kernel {
         };
         if let Ok(m) = std::fs::metadata(p.path().join("ns/net")) {
             if netns.insert(m.ino()) {
-                k.retrans += std::fs::read_to_string(p.path().join("net/snmp"))
+                let segs = std::fs::read_to_string(p.path().join("net/snmp"))
                     .ok()
                     .and_then(|s| snmp_value(&s, "Tcp:", "RetransSegs"))
                     .unwrap_or(0);
+                k.retrans.insert(m.ino(), segs);
                 k.qdisc_drops += root_qdisc_drops(&nsenter(pid, &["tc", "-s", "qdisc", "show"]));
             }
         }
