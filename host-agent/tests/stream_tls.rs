@@ -142,7 +142,13 @@ async fn rejections_are_logged_and_counted() {
         })
         .await;
         assert!(counted, "{reason}: counter not 1");
-        let lines = log_lines(&logs, &["hub: rejected", &format!("reason=\"{reason}\"")]);
+        // the counter and the log line are written one after the other: wait for the line too
+        let reason_kv = format!("reason=\"{reason}\"");
+        wait_for(Duration::from_secs(2), || {
+            log_lines(&logs, &["hub: rejected", &reason_kv]).len() == 1
+        })
+        .await;
+        let lines = log_lines(&logs, &["hub: rejected", &reason_kv]);
         assert_eq!(lines.len(), 1, "{reason}: {lines:?}");
     }
     // Exactly those five, nothing else.
