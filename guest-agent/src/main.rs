@@ -463,7 +463,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// The running agent's doctor: every check at start and every [`doctor::PERIOD`], the
-/// agent's own (pods, stream) every 15 s; the gauge and `/doctor` follow, and a check whose
+/// agent's own (pods, stream: in memory) every 5 s; the gauge and `/doctor` follow, and a check whose
 /// status changes is logged.
 fn doctor_loop(
     registry: &prometheus::Registry,
@@ -471,7 +471,7 @@ fn doctor_loop(
     pods: Option<pods::PodStore>,
     stream: readiness::Stream,
 ) -> anyhow::Result<doctor::Latest> {
-    const OWN_EVERY: Duration = Duration::from_secs(15);
+    const OWN_EVERY: Duration = Duration::from_secs(5);
     let gauge = doctor::CheckGauge::register(registry)?;
     let latest = doctor::Latest::default();
     let out = latest.clone();
