@@ -480,7 +480,6 @@ fn doctor_loop(
         .spawn(move || {
             let mut local = Vec::new();
             let mut local_at: Option<Instant> = None;
-            let mut before: Vec<doctor::Finding> = Vec::new();
             loop {
                 if local_at.is_none_or(|t| t.elapsed() >= doctor::PERIOD) {
                     local = doctor::local(&inputs);
@@ -491,17 +490,8 @@ fn doctor_loop(
                     all.push(doctor::pods::bandwidth_annotations(p));
                 }
                 all.push(doctor::stream::host_stream(&stream));
-                for f in &all {
-                    let was = before.iter().find(|b| b.check == f.check).map(|b| b.status);
-                    if was != Some(f.status) && f.status == doctor::Status::Fail {
-                        tracing::warn!(check = %f.check, "doctor: {}; fix: {}", f.detail, f.fix.as_deref().unwrap_or(""));
-                    } else if was == Some(doctor::Status::Fail) && f.status == doctor::Status::Pass {
-                        tracing::info!(check = %f.check, "doctor: passes now: {}", f.detail);
-                    }
-                }
                 gauge.update(&all);
-                out.set(all.clone());
-                before = all;
+                out.set(all);
                 std::thread::sleep(OWN_EVERY);
             }
         })?;

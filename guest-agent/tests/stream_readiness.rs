@@ -89,7 +89,25 @@ fn missing_then_valid_tls_files() {
     // 5 s retries: two or more have run by now, with the same reason.
     std::thread::sleep(Duration::from_secs(11));
     assert_eq!(lines_with(&agent, "host stream not started"), 1, "one line");
+    // The doctor (evaluated every 5 s) logs the failure once too.
+    assert_eq!(lines_with(&agent, "doctor: not started: "), 1);
     assert!(agent.child.try_wait().unwrap().is_none(), "still running");
+    // `gpufeed-guest doctor` reads the agent's own checks from it.
+    let o = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args(["doctor", "--url", &format!("http://{}", agent.addr)])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!o.status.success(), "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("FAIL  host_stream"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains("not started: loading TLS files"), "{line}");
+    assert!(
+        out.contains("fix: apply the Secret gpufeed-guest-tls"),
+        "{out}"
+    );
 
     // The Secret appears: the kubelet fills the volume, the agent starts the stream.
     let out = work.path().join("certs");

@@ -236,32 +236,14 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
 /// The doctor's checks at start and every [`gpufeed_host::doctor::PERIOD`]:
 /// `gpufeed_check_ok{check}`, and a log line for each check that fails (or passes again).
 fn spawn_doctor(cfg: &Config, registry: &prometheus::Registry) -> anyhow::Result<()> {
-    use gpufeed_host::doctor::{self, Status};
+    use gpufeed_host::doctor;
     let gauge = doctor::CheckGauge::register(registry)?;
     let cfg = cfg.clone();
     std::thread::Builder::new()
         .name("doctor".into())
-        .spawn(move || {
-            let mut before: Vec<doctor::Finding> = Vec::new();
-            loop {
-                let now = doctor::checks(&cfg);
-                for f in &now {
-                    let was = before.iter().find(|b| b.check == f.check).map(|b| b.status);
-                    if was != Some(f.status) && f.status == Status::Fail {
-                        tracing::warn!(
-                            "doctor: {}: {}; fix: {}",
-                            f.check,
-                            f.detail,
-                            f.fix.as_deref().unwrap_or("")
-                        );
-                    } else if was == Some(Status::Fail) && f.status == Status::Pass {
-                        tracing::info!("doctor: {} passes now: {}", f.check, f.detail);
-                    }
-                }
-                gauge.update(&now);
-                before = now;
-                std::thread::sleep(doctor::PERIOD);
-            }
+        .spawn(move || loop {
+            gauge.update(&doctor::checks(&cfg));
+            std::thread::sleep(doctor::PERIOD);
         })?;
     Ok(())
 }

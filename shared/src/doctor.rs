@@ -270,12 +270,16 @@ pub use gauge::CheckGauge;
 mod gauge {
     use super::{Finding, Status};
     use prometheus::{IntGaugeVec, Opts, Registry};
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
 
     /// `gpufeed_check_ok{check}`: 1 when the check passed at its last evaluation, 0 when it
-    /// failed; no series for a check that does not apply.
+    /// failed; no series for a check that does not apply. A running agent's checks also go to
+    /// its log: a line when one fails, one when it passes again.
     #[derive(Clone)]
     pub struct CheckGauge {
         gauge: IntGaugeVec,
+        before: Arc<Mutex<HashMap<String, Status>>>,
     }
 
     impl CheckGauge {
@@ -288,13 +292,31 @@ mod gauge {
                 &["check"],
             )?;
             registry.register(Box::new(gauge.clone()))?;
-            Ok(CheckGauge { gauge })
+            Ok(CheckGauge {
+                gauge,
+                before: Arc::default(),
+            })
         }
 
-        /// Sets the gauge from one evaluation; a check that became not applicable loses its
-        /// series.
+        /// Sets the gauge from one evaluation (a check that became not applicable loses its
+        /// series) and logs the checks whose status changed to or from a failure.
         pub fn update(&self, findings: &[Finding]) {
+            let mut before = self.before.lock().unwrap_or_else(|e| e.into_inner());
             for f in findings {
+                let was = before.insert(f.check.clone(), f.status);
+                match (was, f.status) {
+                    (Some(Status::Fail), Status::Fail) => {}
+                    (_, Status::Fail) => tracing::warn!(
+                        check = %f.check,
+                        "doctor: {}; fix: {}",
+                        f.detail,
+                        f.fix.as_deref().unwrap_or("")
+                    ),
+                    (Some(Status::Fail), _) => {
+                        tracing::info!(check = %f.check, "doctor: passes now: {}", f.detail)
+                    }
+                    _ => {}
+                }
                 match f.status {
                     Status::Pass => self.gauge.with_label_values(&[&f.check]).set(1),
                     Status::Fail => self.gauge.with_label_values(&[&f.check]).set(0),
