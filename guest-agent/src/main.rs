@@ -76,6 +76,12 @@ struct DoctorArgs {
     /// Only the checks of this node, not the running agent's.
     #[arg(long)]
     local: bool,
+    /// `--probes` and `--gpu-driver-hook` as given to `run` (they decide whether tracefs is
+    /// needed).
+    #[arg(long, default_value = "all")]
+    probes: String,
+    #[arg(long, value_enum, default_value = "auto")]
+    gpu_driver_hook: probes::gpu_driver::Hook,
 }
 
 #[derive(Parser, Debug)]
@@ -437,6 +443,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             doctor::Inputs {
                 cgroup_root: Some(cgroup_root.clone()),
                 node_devices: args.node_devices.clone(),
+                tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
                 ..Default::default()
             },
             (!args.no_kube).then(|| pods.clone()),
@@ -521,6 +528,7 @@ fn doctor_cmd(args: DoctorArgs) -> anyhow::Result<()> {
         cgroup_root: args.cgroup_root,
         netns: args.netns,
         node_devices: args.node_devices,
+        tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
         ..Default::default()
     };
     let mut findings = doctor::local(&inputs);

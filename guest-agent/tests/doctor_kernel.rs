@@ -408,3 +408,27 @@ fn doctor_command_exit_status_follows_the_checks() {
         .collect();
     assert_eq!(failed, expected, "{out}");
 }
+
+#[test]
+fn tracefs_is_checked_only_where_it_is_wanted() {
+    use gpufeed_guest::probes::gpu_driver::Hook;
+    assert!(doctor::tracefs_wanted("all", Hook::Auto));
+    assert!(doctor::tracefs_wanted("gpu_driver", Hook::Syscalls));
+    assert!(!doctor::tracefs_wanted("all", Hook::RawSyscalls));
+    assert!(!doctor::tracefs_wanted("none", Hook::Auto));
+    let empty = tempfile::tempdir().unwrap();
+    let inputs = |wanted| doctor::Inputs {
+        sys: empty.path().to_path_buf(),
+        node_devices: NodeDevices::None,
+        tracefs_wanted: wanted,
+        ..Default::default()
+    };
+    assert_eq!(
+        get(&doctor::local(&inputs(true)), "tracefs").status,
+        Status::Fail
+    );
+    assert_eq!(
+        get(&doctor::local(&inputs(false)), "tracefs").status,
+        Status::Skip
+    );
+}

@@ -98,7 +98,7 @@ pub fn tracefs(sys: &Path) -> Finding {
         TRACEFS_MAGIC,
         "without it the GPU driver probe times ioctls with the raw sys_enter/sys_exit hooks, \
          which run for every syscall: mount tracefs at /sys/kernel/tracing (mount -t tracefs \
-         nodev /sys/kernel/tracing) where the agent runs, or keep --gpu-driver-hook=raw",
+         nodev /sys/kernel/tracing) where the agent runs, or keep --gpu-driver-hook=raw-syscalls (this check is then skipped)",
     )
 }
 

@@ -18,6 +18,16 @@ use std::time::Duration;
 pub use gpufeed_shared::doctor::{any_failed, render, CheckGauge, Finding, Status};
 
 use crate::ifaces::NodeDevices;
+use crate::probes::gpu_driver::Hook;
+
+/// [`Inputs::tracefs_wanted`] from `--probes` and `--gpu-driver-hook`.
+pub fn tracefs_wanted(probes: &str, hook: Hook) -> bool {
+    let gpu = crate::probes::select(probes).is_ok_and(|sel| {
+        sel.iter()
+            .any(|(_, names)| names.contains(&crate::probes::gpu_driver::NAME))
+    });
+    gpu && hook != Hook::RawSyscalls
+}
 
 /// How often the running agent re-evaluates its checks (all are cheap: a few file reads and
 /// three rtnetlink dumps).
@@ -37,6 +47,9 @@ pub struct Inputs {
     pub netns: Option<PathBuf>,
     /// The devices where pods' traffic leaves the node (`--node-devices`).
     pub node_devices: NodeDevices,
+    /// Whether anything selected wants tracefs: the GPU driver probe with a hook other than
+    /// the raw syscall tracepoints.
+    pub tracefs_wanted: bool,
 }
 
 impl Default for Inputs {
@@ -47,6 +60,7 @@ impl Default for Inputs {
             cgroup_root: None,
             netns: None,
             node_devices: NodeDevices::Auto,
+            tracefs_wanted: true,
         }
     }
 }
@@ -57,7 +71,14 @@ pub fn local(inputs: &Inputs) -> Vec<Finding> {
         kernel::capabilities(&inputs.proc_pid),
         kernel::btf(&inputs.sys),
         kernel::cgroup2(inputs.cgroup_root.as_deref()),
-        kernel::tracefs(&inputs.sys),
+        if inputs.tracefs_wanted {
+            kernel::tracefs(&inputs.sys)
+        } else {
+            Finding::skip(
+                "tracefs",
+                "not needed: the GPU driver probe is off or uses the raw syscall hooks",
+            )
+        },
         kernel::lockdown(&inputs.sys),
     ];
     out.extend(network::checks(
