@@ -31,7 +31,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Load the probes and serve /metrics and /healthz.
+    /// Load the probes and serve /metrics, /healthz and /readyz.
     Run(Box<RunArgs>),
     /// Certificates for the host → guest event stream.
     Certs {
@@ -96,7 +96,7 @@ struct ExplainArgs {
 
 #[derive(Parser, Debug)]
 struct RunArgs {
-    /// Address for /metrics and /healthz.
+    /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value_t = SocketAddr::from(([0, 0, 0, 0], DEFAULT_METRICS_PORT)), env = "GPUFEED_METRICS_LISTEN")]
     metrics_listen: SocketAddr,
     /// How often kernel maps are read (100ms .. 60s).
@@ -452,7 +452,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.metrics_listen)
             .await
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
-        tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /events, /api/state and the page at /");
+        tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz, /doctor, /events, /api/state and the page at /");
         let stale_after = (args.interval * 3).as_millis() as u64 + 1000;
         let healthy: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || {
             let now = started.elapsed().as_millis() as u64;
