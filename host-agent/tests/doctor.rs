@@ -84,6 +84,19 @@ fn gpu_link_full_narrow_slow_and_idle() {
         "below capability: 0000:05:00.0 (for 0000:0a:00.0): 2.5 GT/s of 8.0 GT/s"
     );
 
+    // A sleeping device is not read (that would wake it).
+    t.write(
+        &format!("sys/devices/{TB_USP}/power/runtime_status"),
+        "suspended\n",
+    );
+    let f = gpu_link(&t);
+    assert_eq!(f.status, Status::Pass, "{f:?}");
+    assert!(
+        f.detail
+            .contains("not read (runtime-suspended): 0000:05:00.0"),
+        "{f:?}"
+    );
+
     // No device watched: not applicable.
     let empty = Tree::new();
     assert_eq!(gpu_link(&empty).status, Status::Skip);

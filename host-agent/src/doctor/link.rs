@@ -7,7 +7,7 @@ use gpufeed_shared::doctor::Finding;
 use crate::discovery::discover;
 use crate::roots::Roots;
 use crate::sysfs::fmt_speed;
-use crate::watch::pcie::read_link;
+use crate::watch::pcie::{read_link, runtime_suspended};
 
 const CHECK: &str = "gpu_link";
 
@@ -26,6 +26,7 @@ pub fn degraded(roots: &Roots, node: &str, devices: &[String]) -> Finding {
     }
     let mut bad = Vec::new();
     let mut noted = Vec::new();
+    let mut asleep = Vec::new();
     let mut full = 0;
     // A card's functions share one link: each link once.
     let mut seen = std::collections::HashSet::new();
@@ -38,6 +39,12 @@ pub fn degraded(roots: &Roots, node: &str, devices: &[String]) -> Finding {
             .filter(|(_, l)| !l.virtual_tunnel)
         {
             if !seen.insert(l.child.clone()) {
+                continue;
+            }
+            // Reading the link status of a runtime-suspended device would wake it (as the
+            // PCIe watcher, the doctor leaves it asleep).
+            if runtime_suspended(roots, &l.child) {
+                asleep.push(l.child.clone());
                 continue;
             }
             let Some(s) = read_link(roots, &l.child, l.parent.as_deref()) else {
@@ -74,6 +81,12 @@ pub fn degraded(roots: &Roots, node: &str, devices: &[String]) -> Finding {
         );
     }
     let mut detail = format!("{full} links at full speed and width");
+    if !asleep.is_empty() {
+        detail.push_str(&format!(
+            "; not read (runtime-suspended): {}",
+            asleep.join(", ")
+        ));
+    }
     if !noted.is_empty() {
         detail.push_str(&format!(
             "; slower while idle (GPUs lower the speed, full width): {}",
