@@ -28,7 +28,7 @@ pub struct Link {
     /// For a veth whose peer is in another namespace: that namespace's id here.
     pub peer_netnsid: Option<i32>,
     /// The bus of the device behind the interface ("pci", "virtio", "vmbus"): set for NICs,
-    /// never for veths, bridges or lo (IFLA_PARENT_DEV_BUS_NAME, reported since kernel 5.15).
+    /// never for veths, bridges or lo (IFLA_PARENT_DEV_BUS_NAME, reported since kernel 5.14).
     pub parent_bus: Option<String>,
 }
 
