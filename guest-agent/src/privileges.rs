@@ -3,9 +3,7 @@
 
 use std::path::Path;
 
-const CAP_SYS_ADMIN: u32 = 21;
-const CAP_PERFMON: u32 = 38;
-const CAP_BPF: u32 = 39;
+use gpufeed_shared::doctor::{CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN};
 
 pub use gpufeed_shared::doctor::effective_caps;
 
