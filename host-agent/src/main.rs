@@ -56,6 +56,13 @@ struct Common {
 impl Common {
     fn load(&self) -> anyhow::Result<Config> {
         let mut cfg = Config::load(&self.config)?;
+        for key in &cfg.ignored_keys {
+            // A file written for another version: the agent starts, the admin is told.
+            tracing::warn!(
+                "{}: unknown key `{key}` ignored (not a setting of this version: removed, renamed or misspelled)",
+                self.config.display()
+            );
+        }
         if let Some(r) = &self.root {
             cfg.root =
                 std::fs::canonicalize(r).with_context(|| format!("--root {}", r.display()))?;
