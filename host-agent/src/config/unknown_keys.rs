@@ -92,7 +92,9 @@ fn find(
         let key = t.key(k).and_then(|k| k.span());
         if key.as_ref() == Some(span) {
             let ranges = match item {
-                Item::Value(v) => vec![line_start(text, span.start)..v.span()?.end],
+                Item::Value(v) => {
+                    std::iter::once(line_start(text, span.start)..v.span()?.end).collect()
+                }
                 Item::Table(t) => sections(t, text, headers),
                 Item::ArrayOfTables(a) => {
                     a.iter().flat_map(|t| sections(t, text, headers)).collect()
