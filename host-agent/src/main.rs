@@ -38,6 +38,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Certificates for the host → guest event stream: `certs init` writes the CA (kept
+    /// apart), the guest's files and one bundle per host to copy into /etc/gpufeed.
+    Certs {
+        #[command(subcommand)]
+        cmd: gpufeed_shared::certs::CertsCmd,
+    },
 }
 
 #[derive(Args)]
@@ -77,7 +83,7 @@ impl Common {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let quiet = matches!(cli.cmd, Cmd::Watch { .. });
+    let quiet = matches!(cli.cmd, Cmd::Watch { .. } | Cmd::Certs { .. });
     gpufeed_host::logging::init(if quiet { "warn" } else { "info" });
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -125,6 +131,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             }
             run(cfg).await
         }
+        Cmd::Certs { cmd } => Ok(gpufeed_shared::certs::run(cmd)?),
         Cmd::Watch { common, json } => {
             let mut cfg = common.load()?;
             if common.metrics_listen.is_none() {

@@ -1,6 +1,9 @@
 //! Code shared by `gpufeed-host` and `gpufeed-guest`: the wire protocol (sans-IO),
 //! the host event types, configuration types and TLS helpers; with the `stream`
-//! feature, the QUIC drivers of both ends of the event stream ([`stream`]).
+//! feature, the QUIC drivers of both ends of the event stream ([`stream`]); with the `cli`
+//! feature, the `certs` subcommand both agents offer.
+#[cfg(feature = "cli")]
+pub mod certs;
 pub mod clock;
 pub mod event;
 pub mod hoststate;
