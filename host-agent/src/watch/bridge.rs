@@ -187,7 +187,8 @@ impl BridgeSampler {
             );
         }
         for (name, p) in &old {
-            if !new.contains_key(name) {
+            let now_on = new.get(name).map(|n| n.bridge.as_str());
+            if now_on.is_none() {
                 events.push(HostEvent::BridgePort(BridgePortChange {
                     bridge: p.bridge.clone(),
                     port: name.clone(),
@@ -195,15 +196,9 @@ impl BridgeSampler {
                     nic: p.nic,
                     action: DeviceAction::Removed,
                 }));
-                let vm = vmid_label(p.vmid);
-                for dir in ["rx", "tx"] {
-                    let _ = metrics.microburst.remove_label_values(&[
-                        p.bridge.as_str(),
-                        name.as_str(),
-                        vm.as_str(),
-                        dir,
-                    ]);
-                }
+            }
+            if now_on != Some(p.bridge.as_str()) {
+                metrics.remove_port(&p.bridge, name, p.vmid);
             }
         }
         if end_period {
@@ -382,6 +377,21 @@ pub struct BridgeMetrics {
 }
 
 impl BridgeMetrics {
+    /// Drops the series of a port that left `bridge` (gone, or moved to another bridge):
+    /// tap ports come and go with every VM start, and /metrics would otherwise keep every
+    /// port that ever existed. A port that comes back starts its counters from zero, which
+    /// Prometheus reads as a counter reset.
+    pub fn remove_port(&self, bridge: &str, port: &str, vmid: Option<u32>) {
+        let vm = vmid_label(vmid);
+        for dir in ["rx", "tx"] {
+            let l = [bridge, port, vm.as_str(), dir];
+            for c in [&self.bytes, &self.packets, &self.drops, &self.errors] {
+                let _ = c.remove_label_values(&l);
+            }
+            let _ = self.microburst.remove_label_values(&l);
+        }
+    }
+
     pub fn new(r: &Registry) -> BridgeMetrics {
         const L: &[&str] = &["bridge", "port", "vmid", "direction"];
         BridgeMetrics {
@@ -473,7 +483,8 @@ mod tests {
 
     #[test]
     fn directions_deltas_and_microburst() {
-        let m = BridgeMetrics::new(&Registry::new());
+        let reg = Registry::new();
+        let m = BridgeMetrics::new(&reg);
         let mut s = BridgeSampler::new(vec!["vmbr0".into()], std::time::Duration::from_millis(300));
         let row = |idx, name: &str, master, rx, tx| LinkRow {
             index: idx,
@@ -521,6 +532,7 @@ mod tests {
             t0 + ms(200),
             &m,
         );
+        assert_eq!(v("rx"), 115_000);
         let ev = s.step(
             &[
                 row(1, "vmbr0", None, 0, 0),
@@ -529,12 +541,60 @@ mod tests {
             t0 + ms(300),
             &m,
         );
-        assert_eq!(v("rx"), 115_000);
         assert_eq!(ev.len(), 2, "{ev:?}");
         // highest window: 100 kB in 100 ms = 1 MB/s (period ended at the step that removed it)
         let added = ev.iter().any(|e| matches!(e, HostEvent::BridgePort(p) if p.port == "tap101i0" && p.action == DeviceAction::Added && p.vmid == Some(101)));
         let removed = ev.iter().any(|e| matches!(e, HostEvent::BridgePort(p) if p.port == "tap100i0" && p.action == DeviceAction::Removed));
         assert!(added && removed);
+        // The gone port's series are gone from /metrics; the new port's are there.
+        let ports = |r: &Registry| {
+            let mut ports: Vec<(String, String)> = r
+                .gather()
+                .iter()
+                .flat_map(|mf| {
+                    mf.get_metric().iter().map(|m| {
+                        let port = m.get_label().iter().find(|l| l.name() == "port");
+                        (mf.name().to_string(), port.unwrap().value().to_string())
+                    })
+                })
+                .collect();
+            ports.dedup();
+            ports
+        };
+        let after = ports(&reg);
+        assert!(after.iter().all(|(_, p)| p == "tap101i0"), "{after:?}");
+        assert_eq!(after.len(), 5, "{after:?}");
+        // A port moved to another bridge leaves no series under the old one.
+        let mut s3 = BridgeSampler::new(vec![], std::time::Duration::from_millis(300));
+        let on = |master| {
+            [
+                row(1, "vmbr0", None, 0, 0),
+                LinkRow {
+                    is_bridge: true,
+                    ..row(4, "vmbr1", None, 0, 0)
+                },
+                row(5, "tap102i0", Some(master), 1, 1),
+            ]
+        };
+        let reg3 = Registry::new();
+        let m3 = BridgeMetrics::new(&reg3);
+        s3.step(&on(1), t0, &m3);
+        s3.step(&on(4), t0 + ms(100), &m3);
+        let bridges: Vec<String> = reg3
+            .gather()
+            .iter()
+            .flat_map(|mf| mf.get_metric().to_vec())
+            .filter_map(|m| {
+                m.get_label()
+                    .iter()
+                    .find(|l| l.name() == "bridge")
+                    .map(|l| l.value().to_string())
+            })
+            .collect();
+        assert!(
+            !bridges.is_empty() && bridges.iter().all(|b| b == "vmbr1"),
+            "{bridges:?}"
+        );
         let mut s2 = BridgeSampler::new(vec![], std::time::Duration::from_millis(300));
         let rows = |tx| {
             [
