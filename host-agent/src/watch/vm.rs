@@ -494,7 +494,7 @@ mod tests {
         std::fs::write(run.join("100.pid"), "4242\n").unwrap();
         let proc = dir.path().join("proc/4242");
         std::fs::create_dir_all(&proc).unwrap();
-        std::fs::write(proc.join("cmdline"), "/usr/bin/kvm\0-id\0100\0").unwrap();
+        std::fs::write(proc.join("cmdline"), "/usr/bin/kvm\0-id\x00100\0").unwrap();
         let roots = Roots::new(dir.path());
         let reg = Registry::new();
         let m = VmMetrics::new(&reg);
