@@ -13,6 +13,7 @@ pub mod config;
 pub mod discovery;
 pub mod events;
 pub mod fuzzing;
+pub mod heartbeat;
 pub mod kmsg;
 pub mod logging;
 pub mod metrics;

@@ -184,18 +184,29 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         agent.metrics.clone(),
     ));
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut wd_usec = 0u64;
     if sd_notify::watchdog_enabled(false, &mut wd_usec) && wd_usec > 0 {
         let period = std::time::Duration::from_micros(wd_usec / 2);
         let liveness = stream.as_ref().map(|s| s.liveness());
+        let (agent, stopping) = (agent.clone(), stopping.clone());
         tokio::spawn(async move {
             let mut iv = tokio::time::interval(period);
             let mut stuck = false;
             loop {
                 iv.tick().await;
-                // The runtime runs this task; the stream must be moving too, else no ping:
-                // systemd restarts a wedged agent after WatchdogSec.
-                match liveness.as_ref().map_or(Ok(()), |l| l.check(period)) {
+                if stopping.load(std::sync::atomic::Ordering::Relaxed) {
+                    // The watchers are being stopped: their beats stop by design.
+                    continue;
+                }
+                // The runtime runs this task; the stream and every periodic watcher loop must
+                // be moving too, else no ping: systemd restarts a wedged agent after
+                // WatchdogSec.
+                let live = liveness
+                    .as_ref()
+                    .map_or(Ok(()), |l| l.check(period))
+                    .and_then(|()| agent.heartbeats.check(period));
+                match live {
                     Ok(()) => {
                         if std::mem::take(&mut stuck) {
                             tracing::info!("watchdog: the stream moves again; pinging");
@@ -218,6 +229,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         r = server => { r??; anyhow::bail!("metrics server stopped") }
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    stopping.store(true, std::sync::atomic::Ordering::Relaxed);
     drop(running);
     if let Some(stream) = stream {
         // Writes the spools' state so that a restart resumes where this run stopped.

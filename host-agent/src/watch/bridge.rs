@@ -217,6 +217,7 @@ pub fn spawn(
     bus: std::sync::Arc<crate::events::EventBus>,
     ready: std::sync::mpsc::Sender<Result<(), String>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    beat: std::sync::Arc<crate::heartbeat::Beat>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("bridge".into())
@@ -264,6 +265,7 @@ pub fn spawn(
             let mut last_full: Option<Instant> = None;
             let full_every = std::time::Duration::from_millis(cfg.period_ms);
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                beat.now();
                 seq = seq.wrapping_add(1);
                 let have_bridge = rows.iter().any(|r| r.is_bridge);
                 let full = !have_bridge || last_full.is_none_or(|t| t.elapsed() >= full_every);
@@ -445,7 +447,14 @@ impl Watcher for BridgeWatcher {
                 return Outcome::Skipped;
             }
             let (tx, rx) = std::sync::mpsc::channel();
-            if let Err(e) = spawn(a.cfg.bridge.clone(), self.0, a.bus.clone(), tx, cx.stop) {
+            // The sampler wakes every sample interval, and at least once a second without a
+            // bridge (see `spawn`). Its beat is watched once it runs: a sampler that could
+            // not start is off, not wedged.
+            let c = &a.cfg.bridge;
+            let period = Duration::from_millis(c.sample_interval_ms.max(c.period_ms.min(1000)));
+            let beat = std::sync::Arc::new(crate::heartbeat::Beat::default());
+            beat.now();
+            if let Err(e) = spawn(c.clone(), self.0, a.bus.clone(), tx, cx.stop, beat.clone()) {
                 return Outcome::Off(format!("cannot start thread: {e}"));
             }
             // The sampler runs on its own thread (it may enter another network namespace);
@@ -456,7 +465,10 @@ impl Watcher for BridgeWatcher {
                     .ok()
                     .and_then(|r| r.ok());
             match first {
-                Some(Ok(())) => Outcome::On(Vec::new()),
+                Some(Ok(())) => {
+                    a.heartbeats.add("bridge", period, beat);
+                    Outcome::On(Vec::new())
+                }
                 Some(Err(e)) => Outcome::Off(e),
                 None => Outcome::Off("no first sample within 5 s".into()),
             }

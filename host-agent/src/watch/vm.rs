@@ -437,7 +437,11 @@ impl Watcher for VmWatcher {
             Outcome::On(vec![tokio::spawn(async move {
                 let mut iv = a.ticker(a.cfg.vm.poll_interval_ms);
                 iv.tick().await;
+                // Beats once a poll came back: a QMP socket or /proc read that never returns
+                // (the poll waits on it) stops it.
+                let beat = a.heartbeat("vm", a.cfg.vm.poll_interval_ms);
                 loop {
+                    beat.now();
                     iv.tick().await;
                     let (a2, m2) = (a.clone(), m.clone());
                     let mut p2 = std::mem::take(&mut p);
