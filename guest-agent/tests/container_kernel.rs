@@ -1,7 +1,8 @@
 //! The DaemonSet of `talos/kubernetes/overlays/stream`, run for real: the image that
 //! `scripts/build-image.sh` builds, started by a container runtime (podman with runc) with
 //! exactly the manifest's security context (capabilities dropped to its list, read-only root,
-//! no privilege escalation, its user), host network and PID namespaces, and its volumes. The
+//! no privilege escalation, its user), host network namespace (and PID namespace, were the
+//! manifest to ask for it: the stream overlay does not), and its volumes. The
 //! probes must all come up, and a pod's bytes, run-queue latency and RTT must appear, the bytes
 //! equal to the pod veth's own counters. A capability the manifest grants must be needed: the
 //! same container without CAP_BPF must fail with the agent's clear message.
@@ -242,14 +243,28 @@ fn podman_args(spec: &Value, image: &str, name: &str, tls: &Path, scratch: &Path
         } else {
             panic!("volume {vname}: kind not reproduced by this test");
         };
-        let ro = if m["readOnly"].as_bool() == Some(true) {
-            ":ro"
+        let mut opts = Vec::new();
+        if m["readOnly"].as_bool() == Some(true) {
+            opts.push("ro");
+        }
+        match m["mountPropagation"].as_str() {
+            None | Some("None") => {}
+            // mounts made on the host later (a pinned pod namespace) reach the container
+            Some("HostToContainer") => opts.push("rslave"),
+            Some(other) => panic!("mountPropagation {other}: not reproduced by this test"),
+        }
+        let opts = if opts.is_empty() {
+            String::new()
         } else {
-            ""
+            format!(":{}", opts.join(","))
         };
         a.extend([
             "--volume".into(),
-            format!("{}:{}{ro}", src.display(), m["mountPath"].as_str().unwrap()),
+            format!(
+                "{}:{}{opts}",
+                src.display(),
+                m["mountPath"].as_str().unwrap()
+            ),
         ]);
     }
     let command = c["command"].as_sequence().unwrap();

@@ -152,7 +152,9 @@ impl TcUnit {
     /// Looks at the node's interfaces again: attaches to new pod veths and
     /// node devices, detaches from gone ones (their last bytes go to `out`).
     fn rediscover(&mut self, ctx: &TickContext<'_>, out: &mut Vec<(Owner, Delta)>) -> bool {
-        let found = ifaces::discover(&ctx.pod_pids(), &self.node_spec);
+        let pod_of_ip = |ip| ctx.pods.by_ip(ip).map(|m| m.uid);
+        let pinned = std::path::Path::new(ifaces::PINNED_NETNS);
+        let found = ifaces::discover(&pod_of_ip, pinned, &self.node_spec);
         self.last_discovery = Some(Instant::now());
         let found = match found {
             Ok(f) => f,
@@ -203,6 +205,7 @@ impl TcUnit {
         self.by_pod_side = self
             .by_host
             .values()
+            .filter(|p| p.pod_netns != 0)
             .map(|p| ((p.pod_netns, p.pod_ifindex), p.uid.clone()))
             .collect();
         let node_now: HashSet<u32> = found.node_devices.iter().map(|(i, _)| *i).collect();
