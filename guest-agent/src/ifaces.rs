@@ -7,7 +7,8 @@
 //! peer's address is the pod's IP, which the pod store maps to the pod. No
 //! namespace is entered and no process is looked at, so the agent needs
 //! neither the host PID namespace nor CAP_SYS_PTRACE, only CAP_NET_ADMIN (which
-//! it has for tc anyway).
+//! it has for tc anyway). Without pod IPs (no Kubernetes API) the pods'
+//! processes stand in where the agent can read them (`/proc/<pid>/ns/net`).
 //!
 //! The pod side's namespace inode (for drops recorded inside the pod's
 //! namespace) comes from the namespaces the runtime pins under /run/netns
@@ -117,11 +118,42 @@ pub struct Discovery {
     pub pods: Vec<PodIface>,
 }
 
+/// Namespaces of pods whose processes this agent can see and read (`/proc/<pid>/ns/net`:
+/// the host PID namespace and CAP_SYS_PTRACE, or an agent run as root on the node), by the id
+/// this namespace gives them, with their inode. A process just starting may not have entered
+/// its pod's namespace yet: the first one not in the agent's own counts.
+fn namespaces_of_processes(pods: &HashMap<String, Vec<i32>>) -> HashMap<i32, (String, u32)> {
+    let mut out = HashMap::new();
+    let Ok(own) = netns_inode(std::process::id() as i32) else {
+        return out;
+    };
+    for (uid, pids) in pods {
+        for pid in pids.iter().filter(|p| **p > 0) {
+            let Ok(f) = File::open(format!("/proc/{pid}/ns/net")) else {
+                continue;
+            };
+            let Ok(meta) = f.metadata() else { continue };
+            let ino = meta.ino() as u32;
+            if ino == own {
+                continue;
+            }
+            if let Ok(Some(id)) = netlink::nsid_of(f.as_raw_fd()) {
+                out.insert(id, (uid.clone(), ino));
+                break;
+            }
+        }
+    }
+    out
+}
+
 /// Maps pods to their veths: the pod whose IP (`pod_of_ip`) is on a veth's peer, else
-/// anywhere in the peer's namespace. Pods in the node's own namespace (hostNetwork) have no
-/// veth; a pod whose IP is not known yet is found at a later look.
+/// anywhere in the peer's namespace. A veth that no pod IP explains (no Kubernetes API, or a
+/// pod whose IP is not reported yet) is looked up through the pods' processes (`pod_pids`,
+/// from their cgroups) where they are readable. Pods in the node's own namespace
+/// (hostNetwork) have no veth.
 pub fn discover(
     pod_of_ip: &dyn Fn(IpAddr) -> Option<String>,
+    pod_pids: &dyn Fn() -> HashMap<String, Vec<i32>>,
     pinned: &Path,
     node: &NodeDevices,
 ) -> io::Result<Discovery> {
@@ -136,6 +168,7 @@ pub fn discover(
     };
     let mut addresses: HashMap<i32, Vec<(u32, IpAddr)>> = HashMap::new();
     let mut inodes: Option<HashMap<i32, u32>> = None;
+    let mut by_process: Option<HashMap<i32, (String, u32)>> = None;
     for l in links.into_iter().filter(|l| l.kind == "veth") {
         d.host_veths.insert(l.ifindex);
         let (Some(nsid), Some(peer)) = (l.peer_netnsid, l.peer_ifindex) else {
@@ -152,14 +185,22 @@ pub fn discover(
             });
         let on_peer = addrs.iter().filter(|(i, _)| *i == peer);
         let elsewhere = addrs.iter().filter(|(i, _)| *i != peer);
-        let Some(uid) = on_peer.chain(elsewhere).find_map(|(_, ip)| pod_of_ip(*ip)) else {
+        let by_ip = on_peer.chain(elsewhere).find_map(|(_, ip)| pod_of_ip(*ip));
+        let inodes = inodes.get_or_insert_with(|| pinned_by_nsid(pinned));
+        let found = match by_ip {
+            Some(uid) => Some((uid, inodes.get(&nsid).copied().unwrap_or(0))),
+            None => by_process
+                .get_or_insert_with(|| namespaces_of_processes(&pod_pids()))
+                .get(&nsid)
+                .cloned(),
+        };
+        let Some((uid, pod_netns)) = found else {
             continue;
         };
-        let inodes = inodes.get_or_insert_with(|| pinned_by_nsid(pinned));
         d.pods.push(PodIface {
             uid,
             host_ifindex: l.ifindex,
-            pod_netns: inodes.get(&nsid).copied().unwrap_or(0),
+            pod_netns: inodes.get(&nsid).copied().unwrap_or(pod_netns),
             pod_ifindex: peer,
         });
     }

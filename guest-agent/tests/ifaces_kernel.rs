@@ -48,8 +48,11 @@ fn child_discover() {
     assert!(pids <= 3, "{pids} processes visible");
     let ip: std::net::IpAddr = ip.parse().unwrap();
     let pod_of_ip = |a| (a == ip).then(|| "pod-uid-1".to_string());
+    // Its processes are not looked for: none is visible here.
+    let no_pids = std::collections::HashMap::new;
     let d = ifaces::discover(
         &pod_of_ip,
+        &no_pids,
         std::path::Path::new(ifaces::PINNED_NETNS),
         &NodeDevices::None,
     )
@@ -124,5 +127,42 @@ fn pod_veths_found_without_host_pids_or_ptrace() {
         found,
         [format!("pod-uid-1 {host_ifindex} {pod_ifindex} {inode}")],
         "{stdout}"
+    );
+
+    // Without the pod's IP (no Kubernetes API), its processes stand in where they can be
+    // read (here: as root in the host PID namespace).
+    let mut sleeper = Command::new("ip")
+        .args(["netns", "exec", &ns, "sleep", "30"])
+        .spawn()
+        .unwrap();
+    let pid = sleeper.id() as i32;
+    let pids = || {
+        std::collections::HashMap::from([(
+            "pod-uid-2".to_string(),
+            vec![std::process::id() as i32, pid],
+        )])
+    };
+    let mut got = None;
+    for _ in 0..50 {
+        // `ip netns exec` enters the namespace right after it starts
+        let d = ifaces::discover(
+            &|_| None,
+            &pids,
+            std::path::Path::new(ifaces::PINNED_NETNS),
+            &NodeDevices::None,
+        )
+        .unwrap();
+        got = d.pods.into_iter().find(|p| p.host_ifindex == host_ifindex);
+        if got.is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    let got = got.expect("found through the pod's process");
+    assert_eq!(
+        (got.uid.as_str(), got.pod_ifindex, got.pod_netns),
+        ("pod-uid-2", pod_ifindex, inode)
     );
 }

@@ -559,20 +559,7 @@ mod tests {
         let removed = ev.iter().any(|e| matches!(e, HostEvent::BridgePort(p) if p.port == "tap100i0" && p.action == DeviceAction::Removed));
         assert!(added && removed);
         // The gone port's series are gone from /metrics; the new port's are there.
-        let ports = |r: &Registry| {
-            let mut ports: Vec<(String, String)> = r
-                .gather()
-                .iter()
-                .flat_map(|mf| {
-                    mf.get_metric().iter().map(|m| {
-                        let port = m.get_label().iter().find(|l| l.name() == "port");
-                        (mf.name().to_string(), port.unwrap().value().to_string())
-                    })
-                })
-                .collect();
-            ports.dedup();
-            ports
-        };
+        let ports = |r: &Registry| metrics::series_by_label(r, "port");
         let after = ports(&reg);
         assert!(after.iter().all(|(_, p)| p == "tap101i0"), "{after:?}");
         assert_eq!(after.len(), 5, "{after:?}");
@@ -592,16 +579,9 @@ mod tests {
         let m3 = BridgeMetrics::new(&reg3);
         s3.step(&on(1), t0, &m3);
         s3.step(&on(4), t0 + ms(100), &m3);
-        let bridges: Vec<String> = reg3
-            .gather()
-            .iter()
-            .flat_map(|mf| mf.get_metric().to_vec())
-            .filter_map(|m| {
-                m.get_label()
-                    .iter()
-                    .find(|l| l.name() == "bridge")
-                    .map(|l| l.value().to_string())
-            })
+        let bridges: Vec<String> = metrics::series_by_label(&reg3, "bridge")
+            .into_iter()
+            .map(|(_, b)| b)
             .collect();
         assert!(
             !bridges.is_empty() && bridges.iter().all(|b| b == "vmbr1"),

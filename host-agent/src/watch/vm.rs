@@ -504,20 +504,7 @@ mod tests {
         let m = VmMetrics::new(&reg);
         let mut p = VmPoller::new(false);
         let (topo, recent) = (Topology::default(), RecentKmsg::default());
-        let vmids_of = |reg: &Registry| {
-            let mut v: Vec<(String, String)> = reg
-                .gather()
-                .iter()
-                .flat_map(|mf| {
-                    mf.get_metric().iter().map(|m| {
-                        let id = m.get_label().iter().find(|l| l.name() == "vmid");
-                        (mf.name().to_string(), id.unwrap().value().to_string())
-                    })
-                })
-                .collect();
-            v.dedup();
-            v
-        };
+        let vmids_of = |reg: &Registry| metrics::series_by_label(reg, "vmid");
         p.poll(
             &roots,
             &BTreeSet::from([100, 101]),

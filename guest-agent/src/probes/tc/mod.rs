@@ -154,7 +154,8 @@ impl TcUnit {
     fn rediscover(&mut self, ctx: &TickContext<'_>, out: &mut Vec<(Owner, Delta)>) -> bool {
         let pod_of_ip = |ip| ctx.pods.by_ip(ip).map(|m| m.uid);
         let pinned = std::path::Path::new(ifaces::PINNED_NETNS);
-        let found = ifaces::discover(&pod_of_ip, pinned, &self.node_spec);
+        let pod_pids = || ctx.pod_pids();
+        let found = ifaces::discover(&pod_of_ip, &pod_pids, pinned, &self.node_spec);
         self.last_discovery = Some(Instant::now());
         let found = match found {
             Ok(f) => f,
