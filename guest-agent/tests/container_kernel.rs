@@ -369,6 +369,17 @@ fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
         vec![],
     ));
     let kubeconfig = kube.write_kubeconfig(scratch.path());
+    // The image has no system CA bundle (a pod gets its API CA from the service account);
+    // the client wants a root even for this plain-HTTP server: the deployment CA stands in.
+    let ca = sh(&format!("base64 -w0 {}", certs.join("ca/ca.pem").display()));
+    let text = std::fs::read_to_string(&kubeconfig).unwrap().replace(
+        "    server: ",
+        &format!(
+            "    certificate-authority-data: {}\n    server: ",
+            ca.trim()
+        ),
+    );
+    std::fs::write(&kubeconfig, text).unwrap();
     let name = format!("gf-ct-{tag}");
     let _c = Container(name.clone());
     let mut args = podman_args(&spec, &image, &name, &certs.join("guest"), scratch.path());
