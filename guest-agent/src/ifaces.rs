@@ -2,17 +2,32 @@
 //!
 //! A pod's processes live in its network namespace; CNIs join it to the node
 //! with a veth pair. From the node's namespace, rtnetlink says for each veth
-//! which namespace (by id) its peer is in and the peer's ifindex; asking the
-//! kernel for the id of a pod's namespace (from /proc/<pid>/ns/net) closes the
-//! loop. No namespace is entered.
+//! which namespace (by id) its peer is in and the peer's ifindex, and lists
+//! that namespace's addresses by the same id (`IFA_TARGET_NETNSID`): the
+//! peer's address is the pod's IP, which the pod store maps to the pod. No
+//! namespace is entered and no process is looked at, so the agent needs
+//! neither the host PID namespace nor CAP_SYS_PTRACE, only CAP_NET_ADMIN (which
+//! it has for tc anyway). Without pod IPs (no Kubernetes API) the pods'
+//! processes stand in where the agent can read them (`/proc/<pid>/ns/net`).
+//!
+//! The pod side's namespace inode (for drops recorded inside the pod's
+//! namespace) comes from the namespaces the runtime pins under /run/netns
+//! (containerd and CRI-O pin each pod sandbox's there): opening one is a plain
+//! file read. Without that directory the pod side stays unknown and such drops
+//! are attributed by socket or IP alone.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
+use std::net::IpAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 
 use crate::netlink;
+
+/// Where container runtimes pin pod network namespaces.
+pub const PINNED_NETNS: &str = "/run/netns";
 
 /// A pod's interface pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,7 +35,8 @@ pub struct PodIface {
     pub uid: String,
     /// host-side veth in the agent's namespace
     pub host_ifindex: u32,
-    /// the pod's namespace (inode of its nsfs file, as the kernel's ns.inum)
+    /// the pod's namespace (inode of its nsfs file, as the kernel's ns.inum); 0 when
+    /// unknown (not pinned where the agent can see it)
     pub pod_netns: u32,
     pub pod_ifindex: u32,
 }
@@ -28,6 +44,24 @@ pub struct PodIface {
 /// Inode of a process's network namespace.
 pub fn netns_inode(pid: i32) -> io::Result<u32> {
     Ok(std::fs::metadata(format!("/proc/{pid}/ns/net"))?.ino() as u32)
+}
+
+/// Inodes of the namespaces pinned in `dir`, by the id this namespace gives them.
+fn pinned_by_nsid(dir: &Path) -> HashMap<i32, u32> {
+    let mut out = HashMap::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Ok(f) = File::open(e.path()) else {
+            continue;
+        };
+        let Ok(meta) = f.metadata() else { continue };
+        if let Ok(Some(id)) = netlink::nsid_of(f.as_raw_fd()) {
+            out.insert(id, meta.ino() as u32);
+        }
+    }
+    out
 }
 
 /// Which of the node's own devices carry hostNetwork pods' traffic.
@@ -84,16 +118,17 @@ pub struct Discovery {
     pub pods: Vec<PodIface>,
 }
 
-/// Maps pods (uid → pids of theirs) to their veths. A pod's namespace is the one
-/// its processes are in that is not the node's: a process just starting may
-/// not have entered it yet. Pods in the node's own namespace (hostNetwork)
-/// have no veth.
-pub fn discover(pods: &HashMap<String, Vec<i32>>, node: &NodeDevices) -> io::Result<Discovery> {
-    let own = netns_inode(std::process::id() as i32)?;
-    let links = netlink::links()?;
-    let mut by_nsid: HashMap<i32, (String, u32)> = HashMap::new();
+/// Namespaces of pods whose processes this agent can see and read (`/proc/<pid>/ns/net`:
+/// the host PID namespace and CAP_SYS_PTRACE, or an agent run as root on the node), by the id
+/// this namespace gives them, with their inode. A process just starting may not have entered
+/// its pod's namespace yet: the first one not in the agent's own counts.
+fn namespaces_of_processes(pods: &HashMap<String, Vec<i32>>) -> HashMap<i32, (String, u32)> {
+    let mut out = HashMap::new();
+    let Ok(own) = netns_inode(std::process::id() as i32) else {
+        return out;
+    };
     for (uid, pids) in pods {
-        for pid in pids {
+        for pid in pids.iter().filter(|p| **p > 0) {
             let Ok(f) = File::open(format!("/proc/{pid}/ns/net")) else {
                 continue;
             };
@@ -103,11 +138,26 @@ pub fn discover(pods: &HashMap<String, Vec<i32>>, node: &NodeDevices) -> io::Res
                 continue;
             }
             if let Ok(Some(id)) = netlink::nsid_of(f.as_raw_fd()) {
-                by_nsid.insert(id, (uid.clone(), ino));
+                out.insert(id, (uid.clone(), ino));
                 break;
             }
         }
     }
+    out
+}
+
+/// Maps pods to their veths: the pod whose IP (`pod_of_ip`) is on a veth's peer, else
+/// anywhere in the peer's namespace. A veth that no pod IP explains (no Kubernetes API, or a
+/// pod whose IP is not reported yet) is looked up through the pods' processes (`pod_pids`,
+/// from their cgroups) where they are readable. Pods in the node's own namespace
+/// (hostNetwork) have no veth.
+pub fn discover(
+    pod_of_ip: &dyn Fn(IpAddr) -> Option<String>,
+    pod_pids: &dyn Fn() -> HashMap<String, Vec<i32>>,
+    pinned: &Path,
+    node: &NodeDevices,
+) -> io::Result<Discovery> {
+    let links = netlink::links()?;
     let mut d = Discovery {
         node_devices: links
             .iter()
@@ -116,19 +166,43 @@ pub fn discover(pods: &HashMap<String, Vec<i32>>, node: &NodeDevices) -> io::Res
             .collect(),
         ..Default::default()
     };
+    let mut addresses: HashMap<i32, Vec<(u32, IpAddr)>> = HashMap::new();
+    let mut inodes: Option<HashMap<i32, u32>> = None;
+    let mut by_process: Option<HashMap<i32, (String, u32)>> = None;
     for l in links.into_iter().filter(|l| l.kind == "veth") {
         d.host_veths.insert(l.ifindex);
         let (Some(nsid), Some(peer)) = (l.peer_netnsid, l.peer_ifindex) else {
             continue;
         };
-        if let Some((uid, ino)) = by_nsid.get(&nsid) {
-            d.pods.push(PodIface {
-                uid: uid.clone(),
-                host_ifindex: l.ifindex,
-                pod_netns: *ino,
-                pod_ifindex: peer,
+        let addrs = addresses
+            .entry(nsid)
+            .or_insert_with(|| match netlink::addresses_in(nsid) {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::debug!(nsid, "addresses of a veth peer's namespace: {e}");
+                    Vec::new()
+                }
             });
-        }
+        let on_peer = addrs.iter().filter(|(i, _)| *i == peer);
+        let elsewhere = addrs.iter().filter(|(i, _)| *i != peer);
+        let by_ip = on_peer.chain(elsewhere).find_map(|(_, ip)| pod_of_ip(*ip));
+        let inodes = inodes.get_or_insert_with(|| pinned_by_nsid(pinned));
+        let found = match by_ip {
+            Some(uid) => Some((uid, inodes.get(&nsid).copied().unwrap_or(0))),
+            None => by_process
+                .get_or_insert_with(|| namespaces_of_processes(&pod_pids()))
+                .get(&nsid)
+                .cloned(),
+        };
+        let Some((uid, pod_netns)) = found else {
+            continue;
+        };
+        d.pods.push(PodIface {
+            uid,
+            host_ifindex: l.ifindex,
+            pod_netns: inodes.get(&nsid).copied().unwrap_or(pod_netns),
+            pod_ifindex: peer,
+        });
     }
     Ok(d)
 }

@@ -1,14 +1,18 @@
 //! The few rtnetlink queries the agent needs, synchronously: the host's links
-//! (which veth leads into which network namespace), the id this namespace
-//! gives to another one, and for the doctor the routes' congestion control and
-//! the qdiscs. Messages are built and parsed by netlink-packet-route.
+//! The few rtnetlink queries the agent needs, synchronously: the host's links
+//! (which veth leads into which network namespace), the addresses of another
+//! namespace (read from here, by its id), the id this namespace gives to
+//! another one, and for the doctor the routes' congestion control and the
+//! qdiscs. Messages are built and parsed by netlink-packet-route.
 
 use std::io;
+use std::net::IpAddr;
 use std::os::fd::RawFd;
 
 use netlink_packet_core::{
     NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
 };
+use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
 use netlink_packet_route::nsid::{NsidAttribute, NsidMessage};
 use netlink_packet_route::route::{RouteAttribute, RouteMessage, RouteMetric};
@@ -58,7 +62,20 @@ pub struct Qdisc {
 }
 
 fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
+    request_with(msg, flags, false)
+}
+
+/// `strict`: the kernel checks the request's header and attributes, and honours filters
+/// such as a target namespace (it ignores them otherwise).
+fn request_with(
+    msg: RouteNetlinkMessage,
+    flags: u16,
+    strict: bool,
+) -> io::Result<Vec<RouteNetlinkMessage>> {
     let mut sock = Socket::new(NETLINK_ROUTE)?;
+    if strict {
+        sock.set_netlink_get_strict_chk(true)?;
+    }
     sock.bind_auto()?;
     sock.connect(&SocketAddr::new(0, 0))?;
     let mut header = NetlinkHeader::default();
@@ -215,8 +232,38 @@ pub fn qdiscs() -> io::Result<Vec<Qdisc>> {
         .collect())
 }
 
-/// The id this namespace uses for the namespace behind `netns_fd` (an open
-/// /proc/<pid>/ns/net), or None when it has not assigned one.
+/// The addresses, as (ifindex, address), of the namespace this one calls `nsid`
+/// (a veth's `peer_netnsid`), dumped from here with `IFA_TARGET_NETNSID`: no
+/// namespace is entered, and no process of it needs to be visible; the caller
+/// needs CAP_NET_ADMIN over that namespace's user namespace.
+pub fn addresses_in(nsid: i32) -> io::Result<Vec<(u32, IpAddr)>> {
+    let mut m = AddressMessage::default();
+    m.attributes.push(AddressAttribute::TargetNetNsId(nsid));
+    let msgs = request_with(RouteNetlinkMessage::GetAddress(m), NLM_F_DUMP, true)?;
+    let mut out = Vec::new();
+    for msg in msgs {
+        let RouteNetlinkMessage::NewAddress(a) = msg else {
+            continue;
+        };
+        // IFA_LOCAL is the interface's own address where it differs from IFA_ADDRESS
+        // (point-to-point); otherwise the kernel sends IFA_ADDRESS alone or both equal.
+        let (mut local, mut address) = (None, None);
+        for attr in a.attributes {
+            match attr {
+                AddressAttribute::Local(ip) => local = Some(ip),
+                AddressAttribute::Address(ip) => address = Some(ip),
+                _ => {}
+            }
+        }
+        if let Some(ip) = local.or(address) {
+            out.push((a.header.index, ip));
+        }
+    }
+    Ok(out)
+}
+
+/// The id this namespace uses for the namespace behind `netns_fd` (an open nsfs
+/// file: a pinned namespace in /run/netns), or None when it has not assigned one.
 pub fn nsid_of(netns_fd: RawFd) -> io::Result<Option<i32>> {
     let mut m = NsidMessage::default();
     m.attributes.push(NsidAttribute::Fd(netns_fd as u32));

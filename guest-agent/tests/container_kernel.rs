@@ -1,7 +1,8 @@
 //! The DaemonSet of `talos/kubernetes/overlays/stream`, run for real: the image that
 //! `scripts/build-image.sh` builds, started by a container runtime (podman with runc) with
 //! exactly the manifest's security context (capabilities dropped to its list, read-only root,
-//! no privilege escalation, its user), host network and PID namespaces, and its volumes. The
+//! no privilege escalation, its user), host network namespace (and PID namespace, were the
+//! manifest to ask for it: the stream overlay does not), and its volumes. The
 //! probes must all come up, and a pod's bytes, run-queue latency and RTT must appear, the bytes
 //! equal to the pod veth's own counters. A capability the manifest grants must be needed: the
 //! same container without CAP_BPF must fail with the agent's clear message.
@@ -213,7 +214,7 @@ fn podman_args(spec: &Value, image: &str, name: &str, tls: &Path, scratch: &Path
         let v = if let Some(v) = e["value"].as_str() {
             v.to_string()
         } else if e["valueFrom"]["fieldRef"]["fieldPath"].as_str() == Some("spec.nodeName") {
-            "container-test-node".to_string()
+            NODE.to_string()
         } else {
             panic!("env {k}: not reproduced by this test");
         };
@@ -242,14 +243,28 @@ fn podman_args(spec: &Value, image: &str, name: &str, tls: &Path, scratch: &Path
         } else {
             panic!("volume {vname}: kind not reproduced by this test");
         };
-        let ro = if m["readOnly"].as_bool() == Some(true) {
-            ":ro"
+        let mut opts = Vec::new();
+        if m["readOnly"].as_bool() == Some(true) {
+            opts.push("ro");
+        }
+        match m["mountPropagation"].as_str() {
+            None | Some("None") => {}
+            // mounts made on the host later (a pinned pod namespace) reach the container
+            Some("HostToContainer") => opts.push("rslave"),
+            Some(other) => panic!("mountPropagation {other}: not reproduced by this test"),
+        }
+        let opts = if opts.is_empty() {
+            String::new()
         } else {
-            ""
+            format!(":{}", opts.join(","))
         };
         a.extend([
             "--volume".into(),
-            format!("{}:{}{ro}", src.display(), m["mountPath"].as_str().unwrap()),
+            format!(
+                "{}:{}{opts}",
+                src.display(),
+                m["mountPath"].as_str().unwrap()
+            ),
         ]);
     }
     let command = c["command"].as_sequence().unwrap();
@@ -283,6 +298,22 @@ fn assert_all_probes_up(agent: &Agent, context: &str) {
             "probe {probe} {context}"
         );
     }
+}
+
+/// The node name `podman_args` gives the agent (NODE_NAME from the downward API).
+const NODE: &str = "container-test-node";
+
+/// The API's pod list: one running pod on [`NODE`] named by its uid (so that its series are
+/// labelled `pod=<uid>` as without the API), with its IP.
+fn api_pod_list(uid: &str, ip: &str) -> String {
+    serde_json::json!({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "100"},
+        "items": [{
+            "metadata": {"name": uid, "namespace": "default", "uid": uid, "resourceVersion": "100",
+                         "creationTimestamp": "2026-11-29T10:00:00Z"},
+            "spec": {"nodeName": NODE, "containers": [{"name": "main", "image": "busybox"}]},
+            "status": {"phase": "Running", "qosClass": "Burstable", "podIP": ip, "podIPs": [{"ip": ip}]}
+        }]})
+    .to_string()
 }
 
 fn podman(args: &[String]) -> Command {
@@ -320,24 +351,55 @@ fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
     assert!(!out.status.success(), "ran without CAP_BPF: {err}");
     assert!(err.contains("grant CAP_BPF"), "{err}");
 
-    // As the manifest says.
+    // As the manifest says, with a Kubernetes API that knows the pod (the fake API server on
+    // loopback, reached through the host network; a kubeconfig stands in for the service
+    // account's in-cluster configuration).
     let sb = CgroupSandbox::new();
     let mut net = TestNet::new();
     let (server_ns, server_ip, _) = net.server();
     let _server = spawn_in_ns(&server_ns, "exec iperf3 -s");
-    let name = format!("gf-ct-{tag}");
-    let _c = Container(name.clone());
-    let args = podman_args(&spec, &image, &name, &certs.join("guest"), scratch.path());
-    let agent = Agent::launch(podman(&args));
-    assert_all_probes_up(&agent, "in the container");
-
     let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     net.join(&mut pod);
     let uid = pod.uid.clone();
     let hif = pod.host_if.clone().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let kube = rt.block_on(common::fake_kube::FakeKube::start(
+        NODE,
+        api_pod_list(&uid, pod.ip.as_deref().unwrap()),
+        vec![],
+    ));
+    let kubeconfig = kube.write_kubeconfig(scratch.path());
+    // The image has no system CA bundle (a pod gets its API CA from the service account);
+    // the client wants a root even for this plain-HTTP server: the deployment CA stands in.
+    let ca = sh(&format!("base64 -w0 {}", certs.join("ca/ca.pem").display()));
+    let text = std::fs::read_to_string(&kubeconfig).unwrap().replace(
+        "    server: ",
+        &format!(
+            "    certificate-authority-data: {}\n    server: ",
+            ca.trim()
+        ),
+    );
+    std::fs::write(&kubeconfig, text).unwrap();
+    let name = format!("gf-ct-{tag}");
+    let _c = Container(name.clone());
+    let mut args = podman_args(&spec, &image, &name, &certs.join("guest"), scratch.path());
+    let run = args.iter().position(|a| a == "run").unwrap();
+    args.splice(
+        run + 1..run + 1,
+        [
+            "--volume".to_string(),
+            format!("{}:/etc/gpufeed-test/kubeconfig:ro", kubeconfig.display()),
+            "--env".into(),
+            "KUBECONFIG=/etc/gpufeed-test/kubeconfig".into(),
+        ],
+    );
+    let agent = Agent::launch(podman(&args));
+    assert_all_probes_up(&agent, "in the container");
+
     pod.spawn("exec sleep 120");
-    // The agent found the pod's veth (through /proc/<pid>/ns/net of a host pid: hostPID and
-    // SYS_PTRACE) and attached to it (NET_ADMIN): the pod's series exist.
+    // The agent found the pod's veth without seeing any of its processes (no hostPID, no
+    // SYS_PTRACE): rtnetlink names the veth peer's namespace and its address, the pod's IP,
+    // and attached to it (NET_ADMIN): the pod's series exist.
     let attached = wait_for(Duration::from_secs(20), || {
         value(
             &agent.scrape(),

@@ -98,9 +98,17 @@ name = "guest"
 endpoint = "127.0.0.1:{quic}"
 "#,
         root = dir.join("root").display(),
-        ca = certs.join("ca.pem").display(),
-        cert = certs.join(format!("host-{HOST}.pem")).display(),
-        key = certs.join(format!("host-{HOST}.key")).display(),
+        ca = certs.join("hosts").join(HOST).join("tls/ca.pem").display(),
+        cert = certs
+            .join("hosts")
+            .join(HOST)
+            .join("tls/host.pem")
+            .display(),
+        key = certs
+            .join("hosts")
+            .join(HOST)
+            .join("tls/host-key.pem")
+            .display(),
     );
     std::fs::write(dir.join("host.toml"), &cfg).unwrap();
     let child = Command::new(host_binary())

@@ -415,3 +415,35 @@ fn a_user_overlay_generates_the_tls_secret_from_certs_init() {
     keys.sort();
     assert_eq!(keys, files, "Secret keys = the guest --tls-dir files");
 }
+
+/// Host PIDs and CAP_SYS_PTRACE only where a feature needs them: the GPU probes' view of pod
+/// processes (components/gpu-processes, in the full overlay). The base and the stream overlay
+/// find pod interfaces without them.
+#[test]
+fn host_pids_and_ptrace_only_with_the_gpu_processes_component() {
+    let caps = |objs: &[Value]| -> BTreeSet<String> {
+        daemonset(objs)["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+            ["capabilities"]["add"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect()
+    };
+    let host_pid = |objs: &[Value]| {
+        daemonset(objs)["spec"]["template"]["spec"]["hostPID"]
+            .as_bool()
+            .unwrap_or(false)
+    };
+    let least: BTreeSet<String> = ["BPF", "PERFMON", "NET_ADMIN"].map(String::from).into();
+    for what in ["base", "overlays/operator", "overlays/stream"] {
+        let objs = kustomize(what);
+        assert!(!host_pid(&objs), "{what}: hostPID");
+        assert_eq!(caps(&objs), least, "{what}");
+    }
+    let full = kustomize("overlays/full");
+    assert!(host_pid(&full));
+    let mut with_ptrace = least.clone();
+    with_ptrace.insert("SYS_PTRACE".into());
+    assert_eq!(caps(&full), with_ptrace);
+}

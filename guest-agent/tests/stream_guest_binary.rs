@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::{value, wait_for, Agent};
 use gpufeed_shared::event::HostEvent;
 use gpufeed_shared::proto::{encode, ClientSession, EventFrame, FrameDecoder, Message, Welcome};
-use gpufeed_shared::tls;
+use gpufeed_shared::{certs, tls};
 
 fn frame(seq: u64) -> Vec<u8> {
     let ev = HostEvent::KmsgLost { count: seq };
@@ -49,11 +49,12 @@ async fn connect(
     (quinn::SendStream, quinn::RecvStream),
     Welcome,
 ) {
-    let rd = |f: String| std::fs::read(dir.join(f)).unwrap();
+    // The host's bundle, as `certs init` wrote it.
+    let rd = |f: &str| std::fs::read(dir.join("hosts/pve1").join(f)).unwrap();
     let cfg = tls::client_config(
-        &rd(tls::CA_FILE.into()),
-        &rd(tls::host_cert_file("pve1")),
-        &rd(tls::host_key_file("pve1")),
+        &rd(certs::BUNDLE_CA),
+        &rd(certs::BUNDLE_CERT),
+        &rd(certs::BUNDLE_KEY),
     )
     .unwrap();
     let (ep, cc) = client(cfg);
@@ -98,7 +99,7 @@ async fn guest_binary_hub() {
     };
     let o = init(&[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("host-pve1.toml"));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("hosts/pve1/host.toml"));
     let o = init(&[]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--force"));
@@ -188,7 +189,7 @@ async fn guest_binary_hub() {
     assert_eq!(seqs, (0..150).collect::<Vec<_>>());
 
     // No client certificate: rejected, logged, counted.
-    let rd = |f: &str| std::fs::read(out.join(f)).unwrap();
+    let rd = |f: &str| std::fs::read(out.join("guest").join(f)).unwrap();
     let cfg = tls::client_config_with(&rd(tls::CA_FILE), None, vec![tls::ALPN.to_vec()]).unwrap();
     let (ep, cc) = client(cfg);
     if let Ok(c) = ep.connect_with(cc, quic, "127.0.0.1").unwrap().await {

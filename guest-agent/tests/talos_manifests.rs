@@ -330,6 +330,11 @@ fn daemonset_matches_the_binary() {
     let (m, v) = volume_at("/sys/kernel/security");
     assert_eq!(m["readOnly"].as_bool(), Some(true));
     assert_eq!(v["hostPath"]["path"].as_str(), Some("/sys/kernel/security"));
+    // The pinned pod namespaces, where the binary looks for them, with pods started later.
+    let (m, v) = volume_at(gpufeed_guest::ifaces::PINNED_NETNS);
+    assert_eq!(m["readOnly"].as_bool(), Some(true));
+    assert_eq!(m["mountPropagation"].as_str(), Some("HostToContainer"));
+    assert_eq!(v["hostPath"]["path"].as_str(), Some("/run/netns"));
     let tls =
         flag(&args, "--tls-dir").map_or_else(|| help_default(&help, "--tls-dir"), String::from);
     let (m, v) = volume_at(&tls);

@@ -6,9 +6,10 @@
 use crate::config::Config;
 use crate::discovery::{self, DeviceTopology};
 use crate::events::EventBus;
+use crate::heartbeat::{Beat, Heartbeats};
 use crate::metrics::Metrics;
 use crate::roots::Roots;
-use crate::watch::unit::{Cx, Outcome, Poke, Pokes, Watcher};
+use crate::watch::unit::{Cx, Inbox, Outcome, Poke, Pokes, Watcher};
 use crate::watch::{vm_suffix, RecentKmsg, Topology, UNITS};
 use gpufeed_shared::event::{DeviceMapped, HostEvent};
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -48,6 +49,8 @@ pub struct Agent {
     pub metrics: Arc<Metrics>,
     pub recent: Arc<RecentKmsg>,
     pub topo: Arc<TopoCell>,
+    /// The periodic loops' progress, for the watchdog.
+    pub heartbeats: Heartbeats,
     host_id: String,
     /// Common phase of the pollers' timers: intervals that divide each other fire in the same
     /// wake-up (pcie, aer and vm each second, thunderbolt every other, host every fifth).
@@ -109,6 +112,7 @@ impl Agent {
             bus,
             recent: Arc::new(RecentKmsg::default()),
             topo: Arc::new(TopoCell::default()),
+            heartbeats: Heartbeats::default(),
             host_id,
             cfg,
             phase: tokio::time::Instant::now(),
@@ -127,11 +131,18 @@ impl Agent {
     }
 
     /// A poller's wake-ups: its timer (past its immediate first tick: the caller polled once
-    /// already) merged with its inbox.
-    pub async fn pokes(&self, period_ms: u64, inbox: mpsc::Receiver<Poke>) -> Pokes {
+    /// already) merged with its inbox; each wake-up it asks for is its heartbeat.
+    pub async fn pokes(&self, period_ms: u64, inbox: Inbox) -> Pokes {
         let mut timer = self.ticker(period_ms);
         timer.tick().await;
-        Pokes::new(timer, inbox)
+        let beat = self.heartbeat(inbox.name, period_ms);
+        Pokes::new(timer, inbox.rx, beat)
+    }
+
+    /// The heartbeat of a loop that comes round every `period_ms` (see [`Heartbeats`]).
+    pub fn heartbeat(&self, name: &'static str, period_ms: u64) -> Arc<Beat> {
+        self.heartbeats
+            .register(name, Duration::from_millis(period_ms.max(1)))
     }
 
     /// Ask the unit named `to` (or [`DISCOVERY`]) to look now. Never blocks: a full inbox
@@ -227,7 +238,10 @@ impl Agent {
         for p in pending {
             let cx = Cx {
                 agent: self.clone(),
-                inbox: p.inbox,
+                inbox: Inbox {
+                    name: p.name,
+                    rx: p.inbox,
+                },
                 stop: stop.clone(),
             };
             tracing::trace!(watcher = p.name, "starting watcher");
@@ -293,7 +307,11 @@ impl Agent {
             .take();
         let me = self.clone();
         tokio::spawn(async move {
-            let Some(inbox) = inbox else { return };
+            let Some(rx) = inbox else { return };
+            let inbox = Inbox {
+                name: DISCOVERY,
+                rx,
+            };
             let mut pokes = me.pokes(me.cfg.discovery.rescan_interval_ms, inbox).await;
             loop {
                 pokes.next().await;

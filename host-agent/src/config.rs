@@ -1,7 +1,10 @@
 //! Agent configuration: TOML, default path `/etc/gpufeed/host.toml`.
 //!
 //! Every key is optional and documented with its default in `systemd/host.toml`.
-//! Unknown keys are errors (`deny_unknown_fields`). Each section's struct, defaults and checks
+//! A key this version does not know (one a later version removed, or a typo) is taken out and
+//! named in a warning ([`Config::ignored_keys`]): a file written for another version still
+//! starts the agent. Everything else is strict: the sections are `deny_unknown_fields` so that
+//! the warning names every such key, and types and ranges are errors. Each section's struct, defaults and checks
 //! live with the code that reads it (a watcher's in its unit under [`crate::watch`]); this
 //! file composes them and names the file in errors.
 
@@ -13,6 +16,8 @@ use crate::watch::{
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+
+mod unknown_keys;
 
 pub const DEFAULT_PATH: &str = "/etc/gpufeed/host.toml";
 /// Default `/metrics` listen address (port 9847: not used by the well-known exporters).
@@ -43,6 +48,9 @@ pub struct Config {
     /// Host → guest event stream (`[stream]`, see [`crate::stream::StreamConfig`]); off when
     /// absent or without `[[stream.guests]]`.
     pub stream: Option<crate::stream::StreamConfig>,
+    /// Keys of the file this version does not know (dotted paths), ignored; for a warning.
+    #[serde(skip)]
+    pub ignored_keys: Vec<String>,
 }
 
 impl Default for Config {
@@ -62,6 +70,7 @@ impl Default for Config {
             vm: VmConfig::default(),
             host: HostConfig::default(),
             stream: None,
+            ignored_keys: Vec::new(),
         }
     }
 }
@@ -125,10 +134,12 @@ impl Config {
 
     /// Parse and validate TOML text; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_path_buf(),
-            message: e.to_string().trim_end().replace('\n', " "),
-        })?;
+        let (mut cfg, ignored) =
+            unknown_keys::parse::<Config>(text).map_err(|e| ConfigError::Parse {
+                path: path.to_path_buf(),
+                message: e.to_string().trim_end().replace('\n', " "),
+            })?;
+        cfg.ignored_keys = ignored;
         cfg.validate(path)?;
         Ok(cfg)
     }
@@ -198,12 +209,32 @@ mod tests {
     }
 
     #[test]
-    fn unknown_key_is_named() {
-        let e = Config::parse("[pcie]\npoll_intervl_ms = 5\n", Path::new("/etc/x.toml"))
+    fn unknown_keys_are_ignored_and_named() {
+        let c = Config::parse(
+            "removed_top = 1\n[pcie]\npoll_intervl_ms = 5\npoll_interval_ms = 500\n\
+             [retired_section]\nx = 1\n[stream]\nold = 2\n[[stream.guests]]\n\
+             endpoint = \"10.0.0.2:7845\"\ngone = true\n",
+            Path::new("/etc/x.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            c.ignored_keys,
+            [
+                "removed_top",
+                "pcie.poll_intervl_ms",
+                "retired_section",
+                "stream.old",
+                "stream.guests[0].gone"
+            ]
+        );
+        // The known keys around them still count.
+        assert_eq!(c.pcie.poll_interval_ms, 500);
+        assert_eq!(c.stream.unwrap().guests[0].endpoint, "10.0.0.2:7845");
+        // A wrong type of a known key is still an error, at its line in the file.
+        let e = Config::parse("old = 1\n[vm]\nqmp = \"yes\"\n", Path::new("h.toml"))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("poll_intervl_ms"), "{e}");
-        assert!(e.contains("/etc/x.toml"), "{e}");
+        assert!(e.contains("line 3") && e.contains("qmp"), "{e}");
     }
 
     #[test]

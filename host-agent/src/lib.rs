@@ -14,6 +14,7 @@ pub mod discovery;
 pub mod doctor;
 pub mod events;
 pub mod fuzzing;
+pub mod heartbeat;
 pub mod kmsg;
 pub mod logging;
 pub mod metrics;

@@ -45,6 +45,12 @@ enum Cmd {
         #[command(flatten)]
         common: Common,
     },
+    /// Certificates for the host → guest event stream: `certs init` writes the CA (kept
+    /// apart), the guest's files and one bundle per host to copy into /etc/gpufeed.
+    Certs {
+        #[command(subcommand)]
+        cmd: gpufeed_shared::certs::CertsCmd,
+    },
 }
 
 #[derive(Args)]
@@ -63,6 +69,13 @@ struct Common {
 impl Common {
     fn load(&self) -> anyhow::Result<Config> {
         let mut cfg = Config::load(&self.config)?;
+        for key in &cfg.ignored_keys {
+            // A file written for another version: the agent starts, the admin is told.
+            tracing::warn!(
+                "{}: unknown key `{key}` ignored (not a setting of this version: removed, renamed or misspelled)",
+                self.config.display()
+            );
+        }
         if let Some(r) = &self.root {
             cfg.root =
                 std::fs::canonicalize(r).with_context(|| format!("--root {}", r.display()))?;
@@ -77,7 +90,10 @@ impl Common {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let quiet = matches!(cli.cmd, Cmd::Watch { .. } | Cmd::Doctor { .. });
+    let quiet = matches!(
+        cli.cmd,
+        Cmd::Watch { .. } | Cmd::Doctor { .. } | Cmd::Certs { .. }
+    );
     gpufeed_host::logging::init(if quiet { "warn" } else { "info" });
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -138,6 +154,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Cmd::Certs { cmd } => Ok(gpufeed_shared::certs::run(cmd)?),
         Cmd::Watch { common, json } => {
             let mut cfg = common.load()?;
             if common.metrics_listen.is_none() {
@@ -191,18 +208,29 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         agent.metrics.clone(),
     ));
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut wd_usec = 0u64;
     if sd_notify::watchdog_enabled(false, &mut wd_usec) && wd_usec > 0 {
         let period = std::time::Duration::from_micros(wd_usec / 2);
         let liveness = stream.as_ref().map(|s| s.liveness());
+        let (agent, stopping) = (agent.clone(), stopping.clone());
         tokio::spawn(async move {
             let mut iv = tokio::time::interval(period);
             let mut stuck = false;
             loop {
                 iv.tick().await;
-                // The runtime runs this task; the stream must be moving too, else no ping:
-                // systemd restarts a wedged agent after WatchdogSec.
-                match liveness.as_ref().map_or(Ok(()), |l| l.check(period)) {
+                if stopping.load(std::sync::atomic::Ordering::Relaxed) {
+                    // The watchers are being stopped: their beats stop by design.
+                    continue;
+                }
+                // The runtime runs this task; the stream and every periodic watcher loop must
+                // be moving too, else no ping: systemd restarts a wedged agent after
+                // WatchdogSec.
+                let live = liveness
+                    .as_ref()
+                    .map_or(Ok(()), |l| l.check(period))
+                    .and_then(|()| agent.heartbeats.check(period));
+                match live {
                     Ok(()) => {
                         if std::mem::take(&mut stuck) {
                             tracing::info!("watchdog: the stream moves again; pinging");
@@ -225,6 +253,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         r = server => { r??; anyhow::bail!("metrics server stopped") }
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    stopping.store(true, std::sync::atomic::Ordering::Relaxed);
     drop(running);
     if let Some(stream) = stream {
         // Writes the spools' state so that a restart resumes where this run stopped.

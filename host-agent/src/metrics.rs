@@ -106,3 +106,24 @@ pub async fn serve(
         .route("/", get(|| async { "gpufeed-host: see /metrics\n" }));
     axum::serve(listener, app).await
 }
+
+/// (family, value of `label`) of every series in `r`, consecutive repeats removed: which
+/// things a registry still has series for (tests of series removal).
+#[cfg(test)]
+pub fn series_by_label(r: &Registry, label: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = r
+        .gather()
+        .iter()
+        .flat_map(|mf| {
+            mf.get_metric().iter().map(|m| {
+                let v = m.get_label().iter().find(|l| l.name() == label);
+                (
+                    mf.name().to_string(),
+                    v.map_or("", |l| l.value()).to_string(),
+                )
+            })
+        })
+        .collect();
+    out.dedup();
+    out
+}

@@ -5,9 +5,12 @@
 //! `dpkg` install, conffile edit, upgrade to a newer package, remove and purge, in a private
 //! mount namespace (overlays over /usr, /etc and /var, so this machine is not changed) with a
 //! recording `systemctl`: the service is enabled and started on install, and after the
-//! upgrade the binary restarted is the new one.
+//! upgrade the binary restarted is the new one. And the certificates' path: the bundle that
+//! `gpufeed-host certs init` writes for a host, installed as /etc/gpufeed with the documented
+//! copy, is what the packaged unit's command line runs with.
 
 mod common;
+mod stream_support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -425,4 +428,86 @@ dpkg --force-depends -i {old} >/dev/null
         ["enable gpufeed-host.service"],
         "{calls}"
     );
+}
+
+/// `gpufeed-host certs init` (on the host, where the admin is), the host's bundle installed
+/// with the one documented step (`cp -a hosts/NAME/. /etc/gpufeed/`), then the packaged
+/// unit's `ExecStart` command line as it stands, in a private mount namespace whose /etc, /usr
+/// and /var are overlays (this machine is not changed): the agent reads the bundle as it is
+/// and streams to the guest, authenticated as the host. Appended to the command line are only
+/// `--root` (no watcher on this machine's devices) and `--metrics-listen` (no fixed port).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certs_bundle_in_etc_gpufeed_runs_with_the_unit_command_line() {
+    use stream_support::{hub, hub_config, metric, wait_for};
+    if !common::require_root("certs_bundle_in_etc_gpufeed_runs_with_the_unit_command_line")
+        || !tools_or_skip(&["unshare", "cp", "stat"])
+    {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let t = t.path();
+    let addr = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let certs = t.join("certs");
+    out(Command::new(env!("CARGO_BIN_EXE_gpufeed-host"))
+        .args(["certs", "init", "--out"])
+        .arg(&certs)
+        .args(["--guest-addr", &addr.to_string()])
+        .args(["--host", "pve1", "--host", "a", "--host", "a-key"]));
+
+    let reg = prometheus::Registry::new();
+    let mut hc = hub_config(&certs.join("guest"));
+    hc.listen = addr;
+    let hub = hub::serve(hc, &reg).await.unwrap();
+
+    let unit = std::fs::read_to_string(repo().join("systemd/gpufeed-host.service")).unwrap();
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .unwrap();
+    assert!(exec.starts_with("/usr/bin/gpufeed-host "), "{exec}");
+    let root = t.join("root");
+    std::fs::create_dir(&root).unwrap();
+    let script = format!(
+        r#"set -eu
+mount --make-rprivate /
+for d in usr etc var; do
+  mkdir -p {t}/o/$d/u {t}/o/$d/w
+  mount -t overlay overlay -o lowerdir=/$d,upperdir={t}/o/$d/u,workdir={t}/o/$d/w /$d
+done
+cp {bin} /usr/bin/gpufeed-host
+rm -rf /etc/gpufeed /var/lib/gpufeed
+mkdir -p /etc/gpufeed
+cp -a {certs}/hosts/pve1/. /etc/gpufeed/
+(cd /etc/gpufeed && stat -c '%a %n' host.toml tls/ca.pem tls/host.pem tls/host-key.pem) > {t}/modes
+exec {exec} --root {root} --metrics-listen 127.0.0.1:0
+"#,
+        t = t.display(),
+        bin = env!("CARGO_BIN_EXE_gpufeed-host"),
+        certs = certs.display(),
+        root = root.display(),
+    );
+    let log = t.join("agent.log");
+    let mut agent = Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let connected = wait_for(std::time::Duration::from_secs(10), || {
+        metric(&reg, "gpufeed_stream_connected", &[("host", "pve1")]) == 1.0
+    })
+    .await;
+    let _ = agent.kill();
+    let _ = agent.wait();
+    hub.shutdown().await;
+    let log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(connected, "the agent did not connect as pve1:\n{log}");
+    assert_eq!(
+        std::fs::read_to_string(t.join("modes")).unwrap(),
+        "644 host.toml\n644 tls/ca.pem\n644 tls/host.pem\n600 tls/host-key.pem\n"
+    );
+    assert!(!log.contains("unknown key"), "{log}");
 }

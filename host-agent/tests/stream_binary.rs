@@ -1,12 +1,10 @@
-//! The real `gpufeed-host` binary, configured by the `host-NAME.toml` that `certs init` writes,
+//! The real `gpufeed-host` binary, configured by the host bundle that `certs init` writes,
 //! streams its events to the hub; a SIGTERM and restart resumes the same spool (same sequence
 //! space, numbering continues, nothing delivered twice).
 
 mod stream_support;
 
-#[path = "../../guest-agent/src/certs.rs"]
-#[allow(dead_code)]
-mod certs;
+use gpufeed_shared::certs;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -72,11 +70,15 @@ async fn gpufeed_host_binary_streams_and_resumes_after_restart() {
     certs::init(&args).unwrap();
     let dir = work.path().join("deploy").canonicalize().unwrap();
     // The generated file as is, plus what a test needs: an empty system tree (watchers find
-    // nothing and say so with WatcherDisabled events), a free metrics port, a private spool.
+    // nothing and say so with WatcherDisabled events), a free metrics port, a private spool,
+    // and the bundle's directory where it would be /etc/gpufeed.
     let root = work.path().join("root");
     std::fs::create_dir_all(&root).unwrap();
     let spool = work.path().join("spool");
-    let generated = std::fs::read_to_string(dir.join("host-pve1.toml")).unwrap();
+    let bundle = dir.join("hosts/pve1");
+    let generated = std::fs::read_to_string(bundle.join(certs::BUNDLE_CONFIG))
+        .unwrap()
+        .replace(certs::HOST_ETC, bundle.to_str().unwrap());
     let text = format!(
         "root = {:?}\nmetrics_listen = \"127.0.0.1:0\"\n{}",
         root.display().to_string(),

@@ -1,12 +1,10 @@
-//! `gpufeed-guest certs init` output is usable as is: the guest directory serves the hub, and
-//! each `host-NAME.toml` parses as a host configuration whose `[stream]` section streams to the
-//! guest with the generated certificates.
+//! `certs init` output is usable as is: the guest directory serves the hub, the CA key stays
+//! apart from everything that is copied, and each host's bundle, installed as its
+//! /etc/gpufeed, configures a stream to the guest with the generated certificates.
 
 mod stream_support;
 
-#[path = "../../guest-agent/src/certs.rs"]
-#[allow(dead_code)]
-mod certs;
+use gpufeed_shared::certs;
 
 use std::time::Duration;
 
@@ -32,35 +30,35 @@ async fn certs_init_then_stream_with_the_generated_files() {
         force: false,
     };
     let files = certs::init(&args).unwrap();
-    let dir = out.path().join("deploy").canonicalize().unwrap();
-    for f in [
-        "ca.pem",
-        "ca-key.pem",
-        "guest/ca.pem",
-        "guest/guest.pem",
-        "guest/guest-key.pem",
-        "guest/allowed-hosts",
-        "gpufeed-guest-tls.yaml",
-        "host-pve1.pem",
-        "host-pve1.key",
-        "host-pve1.toml",
-        "host-pve2.toml",
+    let dir = out.path().join("deploy");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |f: &str| std::fs::metadata(dir.join(f)).unwrap().permissions().mode() & 0o777;
+    for (f, want) in [
+        ("ca/ca.pem", 0o644),
+        ("ca/ca-key.pem", 0o600),
+        ("guest/ca.pem", 0o644),
+        ("guest/guest.pem", 0o644),
+        ("guest/guest-key.pem", 0o600),
+        ("guest/allowed-hosts", 0o644),
+        ("gpufeed-guest-tls.yaml", 0o600),
+        ("hosts/pve1/host.toml", 0o644),
+        ("hosts/pve1/tls/ca.pem", 0o644),
+        ("hosts/pve1/tls/host.pem", 0o644),
+        ("hosts/pve1/tls/host-key.pem", 0o600),
+        ("hosts/pve2/host.toml", 0o644),
+        ("hosts/pve2/tls/host-key.pem", 0o600),
     ] {
         assert!(files.contains(&dir.join(f)), "{f} not reported");
         assert!(dir.join(f).is_file(), "{f} missing");
+        assert_eq!(mode(f), want, "{f}");
     }
-    use std::os::unix::fs::PermissionsExt;
-    for secret in [
-        "ca-key.pem",
-        "guest/guest-key.pem",
-        "host-pve1.key",
-        "gpufeed-guest-tls.yaml",
-    ] {
-        let mode = std::fs::metadata(dir.join(secret))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o600, "{secret}");
+    assert_eq!(mode("ca"), 0o700);
+    // The CA key is in no file that is copied to a host or into the cluster.
+    let ca_key = std::fs::read_to_string(dir.join("ca/ca-key.pem")).unwrap();
+    let body = ca_key.lines().nth(1).unwrap();
+    for f in files.iter().filter(|f| !f.starts_with(dir.join("ca"))) {
+        let text = std::fs::read_to_string(f).unwrap();
+        assert!(!text.contains(body), "{} holds the CA key", f.display());
     }
     assert_eq!(
         std::fs::read_to_string(dir.join("guest/allowed-hosts")).unwrap(),
@@ -80,14 +78,26 @@ async fn certs_init_then_stream_with_the_generated_files() {
     // A second init refuses to overwrite the CA.
     assert!(certs::init(&args).is_err());
 
-    // The host configuration parses with the agent's own loader.
-    let path = dir.join("host-pve1.toml");
+    // The bundle names its files where it is installed; read from a copy at that layout.
+    let text = std::fs::read_to_string(dir.join("hosts/pve1/host.toml")).unwrap();
+    let etc = tempfile::tempdir().unwrap();
+    let path = etc.path().join("host.toml");
+    std::fs::write(
+        &path,
+        text.replace("/etc/gpufeed", etc.path().to_str().unwrap()),
+    )
+    .unwrap();
+    for f in [certs::BUNDLE_CA, certs::BUNDLE_CERT, certs::BUNDLE_KEY] {
+        std::fs::create_dir_all(etc.path().join(f).parent().unwrap()).unwrap();
+        std::fs::copy(dir.join("hosts/pve1").join(f), etc.path().join(f)).unwrap();
+    }
     let cfg = Config::load(&path).unwrap();
+    assert!(cfg.ignored_keys.is_empty(), "{:?}", cfg.ignored_keys);
     assert_eq!(cfg.host_id(), "pve1");
     let mut sc = cfg.stream.clone().expect("[stream] section");
     assert_eq!(sc.guests.len(), 1);
     assert_eq!(sc.guests[0].endpoint, addr.to_string());
-    assert_eq!(sc.cert, dir.join("host-pve1.pem"));
+    assert_eq!(sc.cert, etc.path().join("tls/host.pem"));
     // Keep the test's spool out of /var/lib.
     let spool = tempfile::tempdir().unwrap();
     sc.spool_dir = spool.path().to_owned();
@@ -122,17 +132,10 @@ async fn certs_init_then_stream_with_the_generated_files() {
     assert_eq!(seqs, (0..10).collect::<Vec<_>>());
     h.shutdown().await;
     hub.shutdown().await;
-
-    assert!(certs::split_guest_addr("nohost").is_err());
-    assert!(certs::split_guest_addr(":80").is_err());
-    assert_eq!(
-        certs::split_guest_addr("[::1]:7845").unwrap(),
-        ("::1".to_string(), 7845)
-    );
 }
 
-/// Host names `a` and `a-key`: each keeps its own certificate and key, and each host's
-/// configuration passes the agent's start check (its certificate names it, its key parses).
+/// Host names `a` and `a-key`: each has a bundle of its own, whose certificate names it, whose
+/// key is its own, and whose configuration says it.
 #[test]
 fn hosts_a_and_a_key_do_not_overwrite_each_other() {
     let out = tempfile::tempdir().unwrap();
@@ -145,11 +148,22 @@ fn hosts_a_and_a_key_do_not_overwrite_each_other() {
         force: false,
     };
     certs::init(&args).unwrap();
-    let dir = out.path().canonicalize().unwrap();
+    let dir = out.path();
     for h in ["a", "a-key"] {
-        let cfg = Config::load(&dir.join(format!("host-{h}.toml"))).unwrap();
-        let sc = cfg.stream.clone().unwrap();
-        sc.check(&cfg.host_id())
-            .unwrap_or_else(|e| panic!("host {h}: {e}"));
+        let b = dir.join("hosts").join(h);
+        let pem = std::fs::read(b.join(certs::BUNDLE_CERT)).unwrap();
+        let cert = &gpufeed_shared::tls::parse_certs(&pem, h).unwrap()[0];
+        let allowed = vec![h.to_string()];
+        assert_eq!(gpufeed_shared::tls::identity_of(cert, &allowed), Some(h));
+        gpufeed_shared::tls::client_config(
+            &std::fs::read(b.join(certs::BUNDLE_CA)).unwrap(),
+            &pem,
+            &std::fs::read(b.join(certs::BUNDLE_KEY)).unwrap(),
+        )
+        .unwrap_or_else(|e| panic!("host {h}: {e}"));
+        let text = std::fs::read_to_string(b.join(certs::BUNDLE_CONFIG)).unwrap();
+        assert!(text.contains(&format!("host_id = \"{h}\"")), "{text}");
     }
+    let key = |h: &str| std::fs::read(dir.join("hosts").join(h).join(certs::BUNDLE_KEY)).unwrap();
+    assert_ne!(key("a"), key("a-key"));
 }

@@ -100,3 +100,59 @@ fn check_config_refuses_what_run_refuses_with_the_same_message() {
     let (ok, msg) = gpufeed_host(&good, true);
     assert!(ok, "{msg}");
 }
+
+/// A key this version does not know (a later version removed it) is a warning naming it, in
+/// `--check-config` and in `run`, and the agent starts.
+#[test]
+fn unknown_keys_are_a_warning_not_a_failed_start() {
+    let root = tempfile::tempdir().unwrap();
+    let cfg = root.path().join("host.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "root = \"{}\"\nmetrics_listen = \"127.0.0.1:0\"\nretired_key = 1\n\
+             [pcie]\npoll_interval_ms = 1000\nold_knob = true\n",
+            root.path().display()
+        ),
+    )
+    .unwrap();
+    let warned = |err: &str| {
+        ["`retired_key`", "`pcie.old_knob`"]
+            .iter()
+            .all(|k| err.lines().any(|l| l.contains("WARN") && l.contains(k)))
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_gpufeed-host"))
+        .args(["run", "--check-config", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(warned(&err), "{err}");
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpufeed-host"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stderr.take().unwrap()));
+    let mut err = String::new();
+    let started = loop {
+        match lines.next() {
+            Some(Ok(l)) => {
+                err.push_str(&l);
+                err.push('\n');
+                if l.contains("started: metrics on") {
+                    break true;
+                }
+            }
+            _ => break false,
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(started, "run did not start:\n{err}");
+    assert!(warned(&err), "{err}");
+}

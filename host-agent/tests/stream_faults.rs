@@ -252,6 +252,102 @@ async fn restored_spool_snapshot_does_not_reuse_sequence_numbers() {
     hub.shutdown().await;
 }
 
+/// The guest's journal on a disk that fills up: a failed append is neither delivered nor
+/// acknowledged (the host keeps the events and sends them again), leaves no fragment in the
+/// file, and once the disk has room every event is delivered and journaled exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_journal_on_a_full_disk_acks_only_what_it_wrote() {
+    let logs = capture_logs();
+    // 16 KiB: about 150 journal lines.
+    let fs = TinyFs::mount(16);
+    let fx = Fixture::new(&["pve1"]);
+    let greg = prometheus::Registry::new();
+    let journal = fs.path().join("journal.jsonl");
+    let mut hc = hub_config(fx.path());
+    hc.recent_capacity = 10_000;
+    hc.journal = Some(journal.clone());
+    let hub = hub::serve(hc, &greg).await.unwrap();
+    let hreg = prometheus::Registry::new();
+    let h = stream::start(
+        fx.stream_config("pve1", hub.local_addr(), None),
+        "pve1".into(),
+        &hreg,
+    )
+    .unwrap();
+    const N: u64 = 2_000;
+    h.push_raw(0, kmsg_lost_raw(0, N));
+    let received = || {
+        metric(
+            &greg,
+            "gpufeed_stream_events_received_total",
+            &[("host", "pve1")],
+        )
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || !log_lines(
+            &logs,
+            &["event journal write failed", "No space left on device"]
+        )
+        .is_empty())
+        .await,
+        "the 16 KiB journal never filled up"
+    );
+    // The host still holds what the journal could not take: nothing of it was acknowledged.
+    let st = h.status()[0].clone();
+    assert_eq!(st.next_seq, N);
+    assert!(
+        st.pending > 0 && st.acked.is_none_or(|a| a < N - 1),
+        "{st:?}"
+    );
+    let stalled = received();
+    assert!(stalled < N as f64, "received {stalled} of {N}");
+    assert_eq!(
+        hub.recent().len() as f64,
+        stalled,
+        "delivered what was not journaled"
+    );
+
+    // Room again: the host's retries get through by themselves.
+    fs.resize(1024);
+    assert!(
+        wait_for(Duration::from_secs(10), || received() == N as f64).await,
+        "received {} of {N} after the disk had room",
+        received()
+    );
+    assert!(wait_for(Duration::from_secs(5), || h.status()[0].pending == 0).await);
+    let seqs: Vec<u64> = hub.recent().iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (0..N).collect::<Vec<_>>());
+    for (name, labels) in [
+        ("gpufeed_stream_events_lost_total", [("host", "pve1")]),
+        (
+            "gpufeed_host_stream_events_dropped_total",
+            [("guest", "guest")],
+        ),
+    ] {
+        let reg = if name.contains("host_") { &hreg } else { &greg };
+        assert_eq!(metric(reg, name, &labels), 0.0, "{name}");
+    }
+    h.shutdown().await;
+    hub.shutdown().await;
+
+    // The journal holds every event exactly once, in order, each on a whole line of its own
+    // (no retried line glued onto a fragment of a failed one).
+    let text = std::fs::read(&journal).unwrap();
+    assert_eq!(text.last(), Some(&b'\n'));
+    let mut journaled = Vec::new();
+    for line in text.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+        let l: hub::journal::Line = serde_json::from_slice(line)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(line)));
+        journaled.extend(l.seq);
+    }
+    assert_eq!(journaled, (0..N).collect::<Vec<_>>());
+    // A restart from it resumes after the last event.
+    let mut dedup = gpufeed_shared::proto::Dedup::new();
+    let boot = st.boot_id;
+    hub::journal::Journal::open(&journal, 1 << 20, &mut dedup).unwrap();
+    assert_eq!(dedup.watermark("pve1", boot), Some(N - 1));
+}
+
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {

@@ -1,6 +1,9 @@
 //! Code shared by `gpufeed-host` and `gpufeed-guest`: the wire protocol (sans-IO),
-//! the host event types, configuration types, TLS helpers and the doctor's common checks; with the `stream`
-//! feature, the QUIC drivers of both ends of the event stream ([`stream`]).
+//! the host event types, configuration types, TLS helpers and the doctor's common checks;
+//! with the `stream` feature, the QUIC drivers of both ends of the event stream ([`stream`]);
+//! with the `cli` feature, the `certs` subcommand both agents offer.
+#[cfg(feature = "cli")]
+pub mod certs;
 pub mod clock;
 pub mod doctor;
 pub mod event;

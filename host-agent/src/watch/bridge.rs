@@ -187,7 +187,8 @@ impl BridgeSampler {
             );
         }
         for (name, p) in &old {
-            if !new.contains_key(name) {
+            let now_on = new.get(name).map(|n| n.bridge.as_str());
+            if now_on.is_none() {
                 events.push(HostEvent::BridgePort(BridgePortChange {
                     bridge: p.bridge.clone(),
                     port: name.clone(),
@@ -195,15 +196,9 @@ impl BridgeSampler {
                     nic: p.nic,
                     action: DeviceAction::Removed,
                 }));
-                let vm = vmid_label(p.vmid);
-                for dir in ["rx", "tx"] {
-                    let _ = metrics.microburst.remove_label_values(&[
-                        p.bridge.as_str(),
-                        name.as_str(),
-                        vm.as_str(),
-                        dir,
-                    ]);
-                }
+            }
+            if now_on != Some(p.bridge.as_str()) {
+                metrics.remove_port(&p.bridge, name, p.vmid);
             }
         }
         if end_period {
@@ -222,6 +217,7 @@ pub fn spawn(
     bus: std::sync::Arc<crate::events::EventBus>,
     ready: std::sync::mpsc::Sender<Result<(), String>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    beat: std::sync::Arc<crate::heartbeat::Beat>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("bridge".into())
@@ -269,6 +265,7 @@ pub fn spawn(
             let mut last_full: Option<Instant> = None;
             let full_every = std::time::Duration::from_millis(cfg.period_ms);
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                beat.now();
                 seq = seq.wrapping_add(1);
                 let have_bridge = rows.iter().any(|r| r.is_bridge);
                 let full = !have_bridge || last_full.is_none_or(|t| t.elapsed() >= full_every);
@@ -382,6 +379,21 @@ pub struct BridgeMetrics {
 }
 
 impl BridgeMetrics {
+    /// Drops the series of a port that left `bridge` (gone, or moved to another bridge):
+    /// tap ports come and go with every VM start, and /metrics would otherwise keep every
+    /// port that ever existed. A port that comes back starts its counters from zero, which
+    /// Prometheus reads as a counter reset.
+    pub fn remove_port(&self, bridge: &str, port: &str, vmid: Option<u32>) {
+        let vm = vmid_label(vmid);
+        for dir in ["rx", "tx"] {
+            let l = [bridge, port, vm.as_str(), dir];
+            for c in [&self.bytes, &self.packets, &self.drops, &self.errors] {
+                let _ = c.remove_label_values(&l);
+            }
+            let _ = self.microburst.remove_label_values(&l);
+        }
+    }
+
     pub fn new(r: &Registry) -> BridgeMetrics {
         const L: &[&str] = &["bridge", "port", "vmid", "direction"];
         BridgeMetrics {
@@ -435,7 +447,14 @@ impl Watcher for BridgeWatcher {
                 return Outcome::Skipped;
             }
             let (tx, rx) = std::sync::mpsc::channel();
-            if let Err(e) = spawn(a.cfg.bridge.clone(), self.0, a.bus.clone(), tx, cx.stop) {
+            // The sampler wakes every sample interval, and at least once a second without a
+            // bridge (see `spawn`). Its beat is watched once it runs: a sampler that could
+            // not start is off, not wedged.
+            let c = &a.cfg.bridge;
+            let period = Duration::from_millis(c.sample_interval_ms.max(c.period_ms.min(1000)));
+            let beat = std::sync::Arc::new(crate::heartbeat::Beat::default());
+            beat.now();
+            if let Err(e) = spawn(c.clone(), self.0, a.bus.clone(), tx, cx.stop, beat.clone()) {
                 return Outcome::Off(format!("cannot start thread: {e}"));
             }
             // The sampler runs on its own thread (it may enter another network namespace);
@@ -446,7 +465,10 @@ impl Watcher for BridgeWatcher {
                     .ok()
                     .and_then(|r| r.ok());
             match first {
-                Some(Ok(())) => Outcome::On(Vec::new()),
+                Some(Ok(())) => {
+                    a.heartbeats.add("bridge", period, beat);
+                    Outcome::On(Vec::new())
+                }
                 Some(Err(e)) => Outcome::Off(e),
                 None => Outcome::Off("no first sample within 5 s".into()),
             }
@@ -473,7 +495,8 @@ mod tests {
 
     #[test]
     fn directions_deltas_and_microburst() {
-        let m = BridgeMetrics::new(&Registry::new());
+        let reg = Registry::new();
+        let m = BridgeMetrics::new(&reg);
         let mut s = BridgeSampler::new(vec!["vmbr0".into()], std::time::Duration::from_millis(300));
         let row = |idx, name: &str, master, rx, tx| LinkRow {
             index: idx,
@@ -521,6 +544,7 @@ mod tests {
             t0 + ms(200),
             &m,
         );
+        assert_eq!(v("rx"), 115_000);
         let ev = s.step(
             &[
                 row(1, "vmbr0", None, 0, 0),
@@ -529,12 +553,40 @@ mod tests {
             t0 + ms(300),
             &m,
         );
-        assert_eq!(v("rx"), 115_000);
         assert_eq!(ev.len(), 2, "{ev:?}");
         // highest window: 100 kB in 100 ms = 1 MB/s (period ended at the step that removed it)
         let added = ev.iter().any(|e| matches!(e, HostEvent::BridgePort(p) if p.port == "tap101i0" && p.action == DeviceAction::Added && p.vmid == Some(101)));
         let removed = ev.iter().any(|e| matches!(e, HostEvent::BridgePort(p) if p.port == "tap100i0" && p.action == DeviceAction::Removed));
         assert!(added && removed);
+        // The gone port's series are gone from /metrics; the new port's are there.
+        let ports = |r: &Registry| metrics::series_by_label(r, "port");
+        let after = ports(&reg);
+        assert!(after.iter().all(|(_, p)| p == "tap101i0"), "{after:?}");
+        assert_eq!(after.len(), 5, "{after:?}");
+        // A port moved to another bridge leaves no series under the old one.
+        let mut s3 = BridgeSampler::new(vec![], std::time::Duration::from_millis(300));
+        let on = |master| {
+            [
+                row(1, "vmbr0", None, 0, 0),
+                LinkRow {
+                    is_bridge: true,
+                    ..row(4, "vmbr1", None, 0, 0)
+                },
+                row(5, "tap102i0", Some(master), 1, 1),
+            ]
+        };
+        let reg3 = Registry::new();
+        let m3 = BridgeMetrics::new(&reg3);
+        s3.step(&on(1), t0, &m3);
+        s3.step(&on(4), t0 + ms(100), &m3);
+        let bridges: Vec<String> = metrics::series_by_label(&reg3, "bridge")
+            .into_iter()
+            .map(|(_, b)| b)
+            .collect();
+        assert!(
+            !bridges.is_empty() && bridges.iter().all(|b| b == "vmbr1"),
+            "{bridges:?}"
+        );
         let mut s2 = BridgeSampler::new(vec![], std::time::Duration::from_millis(300));
         let rows = |tx| {
             [

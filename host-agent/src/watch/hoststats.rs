@@ -140,7 +140,9 @@ impl Watcher for HostWatcher {
             hs.poll(&a.roots, &m);
             Outcome::On(vec![tokio::spawn(async move {
                 let mut iv = a.ticker(a.cfg.host.interval_ms);
+                let beat = a.heartbeat("host", a.cfg.host.interval_ms);
                 loop {
+                    beat.now();
                     iv.tick().await;
                     hs.poll(&a.roots, &m);
                 }

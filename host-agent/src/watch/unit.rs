@@ -6,6 +6,7 @@
 //! order of [`super::UNITS`] ([`Watcher::start`]) and reports each [`Outcome`].
 
 use crate::agent::Agent;
+use crate::heartbeat::Beat;
 use gpufeed_shared::event::{AerDetail, HostEvent, Source};
 use prometheus::Registry;
 use std::future::Future;
@@ -40,7 +41,7 @@ pub type Starting = Pin<Box<dyn Future<Output = Outcome> + Send>>;
 pub struct Cx {
     pub agent: Arc<Agent>,
     /// Pokes addressed to this watcher by others ([`Agent::poke`]).
-    pub inbox: mpsc::Receiver<Poke>,
+    pub inbox: Inbox,
     /// Set when the agent stops: for watchers that run on their own thread (tokio tasks are
     /// aborted instead).
     pub stop: Arc<AtomicBool>,
@@ -71,26 +72,36 @@ pub enum Poke {
     Aer(AerDetail),
 }
 
+/// The pokes addressed to one loop, with its name (for its heartbeat).
+pub struct Inbox {
+    pub name: &'static str,
+    pub rx: mpsc::Receiver<Poke>,
+}
+
 /// A poller's wake-ups: its timer's ticks merged with the pokes sent to it. Once every sender
 /// is gone only the timer is left (a closed channel must not be polled again: it is always
-/// ready, and the loop would spin).
+/// ready, and the loop would spin). Asking for the next wake-up is the loop's heartbeat: a
+/// poller stuck in its poll stops asking, and the watchdog notices.
 pub struct Pokes {
     timer: tokio::time::Interval,
     rx: mpsc::Receiver<Poke>,
     open: bool,
+    beat: Arc<Beat>,
 }
 
 impl Pokes {
     /// `timer` past its immediate first tick (the caller polled once already).
-    pub fn new(timer: tokio::time::Interval, rx: mpsc::Receiver<Poke>) -> Pokes {
+    pub fn new(timer: tokio::time::Interval, rx: mpsc::Receiver<Poke>, beat: Arc<Beat>) -> Pokes {
         Pokes {
             timer,
             rx,
             open: true,
+            beat,
         }
     }
 
     pub async fn next(&mut self) -> Poke {
+        self.beat.now();
         loop {
             tokio::select! {
                 _ = self.timer.tick() => return Poke::Tick,

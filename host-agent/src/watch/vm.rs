@@ -319,6 +319,11 @@ impl VmPoller {
                 }
             }
         }
+        // A VM that is gone (no config, no pid file: destroyed or migrated away) leaves
+        // /metrics too, else every VM this host ever ran would stay there.
+        for gone in self.states.keys().filter(|k| !vmids.contains(k)) {
+            metrics.remove_vm(*gone);
+        }
         self.states.retain(|k, _| vmids.contains(k));
         self.run_delay.retain(|k, _| vmids.contains(k));
         out
@@ -364,6 +369,21 @@ pub struct VmMetrics {
 }
 
 impl VmMetrics {
+    /// Drops every series of `vmid`.
+    pub fn remove_vm(&self, vmid: u32) {
+        let id = vmid.to_string();
+        let _ = self.up.remove_label_values(&[&id]);
+        let _ = self.vcpu_run_delay.remove_label_values(&[&id]);
+        for s in [
+            VmRunState::Running,
+            VmRunState::Paused,
+            VmRunState::Error,
+            VmRunState::Stopped,
+        ] {
+            let _ = self.state.remove_label_values(&[&id, s.as_str()]);
+        }
+    }
+
     pub fn new(r: &Registry) -> VmMetrics {
         VmMetrics {
             up: metrics::int_gauge_vec(
@@ -417,7 +437,11 @@ impl Watcher for VmWatcher {
             Outcome::On(vec![tokio::spawn(async move {
                 let mut iv = a.ticker(a.cfg.vm.poll_interval_ms);
                 iv.tick().await;
+                // Beats once a poll came back: a QMP socket or /proc read that never returns
+                // (the poll waits on it) stops it.
+                let beat = a.heartbeat("vm", a.cfg.vm.poll_interval_ms);
                 loop {
+                    beat.now();
                     iv.tick().await;
                     let (a2, m2) = (a.clone(), m.clone());
                     let mut p2 = std::mem::take(&mut p);
@@ -458,4 +482,61 @@ fn describe(e: &HostEvent) -> Option<String> {
             format!(" cause: {}", v.cause.join(" | "))
         }
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A VM whose config and pid file are gone leaves no series; the others stay.
+    #[test]
+    fn series_of_a_gone_vm_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run/qemu-server");
+        std::fs::create_dir_all(&run).unwrap();
+        // VM 100 runs (a pid file naming a QEMU of VM 100 in the tree's /proc), 101 is stopped.
+        std::fs::write(run.join("100.pid"), "4242\n").unwrap();
+        let proc = dir.path().join("proc/4242");
+        std::fs::create_dir_all(&proc).unwrap();
+        std::fs::write(proc.join("cmdline"), "/usr/bin/kvm\0-id\x00100\0").unwrap();
+        let roots = Roots::new(dir.path());
+        let reg = Registry::new();
+        let m = VmMetrics::new(&reg);
+        let mut p = VmPoller::new(false);
+        let (topo, recent) = (Topology::default(), RecentKmsg::default());
+        let vmids_of = |reg: &Registry| metrics::series_by_label(reg, "vmid");
+        p.poll(
+            &roots,
+            &BTreeSet::from([100, 101]),
+            &topo,
+            &recent,
+            Duration::ZERO,
+            &m,
+        );
+        let before = vmids_of(&reg);
+        assert!(
+            before.contains(&("gpufeed_host_vm_up".into(), "101".into())),
+            "{before:?}"
+        );
+        assert!(
+            before.contains(&("gpufeed_host_vm_state".into(), "101".into())),
+            "{before:?}"
+        );
+        // 101's config is deleted.
+        p.poll(
+            &roots,
+            &BTreeSet::from([100]),
+            &topo,
+            &recent,
+            Duration::ZERO,
+            &m,
+        );
+        let after = vmids_of(&reg);
+        assert!(after.iter().all(|(_, id)| id == "100"), "{after:?}");
+        assert!(
+            after.contains(&("gpufeed_host_vm_up".into(), "100".into())),
+            "{after:?}"
+        );
+        assert_eq!(m.up.with_label_values(&["100"]).get(), 1);
+    }
 }

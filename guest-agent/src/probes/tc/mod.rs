@@ -23,6 +23,7 @@ use super::ProbeError;
 use crate::bandwidth;
 use crate::collect::Owner;
 use crate::ifaces::{self, NodeDevices, PodIface};
+use crate::pods::PodStore;
 
 pub const BYTES_FAMILY: &str = "ebpf_tc_bytes_total";
 pub const DROPS_FAMILY: &str = "ebpf_tc_dropped_packets_total";
@@ -127,7 +128,7 @@ pub struct TcUnit {
     last_cg: HashMap<u64, IfBytes>,
     /// drop records drained in the last tick (how full the map was)
     drained: usize,
-    /// (pod uid, annotation value) pairs already warned about
+    /// (pod uid, annotation value) pairs already warned about, of live pods only
     warned: HashSet<(String, String)>,
 }
 
@@ -151,7 +152,10 @@ impl TcUnit {
     /// Looks at the node's interfaces again: attaches to new pod veths and
     /// node devices, detaches from gone ones (their last bytes go to `out`).
     fn rediscover(&mut self, ctx: &TickContext<'_>, out: &mut Vec<(Owner, Delta)>) -> bool {
-        let found = ifaces::discover(&ctx.pod_pids(), &self.node_spec);
+        let pod_of_ip = |ip| ctx.pods.by_ip(ip).map(|m| m.uid);
+        let pinned = std::path::Path::new(ifaces::PINNED_NETNS);
+        let pod_pids = || ctx.pod_pids();
+        let found = ifaces::discover(&pod_of_ip, &pod_pids, pinned, &self.node_spec);
         self.last_discovery = Some(Instant::now());
         let found = match found {
             Ok(f) => f,
@@ -202,6 +206,7 @@ impl TcUnit {
         self.by_pod_side = self
             .by_host
             .values()
+            .filter(|p| p.pod_netns != 0)
             .map(|p| ((p.pod_netns, p.pod_ifindex), p.uid.clone()))
             .collect();
         let node_now: HashSet<u32> = found.node_devices.iter().map(|(i, _)| *i).collect();
@@ -266,44 +271,55 @@ impl TcUnit {
 
     /// Caps from annotations; an unparsable value is warned about once.
     fn bandwidth_limits(&mut self, ctx: &TickContext<'_>) -> Vec<GaugeValue> {
-        let mut out = Vec::new();
-        for uid in ctx.pods.uids() {
-            let Some(meta) = ctx.pods.get(&uid) else {
+        bandwidth_limits(ctx.pods, &mut self.warned)
+    }
+}
+
+/// The pods' bandwidth caps from their annotations. An unparsable value is warned about once
+/// per (pod, value); `warned` keeps only the pairs that are still current, so it holds at
+/// most two entries per live pod: deleted pods and fixed annotations leave it.
+fn bandwidth_limits(pods: &PodStore, warned: &mut HashSet<(String, String)>) -> Vec<GaugeValue> {
+    let mut out = Vec::new();
+    let mut still_bad = HashSet::new();
+    for uid in pods.uids() {
+        let Some(meta) = pods.get(&uid) else {
+            continue;
+        };
+        if meta.deleted_at.is_some() {
+            continue;
+        }
+        for (key, dir) in [
+            (bandwidth::EGRESS, Direction::Egress),
+            (bandwidth::INGRESS, Direction::Ingress),
+        ] {
+            let Some(v) = meta.annotations.get(key) else {
                 continue;
             };
-            if meta.deleted_at.is_some() {
-                continue;
-            }
-            for (key, dir) in [
-                (bandwidth::EGRESS, Direction::Egress),
-                (bandwidth::INGRESS, Direction::Ingress),
-            ] {
-                let Some(v) = meta.annotations.get(key) else {
-                    continue;
-                };
-                match bandwidth::parse_quantity(v) {
-                    Ok(bps) => out.push(GaugeValue {
-                        owner: Owner::Pod {
-                            uid: uid.clone(),
-                            container_id: None,
-                        },
-                        labels: Labels::from([("direction", dir.as_str().to_string())]),
-                        value: bps,
-                    }),
-                    Err(e) => {
-                        if self.warned.insert((uid.clone(), format!("{key}={v}"))) {
-                            tracing::warn!(
-                                "pod {}/{}: annotation {key}={v:?} is not a valid quantity ({e}); no bandwidth limit exported",
-                                meta.namespace,
-                                meta.name
-                            );
-                        }
+            match bandwidth::parse_quantity(v) {
+                Ok(bps) => out.push(GaugeValue {
+                    owner: Owner::Pod {
+                        uid: uid.clone(),
+                        container_id: None,
+                    },
+                    labels: Labels::from([("direction", dir.as_str().to_string())]),
+                    value: bps,
+                }),
+                Err(e) => {
+                    let k = (uid.clone(), format!("{key}={v}"));
+                    if !warned.contains(&k) {
+                        tracing::warn!(
+                            "pod {}/{}: annotation {key}={v:?} is not a valid quantity ({e}); no bandwidth limit exported",
+                            meta.namespace,
+                            meta.name
+                        );
                     }
+                    still_bad.insert(k);
                 }
             }
         }
-        out
     }
+    *warned = still_bad;
+    out
 }
 
 impl Probe for TcUnit {
@@ -423,5 +439,52 @@ fn push_bytes(out: &mut Vec<(Owner, Delta)>, uid: &str, now: &IfBytes, prev: &If
                 value: Value::Count(n),
             },
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pods::PodMeta;
+
+    fn pod(uid: &str, egress: &str) -> PodMeta {
+        PodMeta {
+            uid: uid.into(),
+            namespace: "ns".into(),
+            name: uid.into(),
+            labels: Default::default(),
+            annotations: [(bandwidth::EGRESS.to_string(), egress.to_string())].into(),
+            containers: Default::default(),
+            ips: vec![],
+            host_network: false,
+            deleted_at: None,
+        }
+    }
+
+    /// The warned set holds the current bad annotations of live pods only.
+    #[test]
+    fn warned_pairs_of_deleted_pods_and_fixed_values_are_dropped() {
+        let pods = PodStore::new();
+        let mut warned = HashSet::new();
+        for i in 0..100 {
+            pods.upsert(pod(&format!("p{i}"), &format!("lots-{i}")));
+        }
+        pods.upsert(pod("good", "10M"));
+        let caps = bandwidth_limits(&pods, &mut warned);
+        assert_eq!(caps.len(), 1);
+        assert_eq!(caps[0].value, 10e6);
+        assert_eq!(warned.len(), 100);
+        // 99 pods deleted, the last one fixes its annotation.
+        for i in 0..99 {
+            pods.mark_deleted(&format!("p{i}"));
+        }
+        bandwidth_limits(&pods, &mut warned);
+        assert_eq!(
+            warned.iter().collect::<Vec<_>>(),
+            [&("p99".to_string(), format!("{}=lots-99", bandwidth::EGRESS))]
+        );
+        pods.upsert(pod("p99", "1G"));
+        assert_eq!(bandwidth_limits(&pods, &mut warned).len(), 2);
+        assert!(warned.is_empty());
     }
 }

@@ -1,5 +1,8 @@
 //! Optional event journal of the hub (`--event-journal FILE`): every accepted host event and
-//! every loss report, one JSON line each, appended before the guest acknowledges them. At start
+//! every loss report, one JSON line each, appended before the guest acknowledges them. An
+//! append that fails (a full disk) leaves nothing behind in the file, and the hub neither
+//! delivers nor acknowledges what it held: the host keeps those frames and sends them again,
+//! so the journal is where an event counts as accepted. At start
 //! the journal seeds de-duplication, so a restarted (even SIGKILLed) guest neither delivers an
 //! event twice nor asks for one it already has. Past `max_bytes` the journal is compacted to
 //! one `mark` line (the watermark) per `(host, boot)`, written to a temporary file and renamed
@@ -9,6 +12,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::proto::Dedup;
 use serde::{Deserialize, Serialize};
@@ -45,9 +49,23 @@ pub struct Journal {
     path: PathBuf,
     file: File,
     buf: Vec<u8>,
+    /// Bytes of whole lines in the file: where the next append starts.
     len: u64,
     max_bytes: u64,
+    /// A failed append could not be cut back off: the file ends in a fragment past `len`
+    /// that must go before anything else is written (the file is opened for appending).
+    torn: bool,
+    /// After a failed compaction, the next attempt waits until then (a full disk would
+    /// otherwise retry, and log, at every append).
+    compact_after: Option<Instant>,
+    /// Failed appends: when one was last logged, and how many since went unlogged.
+    failures: (Option<Instant>, u64),
 }
+
+/// How long a failed compaction waits before the next try.
+const COMPACT_RETRY: Duration = Duration::from_secs(10);
+/// At most one log line about failed appends this often.
+pub const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 impl Journal {
     /// Opens (creates) the journal, cuts a torn last line, and seeds `dedup` from it.
@@ -95,11 +113,27 @@ impl Journal {
             buf: Vec::new(),
             len: good,
             max_bytes: max_bytes.max(4096),
+            torn: false,
+            compact_after: None,
+            failures: (None, 0),
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Notes a failed append. `Some(n)` when a line is due (at most one per
+    /// [`FAILURE_LOG_INTERVAL`]): `n` failures went unlogged before this one. While a disk
+    /// stays full every reconnect of every host fails once.
+    pub fn note_failure(&mut self, now: Instant) -> Option<u64> {
+        let (last, unlogged) = &mut self.failures;
+        if last.is_some_and(|t| now.duration_since(t) < FAILURE_LOG_INTERVAL) {
+            *unlogged += 1;
+            return None;
+        }
+        *last = Some(now);
+        Some(std::mem::take(unlogged))
     }
 
     pub fn add_event(&mut self, e: &ReceivedEvent) {
@@ -141,23 +175,41 @@ impl Journal {
     }
 
     /// Appends the buffered lines in one write; compacts when the journal is too large.
+    ///
+    /// An error means none of the buffered lines is in the file (they are discarded, and what
+    /// made it to disk of them is cut off again): the caller must treat their events as not
+    /// received. A failed compaction is no such error: the lines are in the file by then.
     pub fn commit(&mut self, dedup: &Dedup) -> std::io::Result<()> {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let r = self.file.write_all(&self.buf);
-        let n = self.buf.len() as u64;
+        let r = self.append();
         self.buf.clear();
-        if let Err(e) = r {
-            // Cut what made it of the failed write, so that the next line does not start
-            // inside a fragment (and vanish with it at the next start).
-            let _ = self.file.set_len(self.len);
+        r?;
+        if self.len > self.max_bytes && self.compact_after.is_none_or(|t| Instant::now() >= t) {
+            match self.compact(dedup) {
+                Ok(()) => self.compact_after = None,
+                Err(e) => {
+                    self.compact_after = Some(Instant::now() + COMPACT_RETRY);
+                    tracing::warn!(path = %self.path.display(), error = %e, bytes = self.len, "event journal: compaction failed; the journal stays as it is and compaction is retried later");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn append(&mut self) -> std::io::Result<()> {
+        if self.torn {
+            // Without this the lines would be glued onto the fragment, and the whole line
+            // skipped as damaged at the next start.
+            self.file.set_len(self.len)?;
+            self.torn = false;
+        }
+        if let Err(e) = self.file.write_all(&self.buf) {
+            self.torn = self.file.set_len(self.len).is_err();
             return Err(e);
         }
-        self.len += n;
-        if self.len > self.max_bytes {
-            self.compact(dedup)?;
-        }
+        self.len += self.buf.len() as u64;
         Ok(())
     }
 
@@ -181,19 +233,31 @@ impl Journal {
                 out.push(b'\n');
             }
         }
+        // A leftover of an interrupted compaction is stale; a new file is created in its
+        // place (never opened through a link), and it becomes the journal's handle before
+        // the rename, so that no failure after the rename leaves appends going to the
+        // unlinked old file.
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let mut f = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create_new(true)
+            .open(&tmp)?;
         // Synced before and after the rename: a crash leaves the old journal or the new one.
-        let mut f = File::create(&tmp)?;
-        f.write_all(&out)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)?;
+        let written = f.write_all(&out).and_then(|()| f.sync_all());
+        if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, &self.path)) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        self.file = f;
+        self.len = out.len() as u64;
+        self.torn = false;
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             File::open(dir)?.sync_all()?;
         }
-        self.file = OpenOptions::new()
-            .append(true)
-            .read(true)
-            .open(&self.path)?;
-        self.len = out.len() as u64;
         tracing::info!(path = %self.path.display(), bytes = self.len, "event journal compacted to watermarks");
         Ok(())
     }

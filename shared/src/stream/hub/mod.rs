@@ -180,6 +180,9 @@ pub const UNVERIFIED: &str = "unverified";
 pub const CLOSE_PROTOCOL: u32 = 1;
 /// Application close code for a refused peer.
 pub const CLOSE_REFUSED: u32 = 2;
+/// Application close code when the guest cannot take events now (its journal cannot be
+/// written): the host keeps them and reconnects.
+pub const CLOSE_UNAVAILABLE: u32 = 3;
 
 struct Metrics {
     connected: IntGaugeVec,
@@ -705,6 +708,9 @@ async fn handle_incoming(
         Err(End::Lost(e)) => {
             tracing::info!(host = %host, %remote, "hub: connection ended: {e}")
         }
+        Err(End::Unavailable) => {
+            conn.close(CLOSE_UNAVAILABLE.into(), b"journal unavailable");
+        }
     }
 }
 
@@ -742,6 +748,9 @@ enum End {
     Rejected(&'static str, String),
     /// Transport ended (peer gone, timeout).
     Lost(String),
+    /// This guest could not take the events (its journal write failed; logged there): they
+    /// were neither delivered nor acknowledged, and closing makes the host send them again.
+    Unavailable,
 }
 
 impl From<quinn::ReadError> for End {
@@ -978,6 +987,8 @@ impl Conn<'_> {
         {
             let mut st = inner.state.lock().expect("hub state");
             let st = &mut *st;
+            // The accounting to return to if the journal refuses this batch.
+            let before = st.journal.is_some().then(|| st.dedup.clone());
             let offset = st
                 .clocks
                 .get(self.host)
@@ -1063,7 +1074,18 @@ impl Conn<'_> {
                     j.add_event(e);
                 }
                 if let Err(e) = j.commit(&st.dedup) {
-                    tracing::error!(path = %j.path().display(), error = %e, "hub: event journal write failed");
+                    // Not in the journal, so not accepted: the accounting of this batch is
+                    // undone before any ack could carry it, nothing of it is delivered, and
+                    // the connection closes so that the host sends it again (from the
+                    // unchanged watermark) once the journal can be written.
+                    if let Some(before) = before {
+                        st.dedup = before;
+                    }
+                    if let Some(unlogged) = j.note_failure(Instant::now()) {
+                        tracing::error!(path = %j.path().display(), error = %e, host = self.host, events = delivered.len(), unlogged, "hub: event journal write failed; the host keeps the events and sends them again");
+                    }
+                    delivered.clear();
+                    return Err(End::Unavailable);
                 }
             }
             let (cap, max_bytes) = (inner.cfg.recent_capacity, inner.cfg.recent_max_bytes);
