@@ -9,6 +9,7 @@ pub mod collect;
 pub mod correlate;
 pub mod dst;
 pub mod exporter;
+pub mod finops;
 pub mod hub;
 pub mod ifaces;
 pub mod incident;
