@@ -44,6 +44,8 @@ pub struct CostModel {
 #[derive(Debug, Clone, PartialEq)]
 pub struct IntervalCost<K> {
     pub pods: BTreeMap<K, f64>,
+    /// Driver seconds each pod was charged for (its compute share × `dt`).
+    pub compute_seconds: BTreeMap<K, f64>,
     /// What no pod used.
     pub idle: f64,
     /// The node's cost for the interval: `pods` + `idle`.
@@ -58,6 +60,7 @@ impl CostModel {
         if secs <= 0.0 || usage.is_empty() {
             return IntervalCost {
                 pods: usage.iter().map(|(k, _)| (k.clone(), 0.0)).collect(),
+                compute_seconds: usage.iter().map(|(k, _)| (k.clone(), 0.0)).collect(),
                 idle: node,
                 node,
             };
@@ -69,14 +72,17 @@ impl CostModel {
         let pcie = shares(usage, |u| u.pcie_bytes / link, f64::INFINITY);
         let w = self.weights;
         let mut pods = BTreeMap::new();
+        let mut compute_seconds = BTreeMap::new();
         let mut used = 0.0;
         for (i, (k, _)) in usage.iter().enumerate() {
             let c = node * (w.compute * compute[i] + w.vram * vram[i] + w.pcie * pcie[i]);
             used += c;
             *pods.entry(k.clone()).or_insert(0.0) += c;
+            *compute_seconds.entry(k.clone()).or_insert(0.0) += compute[i] * secs;
         }
         IntervalCost {
             pods,
+            compute_seconds,
             // rounding can leave -1e-18 where the GPU was full
             idle: (node - used).max(0.0),
             node,
@@ -132,6 +138,54 @@ impl<K: Ord + Clone> Ledger<K> {
         }
         self.idle += cost.idle;
         self.node += cost.node;
+    }
+}
+
+/// Driver time left uncharged is carried into the next intervals for at most this long.
+pub const MAX_CARRY: Duration = Duration::from_secs(30);
+
+/// Books intervals into a [`Ledger`], carrying driver time an interval could not hold into
+/// the next ones. The probe books a driver call's time when the call returns, so a 100 ms call
+/// that ends just after a tick puts up to twice the tick's length into one interval and none
+/// into the one before: without the carry, the cap at one GPU would drop that time. Time
+/// beyond [`MAX_CARRY`] (tasks of a pod truly in the driver at once for long) is dropped.
+#[derive(Debug, Clone)]
+pub struct Meter<K> {
+    pub model: CostModel,
+    pub ledger: Ledger<K>,
+    carry: BTreeMap<K, f64>,
+}
+
+impl<K: Ord + Clone> Meter<K> {
+    pub fn new(model: CostModel) -> Self {
+        Meter {
+            model,
+            ledger: Ledger::default(),
+            carry: BTreeMap::new(),
+        }
+    }
+
+    /// Books one interval; pods not in `usage` lose their lines and carry.
+    pub fn book(&mut self, dt: Duration, mut usage: Vec<(K, Usage)>) -> IntervalCost<K> {
+        for (k, u) in &mut usage {
+            u.compute_seconds += self.carry.remove(k).unwrap_or(0.0);
+        }
+        // what is left belongs to pods that are gone
+        self.carry.clear();
+        let cost = self.model.interval(dt, &usage);
+        self.ledger.add(&cost);
+        let max = MAX_CARRY.as_secs_f64();
+        for (k, u) in &usage {
+            let charged = cost.compute_seconds.get(k).copied().unwrap_or(0.0);
+            let left = u.compute_seconds - charged;
+            if left.is_finite() && left > 0.0 {
+                self.carry.insert(k.clone(), left.min(max));
+            }
+        }
+        self.ledger
+            .pods
+            .retain(|k, _| usage.iter().any(|(u, _)| u == k));
+        cost
     }
 }
 
@@ -250,6 +304,45 @@ mod tests {
         let c = m.interval(Duration::from_secs(1), &[("a", bad)]);
         assert_eq!(c.pods["a"], 0.0);
         assert!(close(c.idle, c.node));
+    }
+
+    #[test]
+    fn driver_time_booked_late_is_carried_not_lost() {
+        let mut m = model();
+        m.weights = Weights {
+            compute: 1.0,
+            vram: 0.0,
+            pcie: 0.0,
+        };
+        let mut meter = Meter::new(m);
+        let u = |s: f64| Usage {
+            compute_seconds: s,
+            ..Usage::default()
+        };
+        // a pod busy all along whose 100 ms calls are booked in bursts: 0.2 s, 0, 0.2 s, 0
+        for s in [0.2, 0.0, 0.2, 0.0, 0.1] {
+            meter.book(Duration::from_millis(100), vec![("a", u(s))]);
+        }
+        // 0.5 s of driver time in 0.5 s: the whole node cost, none of it idle
+        assert!(close(meter.ledger.pods["a"], 0.0005), "{:?}", meter.ledger);
+        assert!(meter.ledger.idle.abs() < 1e-15);
+        // a pod that leaves takes its line and its carry
+        meter.book(Duration::from_millis(100), vec![("a", u(5.0))]);
+        meter.book(Duration::from_millis(100), vec![("b", u(0.0))]);
+        assert!(!meter.ledger.pods.contains_key("a"));
+        meter.book(Duration::from_millis(100), vec![("a", u(0.0))]);
+        assert_eq!(meter.ledger.pods["a"], 0.0);
+        // carry is bounded: 100 s of driver time in 1 s leaves 30 s, not 99
+        let mut meter = Meter::new(m);
+        meter.book(Duration::from_secs(1), vec![("a", u(100.0))]);
+        for _ in 0..40 {
+            meter.book(Duration::from_secs(1), vec![("a", u(0.0))]);
+        }
+        assert!(
+            close(meter.ledger.pods["a"], 0.001 * 31.0),
+            "{:?}",
+            meter.ledger
+        );
     }
 
     /// An hour of one-second intervals with a varying mix: the pods plus idle are the node's

@@ -64,7 +64,8 @@ struct State {
     last: Option<Instant>,
     /// Totals at the previous tick, by pod UID.
     previous: HashMap<String, PodTotals>,
-    ledger: cost::Ledger<CostKey>,
+    /// `None` without an hourly rate.
+    meter: Option<cost::Meter<CostKey>>,
     advisor: mps::MpsAdvisor<PodName>,
 }
 
@@ -87,13 +88,14 @@ impl FinOps {
             .filter_map(|n| Desc::new(n.to_string(), n.to_string(), vec![], HashMap::new()).ok())
             .collect();
         let advisor = mps::MpsAdvisor::new(cfg.mps);
+        let meter = cfg.cost.as_ref().map(|c| cost::Meter::new(c.model));
         FinOps(Arc::new(Inner {
             cfg,
             pods,
             state: Mutex::new(State {
                 last: None,
                 previous: HashMap::new(),
-                ledger: cost::Ledger::default(),
+                meter,
                 advisor,
             }),
             descs,
@@ -147,12 +149,9 @@ impl FinOps {
                 ));
             }
         }
-        if let Some(c) = &self.0.cfg.cost {
-            let interval = c.model.interval(dt, &usage);
-            st.ledger.add(&interval);
+        if let Some(meter) = &mut st.meter {
             // the lines of pods gone from the collector go with them
-            let live: std::collections::BTreeSet<&CostKey> = usage.iter().map(|(k, _)| k).collect();
-            st.ledger.pods.retain(|k, _| live.contains(k));
+            meter.book(dt, usage);
         }
         st.advisor.observe(now, samples);
         st.previous = totals;
@@ -162,13 +161,14 @@ impl FinOps {
         let inner = &self.0;
         let mut out = Vec::new();
         let st = inner.state.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = &inner.cfg.cost {
+        if let (Some(c), Some(meter)) = (&inner.cfg.cost, &st.meter) {
+            let ledger = &meter.ledger;
             let currency = || Labels::from([("currency", c.currency.clone())]);
             out.push(family(
                 COST,
                 "Cost of the pod's use of the GPU: the node's hourly rate × the weighted compute, VRAM and PCIe shares (docs/finops.md)",
                 MetricType::COUNTER,
-                st.ledger
+                ledger
                     .pods
                     .iter()
                     .map(|(k, v)| {
@@ -184,13 +184,13 @@ impl FinOps {
                 IDLE_COST,
                 "Cost of the GPU capacity no pod used",
                 MetricType::COUNTER,
-                vec![counter(&currency(), st.ledger.idle)],
+                vec![counter(&currency(), ledger.idle)],
             ));
             out.push(family(
                 NODE_COST,
                 "The node's cost at its hourly rate since the agent started: the pods' costs plus the idle cost",
                 MetricType::COUNTER,
-                vec![counter(&currency(), st.ledger.node)],
+                vec![counter(&currency(), ledger.node)],
             ));
         }
         out.push(family(
