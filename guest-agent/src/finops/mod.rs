@@ -139,14 +139,8 @@ impl FinOps {
                 },
             ));
             if let Some(duty) = t.duty {
-                samples.push((
-                    name,
-                    mps::Sample {
-                        duty,
-                        call_seconds: secs(t.call_ns.saturating_sub(p.call_ns)),
-                        busy_seconds: busy,
-                    },
-                ));
+                let calls = secs(t.call_ns.saturating_sub(p.call_ns));
+                samples.push((name, mps::Sample::of_tick(duty, calls, busy, dt)));
             }
         }
         if let Some(meter) = &mut st.meter {

@@ -46,6 +46,32 @@ pub struct Sample {
     pub busy_seconds: f64,
 }
 
+impl Sample {
+    /// A tick's sample from the GPU series: the duty cycle gauge, and the driver call time and
+    /// driver (busy) time added in the tick of length `dt`.
+    ///
+    /// The probe books a busy interval when the pod's last task leaves the driver (an interval
+    /// still open is not readable consistently). Tasks whose calls overlap without a break
+    /// therefore add call time but no busy time, and the duty cycle does not see them until
+    /// they pause. A tick in which calls returned while the interval stayed open had a task
+    /// inside the driver throughout (up to the tick in which the interval began): it counts
+    /// as busy for its whole length.
+    pub fn of_tick(duty: f64, call_seconds: f64, busy_seconds: f64, dt: Duration) -> Sample {
+        if call_seconds > 0.0 && busy_seconds == 0.0 {
+            return Sample {
+                duty: 1.0,
+                call_seconds,
+                busy_seconds: dt.as_secs_f64(),
+            };
+        }
+        Sample {
+            duty,
+            call_seconds,
+            busy_seconds,
+        }
+    }
+}
+
 /// The percentage CUDA's default gives a client: the whole GPU.
 pub const WHOLE_GPU: u32 = 100;
 const MIN_SLICE: u32 = 10;
@@ -225,6 +251,26 @@ mod tests {
         assert_eq!(advice(&a, "p"), Some(100));
         run(&mut a, &mut t, 1, &[("p", s(0.0, 0.0, 0.0))]);
         assert_eq!(advice(&a, "p"), Some(10), "the burst left the period");
+    }
+
+    #[test]
+    fn calls_inside_a_busy_interval_still_open_count_as_busy_throughout() {
+        let dt = Duration::from_millis(200);
+        // two tasks queued back to back: 0.4 s of calls in 0.2 s, the interval never closes
+        let s = Sample::of_tick(0.0, 0.4, 0.0, dt);
+        assert_eq!((s.duty, s.busy_seconds), (1.0, 0.2));
+        // an idle tick, and a tick whose interval closed, are as measured
+        assert_eq!(Sample::of_tick(0.0, 0.0, 0.0, dt).duty, 0.0);
+        assert_eq!(Sample::of_tick(0.5, 0.1, 0.1, dt).duty, 0.5);
+        let mut a = MpsAdvisor::new(cfg());
+        let mut t = Instant::now();
+        run(
+            &mut a,
+            &mut t,
+            61,
+            &[("q", Sample::of_tick(0.0, 2.0, 0.0, Duration::from_secs(1)))],
+        );
+        assert_eq!(advice(&a, "q"), Some(100));
     }
 
     #[test]
