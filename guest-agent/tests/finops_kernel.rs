@@ -50,51 +50,36 @@ fn sum_where(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cost_per_tenant_follows_the_formula_and_adds_up_to_the_node() {
     let Some(_lock) = require_root() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path();
-    let dev = StandInDevice::new(dir);
-    let cuda = StandInCuda::new(dir);
+    let stand_ins = StandIns::new();
+    let (dir, dev, cuda) = (stand_ins.dir(), &stand_ins.dev, &stand_ins.cuda);
     let sb = CgroupSandbox::new();
-    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
-    let mut b = Pod::random(&sb, Layout::Systemd, "guaranteed");
-    let list = api_pod_list(vec![
-        api_pod(
-            &a.uid,
-            &a.container_id,
-            ("ml", "chat-0"),
-            NODE,
-            &[
-                (TENANT_KEY, "team-a"),
-                ("app.kubernetes.io/name", "chat"),
-                ("model", "llama"),
-            ],
-        ),
-        api_pod(
-            &b.uid,
-            &b.container_id,
-            ("ml", "embed-0"),
-            NODE,
-            &[(TENANT_KEY, "team-b"), ("app.kubernetes.io/name", "embed")],
-        ),
-    ]);
-    let kube = FakeKube::start(NODE, list, vec![]).await;
-    let prefix = format!("{}/nvidia", dir.display());
-    let mut args: Vec<String> = [
-        "--interval",
-        "100ms",
-        "--probes",
-        "gpu_driver,cuda",
-        "--node-name",
+    let (pods, list) = labelled_pods(
+        &sb,
         NODE,
-        "--gpu-device-prefix",
-        &prefix,
-        "--gpu-driver-name",
-        UART_DRIVER,
-        "--gpu-duty-window",
-        "2s",
-    ]
-    .map(String::from)
-    .to_vec();
+        &[
+            (
+                "chat-0",
+                Layout::Cgroupfs,
+                &[
+                    (TENANT_KEY, "team-a"),
+                    ("app.kubernetes.io/name", "chat"),
+                    ("model", "llama"),
+                ],
+            ),
+            (
+                "embed-0",
+                Layout::Systemd,
+                &[(TENANT_KEY, "team-b"), ("app.kubernetes.io/name", "embed")],
+            ),
+        ],
+    );
+    let [mut a, mut b]: [Pod; 2] = pods.try_into().ok().unwrap();
+    let kube = FakeKube::start(NODE, list, vec![]).await;
+    let mut args: Vec<String> = ["--interval", "100ms", "--node-name", NODE]
+        .map(String::from)
+        .to_vec();
+    args.extend(stand_ins.probe_flags());
+    args.extend(["--gpu-duty-window".into(), "2s".into()]);
     args.extend(finops_flags());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let started = Instant::now();

@@ -42,50 +42,39 @@ fn rule_file() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_evaluates_the_scaler_query_the_mps_advice_and_the_rules() {
     let Some(_lock) = require_root() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path();
-    let dev = StandInDevice::new(dir);
-    let cuda = StandInCuda::new(dir);
+    let stand_ins = StandIns::new();
+    let (dir, dev, cuda) = (stand_ins.dir(), &stand_ins.dev, &stand_ins.cuda);
     let sb = CgroupSandbox::new();
-    let mut server = Pod::random(&sb, Layout::Cgroupfs, "burstable");
-    let mut idle = Pod::random(&sb, Layout::Systemd, "burstable");
-    let list = api_pod_list(vec![
-        api_pod(
-            &server.uid,
-            &server.container_id,
-            ("ml", "server-0"),
-            NODE,
-            &[
-                (TENANT_KEY, "team-a"),
-                ("app.kubernetes.io/name", "inference-server"),
-            ],
-        ),
-        api_pod(
-            &idle.uid,
-            &idle.container_id,
-            ("ml", "idle-0"),
-            NODE,
-            &[
-                (TENANT_KEY, "team-b"),
-                ("app.kubernetes.io/name", "notebook"),
-            ],
-        ),
-    ]);
-    let kube = FakeKube::start(NODE, list, vec![]).await;
-    let prefix = format!("{}/nvidia", dir.display());
-    let (agent, _kc) = agent_with_kube(
-        &kube,
+    let (pods, list) = labelled_pods(
+        &sb,
+        NODE,
         &[
-            "--interval",
-            "200ms",
-            "--probes",
-            "gpu_driver,cuda",
-            "--node-name",
-            NODE,
-            "--gpu-device-prefix",
-            &prefix,
-            "--gpu-driver-name",
-            UART_DRIVER,
+            (
+                "server-0",
+                Layout::Cgroupfs,
+                &[
+                    (TENANT_KEY, "team-a"),
+                    ("app.kubernetes.io/name", "inference-server"),
+                ],
+            ),
+            (
+                "idle-0",
+                Layout::Systemd,
+                &[
+                    (TENANT_KEY, "team-b"),
+                    ("app.kubernetes.io/name", "notebook"),
+                ],
+            ),
+        ],
+    );
+    let [mut server, mut idle]: [Pod; 2] = pods.try_into().ok().unwrap();
+    let kube = FakeKube::start(NODE, list, vec![]).await;
+    let mut args: Vec<String> = ["--interval", "200ms", "--node-name", NODE]
+        .map(String::from)
+        .to_vec();
+    args.extend(stand_ins.probe_flags());
+    args.extend(
+        [
             "--gpu-duty-window",
             "2s",
             "--mps-sustain",
@@ -100,9 +89,11 @@ async fn prometheus_evaluates_the_scaler_query_the_mps_advice_and_the_rules() {
             "16MiB",
             "--gpu-link-bytes-per-second",
             "100000",
-        ],
-    )
-    .await;
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (agent, _kc) = agent_with_kube(&kube, &args).await;
     let target = agent.addr;
     let prom = tokio::task::spawn_blocking(move || {
         Prometheus::start_with(|pdir| {

@@ -11,7 +11,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::{compile_c, wait_for};
+use super::{compile_c, wait_for, CgroupSandbox, Layout, Pod};
 
 pub fn wait_file(path: &Path, what: &str) {
     assert!(
@@ -190,4 +190,56 @@ pub fn api_pod_list(items: Vec<serde_json::Value>) -> String {
         "items": items
     })
     .to_string()
+}
+
+/// A pod to make: its name, cgroup layout and pod labels.
+pub type PodSpec<'a> = (&'a str, Layout, &'a [(&'a str, &'a str)]);
+
+/// Pods in namespace `ml` with the given names, cgroup layouts and pod labels, and the PodList
+/// that shows them running on `node`, for the fake API server.
+pub fn labelled_pods(sb: &CgroupSandbox, node: &str, specs: &[PodSpec<'_>]) -> (Vec<Pod>, String) {
+    let pods: Vec<Pod> = specs
+        .iter()
+        .map(|(_, layout, _)| Pod::random(sb, *layout, "burstable"))
+        .collect();
+    let items = pods
+        .iter()
+        .zip(specs)
+        .map(|(p, (name, _, labels))| api_pod(&p.uid, &p.container_id, ("ml", name), node, labels))
+        .collect();
+    (pods, api_pod_list(items))
+}
+
+/// Both stand-ins in a scratch directory that goes with them.
+pub struct StandIns {
+    pub dev: StandInDevice,
+    pub cuda: StandInCuda,
+    pub scratch: tempfile::TempDir,
+}
+
+impl StandIns {
+    pub fn new() -> StandIns {
+        let scratch = tempfile::tempdir().unwrap();
+        StandIns {
+            dev: StandInDevice::new(scratch.path()),
+            cuda: StandInCuda::new(scratch.path()),
+            scratch,
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.scratch.path()
+    }
+
+    /// The agent flags that load both GPU probes on these stand-ins.
+    pub fn probe_flags(&self) -> Vec<String> {
+        vec![
+            "--probes".into(),
+            "gpu_driver,cuda".into(),
+            "--gpu-device-prefix".into(),
+            format!("{}/nvidia", self.dir().display()),
+            "--gpu-driver-name".into(),
+            UART_DRIVER.into(),
+        ]
+    }
 }
