@@ -156,6 +156,7 @@ mod tests {
             kind: "veth".into(),
             peer_ifindex: None,
             peer_netnsid: None,
+            parent_bus: None,
         };
         assert!(!NodeDevices::Auto.wants(&veth));
         assert!(NodeDevices::Names(vec!["vethx".into()]).wants(&veth));
@@ -165,6 +166,7 @@ mod tests {
             kind: String::new(),
             peer_ifindex: None,
             peer_netnsid: None,
+            parent_bus: None,
         };
         assert!(!NodeDevices::Auto.wants(&lo));
     }

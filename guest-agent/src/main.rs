@@ -11,8 +11,8 @@ use clap::{Parser, Subcommand};
 
 use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
 use gpufeed_guest::{
-    certs, cgroups, collect, correlate, dst, exporter, finops, hub, ifaces, incident, join, pods,
-    privileges, probes,
+    certs, cgroups, collect, correlate, doctor, dst, exporter, finops, hub, ifaces, incident, join,
+    pods, privileges, probes, readiness,
 };
 
 /// Default /metrics port: not used by any well-known exporter.
@@ -31,7 +31,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Load the probes and serve /metrics and /healthz.
+    /// Load the probes and serve /metrics, /healthz and /readyz.
     Run(Box<RunArgs>),
     /// Certificates for the host → guest event stream.
     Certs {
@@ -51,6 +51,37 @@ enum Cmd {
     /// What a running agent has joined: host links now, host events with the pods they hit,
     /// spikes no host event explains (the page at / as text).
     Explain(ExplainArgs),
+    /// Check what the field gets wrong on this node (privileges, kernel features, BBR, the
+    /// bandwidth manager, the host stream): pass or fail with the fix; exits non-zero on a
+    /// failure. Run it in the agent's container (`kubectl exec`).
+    Doctor(DoctorArgs),
+}
+
+#[derive(Parser, Debug)]
+struct DoctorArgs {
+    /// The running agent's HTTP address: the pods' annotations and the host stream are
+    /// checked by it (its /doctor).
+    #[arg(long, default_value_t = format!("http://127.0.0.1:{DEFAULT_METRICS_PORT}"))]
+    url: String,
+    /// cgroup v2 root, as given to `run`; found in /proc/self/mountinfo when not given.
+    #[arg(long)]
+    cgroup_root: Option<PathBuf>,
+    /// Node devices, as given to `run`.
+    #[arg(long, default_value = "auto")]
+    node_devices: ifaces::NodeDevices,
+    /// Look at this network namespace (an nsfs file such as /run/netns/NAME) instead of
+    /// the doctor's own; needs CAP_SYS_ADMIN.
+    #[arg(long)]
+    netns: Option<PathBuf>,
+    /// Only the checks of this node, not the running agent's.
+    #[arg(long)]
+    local: bool,
+    /// `--probes` and `--gpu-driver-hook` as given to `run` (they decide whether tracefs is
+    /// needed).
+    #[arg(long, default_value = "all")]
+    probes: String,
+    #[arg(long, value_enum, default_value = "auto")]
+    gpu_driver_hook: probes::gpu_driver::Hook,
 }
 
 #[derive(Parser, Debug)]
@@ -65,7 +96,7 @@ struct ExplainArgs {
 
 #[derive(Parser, Debug)]
 struct RunArgs {
-    /// Address for /metrics and /healthz.
+    /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value_t = SocketAddr::from(([0, 0, 0, 0], DEFAULT_METRICS_PORT)), env = "GPUFEED_METRICS_LISTEN")]
     metrics_listen: SocketAddr,
     /// How often kernel maps are read (100ms .. 60s).
@@ -195,6 +226,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Certs { cmd } => certs::run(cmd),
         Cmd::Explain(args) => explain(args),
         Cmd::Selftest { duration, interval } => selftest(duration, interval),
+        Cmd::Doctor(args) => doctor_cmd(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -408,31 +440,137 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             tokio::spawn(pods::run_watcher(pods.clone(), cfg));
         }
         // The hub: host events and host state in, joined with the pods' signals.
-        if let Some(listen) = args.quic_listen {
-            let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
-            hc.journal = args.event_journal.clone();
-            let hub = hub::serve(hc, &registry)
-                .await
-                .context("starting the hub (--quic-listen)")?;
-            joined.attach_hub(hub);
-        }
+        let stream = match args.quic_listen {
+            Some(listen) => {
+                let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
+                hc.journal = args.event_journal.clone();
+                readiness::start_stream(hc, &registry, joined.clone()).await?
+            }
+            None => {
+                tracing::info!("{}", readiness::STREAM_OFF);
+                readiness::Stream::new(readiness::StreamState::Off)
+            }
+        };
+        let findings = doctor_loop(
+            &registry,
+            doctor::Inputs {
+                cgroup_root: Some(cgroup_root.clone()),
+                node_devices: args.node_devices.clone(),
+                tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
+                ..Default::default()
+            },
+            (!args.no_kube).then(|| pods.clone()),
+            stream.clone(),
+        )?;
         let listener = tokio::net::TcpListener::bind(args.metrics_listen)
             .await
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
-        tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /events, /api/state and the page at /");
+        tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz, /doctor, /events, /api/state and the page at /");
         let stale_after = (args.interval * 3).as_millis() as u64 + 1000;
-        let healthy = Arc::new(move || {
+        let healthy: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || {
             let now = started.elapsed().as_millis() as u64;
             now.saturating_sub(last_tick_ms.load(Ordering::Relaxed)) <= stale_after
         });
+        let routes = join::router(joined).merge(readiness::router(stream, healthy.clone(), findings));
         tokio::select! {
-            r = exporter::serve(listener, registry, healthy, join::router(joined)) => r.context("metrics server"),
+            r = exporter::serve(listener, registry, healthy, routes) => r.context("metrics server"),
             _ = shutdown_signal() => {
                 tracing::info!("shutting down");
                 Ok(())
             }
         }
     })
+}
+
+/// The running agent's doctor: every check at start and every [`doctor::PERIOD`], the
+/// agent's own (pods, stream: in memory) every 5 s; the gauge and `/doctor` follow, and a check whose
+/// status changes is logged.
+fn doctor_loop(
+    registry: &prometheus::Registry,
+    inputs: doctor::Inputs,
+    pods: Option<pods::PodStore>,
+    stream: readiness::Stream,
+) -> anyhow::Result<doctor::Latest> {
+    const OWN_EVERY: Duration = Duration::from_secs(5);
+    let gauge = doctor::CheckGauge::register(registry)?;
+    let latest = doctor::Latest::default();
+    let out = latest.clone();
+    std::thread::Builder::new()
+        .name("doctor".into())
+        .spawn(move || {
+            let mut local = Vec::new();
+            let mut local_at: Option<Instant> = None;
+            loop {
+                if local_at.is_none_or(|t| t.elapsed() >= doctor::PERIOD) {
+                    local = doctor::local(&inputs);
+                    local_at = Some(Instant::now());
+                }
+                let mut all = local.clone();
+                if let Some(p) = &pods {
+                    all.push(doctor::pods::bandwidth_annotations(p));
+                }
+                all.push(doctor::stream::host_stream(&stream));
+                gauge.update(&all);
+                out.set(all);
+                std::thread::sleep(OWN_EVERY);
+            }
+        })?;
+    Ok(latest)
+}
+
+/// The running agent's latest findings (its /doctor).
+fn fetch_findings(url: &str) -> anyhow::Result<Vec<doctor::Finding>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let r = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()?
+            .get(url)
+            .send()
+            .await?
+            .error_for_status()?;
+        Ok(r.json().await?)
+    })
+}
+
+/// `gpufeed-guest doctor`: this node's checks, then the running agent's.
+fn doctor_cmd(args: DoctorArgs) -> anyhow::Result<()> {
+    let inputs = doctor::Inputs {
+        cgroup_root: args.cgroup_root,
+        netns: args.netns,
+        node_devices: args.node_devices,
+        tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
+        ..Default::default()
+    };
+    let mut findings = doctor::local(&inputs);
+    if !args.local {
+        let url = format!("{}/doctor", args.url.trim_end_matches('/'));
+        match fetch_findings(&url) {
+            Ok(theirs) => {
+                // The agent evaluates the local checks too, in its own process: this run's
+                // stand; its own (pods, stream) come from it.
+                let mine: Vec<String> = findings.iter().map(|f| f.check.clone()).collect();
+                findings.extend(theirs.into_iter().filter(|f| !mine.contains(&f.check)));
+            }
+            Err(e) => findings.push(doctor::Finding::fail(
+                "agent",
+                format!("cannot ask the running agent at {url}: {e:#}"),
+                "run the doctor in the agent's container (kubectl -n gpufeed exec ds/gpufeed-guest \
+                 -- gpufeed-guest doctor), pass --url, or --local for this node's checks only",
+            )),
+        }
+    }
+    print!("{}", doctor::render(&findings));
+    let failed = findings
+        .iter()
+        .filter(|f| f.status == doctor::Status::Fail)
+        .count();
+    if failed > 0 {
+        bail!("{failed} checks failed");
+    }
+    Ok(())
 }
 
 fn explain(args: ExplainArgs) -> anyhow::Result<()> {

@@ -1,6 +1,7 @@
 //! The few rtnetlink queries the agent needs, synchronously: the host's links
-//! (which veth leads into which network namespace) and the id this namespace
-//! gives to another one. Messages are built and parsed by netlink-packet-route.
+//! (which veth leads into which network namespace), the id this namespace
+//! gives to another one, and for the doctor the routes' congestion control and
+//! the qdiscs. Messages are built and parsed by netlink-packet-route.
 
 use std::io;
 use std::os::fd::RawFd;
@@ -10,6 +11,8 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
 use netlink_packet_route::nsid::{NsidAttribute, NsidMessage};
+use netlink_packet_route::route::{RouteAttribute, RouteMessage, RouteMetric};
+use netlink_packet_route::tc::{TcAttribute, TcHandle, TcMessage};
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 
@@ -24,6 +27,34 @@ pub struct Link {
     pub peer_ifindex: Option<u32>,
     /// For a veth whose peer is in another namespace: that namespace's id here.
     pub peer_netnsid: Option<i32>,
+    /// The bus of the device behind the interface ("pci", "virtio", "vmbus"): set for NICs,
+    /// never for veths, bridges or lo (IFLA_PARENT_DEV_BUS_NAME, reported since kernel 5.14).
+    pub parent_bus: Option<String>,
+}
+
+/// One route of the main table (or any table), as far as the doctor looks at it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    /// Destination prefix length: 0 is a default route.
+    pub dst_len: u8,
+    /// Output interface, when the route names one.
+    pub oif: Option<u32>,
+    /// `congctl` of the route (`ip route ... congctl NAME`): overrides the namespace's
+    /// net.ipv4.tcp_congestion_control for connections using the route.
+    pub congctl: Option<String>,
+}
+
+/// One qdisc.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qdisc {
+    pub ifindex: u32,
+    pub kind: String,
+    /// Handle major number (the `1:` of `1:0`).
+    pub handle_major: u16,
+    /// Attached at the root of the device.
+    pub root: bool,
+    /// Parent class major number (for a child of `mq`, the mq's handle).
+    pub parent_major: u16,
 }
 
 fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
@@ -93,10 +124,12 @@ fn link_of(l: LinkMessage) -> Link {
         kind: String::new(),
         peer_ifindex: None,
         peer_netnsid: None,
+        parent_bus: None,
     };
     for a in l.attributes {
         match a {
             LinkAttribute::IfName(n) => out.name = n,
+            LinkAttribute::ParentDevBusName(b) => out.parent_bus = Some(b),
             LinkAttribute::Link(i) => out.peer_ifindex = Some(i),
             LinkAttribute::LinkNetNsId(i) => out.peer_netnsid = Some(i),
             LinkAttribute::LinkInfo(infos) => {
@@ -115,6 +148,71 @@ fn link_of(l: LinkMessage) -> Link {
         }
     }
     out
+}
+
+/// Every IPv4 and IPv6 route of the calling thread's network namespace.
+pub fn routes() -> io::Result<Vec<Route>> {
+    let msgs = request(
+        RouteNetlinkMessage::GetRoute(RouteMessage::default()),
+        NLM_F_DUMP,
+    )?;
+    Ok(msgs
+        .into_iter()
+        .filter_map(|m| match m {
+            RouteNetlinkMessage::NewRoute(r) => Some(route_of(r)),
+            _ => None,
+        })
+        .collect())
+}
+
+fn route_of(r: RouteMessage) -> Route {
+    let mut out = Route {
+        dst_len: r.header.destination_prefix_length,
+        oif: None,
+        congctl: None,
+    };
+    for a in r.attributes {
+        match a {
+            RouteAttribute::Oif(i) => out.oif = Some(i),
+            RouteAttribute::Metrics(ms) => {
+                for m in ms {
+                    if let RouteMetric::CcAlgo(cc) = m {
+                        out.congctl = Some(cc);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Every qdisc of the calling thread's network namespace.
+pub fn qdiscs() -> io::Result<Vec<Qdisc>> {
+    let msgs = request(
+        RouteNetlinkMessage::GetQueueDiscipline(TcMessage::default()),
+        NLM_F_DUMP,
+    )?;
+    Ok(msgs
+        .into_iter()
+        .filter_map(|m| match m {
+            RouteNetlinkMessage::NewQueueDiscipline(q) => Some(Qdisc {
+                ifindex: q.header.index as u32,
+                kind: q
+                    .attributes
+                    .iter()
+                    .find_map(|a| match a {
+                        TcAttribute::Kind(k) => Some(k.clone()),
+                        _ => None,
+                    })
+                    .unwrap_or_default(),
+                handle_major: q.header.handle.major,
+                root: q.header.parent == TcHandle::ROOT,
+                parent_major: q.header.parent.major,
+            }),
+            _ => None,
+        })
+        .collect())
 }
 
 /// The id this namespace uses for the namespace behind `netns_fd` (an open

@@ -3,15 +3,9 @@
 
 use std::path::Path;
 
-const CAP_SYS_ADMIN: u32 = 21;
-const CAP_PERFMON: u32 = 38;
-const CAP_BPF: u32 = 39;
+use gpufeed_shared::doctor::{CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN};
 
-/// Effective capability set from a /proc/<pid>/status text.
-pub fn effective_caps(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("CapEff:"))?;
-    u64::from_str_radix(line.trim_start_matches("CapEff:").trim(), 16).ok()
-}
+pub use gpufeed_shared::doctor::effective_caps;
 
 /// Everything that stops the agent from loading its probes, one line each.
 pub fn missing(status: &str, btf: &Path) -> Vec<String> {
@@ -41,9 +35,7 @@ pub fn missing(status: &str, btf: &Path) -> Vec<String> {
 pub fn lockdown() -> Option<String> {
     let text = std::fs::read_to_string("/sys/kernel/security/lockdown").ok()?;
     // "none [integrity] confidentiality": the bracketed word is the active mode
-    let start = text.find('[')? + 1;
-    let end = text[start..].find(']')? + start;
-    Some(text[start..end].to_string())
+    gpufeed_shared::doctor::lockdown_mode(&text).map(str::to_string)
 }
 
 #[cfg(test)]

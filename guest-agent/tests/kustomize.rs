@@ -273,6 +273,22 @@ fn overlays_add_exactly_their_parts() {
         Some("gpufeed-guest-tls")
     );
     assert_eq!(vol["secret"]["defaultMode"].as_u64(), Some(0o400));
+    // A missing Secret must not hold the pod in ContainerCreating: the agent reports it on
+    // /readyz instead (tested on the binary in stream_guest_binary.rs).
+    assert_eq!(vol["secret"]["optional"].as_bool(), Some(true));
+    let c = &daemonset(&stream)["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        c["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    assert_eq!(
+        c["readinessProbe"]["httpGet"]["port"].as_str(),
+        Some("metrics")
+    );
+    assert_eq!(
+        c["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
 
     let full = kustomize("overlays/full");
     check_common("overlays/full", &full);

@@ -145,6 +145,18 @@ async fn guest_binary_hub() {
     })
     .expect("clock offset exported");
     assert!(offset.abs() < 0.01, "same machine, offset {offset}");
+    // The doctor's host_stream check passes with the host connected (evaluated every 5 s),
+    // and the agent is ready.
+    let ok = wait_for(Duration::from_secs(12), || {
+        (value(
+            &agent.scrape(),
+            "gpufeed_check_ok",
+            &[("check", "host_stream")],
+        ) == Some(1.0))
+        .then_some(())
+    });
+    assert!(ok.is_some(), "{:?}", agent.try_get("/doctor"));
+    assert_eq!(agent.try_get("/readyz").as_deref(), Some("ready\n"));
 
     // SIGKILL and restart: the journal says what it has; retransmissions are dropped.
     let _ = agent.child.kill();

@@ -296,12 +296,9 @@ fn daemonset_matches_the_binary() {
         "QUIC port as documented in --help"
     );
 
-    for probe in ["livenessProbe", "readinessProbe"] {
-        assert_eq!(
-            c[probe]["httpGet"]["path"].as_str(),
-            Some("/healthz"),
-            "{probe}"
-        );
+    // Liveness: the tick; readiness also the hub, which this DaemonSet runs (/readyz).
+    for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
+        assert_eq!(c[probe]["httpGet"]["path"].as_str(), Some(path), "{probe}");
         assert_eq!(
             c[probe]["httpGet"]["port"].as_str(),
             Some("metrics"),

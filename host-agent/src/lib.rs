@@ -11,6 +11,7 @@
 pub mod agent;
 pub mod config;
 pub mod discovery;
+pub mod doctor;
 pub mod events;
 pub mod fuzzing;
 pub mod kmsg;

@@ -38,6 +38,13 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Check what the field gets wrong on this host (capabilities, tracefs, lockdown, AER
+    /// ownership, GPU links below their capability): pass or fail with the fix; exits
+    /// non-zero on a failure.
+    Doctor {
+        #[command(flatten)]
+        common: Common,
+    },
 }
 
 #[derive(Args)]
@@ -70,7 +77,7 @@ impl Common {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    let quiet = matches!(cli.cmd, Cmd::Watch { .. });
+    let quiet = matches!(cli.cmd, Cmd::Watch { .. } | Cmd::Doctor { .. });
     gpufeed_host::logging::init(if quiet { "warn" } else { "info" });
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -118,6 +125,19 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             }
             run(cfg).await
         }
+        Cmd::Doctor { common } => {
+            let cfg = common.load()?;
+            let findings = gpufeed_host::doctor::checks(&cfg);
+            print!("{}", gpufeed_host::doctor::render(&findings));
+            let failed = findings
+                .iter()
+                .filter(|f| f.status == gpufeed_host::doctor::Status::Fail)
+                .count();
+            if failed > 0 {
+                anyhow::bail!("{failed} checks failed");
+            }
+            Ok(())
+        }
         Cmd::Watch { common, json } => {
             let mut cfg = common.load()?;
             if common.metrics_listen.is_none() {
@@ -149,6 +169,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         _ => None,
     };
     let running = agent.start().await;
+    spawn_doctor(&agent.cfg, &agent.metrics.registry)?;
     tracing::info!(
         "gpufeed-host {} started: metrics on http://{}/metrics; watchers on: {}; off: {}",
         env!("CARGO_PKG_VERSION"),
@@ -209,6 +230,21 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         // Writes the spools' state so that a restart resumes where this run stopped.
         stream.shutdown().await;
     }
+    Ok(())
+}
+
+/// The doctor's checks at start and every [`gpufeed_host::doctor::PERIOD`]:
+/// `gpufeed_check_ok{check}`, and a log line for each check that fails (or passes again).
+fn spawn_doctor(cfg: &Config, registry: &prometheus::Registry) -> anyhow::Result<()> {
+    use gpufeed_host::doctor;
+    let gauge = doctor::CheckGauge::register(registry)?;
+    let cfg = cfg.clone();
+    std::thread::Builder::new()
+        .name("doctor".into())
+        .spawn(move || loop {
+            gauge.update(&doctor::checks(&cfg));
+            std::thread::sleep(doctor::PERIOD);
+        })?;
     Ok(())
 }
 

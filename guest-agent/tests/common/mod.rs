@@ -611,6 +611,14 @@ impl Drop for Agent {
 
 /// Minimal HTTP/1.0 GET; returns the body on 200.
 pub fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
+    match http_get_status(addr, path)? {
+        (200, body) => Some(body),
+        _ => None,
+    }
+}
+
+/// Minimal HTTP/1.0 GET; returns the status code and the body.
+pub fn http_get_status(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     use std::io::Write;
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
@@ -618,10 +626,8 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
     let mut buf = String::new();
     s.read_to_string(&mut buf).ok()?;
     let (head, body) = buf.split_once("\r\n\r\n")?;
-    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
-        return None;
-    }
-    Some(body.to_string())
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_string()))
 }
 
 #[derive(Debug, Clone)]
