@@ -86,7 +86,10 @@ fn bandwidth_manager(ns: &Netns, devices: &NodeDevices, real_fq: bool) -> Findin
         return get(&ns.checks(devices), "bandwidth_manager").clone();
     }
     let (links, mut qdiscs) = network::in_netns(Some(&ns.path()), || -> std::io::Result<_> {
-        Ok((gpufeed_guest::netlink::links()?, gpufeed_guest::netlink::qdiscs()?))
+        Ok((
+            gpufeed_guest::netlink::links()?,
+            gpufeed_guest::netlink::qdiscs()?,
+        ))
     })
     .unwrap();
     for q in qdiscs.iter_mut().filter(|q| q.kind == "pfifo") {

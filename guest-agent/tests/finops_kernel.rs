@@ -82,9 +82,7 @@ async fn cost_per_tenant_follows_the_formula_and_adds_up_to_the_node() {
     args.extend(["--gpu-duty-window".into(), "2s".into()]);
     args.extend(finops_flags());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let started = Instant::now();
     let (agent, _kc) = agent_with_kube(&kube, &args).await;
-    let ready = Instant::now();
     let info = |pod: &str| {
         value(
             &agent.scrape(),
@@ -98,6 +96,9 @@ async fn cost_per_tenant_follows_the_formula_and_adds_up_to_the_node() {
         .is_some(),
         "both pods known from the API"
     );
+    let node_cost = |s: &[Sample]| value(s, "gpufeed_gpu_node_cost_total", &[("currency", "EUR")]);
+    let first = Instant::now();
+    let node_first = node_cost(&agent.scrape()).expect("the node's cost");
 
     // Tenant a: driver time only, 10 calls held 100 ms each.
     let (go, out) = (dir.join("go"), dir.join("hold.out"));
@@ -239,14 +240,14 @@ async fn cost_per_tenant_follows_the_formula_and_adds_up_to_the_node() {
         (tenants + idle - node).abs() <= 1e-9 * node,
         "tenants {tenants} + idle {idle} vs node {node}"
     );
-    let node_low = RATE_PER_S
-        * (scrape_start - ready)
-            .saturating_sub(INTERVAL * 2)
-            .as_secs_f64();
-    let node_high = RATE_PER_S * (scrape_end - started).as_secs_f64();
+    // Between two scrapes the node's cost grows at the rate: each scrape shows the last
+    // booked tick, so the two can be off by up to a tick each, plus a late tick's delay.
+    let booked = (node - node_first) / RATE_PER_S;
+    let (shortest, longest) = (scrape_start - first, scrape_end - first);
+    let slack = (INTERVAL * 3).as_secs_f64();
     assert!(
-        node >= node_low && node <= node_high,
-        "node cost {node} outside the rate × uptime bounds {node_low}..{node_high}"
+        booked >= shortest.as_secs_f64() - slack && booked <= longest.as_secs_f64() + slack,
+        "node cost grew by {booked} s of rate between scrapes {shortest:?}..{longest:?} apart"
     );
     assert!(idle > 0.0 && tenants > 0.0);
     drop(agent);
