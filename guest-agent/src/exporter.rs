@@ -17,6 +17,7 @@ use prometheus::proto::{
 use prometheus::{Encoder, Registry, TextEncoder};
 
 use crate::collect::{Owner, Shared};
+use crate::finops::PodLabels;
 use crate::pods::{PodMeta, PodStore};
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
 use crate::probes::unit::{FamilySpec, Kind, Labels, Scope, Value};
@@ -40,6 +41,8 @@ pub struct AgentCollector {
     probes: Vec<ProbeStatus>,
     last_scrape_seconds: Mutex<f64>,
     descs: Vec<Desc>,
+    /// Pod labels (--pod-label) the GPU series carry.
+    pod_labels: PodLabels,
 }
 
 impl AgentCollector {
@@ -61,7 +64,14 @@ impl AgentCollector {
             probes,
             last_scrape_seconds: Mutex::new(0.0),
             descs,
+            pod_labels: PodLabels::default(),
         }
+    }
+
+    /// Puts the configured pod labels on the GPU series.
+    pub fn with_pod_labels(mut self, pod_labels: PodLabels) -> Self {
+        self.pod_labels = pod_labels;
+        self
     }
 
     /// Label set of an owner: pods by namespace/name/container when the API
@@ -124,7 +134,7 @@ impl AgentCollector {
     fn series_labels(
         &self,
         owner: &Owner,
-        scope: Scope,
+        (family, scope): (&str, Scope),
         extra: &Labels,
         metas: &mut Metas,
     ) -> Labels {
@@ -133,6 +143,10 @@ impl AgentCollector {
             l.remove("container");
         }
         l.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
+        if let Owner::Pod { uid, .. } = owner {
+            let meta = metas.get(uid).and_then(Option::as_ref);
+            self.pod_labels.extend_gpu(family, meta, &mut l);
+        }
         l
     }
 
@@ -153,7 +167,7 @@ impl AgentCollector {
                     let Some(&scope) = scope_of.get(family) else {
                         continue;
                     };
-                    let l = self.series_labels(owner, scope, extra, &mut metas);
+                    let l = self.series_labels(owner, (family, scope), extra, &mut metas);
                     let m = merged.entry(family).or_default();
                     match value {
                         // no samples yet: no series
@@ -169,7 +183,7 @@ impl AgentCollector {
                 };
                 let m = merged.entry(family).or_default();
                 for g in values {
-                    let l = self.series_labels(&g.owner, scope, &g.labels, &mut metas);
+                    let l = self.series_labels(&g.owner, (family, scope), &g.labels, &mut metas);
                     m.gauges.push(gauge(&l, g.value));
                 }
             }
@@ -351,7 +365,7 @@ fn label_pairs(l: &Labels) -> Vec<LabelPair> {
         .collect()
 }
 
-fn family(name: &str, help: &str, t: MetricType, metrics: Vec<Metric>) -> MetricFamily {
+pub(crate) fn family(name: &str, help: &str, t: MetricType, metrics: Vec<Metric>) -> MetricFamily {
     let mut f = MetricFamily::default();
     f.set_name(name.to_string());
     f.set_help(help.to_string());
@@ -360,7 +374,7 @@ fn family(name: &str, help: &str, t: MetricType, metrics: Vec<Metric>) -> Metric
     f
 }
 
-fn gauge(l: &Labels, v: f64) -> Metric {
+pub(crate) fn gauge(l: &Labels, v: f64) -> Metric {
     let mut g = Gauge::default();
     g.set_value(v);
     let mut m = Metric::from_gauge(g);
@@ -368,7 +382,7 @@ fn gauge(l: &Labels, v: f64) -> Metric {
     m
 }
 
-fn counter(l: &Labels, v: f64) -> Metric {
+pub(crate) fn counter(l: &Labels, v: f64) -> Metric {
     let mut c = Counter::default();
     c.set_value(v);
     let mut m = Metric::from_label(label_pairs(l));

@@ -10,6 +10,7 @@ pub mod correlate;
 pub mod doctor;
 pub mod dst;
 pub mod exporter;
+pub mod finops;
 pub mod hub;
 pub mod ifaces;
 pub mod incident;

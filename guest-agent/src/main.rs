@@ -11,8 +11,8 @@ use clap::{Parser, Subcommand};
 
 use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
 use gpufeed_guest::{
-    certs, cgroups, collect, correlate, doctor, dst, exporter, hub, ifaces, incident, join, pods,
-    privileges, probes, readiness,
+    certs, cgroups, collect, correlate, doctor, dst, exporter, finops, hub, ifaces, incident, join,
+    pods, privileges, probes, readiness,
 };
 
 /// Default /metrics port: not used by any well-known exporter.
@@ -189,6 +189,8 @@ struct RunArgs {
     /// events are labelled simulated on /, /events and in the log. Repeatable.
     #[arg(long = "simulated-host", value_name = "HOST")]
     simulated_hosts: Vec<String>,
+    #[command(flatten)]
+    finops: finops::FinopsArgs,
 }
 
 fn parse_sensitivity(s: &str) -> Result<f64, String> {
@@ -290,6 +292,11 @@ fn node_name(arg: Option<String>) -> String {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
+    // NVML, when a probe provides it, will pass the GPU's capacities here.
+    let finops_cfg = args
+        .finops
+        .settings()
+        .validate(finops::CapacityInput::default())?;
     let selected = probes::select(&args.probes).context("--probes")?;
     let dst = if args.dst.is_empty() {
         dst::DstTable::defaults()
@@ -368,12 +375,17 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     })?;
 
     let registry = prometheus::Registry::new();
-    registry.register(Box::new(exporter::AgentCollector::new(
-        collector.shared.clone(),
-        pods.clone(),
-        collector.families(),
-        statuses,
-    )))?;
+    let finops = finops::FinOps::new(finops_cfg, pods.clone());
+    registry.register(Box::new(
+        exporter::AgentCollector::new(
+            collector.shared.clone(),
+            pods.clone(),
+            collector.families(),
+            statuses,
+        )
+        .with_pod_labels(finops.pod_labels()),
+    ))?;
+    registry.register(Box::new(finops.clone()))?;
     let join_cfg = correlate::Config {
         before: args.join_before,
         after: args.join_after,
@@ -408,6 +420,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                     {
                         let shared = collector.shared.lock().unwrap_or_else(|e| e.into_inner());
                         joined.tick(&shared);
+                        finops.tick(&shared, Instant::now());
                     }
                     last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }

@@ -14,10 +14,10 @@ mod common;
 use std::collections::HashSet;
 use std::fs::File;
 use std::os::fd::AsFd;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use common::gpu::*;
 use common::*;
 use gpufeed_guest::probes::cuda::{CudaCgroup, CudaOptions, CudaProbe};
 use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, CMD_CLASSES};
@@ -25,14 +25,6 @@ use gpufeed_guest::probes::KernelBtf;
 
 fn pids(pods: &[&Pod]) -> HashSet<i32> {
     pods.iter().flat_map(|p| p.pids()).collect()
-}
-
-fn wait_file(path: &Path, what: &str) {
-    assert!(
-        wait_for(Duration::from_secs(20), || path.exists().then_some(())).is_some(),
-        "{what}: {} did not appear",
-        path.display()
-    );
 }
 
 /// Whether process `pid` has `target` open.
@@ -43,59 +35,6 @@ fn has_open(pid: i32, target: &Path) -> bool {
                 .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == target))
         })
         .unwrap_or(false)
-}
-
-/// /proc/devices name of the serial driver that stands in for the GPU's.
-const UART_DRIVER: &str = "ttyS";
-
-/// The driver-time stand-in: a device node with the 8250 UART's numbers at
-/// `<dir>/nvidia0`, and the client program that holds ioctls on it.
-struct StandInDevice {
-    hold: PathBuf,
-    node: PathBuf,
-}
-
-impl StandInDevice {
-    fn new(dir: &Path) -> StandInDevice {
-        let hold = dir.join("ioctl_hold");
-        // static: after its exec, no loader opens a file and takes back the
-        // device's fd number before main() runs (its close would hide
-        // whether exec itself forgot the fd)
-        compile_c("gpu/ioctl_hold.c", &hold, &["-static"]);
-        let uart = std::fs::metadata("/dev/ttyS0")
-            .expect("the driver-time stand-in needs /dev/ttyS0 (an 8250 UART)");
-        let node = dir.join("nvidia0");
-        let c_node = std::ffi::CString::new(node.to_str().unwrap()).unwrap();
-        // SAFETY: a valid C string path; mknod creates a device node there.
-        let rc = unsafe { libc::mknod(c_node.as_ptr(), libc::S_IFCHR | 0o600, uart.rdev()) };
-        assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
-        StandInDevice { hold, node }
-    }
-
-    /// The shell command for `calls` ioctls of `tenths` x 100 ms once `go`
-    /// exists, then one of each NVIDIA request class; `mode` "fork": made by
-    /// a forked child on the inherited fd; "exec": none, the program execs
-    /// and reuses the device's fd number for a pipe.
-    fn command(&self, calls: u32, tenths: u32, go: &Path, out: &Path, mode: &str) -> String {
-        format!(
-            "exec {} {} {calls} {tenths} {} {} {mode}",
-            self.hold.display(),
-            self.node.display(),
-            go.display(),
-            out.display(),
-        )
-    }
-}
-
-/// (calls, total ns) the client measured itself.
-fn measured(out: &Path) -> (u64, u64) {
-    let text = std::fs::read_to_string(out).unwrap();
-    let mut f = text.split_whitespace().map(|v| v.parse::<u64>().unwrap());
-    (f.next().unwrap(), f.next().unwrap())
-}
-
-fn within_10_percent(got: f64, want: f64) -> bool {
-    (got - want).abs() <= 0.1 * want
 }
 
 #[test]
@@ -219,38 +158,6 @@ fn driver_time_case(hook: Hook) {
     assert!(stats[1] >= 1, "b's open was learned in the kernel");
 }
 
-/// Expected numbers of one cuda_app run with scale `s` after phases 1..=4.
-struct Expect {
-    s: u64,
-}
-
-const MIB: u64 = 1024 * 1024;
-
-impl Expect {
-    fn pitched(&self) -> u64 {
-        (1000 * self.s).div_ceil(512) * 512 * 300
-    }
-    fn managed(&self) -> u64 {
-        64 * 1024 * self.s
-    }
-    fn after_alloc(&self) -> i64 {
-        (self.s * MIB + self.pitched() + self.managed() + 128 * 1024 * self.s) as i64
-    }
-    fn after_free(&self) -> i64 {
-        (self.pitched() + self.managed()) as i64
-    }
-    fn after_vmm(&self) -> i64 {
-        // two physical allocations; the import aliases the second one
-        self.after_free() + (4 * self.s * MIB) as i64
-    }
-    fn h2d(&self) -> u64 {
-        (4096 + 1000) * self.s
-    }
-    fn d2h(&self) -> u64 {
-        (2048 + 24) * self.s
-    }
-}
-
 struct App {
     /// the pod's container cgroup
     cgroup: PathBuf,
@@ -268,54 +175,6 @@ impl App {
     fn read(&self, probe: &CudaProbe) -> CudaCgroup {
         let cg = File::open(&self.cgroup).unwrap();
         probe.read(cg.as_fd()).unwrap_or_default()
-    }
-}
-
-/// The CUDA stand-in: libcuda.so.1 built from C in `<dir>/lib`, a copy in a
-/// container root where distributions put it, and the client program.
-struct StandInCuda {
-    lib_dir: PathBuf,
-    app: PathBuf,
-    root: PathBuf,
-    /// control directory of a client that runs on the host's root
-    host_ctl: PathBuf,
-}
-
-impl StandInCuda {
-    fn new(dir: &Path) -> StandInCuda {
-        let lib_dir = dir.join("lib");
-        std::fs::create_dir(&lib_dir).unwrap();
-        let lib = lib_dir.join("libcuda.so.1");
-        compile_c(
-            "cuda/fake_libcuda.c",
-            &lib,
-            &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
-        );
-        let app = dir.join("cuda_app");
-        compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
-        let root = dir.join("rootfs");
-        let root_lib = root.join("usr/lib/x86_64-linux-gnu");
-        std::fs::create_dir_all(&root_lib).unwrap();
-        std::fs::create_dir_all(root.join("ctl")).unwrap();
-        std::fs::copy(&lib, root_lib.join("libcuda.so.1")).unwrap();
-        let host_ctl = dir.join("ctl");
-        std::fs::create_dir(&host_ctl).unwrap();
-        StandInCuda {
-            lib_dir,
-            app,
-            root,
-            host_ctl,
-        }
-    }
-
-    /// The client with scale `s` on the host's root.
-    fn host_command(&self, s: u64) -> String {
-        format!(
-            "LD_LIBRARY_PATH={} exec {} {} {s}",
-            self.lib_dir.display(),
-            self.app.display(),
-            self.host_ctl.display()
-        )
     }
 }
 

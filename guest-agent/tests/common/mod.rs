@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod fake_kube;
+pub mod gpu;
 pub mod logs;
 
 use std::collections::BTreeMap;
@@ -835,6 +836,12 @@ pub fn http_get_any(addr: std::net::SocketAddr, path: &str) -> String {
 }
 
 impl Prometheus {
+    /// A GET of Prometheus's HTTP API (`/api/v1/rules`, ...) as JSON.
+    pub fn api(&self, path: &str) -> serde_json::Value {
+        let body = http_get_any(self.addr, path);
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"))
+    }
+
     /// The single value of an instant query that must return exactly one series.
     pub fn scalar(&self, q: &str) -> Option<f64> {
         let r = self.query(q).ok()?;

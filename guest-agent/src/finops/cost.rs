@@ -1,0 +1,381 @@
+//! The cost model, sans IO: one interval's usage per pod in, each pod's cost, the idle cost and
+//! the node's cost out. Time and usage are arguments; nothing here reads a clock or a map.
+//!
+//! For an interval of `dt` seconds and an hourly node rate `R`, the node costs
+//! `C = R × dt / 3600`. Each pod's cost is `C × (w_compute × c + w_vram × v + w_pcie × e)` with
+//! its shares of the GPU in that interval:
+//!
+//! * `c` = driver time in the interval ÷ `dt`, at most 1 per pod;
+//! * `v` = VRAM held at the end of the interval ÷ the GPU's memory;
+//! * `e` = bytes copied over PCIe in the interval ÷ (link bandwidth × `dt`).
+//!
+//! A GPU cannot be more than whole, so where the pods' shares of one dimension add up to more
+//! than 1 (more VRAM reported than configured, copies faster than the configured link) they are
+//! scaled down together to add up to exactly 1. What the pods leave of each dimension is the
+//! idle cost, `C − Σ pod costs`: with weights that sum to 1 the pods' costs plus the idle cost
+//! are the node's cost, interval by interval, hence over any period.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::config::{GpuCapacity, Weights};
+
+/// One pod's usage in one interval.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    /// Driver time added in the interval (s).
+    pub compute_seconds: f64,
+    /// VRAM held at the end of the interval (bytes).
+    pub vram_bytes: f64,
+    /// Bytes copied between host and GPU in the interval.
+    pub pcie_bytes: f64,
+}
+
+/// What the model needs: the node's price, the weights and the GPU's size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// Price of the node per hour, in the configured currency.
+    pub hourly_rate: f64,
+    pub weights: Weights,
+    pub capacity: GpuCapacity,
+}
+
+/// The cost of one interval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IntervalCost<K> {
+    pub pods: BTreeMap<K, f64>,
+    /// Driver seconds each pod was charged for (its compute share × `dt`).
+    pub compute_seconds: BTreeMap<K, f64>,
+    /// What no pod used.
+    pub idle: f64,
+    /// The node's cost for the interval: `pods` + `idle`.
+    pub node: f64,
+}
+
+impl CostModel {
+    /// The cost of an interval of `dt` with each pod's `usage`.
+    pub fn interval<K: Ord + Clone>(&self, dt: Duration, usage: &[(K, Usage)]) -> IntervalCost<K> {
+        let secs = dt.as_secs_f64();
+        let node = self.hourly_rate * secs / 3600.0;
+        if secs <= 0.0 || usage.is_empty() {
+            return IntervalCost {
+                pods: usage.iter().map(|(k, _)| (k.clone(), 0.0)).collect(),
+                compute_seconds: usage.iter().map(|(k, _)| (k.clone(), 0.0)).collect(),
+                idle: node,
+                node,
+            };
+        }
+        let link = self.capacity.link_bytes_per_second as f64 * secs;
+        let memory = self.capacity.memory_bytes as f64;
+        let compute = shares(usage, |u| u.compute_seconds / secs, 1.0);
+        let vram = shares(usage, |u| u.vram_bytes / memory, f64::INFINITY);
+        let pcie = shares(usage, |u| u.pcie_bytes / link, f64::INFINITY);
+        let w = self.weights;
+        let mut pods = BTreeMap::new();
+        let mut compute_seconds = BTreeMap::new();
+        let mut used = 0.0;
+        for (i, (k, _)) in usage.iter().enumerate() {
+            let c = node * (w.compute * compute[i] + w.vram * vram[i] + w.pcie * pcie[i]);
+            used += c;
+            *pods.entry(k.clone()).or_insert(0.0) += c;
+            *compute_seconds.entry(k.clone()).or_insert(0.0) += compute[i] * secs;
+        }
+        IntervalCost {
+            pods,
+            compute_seconds,
+            // rounding can leave -1e-18 where the GPU was full
+            idle: (node - used).max(0.0),
+            node,
+        }
+    }
+}
+
+/// Each pod's share of one dimension (finite, 0..=`most`), scaled down together when they add
+/// up to more than the whole.
+fn shares(usage: &[(impl Sized, Usage)], share: impl Fn(&Usage) -> f64, most: f64) -> Vec<f64> {
+    let mut v: Vec<f64> = usage
+        .iter()
+        .map(|(_, u)| {
+            let s = share(u);
+            if s.is_finite() {
+                s.clamp(0.0, most)
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let total: f64 = v.iter().sum();
+    if total > 1.0 {
+        for s in &mut v {
+            *s /= total;
+        }
+    }
+    v
+}
+
+/// Running totals of [`IntervalCost`]s: what the cost counters export.
+#[derive(Debug, Clone)]
+pub struct Ledger<K> {
+    pub pods: BTreeMap<K, f64>,
+    pub idle: f64,
+    pub node: f64,
+}
+
+impl<K> Default for Ledger<K> {
+    fn default() -> Self {
+        Ledger {
+            pods: BTreeMap::new(),
+            idle: 0.0,
+            node: 0.0,
+        }
+    }
+}
+
+impl<K: Ord + Clone> Ledger<K> {
+    pub fn add(&mut self, cost: &IntervalCost<K>) {
+        for (k, c) in &cost.pods {
+            *self.pods.entry(k.clone()).or_insert(0.0) += c;
+        }
+        self.idle += cost.idle;
+        self.node += cost.node;
+    }
+}
+
+/// Driver time left uncharged is carried into the next intervals for at most this long.
+pub const MAX_CARRY: Duration = Duration::from_secs(30);
+
+/// Books intervals into a [`Ledger`], carrying driver time an interval could not hold into
+/// the next ones. The probe books a driver call's time when the call returns, so a 100 ms call
+/// that ends just after a tick puts up to twice the tick's length into one interval and none
+/// into the one before: without the carry, the cap at one GPU would drop that time. Time
+/// beyond [`MAX_CARRY`] (tasks of a pod truly in the driver at once for long) is dropped.
+#[derive(Debug, Clone)]
+pub struct Meter<K> {
+    pub model: CostModel,
+    pub ledger: Ledger<K>,
+    carry: BTreeMap<K, f64>,
+}
+
+impl<K: Ord + Clone> Meter<K> {
+    pub fn new(model: CostModel) -> Self {
+        Meter {
+            model,
+            ledger: Ledger::default(),
+            carry: BTreeMap::new(),
+        }
+    }
+
+    /// Books one interval; pods not in `usage` lose their lines and carry.
+    pub fn book(&mut self, dt: Duration, mut usage: Vec<(K, Usage)>) -> IntervalCost<K> {
+        for (k, u) in &mut usage {
+            u.compute_seconds += self.carry.remove(k).unwrap_or(0.0);
+        }
+        // what is left belongs to pods that are gone
+        self.carry.clear();
+        let cost = self.model.interval(dt, &usage);
+        self.ledger.add(&cost);
+        let max = MAX_CARRY.as_secs_f64();
+        for (k, u) in &usage {
+            let charged = cost.compute_seconds.get(k).copied().unwrap_or(0.0);
+            let left = u.compute_seconds - charged;
+            if left.is_finite() && left > 0.0 {
+                self.carry.insert(k.clone(), left.min(max));
+            }
+        }
+        self.ledger
+            .pods
+            .retain(|k, _| usage.iter().any(|(u, _)| u == k));
+        cost
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn model() -> CostModel {
+        CostModel {
+            // 3.6 an hour: 0.001 a second, easy to check by hand
+            hourly_rate: 3.6,
+            weights: Weights::default(),
+            capacity: GpuCapacity {
+                memory_bytes: 80 * GIB,
+                link_bytes_per_second: 32_000_000_000,
+            },
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-12 * a.abs().max(b.abs()).max(1e-9)
+    }
+
+    #[test]
+    fn the_formula_on_known_inputs() {
+        let m = model();
+        // 10 s; pod a: 5 s of driver time, 20 GiB, 80 GB copied; pod b: 1 s, 40 GiB, nothing
+        let usage = [
+            (
+                "a",
+                Usage {
+                    compute_seconds: 5.0,
+                    vram_bytes: (20 * GIB) as f64,
+                    pcie_bytes: 80e9,
+                },
+            ),
+            (
+                "b",
+                Usage {
+                    compute_seconds: 1.0,
+                    vram_bytes: (40 * GIB) as f64,
+                    pcie_bytes: 0.0,
+                },
+            ),
+        ];
+        let c = m.interval(Duration::from_secs(10), &usage);
+        // node: 3.6 × 10 / 3600 = 0.01
+        assert!(close(c.node, 0.01), "{}", c.node);
+        // a: 0.01 × (0.55 × 0.5 + 0.35 × 0.25 + 0.10 × 80e9/320e9) = 0.01 × 0.3875
+        assert!(close(c.pods["a"], 0.003875), "{}", c.pods["a"]);
+        // b: 0.01 × (0.55 × 0.1 + 0.35 × 0.5) = 0.01 × 0.23
+        assert!(close(c.pods["b"], 0.0023), "{}", c.pods["b"]);
+        // idle: 0.01 × (0.55 × 0.4 + 0.35 × 0.25 + 0.10 × 0.75)
+        assert!(close(c.idle, 0.01 * (0.22 + 0.0875 + 0.075)), "{}", c.idle);
+        assert!(close(c.pods.values().sum::<f64>() + c.idle, c.node));
+    }
+
+    #[test]
+    fn custom_weights_and_rate() {
+        let mut m = model();
+        m.hourly_rate = 7.2;
+        m.weights = Weights {
+            compute: 1.0,
+            vram: 0.0,
+            pcie: 0.0,
+        };
+        let u = Usage {
+            compute_seconds: 0.25,
+            vram_bytes: (80 * GIB) as f64,
+            pcie_bytes: 1e12,
+        };
+        let c = m.interval(Duration::from_secs(1), &[(1u32, u)]);
+        // only compute counts: 7.2 / 3600 × 0.25
+        assert!(close(c.pods[&1], 0.0005), "{}", c.pods[&1]);
+        assert!(close(c.idle, 0.0015));
+    }
+
+    #[test]
+    fn over_full_dimensions_are_scaled_to_the_whole() {
+        let m = model();
+        // three pods each in the driver all the time (1 s each in 1 s), together 120 GiB of an
+        // 80 GiB GPU, and copies at twice the link
+        let u = Usage {
+            compute_seconds: 2.0, // two containers busy at once: still one pod-second
+            vram_bytes: (40 * GIB) as f64,
+            pcie_bytes: 64e9 / 3.0,
+        };
+        let usage = [("a", u), ("b", u), ("c", u)];
+        let c = m.interval(Duration::from_secs(1), &usage);
+        for k in ["a", "b", "c"] {
+            assert!(close(c.pods[k], c.node / 3.0), "{k}: {}", c.pods[k]);
+        }
+        assert_eq!(c.idle, 0.0);
+    }
+
+    #[test]
+    fn no_pods_or_no_time_is_all_idle() {
+        let m = model();
+        let c = m.interval::<&str>(Duration::from_secs(36), &[]);
+        assert!(close(c.node, 0.036));
+        assert_eq!(c.idle, c.node);
+        let c = m.interval(Duration::ZERO, &[("a", Usage::default())]);
+        assert_eq!((c.node, c.idle, c.pods["a"]), (0.0, 0.0, 0.0));
+    }
+
+    #[test]
+    fn hostile_numbers_cost_nothing_rather_than_poison_the_totals() {
+        let m = model();
+        let bad = Usage {
+            compute_seconds: f64::NAN,
+            vram_bytes: -5.0,
+            pcie_bytes: f64::INFINITY,
+        };
+        let c = m.interval(Duration::from_secs(1), &[("a", bad)]);
+        assert_eq!(c.pods["a"], 0.0);
+        assert!(close(c.idle, c.node));
+    }
+
+    #[test]
+    fn driver_time_booked_late_is_carried_not_lost() {
+        let mut m = model();
+        m.weights = Weights {
+            compute: 1.0,
+            vram: 0.0,
+            pcie: 0.0,
+        };
+        let mut meter = Meter::new(m);
+        let u = |s: f64| Usage {
+            compute_seconds: s,
+            ..Usage::default()
+        };
+        // a pod busy all along whose 100 ms calls are booked in bursts: 0.2 s, 0, 0.2 s, 0
+        for s in [0.2, 0.0, 0.2, 0.0, 0.1] {
+            meter.book(Duration::from_millis(100), vec![("a", u(s))]);
+        }
+        // 0.5 s of driver time in 0.5 s: the whole node cost, none of it idle
+        assert!(close(meter.ledger.pods["a"], 0.0005), "{:?}", meter.ledger);
+        assert!(meter.ledger.idle.abs() < 1e-15);
+        // a pod that leaves takes its line and its carry
+        meter.book(Duration::from_millis(100), vec![("a", u(5.0))]);
+        meter.book(Duration::from_millis(100), vec![("b", u(0.0))]);
+        assert!(!meter.ledger.pods.contains_key("a"));
+        meter.book(Duration::from_millis(100), vec![("a", u(0.0))]);
+        assert_eq!(meter.ledger.pods["a"], 0.0);
+        // carry is bounded: 100 s of driver time in 1 s leaves 30 s, not 99
+        let mut meter = Meter::new(m);
+        meter.book(Duration::from_secs(1), vec![("a", u(100.0))]);
+        for _ in 0..40 {
+            meter.book(Duration::from_secs(1), vec![("a", u(0.0))]);
+        }
+        assert!(
+            close(meter.ledger.pods["a"], 0.001 * 31.0),
+            "{:?}",
+            meter.ledger
+        );
+    }
+
+    /// An hour of one-second intervals with a varying mix: the pods plus idle are the node's
+    /// cost, and the node's cost is the rate.
+    #[test]
+    fn over_an_hour_pods_and_idle_add_up_to_the_node() {
+        let m = model();
+        let mut ledger = Ledger::default();
+        for s in 0..3600u32 {
+            let t = f64::from(s);
+            let usage = [
+                (
+                    "a",
+                    Usage {
+                        compute_seconds: (t / 600.0).sin().abs(),
+                        vram_bytes: (30 * GIB) as f64,
+                        pcie_bytes: 1e9 * f64::from(s % 7),
+                    },
+                ),
+                (
+                    "b",
+                    Usage {
+                        compute_seconds: if s % 2 == 0 { 0.9 } else { 0.0 },
+                        vram_bytes: (60 * GIB) as f64, // together over the GPU's 80
+                        pcie_bytes: 40e9,
+                    },
+                ),
+            ];
+            ledger.add(&m.interval(Duration::from_secs(1), &usage));
+        }
+        assert!(close(ledger.node, 3.6), "{}", ledger.node);
+        let sum = ledger.pods.values().sum::<f64>() + ledger.idle;
+        assert!((sum - ledger.node).abs() < 1e-9, "{sum} vs {}", ledger.node);
+        assert!(ledger.idle > 0.0);
+    }
+}

@@ -1,0 +1,481 @@
+//! GPU FinOps: the per-pod GPU series turned into cost per tenant and into advice.
+//!
+//! After every map-reading tick [`FinOps::tick`] reads the GPU probes' running totals from the
+//! collector's shared state (driver time, driver call time, PCIe bytes, VRAM, duty cycle),
+//! sums them per pod, and feeds the differences to two sans-IO parts: the cost model
+//! ([`cost`]) and the MPS advisor ([`mps`]). Its Prometheus collector exports
+//! `gpufeed_gpu_cost_total`, `gpufeed_gpu_idle_cost_total`, `gpufeed_gpu_node_cost_total`,
+//! `gpufeed_mps_recommended_active_thread_percentage` and `gpufeed_pod_info`. docs/finops.md
+//! is the reader's side.
+
+pub mod config;
+pub mod cost;
+pub mod labels;
+pub mod mps;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prometheus::core::{Collector as PromCollector, Desc};
+use prometheus::proto::{MetricFamily, MetricType};
+
+use crate::collect::{Owner, Shared};
+use crate::exporter::{counter, family, gauge};
+use crate::pods::{PodMeta, PodStore};
+use crate::probes::cuda::{PCIE, VRAM};
+use crate::probes::gpu_driver::{COMPUTE, DUTY, IOCTL};
+use crate::probes::unit::{Labels, Value};
+
+pub use config::{CapacityInput, ConfigError, FinopsArgs, FinopsConfig, GpuCapacity, Settings};
+pub use labels::PodLabels;
+
+pub const COST: &str = "gpufeed_gpu_cost_total";
+pub const IDLE_COST: &str = "gpufeed_gpu_idle_cost_total";
+pub const NODE_COST: &str = "gpufeed_gpu_node_cost_total";
+pub const MPS: &str = "gpufeed_mps_recommended_active_thread_percentage";
+pub const POD_INFO: &str = "gpufeed_pod_info";
+
+/// A pod's GPU running totals at one tick, summed over its containers.
+#[derive(Debug, Clone, Copy, Default)]
+struct PodTotals {
+    /// Driver time (one task or more inside a driver call), ns.
+    busy_ns: u64,
+    /// Driver call time summed over calls (overlapping calls each count), ns.
+    call_ns: u64,
+    pcie_bytes: u64,
+    vram_bytes: f64,
+    /// The highest of its containers' duty cycles.
+    duty: Option<f64>,
+}
+
+/// Who a cost line is for, resolved when the cost is booked.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct CostKey {
+    tenant: String,
+    namespace: String,
+    pod: String,
+}
+
+/// (namespace, pod) as exported.
+type PodName = (String, String);
+
+struct State {
+    last: Option<Instant>,
+    /// Totals at the previous tick, by pod UID.
+    previous: HashMap<String, PodTotals>,
+    /// `None` without an hourly rate.
+    meter: Option<cost::Meter<CostKey>>,
+    advisor: mps::MpsAdvisor<PodName>,
+}
+
+struct Inner {
+    cfg: FinopsConfig,
+    pods: PodStore,
+    state: Mutex<State>,
+    descs: Vec<Desc>,
+}
+
+/// The FinOps state and its Prometheus collector; cheap to clone (one instance shared by the
+/// tick thread and the registry).
+#[derive(Clone)]
+pub struct FinOps(Arc<Inner>);
+
+impl FinOps {
+    pub fn new(cfg: FinopsConfig, pods: PodStore) -> FinOps {
+        let descs = [COST, IDLE_COST, NODE_COST, MPS, POD_INFO]
+            .iter()
+            .filter_map(|n| Desc::new(n.to_string(), n.to_string(), vec![], HashMap::new()).ok())
+            .collect();
+        let advisor = mps::MpsAdvisor::new(cfg.mps);
+        let meter = cfg.cost.as_ref().map(|c| cost::Meter::new(c.model));
+        FinOps(Arc::new(Inner {
+            cfg,
+            pods,
+            state: Mutex::new(State {
+                last: None,
+                previous: HashMap::new(),
+                meter,
+                advisor,
+            }),
+            descs,
+        }))
+    }
+
+    /// The configured pod labels (the exporter puts them on the GPU series).
+    pub fn pod_labels(&self) -> PodLabels {
+        self.0.cfg.labels.clone()
+    }
+
+    /// Books the interval since the previous call. `shared`: the collector's state after its
+    /// tick. The first call only takes the baseline.
+    pub fn tick(&self, shared: &Shared, now: Instant) {
+        let totals = pod_totals(shared);
+        let mut st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(last) = st.last.replace(now) else {
+            st.previous = totals;
+            return;
+        };
+        let dt = now.saturating_duration_since(last);
+        let mut usage = Vec::with_capacity(totals.len());
+        let mut samples = Vec::with_capacity(totals.len());
+        for (uid, t) in &totals {
+            // a pod first seen now had all of its totals in this interval; a total that went
+            // down (an owner retired) added nothing
+            let p = st.previous.get(uid).copied().unwrap_or_default();
+            let busy = secs(t.busy_ns.saturating_sub(p.busy_ns));
+            let meta = self.0.pods.get(uid);
+            let name = pod_name(uid, meta.as_ref());
+            usage.push((
+                CostKey {
+                    tenant: self.0.cfg.labels.tenant(meta.as_ref()),
+                    namespace: name.0.clone(),
+                    pod: name.1.clone(),
+                },
+                cost::Usage {
+                    compute_seconds: busy,
+                    vram_bytes: t.vram_bytes,
+                    pcie_bytes: t.pcie_bytes.saturating_sub(p.pcie_bytes) as f64,
+                },
+            ));
+            if let Some(duty) = t.duty {
+                let calls = secs(t.call_ns.saturating_sub(p.call_ns));
+                samples.push((name, mps::Sample::of_tick(duty, calls, busy, dt)));
+            }
+        }
+        if let Some(meter) = &mut st.meter {
+            // the lines of pods gone from the collector go with them
+            meter.book(dt, usage);
+        }
+        st.advisor.observe(now, samples);
+        st.previous = totals;
+    }
+
+    fn families(&self) -> Vec<MetricFamily> {
+        let inner = &self.0;
+        let mut out = Vec::new();
+        let st = inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(c), Some(meter)) = (&inner.cfg.cost, &st.meter) {
+            let ledger = &meter.ledger;
+            let currency = || Labels::from([("currency", c.currency.clone())]);
+            out.push(family(
+                COST,
+                "Cost of the pod's use of the GPU: the node's hourly rate × the weighted compute, VRAM and PCIe shares (docs/finops.md)",
+                MetricType::COUNTER,
+                ledger
+                    .pods
+                    .iter()
+                    .map(|(k, v)| {
+                        let mut l = currency();
+                        l.insert("tenant", k.tenant.clone());
+                        l.insert("namespace", k.namespace.clone());
+                        l.insert("pod", k.pod.clone());
+                        counter(&l, *v)
+                    })
+                    .collect(),
+            ));
+            out.push(family(
+                IDLE_COST,
+                "Cost of the GPU capacity no pod used",
+                MetricType::COUNTER,
+                vec![counter(&currency(), ledger.idle)],
+            ));
+            out.push(family(
+                NODE_COST,
+                "The node's cost at its hourly rate since the agent started: the pods' costs plus the idle cost",
+                MetricType::COUNTER,
+                vec![counter(&currency(), ledger.node)],
+            ));
+        }
+        out.push(family(
+            MPS,
+            "Advised CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for the pod, from its sustained duty cycle (docs/finops.md)",
+            MetricType::GAUGE,
+            st.advisor
+                .advice()
+                .map(|((ns, pod), pct)| {
+                    let l = Labels::from([("namespace", ns.clone()), ("pod", pod.clone())]);
+                    gauge(&l, f64::from(pct))
+                })
+                .collect(),
+        ));
+        drop(st);
+        if !inner.cfg.labels.is_empty() {
+            out.push(family(
+                POD_INFO,
+                "1 for each pod of this node known from the API, with its configured labels (--pod-label) to join to any per-pod series",
+                MetricType::GAUGE,
+                inner.pod_info(),
+            ));
+        }
+        out
+    }
+}
+
+impl Inner {
+    fn pod_info(&self) -> Vec<prometheus::proto::Metric> {
+        let mut rows: BTreeMap<Labels, ()> = BTreeMap::new();
+        for uid in self.pods.uids() {
+            let Some(meta) = self.pods.get(&uid).filter(|m| m.deleted_at.is_none()) else {
+                continue;
+            };
+            let mut l = Labels::from([
+                ("namespace", meta.namespace.clone()),
+                ("pod", meta.name.clone()),
+            ]);
+            self.cfg.labels.extend(Some(&meta), &mut l);
+            rows.insert(l, ());
+        }
+        rows.keys().map(|l| gauge(l, 1.0)).collect()
+    }
+}
+
+impl PromCollector for FinOps {
+    fn desc(&self) -> Vec<&Desc> {
+        self.0.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.families()
+    }
+}
+
+fn secs(ns: u64) -> f64 {
+    Duration::from_nanos(ns).as_secs_f64()
+}
+
+/// As the exporter names pods: namespace and name from the API, else "" and the UID.
+fn pod_name(uid: &str, meta: Option<&PodMeta>) -> PodName {
+    match meta {
+        Some(m) => (m.namespace.clone(), m.name.clone()),
+        None => (String::new(), uid.to_string()),
+    }
+}
+
+/// Every pod with a GPU series, with its totals.
+fn pod_totals(shared: &Shared) -> HashMap<String, PodTotals> {
+    let mut out: HashMap<String, PodTotals> = HashMap::new();
+    for (owner, o) in &shared.owners {
+        let Owner::Pod { uid, .. } = owner else {
+            continue;
+        };
+        for ((family, _), value) in &o.series {
+            let t = match *family {
+                COMPUTE | IOCTL | PCIE => out.entry(uid.clone()).or_default(),
+                _ => continue,
+            };
+            match (*family, value) {
+                (COMPUTE, Value::Count(ns)) => t.busy_ns += ns,
+                (IOCTL, Value::Hist(h)) => t.call_ns += h.sum_ns,
+                (PCIE, Value::Count(b)) => t.pcie_bytes += b,
+                _ => {}
+            }
+        }
+    }
+    for (family, values) in &shared.gauges {
+        if *family != VRAM && *family != DUTY {
+            continue;
+        }
+        for g in values {
+            let Owner::Pod { uid, .. } = &g.owner else {
+                continue;
+            };
+            let t = out.entry(uid.clone()).or_default();
+            if *family == VRAM {
+                t.vram_bytes += g.value;
+            } else {
+                t.duty = Some(t.duty.unwrap_or(0.0).max(g.value));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collect::OwnerStats;
+    use crate::probes::hist::Hist;
+    use crate::probes::unit::GaugeValue;
+
+    fn pod(uid: &str, cid: &str) -> Owner {
+        Owner::Pod {
+            uid: uid.into(),
+            container_id: Some(cid.into()),
+        }
+    }
+
+    /// Shared state as the GPU probes leave it: `busy` ns of driver time per container, PCIe
+    /// bytes at pod level, VRAM and duty gauges.
+    fn shared(a_busy: [u64; 2], pcie: u64, vram: f64) -> Shared {
+        let mut s = Shared::default();
+        for (i, ns) in a_busy.iter().enumerate() {
+            let h = Hist {
+                sum_ns: 2 * ns,
+                count: 1,
+                ..Hist::default()
+            };
+            s.owners.insert(
+                pod("a", &format!("c{i}")),
+                OwnerStats {
+                    series: [
+                        ((COMPUTE, Labels::new()), Value::Count(*ns)),
+                        (
+                            (IOCTL, Labels::from([("cmd", "other".into())])),
+                            Value::Hist(h),
+                        ),
+                    ]
+                    .into_iter()
+                    .collect(),
+                    ..OwnerStats::default()
+                },
+            );
+        }
+        s.owners.insert(
+            Owner::Pod {
+                uid: "a".into(),
+                container_id: None,
+            },
+            OwnerStats {
+                series: [(
+                    (PCIE, Labels::from([("direction", "h2d".into())])),
+                    Value::Count(pcie),
+                )]
+                .into_iter()
+                .collect(),
+                ..OwnerStats::default()
+            },
+        );
+        // a non-GPU owner is no cost line
+        s.owners
+            .insert(Owner::Slice("system.slice".into()), OwnerStats::default());
+        s.gauges.insert(
+            VRAM,
+            vec![GaugeValue {
+                owner: pod("a", "c0"),
+                labels: Labels::new(),
+                value: vram,
+            }],
+        );
+        s.gauges.insert(
+            DUTY,
+            vec![
+                GaugeValue {
+                    owner: pod("a", "c0"),
+                    labels: Labels::new(),
+                    value: 0.2,
+                },
+                GaugeValue {
+                    owner: pod("a", "c1"),
+                    labels: Labels::new(),
+                    value: 0.4,
+                },
+            ],
+        );
+        s
+    }
+
+    fn config() -> FinopsConfig {
+        Settings {
+            pod_labels: vec!["tenant=example.com/team".into()],
+            hourly_rate: Some(3.6),
+            capacity: CapacityInput {
+                memory_bytes: Some(1000),
+                link_bytes_per_second: Some(100),
+            },
+            ..Settings::default()
+        }
+        .validate(CapacityInput::default())
+        .unwrap()
+    }
+
+    fn value(fams: &[MetricFamily], name: &str) -> Vec<(Vec<(String, String)>, f64)> {
+        let f = fams.iter().find(|f| f.name() == name).unwrap();
+        f.get_metric()
+            .iter()
+            .map(|m| {
+                let l = m
+                    .get_label()
+                    .iter()
+                    .map(|p| (p.name().to_string(), p.value().to_string()))
+                    .collect();
+                let v = if f.get_field_type() == MetricType::COUNTER {
+                    m.get_counter().get_value()
+                } else {
+                    m.get_gauge().get_value()
+                };
+                (l, v)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ticks_book_the_differences_of_the_shared_totals() {
+        let pods = PodStore::default();
+        let f = FinOps::new(config(), pods.clone());
+        let t0 = Instant::now();
+        f.tick(&shared([1_000_000_000, 0], 100, 500.0), t0);
+        // 2 s later: container 0 +0.5 s, container 1 +0.5 s of driver time, 50 more bytes,
+        // 250 bytes of VRAM held
+        f.tick(
+            &shared([1_500_000_000, 500_000_000], 150, 250.0),
+            t0 + Duration::from_secs(2),
+        );
+        let fams = f.families();
+        let cost = value(&fams, COST);
+        // node 0.002; compute 1 s / 2 s = 0.5; VRAM 250/1000; PCIe 50/(100 × 2)
+        let want = 0.002 * (0.55 * 0.5 + 0.35 * 0.25 + 0.10 * 0.25);
+        assert_eq!(cost.len(), 1);
+        let (labels, v) = &cost[0];
+        assert!((v - want).abs() < 1e-15, "{v} vs {want}");
+        assert_eq!(
+            labels,
+            &[
+                ("currency".to_string(), "USD".to_string()),
+                ("namespace".to_string(), String::new()),
+                ("pod".to_string(), "a".to_string()),
+                ("tenant".to_string(), String::new()),
+            ]
+        );
+        let idle = value(&fams, IDLE_COST)[0].1;
+        let node = value(&fams, NODE_COST)[0].1;
+        assert!((node - 0.002).abs() < 1e-15);
+        assert!((idle + v - node).abs() < 1e-15);
+        // MPS: a pod with a duty cycle has advice (the default until sustained)
+        assert_eq!(
+            value(&fams, MPS),
+            [(
+                vec![
+                    ("namespace".to_string(), String::new()),
+                    ("pod".to_string(), "a".to_string())
+                ],
+                100.0
+            )]
+        );
+        // no pods known from the API: no info rows
+        assert!(value(&fams, POD_INFO).is_empty());
+    }
+
+    #[test]
+    fn totals_sum_containers_and_take_the_busiest_duty() {
+        let t = pod_totals(&shared([3, 4], 9, 7.0));
+        assert_eq!(t.len(), 1);
+        let a = t["a"];
+        assert_eq!((a.busy_ns, a.call_ns, a.pcie_bytes), (7, 14, 9));
+        assert_eq!(a.vram_bytes, 7.0);
+        assert_eq!(a.duty, Some(0.4));
+    }
+
+    #[test]
+    fn without_a_rate_there_is_no_cost_series() {
+        let f = FinOps::new(
+            Settings::default()
+                .validate(CapacityInput::default())
+                .unwrap(),
+            PodStore::default(),
+        );
+        f.tick(&Shared::default(), Instant::now());
+        let names: Vec<String> = f.families().iter().map(|f| f.name().to_string()).collect();
+        assert_eq!(names, [MPS]);
+    }
+}

@@ -1,0 +1,245 @@
+//! GPU stand-ins (no GPU and no NVIDIA driver exist on the machines that run the tests):
+//!
+//! * driver time: a device node with the serial port's major:minor under a
+//!   configured "GPU" path prefix and driver name. `ioctl(TCSBRKP, n)` on it
+//!   is a real character-device ioctl that the tty layer holds for n x 100 ms
+//!   (send_break), so the test knows what the probe must see.
+//! * CUDA: a libcuda.so.1 built here from C with the driver API's real
+//!   signatures, loaded with dlopen by a client program.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{compile_c, wait_for, CgroupSandbox, Layout, Pod};
+
+pub fn wait_file(path: &Path, what: &str) {
+    assert!(
+        wait_for(Duration::from_secs(20), || path.exists().then_some(())).is_some(),
+        "{what}: {} did not appear",
+        path.display()
+    );
+}
+
+/// /proc/devices name of the serial driver that stands in for the GPU's.
+pub const UART_DRIVER: &str = "ttyS";
+
+/// The driver-time stand-in: a device node with the 8250 UART's numbers at
+/// `<dir>/nvidia0`, and the client program that holds ioctls on it.
+pub struct StandInDevice {
+    pub hold: PathBuf,
+    pub node: PathBuf,
+}
+
+impl StandInDevice {
+    pub fn new(dir: &Path) -> StandInDevice {
+        let hold = dir.join("ioctl_hold");
+        // static: after its exec, no loader opens a file and takes back the
+        // device's fd number before main() runs (its close would hide
+        // whether exec itself forgot the fd)
+        compile_c("gpu/ioctl_hold.c", &hold, &["-static"]);
+        let uart = std::fs::metadata("/dev/ttyS0")
+            .expect("the driver-time stand-in needs /dev/ttyS0 (an 8250 UART)");
+        let node = dir.join("nvidia0");
+        let c_node = std::ffi::CString::new(node.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string path; mknod creates a device node there.
+        let rc = unsafe { libc::mknod(c_node.as_ptr(), libc::S_IFCHR | 0o600, uart.rdev()) };
+        assert_eq!(rc, 0, "mknod: {}", std::io::Error::last_os_error());
+        StandInDevice { hold, node }
+    }
+
+    /// The shell command for `calls` ioctls of `tenths` x 100 ms once `go`
+    /// exists, then one of each NVIDIA request class; `mode` "fork": made by
+    /// a forked child on the inherited fd; "exec": none, the program execs
+    /// and reuses the device's fd number for a pipe.
+    pub fn command(&self, calls: u32, tenths: u32, go: &Path, out: &Path, mode: &str) -> String {
+        format!(
+            "exec {} {} {calls} {tenths} {} {} {mode}",
+            self.hold.display(),
+            self.node.display(),
+            go.display(),
+            out.display(),
+        )
+    }
+}
+
+/// (calls, total ns) the client measured itself.
+pub fn measured(out: &Path) -> (u64, u64) {
+    let text = std::fs::read_to_string(out).unwrap();
+    let mut f = text.split_whitespace().map(|v| v.parse::<u64>().unwrap());
+    (f.next().unwrap(), f.next().unwrap())
+}
+
+pub fn within_10_percent(got: f64, want: f64) -> bool {
+    (got - want).abs() <= 0.1 * want
+}
+
+/// Expected numbers of one cuda_app run with scale `s` after phases 1..=4.
+pub struct Expect {
+    pub s: u64,
+}
+
+pub const MIB: u64 = 1024 * 1024;
+
+impl Expect {
+    pub fn pitched(&self) -> u64 {
+        (1000 * self.s).div_ceil(512) * 512 * 300
+    }
+    pub fn managed(&self) -> u64 {
+        64 * 1024 * self.s
+    }
+    pub fn after_alloc(&self) -> i64 {
+        (self.s * MIB + self.pitched() + self.managed() + 128 * 1024 * self.s) as i64
+    }
+    pub fn after_free(&self) -> i64 {
+        (self.pitched() + self.managed()) as i64
+    }
+    pub fn after_vmm(&self) -> i64 {
+        // two physical allocations; the import aliases the second one
+        self.after_free() + (4 * self.s * MIB) as i64
+    }
+    pub fn h2d(&self) -> u64 {
+        (4096 + 1000) * self.s
+    }
+    pub fn d2h(&self) -> u64 {
+        (2048 + 24) * self.s
+    }
+}
+
+/// The CUDA stand-in: libcuda.so.1 built from C in `<dir>/lib`, a copy in a
+/// container root where distributions put it, and the client program.
+pub struct StandInCuda {
+    pub lib_dir: PathBuf,
+    pub app: PathBuf,
+    pub root: PathBuf,
+    /// control directory of a client that runs on the host's root
+    pub host_ctl: PathBuf,
+}
+
+impl StandInCuda {
+    pub fn new(dir: &Path) -> StandInCuda {
+        let lib_dir = dir.join("lib");
+        std::fs::create_dir(&lib_dir).unwrap();
+        let lib = lib_dir.join("libcuda.so.1");
+        compile_c(
+            "cuda/fake_libcuda.c",
+            &lib,
+            &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
+        );
+        let app = dir.join("cuda_app");
+        compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
+        let root = dir.join("rootfs");
+        let root_lib = root.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&root_lib).unwrap();
+        std::fs::create_dir_all(root.join("ctl")).unwrap();
+        std::fs::copy(&lib, root_lib.join("libcuda.so.1")).unwrap();
+        let host_ctl = dir.join("ctl");
+        std::fs::create_dir(&host_ctl).unwrap();
+        StandInCuda {
+            lib_dir,
+            app,
+            root,
+            host_ctl,
+        }
+    }
+
+    /// The client with scale `s` on the host's root.
+    pub fn host_command(&self, s: u64) -> String {
+        format!(
+            "LD_LIBRARY_PATH={} exec {} {} {s}",
+            self.lib_dir.display(),
+            self.app.display(),
+            self.host_ctl.display()
+        )
+    }
+}
+
+/// A running pod as the API lists it: one container `main` with id `cid`, on `node`.
+pub fn api_pod(
+    uid: &str,
+    cid: &str,
+    (namespace, name): (&str, &str),
+    node: &str,
+    labels: &[(&str, &str)],
+) -> serde_json::Value {
+    let labels: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+        .collect();
+    serde_json::json!({
+        "metadata": {
+            "name": name, "namespace": namespace, "uid": uid,
+            "resourceVersion": "100", "labels": labels
+        },
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x"}]},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [{
+                "name": "main", "image": "x", "imageID": "", "ready": true, "restartCount": 0,
+                "containerID": format!("containerd://{cid}")
+            }]
+        }
+    })
+}
+
+/// A PodList of `items` for [`super::fake_kube::FakeKube::start`].
+pub fn api_pod_list(items: Vec<serde_json::Value>) -> String {
+    serde_json::json!({
+        "kind": "PodList", "apiVersion": "v1",
+        "metadata": {"resourceVersion": "100"},
+        "items": items
+    })
+    .to_string()
+}
+
+/// A pod to make: its name, cgroup layout and pod labels.
+pub type PodSpec<'a> = (&'a str, Layout, &'a [(&'a str, &'a str)]);
+
+/// Pods in namespace `ml` with the given names, cgroup layouts and pod labels, and the PodList
+/// that shows them running on `node`, for the fake API server.
+pub fn labelled_pods(sb: &CgroupSandbox, node: &str, specs: &[PodSpec<'_>]) -> (Vec<Pod>, String) {
+    let pods: Vec<Pod> = specs
+        .iter()
+        .map(|(_, layout, _)| Pod::random(sb, *layout, "burstable"))
+        .collect();
+    let items = pods
+        .iter()
+        .zip(specs)
+        .map(|(p, (name, _, labels))| api_pod(&p.uid, &p.container_id, ("ml", name), node, labels))
+        .collect();
+    (pods, api_pod_list(items))
+}
+
+/// Both stand-ins in a scratch directory that goes with them.
+pub struct StandIns {
+    pub dev: StandInDevice,
+    pub cuda: StandInCuda,
+    pub scratch: tempfile::TempDir,
+}
+
+impl StandIns {
+    pub fn new() -> StandIns {
+        let scratch = tempfile::tempdir().unwrap();
+        StandIns {
+            dev: StandInDevice::new(scratch.path()),
+            cuda: StandInCuda::new(scratch.path()),
+            scratch,
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.scratch.path()
+    }
+
+    /// The agent flags that load both GPU probes on these stand-ins.
+    pub fn probe_flags(&self) -> Vec<String> {
+        vec![
+            "--probes".into(),
+            "gpu_driver,cuda".into(),
+            "--gpu-device-prefix".into(),
+            format!("{}/nvidia", self.dir().display()),
+            "--gpu-driver-name".into(),
+            UART_DRIVER.into(),
+        ]
+    }
+}
