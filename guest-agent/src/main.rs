@@ -109,9 +109,11 @@ struct RunArgs {
         default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
     )]
     gpu_driver_name: Vec<String>,
-    /// Hooks that time GPU driver calls: per-syscall tracepoints (need
-    /// tracefs), the raw sys_enter/sys_exit BTF tracepoints (work under
-    /// lockdown, run for every syscall), or auto.
+    /// Hooks that time GPU driver calls: uprobes on the C library of the
+    /// processes holding a GPU file (auto; no cost to other processes),
+    /// per-syscall tracepoints (need tracefs), or the raw sys_enter/sys_exit
+    /// BTF tracepoints (work under lockdown); both syscall hooks put every
+    /// syscall of every task on the kernel's slow path.
     #[arg(long, value_enum, default_value = "auto")]
     gpu_driver_hook: probes::gpu_driver::Hook,
     /// Window of ebpf_gpu_active_compute_duty_cycle.

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use common::*;
 use gpufeed_guest::probes::cuda::{CudaCgroup, CudaOptions, CudaProbe};
-use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, CMD_CLASSES};
+use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, Mode, CMD_CLASSES};
 use gpufeed_guest::probes::KernelBtf;
 
 fn pids(pods: &[&Pod]) -> HashSet<i32> {
@@ -98,6 +98,15 @@ fn within_10_percent(got: f64, want: f64) -> bool {
     (got - want).abs() <= 0.1 * want
 }
 
+/// The default: uprobes on the ioctl() (and close, dup2, dup3) of the pod
+/// processes that hold a GPU file, attached per process; no syscall hook, so
+/// other processes' syscalls stay on the kernel's fast path.
+#[test]
+fn driver_time_per_pod_from_per_process_uprobes() {
+    let Some(_lock) = require_root() else { return };
+    driver_time_case(Hook::Uprobes);
+}
+
 #[test]
 fn driver_time_per_pod_from_per_syscall_tracepoints() {
     let Some(_lock) = require_root() else { return };
@@ -142,6 +151,7 @@ fn driver_time_case(hook: Hook) {
     let mut probe = GpuDriverProbe::load(&devices, hook, &KernelBtf::load())
         .expect("gpu_driver loads")
         .expect("kernel has the hooks");
+    let uprobes = probe.mode() == Mode::Uprobes;
     assert_eq!(
         probe.seed_new(&pids(&[&a, &b])),
         1,
@@ -157,10 +167,12 @@ fn driver_time_case(hook: Hook) {
     // forks makes the calls on the inherited fd
     let pid_b = b.spawn(&dev.command(2, 2, &go, &out_b, "fork")) as i32;
     assert!(
-        wait_for(Duration::from_secs(5), || has_open(pid_b, &node)
-            .then_some(()))
+        wait_for(Duration::from_secs(5), || {
+            let pids = b.pids();
+            (pids.len() == 2 && pids.iter().all(|&p| has_open(p, &node))).then_some(())
+        })
         .is_some(),
-        "pod b opened the device"
+        "pod b ({pid_b}) and its child opened the device"
     );
     // c opens its device, then execs: exec closes the close-on-exec fd, and
     // the calls the new image makes on the reused fd number are not GPU calls
@@ -173,6 +185,12 @@ fn driver_time_case(hook: Hook) {
         .is_some(),
         "pod c opened the device"
     );
+    if uprobes {
+        // what the agent's next tick does: the processes that hold a GPU
+        // file since the last look get the uprobes (b, its child, c)
+        assert_eq!(probe.seed_new(&pids(&[&a, &b, &c])), 3, "b, its child, c");
+        assert_eq!(probe.probed(), 4, "a, b, b's child and c are probed");
+    }
     File::create(&go).unwrap();
     wait_file(&out_a, "pod a's calls");
     wait_file(&out_b, "pod b's calls");
@@ -216,7 +234,9 @@ fn driver_time_case(hook: Hook) {
     }
     let stats = probe.kernel_stats();
     assert_eq!(stats[0], 0, "no storage failures");
-    assert!(stats[1] >= 1, "b's open was learned in the kernel");
+    if !uprobes {
+        assert!(stats[1] >= 1, "b's open was learned in the kernel");
+    }
 }
 
 /// Expected numbers of one cuda_app run with scale `s` after phases 1..=4.

@@ -298,19 +298,7 @@ impl CudaProbe {
 
     /// Attaches to one mapped library unless its file is attached already.
     fn attach_file(&mut self, tgid: i32, lib: &MappedLib) -> Result<bool, String> {
-        // The path is the process's view: inside its root for a container,
-        // or a host path when the file is reachable from the agent's root
-        // (a chroot below it). The inode from maps tells which is the file.
-        let candidates = [
-            PathBuf::from(format!("/proc/{tgid}/root{}", lib.path)),
-            PathBuf::from(&lib.path),
-        ];
-        let found = candidates.iter().find_map(|p| {
-            let md = std::fs::metadata(p).ok()?;
-            let dev = (libc::major(md.dev()), libc::minor(md.dev()));
-            (md.ino() == lib.inode && dev == lib.dev).then(|| (p.clone(), (md.dev(), md.ino())))
-        });
-        let Some((path, key)) = found else {
+        let Some((path, key)) = reachable(tgid, lib) else {
             return Err("mapped library not reachable through /proc/<pid>/root".into());
         };
         if self.attached.contains_key(&key) {
@@ -321,7 +309,7 @@ impl CudaProbe {
             if matches!(prog, Prog::Launch) && !self.opts.launches {
                 continue;
             }
-            let entry = attach_one(self.prog(prog), &path, sym, false);
+            let entry = attach_uprobe(self.prog(prog), -1, &path, sym, false);
             let Ok(entry) = entry else {
                 // older drivers lack some symbols
                 tracing::debug!(symbol = sym, path = %path.display(), "not attached");
@@ -329,7 +317,13 @@ impl CudaProbe {
             };
             links.push(entry);
             if ret {
-                links.push(attach_one(self.prog(Prog::AllocRet), &path, sym, true)?);
+                links.push(attach_uprobe(
+                    self.prog(Prog::AllocRet),
+                    -1,
+                    &path,
+                    sym,
+                    true,
+                )?);
             }
         }
         tracing::info!(path = %path.display(), probes = links.len(), "cuda: attached");
@@ -469,21 +463,42 @@ impl Probe for CudaProbe {
 }
 
 /// Virtual memory size of a process (field 23 of /proc/<pid>/stat).
-fn vsize(tgid: i32) -> Option<u64> {
+pub fn vsize(tgid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{tgid}/stat")).ok()?;
     // the command name (field 2) may hold spaces and parentheses: skip past its end
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(20)?.parse().ok()
 }
 
-fn attach_one(
+/// The path through which the agent reaches a library process `tgid` maps,
+/// and the file's (dev, inode). The path in maps is the process's view: inside
+/// its root for a container, or a host path when the file is reachable from
+/// the agent's root (a chroot below it). The inode from maps tells which is
+/// the file.
+pub fn reachable(tgid: i32, lib: &MappedLib) -> Option<(PathBuf, (u64, u64))> {
+    let candidates = [
+        PathBuf::from(format!("/proc/{tgid}/root{}", lib.path)),
+        PathBuf::from(&lib.path),
+    ];
+    candidates.iter().find_map(|p| {
+        let md = std::fs::metadata(p).ok()?;
+        let dev = (libc::major(md.dev()), libc::minor(md.dev()));
+        (md.ino() == lib.inode && dev == lib.dev).then(|| (p.clone(), (md.dev(), md.ino())))
+    })
+}
+
+/// Attaches `prog` to function `sym` of the ELF file at `path`, in process
+/// `pid` only (the kernel then installs the breakpoint in that address space
+/// alone) or in every process that maps the file (`pid` -1).
+pub fn attach_uprobe(
     prog: &ProgramMut<'static>,
+    pid: i32,
     path: &std::path::Path,
     sym: &str,
     retprobe: bool,
 ) -> Result<Link, String> {
     prog.attach_uprobe_with_opts(
-        -1,
+        pid,
         path,
         0,
         UprobeOpts {
