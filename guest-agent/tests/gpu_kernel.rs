@@ -432,8 +432,8 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     }
     assert_eq!(
         probe.kernel_stats(),
-        [0, 0, 0],
-        "no lost events, no unknown frees"
+        [0, 0, 0, 0],
+        "no lost events, no unknown frees, every launch's stream tracked"
     );
 }
 
@@ -494,9 +494,17 @@ fn gpu_series_on_metrics() {
         );
     }
 
-    // driver time
+    // driver time: the agent probes a process holding a GPU file at its
+    // next tick; the client's calls begin after that
     let (go, out) = (dir.join("go"), dir.join("hold.out"));
     pod.spawn(&dev.command(3, 1, &go, &out, ""));
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            value(&agent.scrape(), "gpufeed_gpu_ioctl_processes_probed", &[]).filter(|v| *v == 1.0)
+        })
+        .is_some(),
+        "the agent probed the client's ioctl()"
+    );
     File::create(&go).unwrap();
     wait_file(&out, "the ioctl client");
     let (calls, measured_ns) = measured(&out);
@@ -561,6 +569,11 @@ fn gpu_series_on_metrics() {
     assert_eq!(pcie("h2d"), Some(e.h2d() as f64));
     assert_eq!(pcie("d2h"), Some(e.d2h() as f64));
     wait_value("ebpf_gpu_kernel_launches_total", &[], 5.0);
+    assert_eq!(
+        get("ebpf_gpu_busy_estimate_seconds_total", &[]),
+        Some(0.0),
+        "launched work not yet seen complete is not counted yet"
+    );
     step(2);
     step(3);
     wait_value("ebpf_gpu_vram_reserved_bytes", &[], e.after_vmm() as f64);
@@ -568,4 +581,84 @@ fn gpu_series_on_metrics() {
     File::create(cuda.host_ctl.join("go5")).unwrap();
     pod.wait_exit(pid, Duration::from_secs(10));
     wait_value("ebpf_gpu_vram_reserved_bytes", &[], 0.0);
+    // the client never synchronised: its work ends with it
+    assert!(
+        wait_for(Duration::from_secs(5), || get(
+            "ebpf_gpu_busy_estimate_seconds_total",
+            &[]
+        )
+        .filter(|v| *v > 0.0))
+        .is_some(),
+        "busy estimate closed at exit"
+    );
+}
+
+/// The busy estimate: two pods keep the stand-in device busy for times their
+/// clients measure themselves, waiting for completion with each call the
+/// probe watches (stream, context and event synchronisation, stream and event
+/// queries), with overlapping streams and idle gaps. Each pod's estimate is
+/// within 10% of its own measurement.
+#[test]
+fn cuda_busy_estimate_per_pod_from_launch_to_completion() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let cuda = StandInCuda::new(dir);
+    let client = dir.join("cuda_busy");
+    compile_c("cuda/cuda_busy.c", &client, &["-ldl"]);
+
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let mut probe = CudaProbe::load(CudaOptions {
+        launches: true,
+        ..CudaOptions::default()
+    })
+    .expect("cuda probe loads")
+    .expect("kernel has the hooks");
+
+    let go = dir.join("go");
+    let run = |pod: &mut Pod, s: u32| {
+        let out = dir.join(format!("busy{s}.out"));
+        pod.spawn(&format!(
+            "LD_LIBRARY_PATH={} exec {} {} {} {s}",
+            cuda.lib_dir.display(),
+            client.display(),
+            go.display(),
+            out.display()
+        ));
+        out
+    };
+    let (out_a, out_b) = (run(&mut a, 1), run(&mut b, 2));
+    assert!(
+        wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&a, &b]))
+            + probe.files()
+            > 0)
+        .then_some(()))
+        .is_some(),
+        "the clients mapped the library"
+    );
+    File::create(&go).unwrap();
+    wait_file(&out_a, "pod a's client");
+    wait_file(&out_b, "pod b's client");
+    for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
+        let measured: u64 = std::fs::read_to_string(out)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let cg = File::open(&pod.cgroup).unwrap();
+        let got = probe.read(cg.as_fd()).expect("the pod has CUDA numbers");
+        eprintln!(
+            "pod {name}: busy estimate {} ns, measured {measured} ns, {} launches",
+            got.busy_ns, got.launches
+        );
+        assert_eq!(got.launches, 14, "pod {name}: launches (5 + 4 + 3 + 1 + 1)");
+        assert!(
+            within_10_percent(got.busy_ns as f64, measured as f64),
+            "pod {name}: busy {} vs measured {measured}",
+            got.busy_ns
+        );
+    }
+    assert_eq!(probe.kernel_stats()[3], 0, "every launch's stream tracked");
 }
