@@ -188,9 +188,9 @@ fn main() {
         }
         Err(e) => eprintln!("runqlat not available ({e}); install libbpf-tools"),
     }
-    // The scheduler, TCP and tc probes without the GPU ones, then every probe: the GPU probes
-    // hook syscalls (ioctl, open, close), and the ping-pong is nothing but syscalls, so the
-    // difference between the two rows is their cost to a process that never touches a GPU.
+    // The scheduler, TCP and tc probes without the GPU ones, then every probe: the ping-pong is
+    // nothing but syscalls, so the difference between the two rows is what the GPU probes cost
+    // a process that never touches a GPU (their hooks side by side: the gpu_overhead bench).
     const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
     for (name, method, probes) in [
         ("gpufeed-guest (sched, TCP, tc)", "auto", NO_GPU),
