@@ -250,8 +250,8 @@ int gpu_ioctl_enter(struct trace_event_raw_sys_enter *ctx)
 	return ioctl_enter((__u32)ctx->args[0], (__u32)ctx->args[1]);
 }
 
-SEC("tracepoint/syscalls/sys_exit_ioctl")
-int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
+/* Ends the current thread's GPU call, if it is in one. */
+static __always_inline int end_call(void)
 {
 	struct task_struct *task = bpf_get_current_task_btf();
 	struct thread_state *ts = bpf_task_storage_get(&thread_state, task, 0, 0);
@@ -259,6 +259,12 @@ int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
 	if (!ts || !ts->ioctl_start)
 		return 0;
 	return ioctl_exit(task, ts);
+}
+
+SEC("tracepoint/syscalls/sys_exit_ioctl")
+int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
+{
+	return end_call();
 }
 
 /* Whether a user-space path starts with one of the configured prefixes. */
@@ -596,12 +602,7 @@ int gpu_uprobe_ioctl(struct pt_regs *ctx)
 SEC("uretprobe")
 int gpu_uretprobe_ioctl(struct pt_regs *ctx)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
-	struct thread_state *ts = bpf_task_storage_get(&thread_state, task, 0, 0);
-
-	if (!ts || !ts->ioctl_start)
-		return 0;
-	return ioctl_exit(task, ts);
+	return end_call();
 }
 
 SEC("uprobe")
@@ -636,10 +637,5 @@ int gpu_uprobe_close_range(struct pt_regs *ctx)
 SEC("tp_btf/sched_process_exit")
 int BPF_PROG(gpu_thread_exit, struct task_struct *p)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
-	struct thread_state *ts = bpf_task_storage_get(&thread_state, task, 0, 0);
-
-	if (!ts || !ts->ioctl_start)
-		return 0;
-	return ioctl_exit(task, ts);
+	return end_call();
 }

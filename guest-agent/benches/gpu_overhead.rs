@@ -21,9 +21,12 @@ use std::collections::HashSet;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+mod common;
+
+use common::{pingpong_us, Killed};
 use gpufeed_guest::probes::cuda::{CudaOptions, CudaProbe};
 use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook};
 use gpufeed_guest::probes::KernelBtf;
@@ -33,19 +36,6 @@ const ROUNDS: usize = 7;
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
-}
-
-fn pingpong_us() -> f64 {
-    let out = Command::new("taskset")
-        .args(["-c", "0", "perf", "bench", "sched", "pipe", "-l", "200000"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find(|l| l.contains("usecs/op"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("perf bench output: {text}"))
 }
 
 /// CPU ns of this thread per getppid() over a million calls.
@@ -66,15 +56,6 @@ fn syscall_cpu_ns() -> f64 {
         unsafe { libc::syscall(libc::SYS_getppid) };
     }
     (cpu() - t0) / f64::from(N)
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn fixture(rel: &str) -> PathBuf {
