@@ -662,3 +662,70 @@ fn cuda_busy_estimate_per_pod_from_launch_to_completion() {
     }
     assert_eq!(probe.kernel_stats()[3], 0, "every launch's stream tracked");
 }
+
+/// Uprobe mode: a pod process looked at before it held a GPU file (here a
+/// shell that later execs the client under the same pid) is looked at again
+/// once its address space changed, and probed from then on.
+#[test]
+fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let sb = CgroupSandbox::new();
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let devices = GpuDevices {
+        path_prefixes: vec![format!("{}/nvidia", dir.display())],
+        driver_names: vec![UART_DRIVER.into()],
+    };
+    let mut probe = GpuDriverProbe::load(&devices, Hook::Auto, &KernelBtf::load())
+        .expect("gpu_driver loads")
+        .expect("kernel has the hooks");
+    assert_eq!(probe.mode(), Mode::Uprobes, "the default");
+
+    let (go, out, later) = (dir.join("go"), dir.join("late.out"), dir.join("later"));
+    let pid = pod.spawn(&format!(
+        "while [ ! -e {} ]; do sleep 0.05; done; {}",
+        later.display(),
+        dev.command(2, 1, &go, &out, "")
+    )) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || pod
+            .pids()
+            .contains(&pid)
+            .then_some(()))
+        .is_some(),
+        "the shell runs in the pod"
+    );
+    assert_eq!(probe.seed_new(&pids(&[&pod])), 0, "no GPU file yet");
+    assert_eq!(
+        probe.seed_new(&pids(&[&pod])),
+        0,
+        "unchanged: not looked at again"
+    );
+    assert_eq!(probe.probed(), 0);
+    File::create(&later).unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid, &dev.node)
+            .then_some(()))
+        .is_some(),
+        "the same pid, now the client, opened the device"
+    );
+    assert_eq!(probe.seed_new(&pids(&[&pod])), 1, "looked at again");
+    assert_eq!(probe.probed(), 1);
+    File::create(&go).unwrap();
+    wait_file(&out, "the client's calls");
+    let (calls, measured_ns) = measured(&out);
+    let cg = File::open(&pod.cgroup).unwrap();
+    let got = probe.read(cg.as_fd()).expect("the pod has driver time");
+    assert_eq!(got.ioctl[0].count, calls + 1, "cmd other");
+    let sum: u64 = got.ioctl.iter().map(|h| h.sum_ns).sum();
+    assert!(
+        within_10_percent(sum as f64, measured_ns as f64),
+        "sum {sum} vs measured {measured_ns}"
+    );
+    // the process is gone from the pod: its probes go
+    pod.wait_exit(pid as u32, Duration::from_secs(10));
+    probe.seed_new(&pids(&[&pod]));
+    assert_eq!(probe.probed(), 0, "probes of a gone process dropped");
+}
