@@ -125,6 +125,9 @@ struct RunArgs {
     /// Mapped files whose name starts with this are the CUDA driver library.
     #[arg(long, default_value = "libcuda.so")]
     cuda_library_prefix: String,
+    /// NVML library (name or path), opened at run time when the `nvml` probe is selected.
+    #[arg(long, default_value = gpufeed_guest::nvml::LIBRARY)]
+    nvml_library: String,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -224,6 +227,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         },
         gpu_driver: probes::gpu_driver::Config::default(),
         cuda: probes::cuda::CudaOptions::default(),
+        nvml: probes::nvml::Config::default(),
     };
     let lockdown = privileges::lockdown();
     let ctx = LoadContext {
@@ -308,6 +312,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         cuda: probes::cuda::CudaOptions {
             library_prefix: args.cuda_library_prefix.clone(),
             launches: args.cuda_launches,
+        },
+        nvml: probes::nvml::Config {
+            library: args.nvml_library.clone(),
         },
     };
     let ctx = LoadContext {

@@ -9,7 +9,7 @@
 //!   total memory, the link's maximum PCIe bandwidth);
 //! * per process, GPU memory in use (`nvmlDeviceGetComputeRunningProcesses`)
 //!   and SM utilisation (`nvmlDeviceGetProcessUtilization`), summed per
-//!   cgroup through `/proc/<pid>/cgroup` ([`Nvml::per_cgroup`]).
+//!   cgroup ([`Nvml::per_cgroup`]).
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr, CString};
@@ -328,14 +328,17 @@ impl Nvml {
             .collect())
     }
 
-    /// The processes' use summed per cgroup (v2), keyed by the cgroup's id
-    /// (the inode of its directory under `cgroup_root`, the key the
-    /// collector's owners use). Processes gone or outside `cgroup_root` are
+    /// The processes' use summed per cgroup, keyed by what `cgroup_of` says
+    /// of each pid (the collector's cgroup ids; see [`cgroup_id_of`]).
+    /// Processes it knows nothing of (gone, or in no cgroup of interest) are
     /// left out.
-    pub fn per_cgroup(processes: &[ProcessUsage], cgroup_root: &Path) -> HashMap<u64, CgroupUsage> {
+    pub fn per_cgroup(
+        processes: &[ProcessUsage],
+        cgroup_of: impl Fn(u32) -> Option<u64>,
+    ) -> HashMap<u64, CgroupUsage> {
         let mut out: HashMap<u64, CgroupUsage> = HashMap::new();
         for p in processes {
-            let Some(id) = cgroup_id_of(p.pid, cgroup_root) else {
+            let Some(id) = cgroup_of(p.pid) else {
                 continue;
             };
             let e = out.entry(id).or_default();
@@ -346,8 +349,9 @@ impl Nvml {
     }
 }
 
-/// The cgroup v2 id of process `pid`: the inode of its directory.
-fn cgroup_id_of(pid: u32, cgroup_root: &Path) -> Option<u64> {
+/// The cgroup v2 id of process `pid` (the inode of its directory under the
+/// hierarchy mounted at `cgroup_root`), from `/proc/<pid>/cgroup`.
+pub fn cgroup_id_of(pid: u32, cgroup_root: &Path) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
     let dir = cgroup_root.join(rel.trim().trim_start_matches('/'));

@@ -7,18 +7,16 @@ mod common;
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
-use gpufeed_guest::nvml::{GpuCapacity, Nvml};
+use gpufeed_guest::nvml::{cgroup_id_of, GpuCapacity, Nvml};
 
 const GIB: u64 = 1 << 30;
 
-#[test]
-fn nvml_capacity_and_per_pod_usage_from_a_stand_in_library() {
-    let Some(_lock) = require_root() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path();
+/// Builds the stand-in library in `dir`; (its path, the process list it reads).
+fn stand_in(dir: &Path) -> (PathBuf, PathBuf) {
     let procs = dir.join("procs");
     let lib = dir.join("libnvidia-ml.so.1");
     let define = format!("-DSTANDIN_PROCS=\"{}\"", procs.display());
@@ -27,6 +25,14 @@ fn nvml_capacity_and_per_pod_usage_from_a_stand_in_library() {
         &lib,
         &["-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", &define],
     );
+    (lib, procs)
+}
+
+#[test]
+fn nvml_capacity_and_per_pod_usage_from_a_stand_in_library() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (lib, procs) = stand_in(scratch.path());
 
     let sb = CgroupSandbox::new();
     let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
@@ -78,7 +84,7 @@ fn nvml_capacity_and_per_pod_usage_from_a_stand_in_library() {
 
     let usage = nvml.processes().unwrap();
     assert_eq!(usage.len(), 4, "{usage:?}");
-    let per_cgroup = Nvml::per_cgroup(&usage, &sb.root);
+    let per_cgroup = Nvml::per_cgroup(&usage, |pid| cgroup_id_of(pid, &sb.root));
     let id = |p: &Pod| std::fs::metadata(&p.cgroup).unwrap().ino();
     let got: HashMap<u64, (u64, f64)> = per_cgroup
         .iter()
@@ -97,6 +103,63 @@ fn nvml_capacity_and_per_pod_usage_from_a_stand_in_library() {
     assert!((sm_b - 0.5).abs() < 1e-9, "pod b SM {sm_b}");
 
     // a second reading asks only for newer samples, and gets them
-    let again = Nvml::per_cgroup(&nvml.processes().unwrap(), &sb.root);
+    let again = Nvml::per_cgroup(&nvml.processes().unwrap(), |pid| {
+        cgroup_id_of(pid, &sb.root)
+    });
     assert!((again[&id(&b)].sm_utilization - 0.5).abs() < 1e-9);
+}
+
+/// The agent with the `nvml` probe on the stand-in: each pod's series follow
+/// what NVML says of its processes; without the library the probe is up and
+/// idle.
+#[test]
+fn nvml_series_per_pod_on_metrics() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let (lib, procs) = stand_in(scratch.path());
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let (a1, b1) = (a.spawn("exec sleep 60"), b.spawn("exec sleep 60"));
+    std::fs::write(
+        &procs,
+        format!("{a1} 0 {} 30\n{b1} 1 {} 80\n", 2 * GIB, 6 * GIB),
+    )
+    .unwrap();
+
+    let agent = Agent::no_kube("200ms", "nvml", &["--nvml-library", lib.to_str().unwrap()]);
+    for (pod, mem, sm) in [(&a, 2 * GIB, 0.3), (&b, 6 * GIB, 0.8)] {
+        let labels = [
+            ("pod", pod.uid.as_str()),
+            ("container", &pod.container_id[..12]),
+        ];
+        let got = wait_for(Duration::from_secs(10), || {
+            let s = agent.scrape();
+            let m = value(&s, "gpufeed_nvml_process_memory_bytes", &labels)?;
+            let u = value(&s, "gpufeed_nvml_process_sm_utilization_ratio", &labels)?;
+            Some((m, u))
+        });
+        assert_eq!(
+            got.map(|(m, _)| m),
+            Some(mem as f64),
+            "pod {}: memory",
+            pod.uid
+        );
+        let u = got.unwrap().1;
+        assert!((u - sm).abs() < 1e-9, "pod {}: SM {u}", pod.uid);
+    }
+    assert_eq!(value(&agent.scrape(), "gpufeed_nvml_gpus", &[]), Some(2.0));
+    drop(agent);
+
+    let absent = Agent::no_kube(
+        "200ms",
+        "nvml",
+        &["--nvml-library", "/nonexistent/libnvidia-ml.so.1"],
+    );
+    let s = absent.scrape();
+    assert_eq!(
+        value(&s, "gpufeed_probe_up", &[("probe", "nvml")]),
+        Some(1.0)
+    );
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(0.0));
 }
