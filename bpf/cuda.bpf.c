@@ -24,6 +24,17 @@
  *   - cuMemImportFromShareableHandle yields a handle to memory another
  *     process created (and was counted there): it is tracked with size 0.
  *   - When a process exits, what it still holds is subtracted.
+ *
+ * Busy estimate (with the launch probes on): a stream has outstanding work
+ * from a launch on it until a call shows the work done: the return of
+ * cuStreamSynchronize on it, of cuCtxSynchronize (every stream of the
+ * process), of cuEventSynchronize on an event recorded on it after its last
+ * launch, or a cuStreamQuery / cuEventQuery answering CUDA_SUCCESS. A cgroup
+ * is busy while any stream of its processes has outstanding work: the
+ * intervals are merged by a count of such streams, as the driver probe
+ * merges its calls. Completion is seen when the process looks, so the
+ * estimate is an upper bound of the device's busy time: exact when the
+ * process waits on its work, longer when it looks late.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -42,6 +53,9 @@ struct cuda_cgroup {
 	__u64 h2d_bytes;
 	__u64 d2h_bytes;
 	__u64 launches;
+	__u64 busy_ns;	      /* closed busy-estimate intervals */
+	__u64 busy_since;     /* ktime ns the current interval began */
+	__s64 busy_streams;   /* streams of the cgroup with outstanding work */
 };
 
 struct {
@@ -94,6 +108,11 @@ struct {
 #define CALL_PITCH 2
 #define CALL_CREATE 3
 #define CALL_IMPORT 4
+#define CALL_STREAM_SYNC 5
+#define CALL_CTX_SYNC 6
+#define CALL_EVENT_SYNC 7
+#define CALL_STREAM_QUERY 8
+#define CALL_EVENT_QUERY 9
 
 struct pending {
 	__u64 out;   /* user address of the out-parameter (dptr or handle) */
@@ -109,11 +128,39 @@ struct {
 	__type(value, struct pending);
 } cuda_pending SEC(".maps");
 
+/* Streams with outstanding work: (tgid, stream) -> last launch. */
+struct stream_key {
+	__u32 tgid;
+	__u32 pad;
+	__u64 stream;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct stream_key);
+	__type(value, __u64);
+} cuda_streams SEC(".maps");
+
+/* Events recorded: (tgid, event) -> the stream and the time of the record. */
+struct event_rec {
+	__u64 stream;
+	__u64 recorded;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct stream_key);
+	__type(value, struct event_rec);
+} cuda_events SEC(".maps");
+
 /* [0] cgroup storage unavailable, [1] object map full, [2] frees of unknown
- * pointers or handles (allocated before the probe was attached). */
+ * pointers or handles (allocated before the probe was attached), [3] launches
+ * whose stream could not be tracked (map full, stack unreadable). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 3);
+	__uint(max_entries, 4);
 	__type(key, __u32);
 	__type(value, __u64);
 } cuda_stats SEC(".maps");
@@ -407,14 +454,192 @@ int BPF_UPROBE(cu_memcpy_dtoh, __u64 dst, __u64 src, __u64 bytes)
 	return copied(bytes, false);
 }
 
-/* cuLaunchKernel: counted only (the launch path is hot; opt-in). */
+/* A stream of the cgroup got outstanding work: the first opens its busy interval. */
+static __always_inline void work_open(struct cuda_cgroup *cg, __u64 now)
+{
+	if (__sync_fetch_and_add(&cg->busy_streams, 1) == 0)
+		cg->busy_since = now;
+}
+
+/* A stream's work is done: the last closes the cgroup's busy interval (its
+ * start read before leaving, as in gpu_driver.bpf.c). */
+static __always_inline void work_close(struct cuda_cgroup *cg, __u64 end)
+{
+	__u64 since = cg->busy_since;
+
+	if (__sync_fetch_and_add(&cg->busy_streams, -1) == 1 && (__s64)(end - since) > 0)
+		__sync_fetch_and_add(&cg->busy_ns, end - since);
+}
+
+static __always_inline void stream_done(struct cuda_cgroup *cg, __u32 pid, __u64 stream, __u64 end)
+{
+	struct stream_key k = {.tgid = pid, .stream = stream};
+
+	/* whoever deletes the entry closes it, once */
+	if (!bpf_map_delete_elem(&cuda_streams, &k))
+		work_close(cg, end);
+}
+
+/* CUresult cuLaunchKernel(CUfunction f, unsigned gridDimX, gridDimY, gridDimZ,
+ *                         unsigned blockDimX, blockDimY, blockDimZ,
+ *                         unsigned sharedMemBytes, CUstream hStream,
+ *                         void **kernelParams, void **extra)
+ * Counted, and its stream marked busy. The launch path is hot: opt-in. The
+ * 9th argument is on the user stack, read with bpf_probe_read_user. */
+#if defined(__TARGET_ARCH_x86)
+#define LAUNCH_STREAM_SP 24 /* above the return address, blockDimZ, sharedMemBytes */
+#elif defined(__TARGET_ARCH_arm64)
+#define LAUNCH_STREAM_SP 0 /* x0-x7 hold the first eight */
+#else
+#error "the stack offset of cuLaunchKernel's stream for this architecture is missing"
+#endif
 SEC("uprobe")
 int BPF_UPROBE(cu_launch_kernel)
 {
 	struct cuda_cgroup *cg = my_cgroup();
+	struct stream_key k = {.tgid = tgid()};
+	__u64 now = bpf_ktime_get_ns(), *last;
 
-	if (cg)
-		__sync_fetch_and_add(&cg->launches, 1);
+	if (!cg)
+		return 0;
+	__sync_fetch_and_add(&cg->launches, 1);
+	if (bpf_probe_read_user(&k.stream, sizeof(k.stream),
+				(void *)(PT_REGS_SP(ctx) + LAUNCH_STREAM_SP))) {
+		bump(3);
+		return 0;
+	}
+	last = bpf_map_lookup_elem(&cuda_streams, &k);
+	if (last) {
+		*last = now;
+		return 0;
+	}
+	if (bpf_map_update_elem(&cuda_streams, &k, &now, BPF_NOEXIST)) {
+		/* another thread made it meanwhile, or the map is full */
+		last = bpf_map_lookup_elem(&cuda_streams, &k);
+		if (last)
+			*last = now;
+		else
+			bump(3);
+		return 0;
+	}
+	work_open(cg, now);
+	return 0;
+}
+
+/* CUresult cuEventRecord(CUevent hEvent, CUstream hStream) */
+SEC("uprobe")
+int BPF_UPROBE(cu_event_record, __u64 event, __u64 stream)
+{
+	struct stream_key k = {.tgid = tgid(), .stream = event};
+	struct event_rec r = {.stream = stream, .recorded = bpf_ktime_get_ns()};
+
+	bpf_map_update_elem(&cuda_events, &k, &r, BPF_ANY);
+	return 0;
+}
+
+/* CUresult cuStreamSynchronize(CUstream hStream), cuStreamQuery(CUstream hStream) */
+SEC("uprobe")
+int BPF_UPROBE(cu_stream_sync, __u64 stream)
+{
+	return stash(CALL_STREAM_SYNC, stream, 0, 0);
+}
+
+SEC("uprobe")
+int BPF_UPROBE(cu_stream_query, __u64 stream)
+{
+	return stash(CALL_STREAM_QUERY, stream, 0, 0);
+}
+
+/* CUresult cuCtxSynchronize(void) */
+SEC("uprobe")
+int BPF_UPROBE(cu_ctx_sync)
+{
+	return stash(CALL_CTX_SYNC, 0, 0, 0);
+}
+
+/* CUresult cuEventSynchronize(CUevent hEvent), cuEventQuery(CUevent hEvent) */
+SEC("uprobe")
+int BPF_UPROBE(cu_event_sync, __u64 event)
+{
+	return stash(CALL_EVENT_SYNC, event, 0, 0);
+}
+
+SEC("uprobe")
+int BPF_UPROBE(cu_event_query, __u64 event)
+{
+	return stash(CALL_EVENT_QUERY, event, 0, 0);
+}
+
+struct close_ctx {
+	struct cuda_cgroup *cg;
+	__u64 end;
+	__u32 tgid;
+};
+
+static long close_stream(struct bpf_map *map, struct stream_key *k, __u64 *last,
+			 struct close_ctx *c)
+{
+	if (k->tgid == c->tgid && !bpf_map_delete_elem(&cuda_streams, k))
+		work_close(c->cg, c->end);
+	return 0;
+}
+
+/* Every stream of process `pid` done at `end`. */
+static __always_inline void all_done(struct cuda_cgroup *cg, __u32 pid, __u64 end)
+{
+	struct close_ctx c = {.cg = cg, .end = end, .tgid = pid};
+
+	bpf_for_each_map_elem(&cuda_streams, close_stream, &c, 0);
+}
+
+/* The work an event waits for is done: its stream's, when nothing was
+ * launched there after the record (otherwise the stream stays busy). */
+static __always_inline void event_done(struct cuda_cgroup *cg, __u32 pid, __u64 event, __u64 end)
+{
+	struct stream_key ek = {.tgid = pid, .stream = event}, sk = {.tgid = pid};
+	struct event_rec *r = bpf_map_lookup_elem(&cuda_events, &ek);
+	__u64 *last;
+
+	if (!r)
+		return;
+	sk.stream = r->stream;
+	last = bpf_map_lookup_elem(&cuda_streams, &sk);
+	if (last && *last <= r->recorded)
+		stream_done(cg, pid, sk.stream, end);
+}
+
+/* One uretprobe for the synchronisation calls and queries stashed above. */
+SEC("uretprobe")
+int BPF_URETPROBE(cu_sync_ret, int ret)
+{
+	__u64 id = bpf_get_current_pid_tgid(), now = bpf_ktime_get_ns(), handle;
+	struct pending *p = bpf_map_lookup_elem(&cuda_pending, &id);
+	struct cuda_cgroup *cg;
+	__u32 call;
+
+	if (!p)
+		return 0;
+	call = p->call;
+	handle = p->out;
+	bpf_map_delete_elem(&cuda_pending, &id);
+	if (ret != CUDA_SUCCESS)
+		return 0; /* a query answering "not ready", or an error */
+	cg = my_cgroup();
+	if (!cg)
+		return 0;
+	switch (call) {
+	case CALL_STREAM_SYNC:
+	case CALL_STREAM_QUERY:
+		stream_done(cg, id >> 32, handle, now);
+		break;
+	case CALL_CTX_SYNC:
+		all_done(cg, id >> 32, now);
+		break;
+	case CALL_EVENT_SYNC:
+	case CALL_EVENT_QUERY:
+		event_done(cg, id >> 32, handle, now);
+		break;
+	}
 	return 0;
 }
 
@@ -442,6 +667,10 @@ int BPF_PROG(cuda_exit, struct task_struct *p)
 	/* the last thread of the process, which need not be the leader */
 	if (p->signal->live.counter != 0)
 		return 0;
+	/* its outstanding work ends with it (the driver tears its context down) */
+	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(p), 0, 0);
+	if (cg)
+		all_done(cg, c.tgid, bpf_ktime_get_ns());
 	pv = bpf_map_lookup_elem(&cuda_procs, &c.tgid);
 	if (!pv)
 		return 0;

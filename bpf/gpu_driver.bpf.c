@@ -24,6 +24,16 @@
  * lookup finds no storage and returns), and is freed by the kernel with the
  * process. Only syscalls:sys_enter_ioctl/sys_exit_ioctl run on the hot path;
  * raw_syscalls would run for every syscall of every task.
+ *
+ * Even the per-syscall tracepoints cost every task on the machine on every
+ * syscall, GPU or not: attaching any syscall tracepoint sets
+ * SYSCALL_WORK_SYSCALL_TRACEPOINT on all tasks, which sends each of their
+ * syscalls through the slow entry and exit path. The default mode
+ * ("uprobe mode", at the end of this file) uses none: uprobes on the C
+ * library's ioctl(), close(), dup2() and dup3() attached per process, only
+ * to the processes that hold a GPU file. The kernel installs those
+ * breakpoints in the filtered address spaces alone, so no other process,
+ * and no other syscall, pays anything.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -166,6 +176,8 @@ static __always_inline __u32 cmd_slot(__u32 cmd)
 	}
 }
 
+static __always_inline int ioctl_exit(struct task_struct *task, struct thread_state *ts);
+
 static __always_inline int ioctl_enter(__u64 fd, __u32 cmd)
 {
 	struct task_struct *task = bpf_get_current_task_btf();
@@ -184,6 +196,11 @@ static __always_inline int ioctl_enter(__u64 fd, __u32 cmd)
 		bump(0);
 		return 0;
 	}
+	/* Uprobe mode: a call still open on this thread lost its return (a
+	 * signal handler's ioctl, a longjmp): end it here rather than let the
+	 * cgroup's busy interval stay open. */
+	if (ts->ioctl_start)
+		ioctl_exit(task, ts);
 	now = bpf_ktime_get_ns();
 	ts->ioctl_start = now;
 	ts->cgroup_id = bpf_get_current_cgroup_id();
@@ -233,8 +250,8 @@ int gpu_ioctl_enter(struct trace_event_raw_sys_enter *ctx)
 	return ioctl_enter((__u32)ctx->args[0], (__u32)ctx->args[1]);
 }
 
-SEC("tracepoint/syscalls/sys_exit_ioctl")
-int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
+/* Ends the current thread's GPU call, if it is in one. */
+static __always_inline int end_call(void)
 {
 	struct task_struct *task = bpf_get_current_task_btf();
 	struct thread_state *ts = bpf_task_storage_get(&thread_state, task, 0, 0);
@@ -242,6 +259,12 @@ int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
 	if (!ts || !ts->ioctl_start)
 		return 0;
 	return ioctl_exit(task, ts);
+}
+
+SEC("tracepoint/syscalls/sys_exit_ioctl")
+int gpu_ioctl_exit(struct trace_event_raw_sys_exit *ctx)
+{
+	return end_call();
 }
 
 /* Whether a user-space path starts with one of the configured prefixes. */
@@ -546,4 +569,73 @@ int BPF_PROG(gpu_fork, struct task_struct *parent, struct task_struct *child)
 		to->cloexec[w] = from->cloexec[w];
 	}
 	return 0;
+}
+
+
+/*
+ * Uprobe mode. Userspace attaches these to the C library (or, in a static
+ * executable, the executable) of each process of a pod that holds a GPU file,
+ * filtered to that process, and seeds its bitmap from /proc; fork and exec
+ * keep the bitmap as above (tp_btf, once per fork or exec). Arguments are
+ * the function's, read from the user registers; no memory is read.
+ *
+ * The time of a call runs from the ioctl() entry breakpoint to the return
+ * breakpoint: the entry trap is outside it, the return trap inside it.
+ */
+/* An int argument from a user register, zero-extended where the verifier
+ * sees it: the register's upper half is undefined for an int, and clang would
+ * otherwise bound-check the low half and index with the whole register. */
+static __always_inline __u64 fd_arg(__u64 reg)
+{
+	__u64 fd = (__u32)reg;
+
+	barrier_var(fd);
+	return fd;
+}
+
+SEC("uprobe")
+int gpu_uprobe_ioctl(struct pt_regs *ctx)
+{
+	return ioctl_enter(fd_arg(PT_REGS_PARM1(ctx)), (__u32)PT_REGS_PARM2(ctx));
+}
+
+SEC("uretprobe")
+int gpu_uretprobe_ioctl(struct pt_regs *ctx)
+{
+	return end_call();
+}
+
+SEC("uprobe")
+int gpu_uprobe_close(struct pt_regs *ctx)
+{
+	return close_enter(fd_arg(PT_REGS_PARM1(ctx)));
+}
+
+/* dup2(old, new) and dup3(old, new, flags) close `new` first. A GPU fd
+ * duplicated onto `new` is not learned (CUDA does not dup its device files);
+ * userspace's next look at /proc finds it. */
+SEC("uprobe")
+int gpu_uprobe_dup2(struct pt_regs *ctx)
+{
+	__u64 oldfd = fd_arg(PT_REGS_PARM1(ctx)), newfd = fd_arg(PT_REGS_PARM2(ctx));
+
+	if (oldfd == newfd)
+		return 0;
+	return close_enter(newfd);
+}
+
+SEC("uprobe")
+int gpu_uprobe_close_range(struct pt_regs *ctx)
+{
+	return close_range_enter((__u32)PT_REGS_PARM1(ctx), (__u32)PT_REGS_PARM2(ctx),
+				 (__u32)PT_REGS_PARM3(ctx));
+}
+
+/* A thread that dies inside a GPU ioctl (exit_group from another thread, a
+ * fatal signal) never returns through the uretprobe: end its call at exit,
+ * so that the cgroup's busy interval closes. Once per thread exit. */
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(gpu_thread_exit, struct task_struct *p)
+{
+	return end_call();
 }

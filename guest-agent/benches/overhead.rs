@@ -7,32 +7,21 @@
 //!
 //! cargo bench -p gpufeed-guest --bench overhead
 
+mod common;
+
 mod empty {
     include!(concat!(env!("OUT_DIR"), "/bench_empty.skel.rs"));
 }
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{pingpong_us, Killed};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 
-const LOOPS: &str = "200000";
 const ROUNDS: usize = 5;
-
-fn pingpong_us() -> f64 {
-    let out = Command::new("taskset")
-        .args(["-c", "0", "perf", "bench", "sched", "pipe", "-l", LOOPS])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find(|l| l.contains("usecs/op"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("perf bench output: {text}"))
-}
 
 /// (run_time_ns, run_cnt) per program name, summed over programs of that name.
 fn bpf_stats() -> HashMap<String, (u64, u64)> {
@@ -119,14 +108,6 @@ fn measure(name: &'static str, baseline: Option<f64>) -> Row {
     r
 }
 
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// CPU time of all the process's threads in ns (schedstat: exact, not tick-sampled).
 fn cpu_ns(pid: u32) -> u64 {
     let mut total = 0;
@@ -188,9 +169,9 @@ fn main() {
         }
         Err(e) => eprintln!("runqlat not available ({e}); install libbpf-tools"),
     }
-    // The scheduler, TCP and tc probes without the GPU ones, then every probe: the GPU probes
-    // hook syscalls (ioctl, open, close), and the ping-pong is nothing but syscalls, so the
-    // difference between the two rows is their cost to a process that never touches a GPU.
+    // The scheduler, TCP and tc probes without the GPU ones, then every probe: the ping-pong is
+    // nothing but syscalls, so the difference between the two rows is what the GPU probes cost
+    // a process that never touches a GPU (their hooks side by side: the gpu_overhead bench).
     const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
     for (name, method, probes) in [
         ("gpufeed-guest (sched, TCP, tc)", "auto", NO_GPU),

@@ -16,6 +16,7 @@ pub mod ifaces;
 pub mod incident;
 pub mod join;
 pub mod netlink;
+pub mod nvml;
 pub mod pods;
 pub mod privileges;
 pub mod probes;

@@ -140,9 +140,11 @@ struct RunArgs {
         default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
     )]
     gpu_driver_name: Vec<String>,
-    /// Hooks that time GPU driver calls: per-syscall tracepoints (need
-    /// tracefs), the raw sys_enter/sys_exit BTF tracepoints (work under
-    /// lockdown, run for every syscall), or auto.
+    /// Hooks that time GPU driver calls: uprobes on the C library of the
+    /// processes holding a GPU file (auto; no cost to other processes),
+    /// per-syscall tracepoints (need tracefs), or the raw sys_enter/sys_exit
+    /// BTF tracepoints (work under lockdown); both syscall hooks put every
+    /// syscall of every task on the kernel's slow path.
     #[arg(long, value_enum, default_value = "auto")]
     gpu_driver_hook: probes::gpu_driver::Hook,
     /// Window of ebpf_gpu_active_compute_duty_cycle.
@@ -154,6 +156,9 @@ struct RunArgs {
     /// Mapped files whose name starts with this are the CUDA driver library.
     #[arg(long, default_value = "libcuda.so")]
     cuda_library_prefix: String,
+    /// NVML library (name or path), opened at run time when the `nvml` probe is selected.
+    #[arg(long, default_value = gpufeed_guest::nvml::LIBRARY)]
+    nvml_library: String,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -256,6 +261,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         },
         gpu_driver: probes::gpu_driver::Config::default(),
         cuda: probes::cuda::CudaOptions::default(),
+        nvml: probes::nvml::Config::default(),
     };
     let lockdown = privileges::lockdown();
     let ctx = LoadContext {
@@ -345,6 +351,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         cuda: probes::cuda::CudaOptions {
             library_prefix: args.cuda_library_prefix.clone(),
             launches: args.cuda_launches,
+        },
+        nvml: probes::nvml::Config {
+            library: args.nvml_library.clone(),
         },
     };
     let ctx = LoadContext {

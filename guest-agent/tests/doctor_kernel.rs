@@ -429,7 +429,11 @@ fn doctor_command_exit_status_follows_the_checks() {
 #[test]
 fn tracefs_is_checked_only_where_it_is_wanted() {
     use gpufeed_guest::probes::gpu_driver::Hook;
-    assert!(doctor::tracefs_wanted("all", Hook::Auto));
+    assert!(
+        !doctor::tracefs_wanted("all", Hook::Auto),
+        "the default hook is uprobes"
+    );
+    assert!(!doctor::tracefs_wanted("all", Hook::Uprobes));
     assert!(doctor::tracefs_wanted("gpu_driver", Hook::Syscalls));
     assert!(!doctor::tracefs_wanted("all", Hook::RawSyscalls));
     assert!(!doctor::tracefs_wanted("none", Hook::Auto));

@@ -20,7 +20,7 @@ use std::time::Duration;
 use common::gpu::*;
 use common::*;
 use gpufeed_guest::probes::cuda::{CudaCgroup, CudaOptions, CudaProbe};
-use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, CMD_CLASSES};
+use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, Mode, CMD_CLASSES};
 use gpufeed_guest::probes::KernelBtf;
 
 fn pids(pods: &[&Pod]) -> HashSet<i32> {
@@ -35,6 +35,15 @@ fn has_open(pid: i32, target: &Path) -> bool {
                 .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == target))
         })
         .unwrap_or(false)
+}
+
+/// The default: uprobes on the ioctl() (and close, dup2, dup3) of the pod
+/// processes that hold a GPU file, attached per process; no syscall hook, so
+/// other processes' syscalls stay on the kernel's fast path.
+#[test]
+fn driver_time_per_pod_from_per_process_uprobes() {
+    let Some(_lock) = require_root() else { return };
+    driver_time_case(Hook::Uprobes);
 }
 
 #[test]
@@ -81,6 +90,7 @@ fn driver_time_case(hook: Hook) {
     let mut probe = GpuDriverProbe::load(&devices, hook, &KernelBtf::load())
         .expect("gpu_driver loads")
         .expect("kernel has the hooks");
+    let uprobes = probe.mode() == Mode::Uprobes;
     assert_eq!(
         probe.seed_new(&pids(&[&a, &b])),
         1,
@@ -96,10 +106,12 @@ fn driver_time_case(hook: Hook) {
     // forks makes the calls on the inherited fd
     let pid_b = b.spawn(&dev.command(2, 2, &go, &out_b, "fork")) as i32;
     assert!(
-        wait_for(Duration::from_secs(5), || has_open(pid_b, &node)
-            .then_some(()))
+        wait_for(Duration::from_secs(5), || {
+            let pids = b.pids();
+            (pids.len() == 2 && pids.iter().all(|&p| has_open(p, &node))).then_some(())
+        })
         .is_some(),
-        "pod b opened the device"
+        "pod b ({pid_b}) and its child opened the device"
     );
     // c opens its device, then execs: exec closes the close-on-exec fd, and
     // the calls the new image makes on the reused fd number are not GPU calls
@@ -112,6 +124,12 @@ fn driver_time_case(hook: Hook) {
         .is_some(),
         "pod c opened the device"
     );
+    if uprobes {
+        // what the agent's next tick does: the processes that hold a GPU
+        // file since the last look get the uprobes (b, its child, c)
+        assert_eq!(probe.seed_new(&pids(&[&a, &b, &c])), 3, "b, its child, c");
+        assert_eq!(probe.probed(), 4, "a, b, b's child and c are probed");
+    }
     File::create(&go).unwrap();
     wait_file(&out_a, "pod a's calls");
     wait_file(&out_b, "pod b's calls");
@@ -155,7 +173,9 @@ fn driver_time_case(hook: Hook) {
     }
     let stats = probe.kernel_stats();
     assert_eq!(stats[0], 0, "no storage failures");
-    assert!(stats[1] >= 1, "b's open was learned in the kernel");
+    if !uprobes {
+        assert!(stats[1] >= 1, "b's open was learned in the kernel");
+    }
 }
 
 struct App {
@@ -271,8 +291,8 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     }
     assert_eq!(
         probe.kernel_stats(),
-        [0, 0, 0],
-        "no lost events, no unknown frees"
+        [0, 0, 0, 0],
+        "no lost events, no unknown frees, every launch's stream tracked"
     );
 }
 
@@ -333,9 +353,17 @@ fn gpu_series_on_metrics() {
         );
     }
 
-    // driver time
+    // driver time: the agent probes a process holding a GPU file at its
+    // next tick; the client's calls begin after that
     let (go, out) = (dir.join("go"), dir.join("hold.out"));
     pod.spawn(&dev.command(3, 1, &go, &out, ""));
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            value(&agent.scrape(), "gpufeed_gpu_ioctl_processes_probed", &[]).filter(|v| *v == 1.0)
+        })
+        .is_some(),
+        "the agent probed the client's ioctl()"
+    );
     File::create(&go).unwrap();
     wait_file(&out, "the ioctl client");
     let (calls, measured_ns) = measured(&out);
@@ -400,6 +428,11 @@ fn gpu_series_on_metrics() {
     assert_eq!(pcie("h2d"), Some(e.h2d() as f64));
     assert_eq!(pcie("d2h"), Some(e.d2h() as f64));
     wait_value("ebpf_gpu_kernel_launches_total", &[], 5.0);
+    assert_eq!(
+        get("ebpf_gpu_busy_estimate_seconds_total", &[]),
+        Some(0.0),
+        "launched work not yet seen complete is not counted yet"
+    );
     step(2);
     step(3);
     wait_value("ebpf_gpu_vram_reserved_bytes", &[], e.after_vmm() as f64);
@@ -407,4 +440,151 @@ fn gpu_series_on_metrics() {
     File::create(cuda.host_ctl.join("go5")).unwrap();
     pod.wait_exit(pid, Duration::from_secs(10));
     wait_value("ebpf_gpu_vram_reserved_bytes", &[], 0.0);
+    // the client never synchronised: its work ends with it
+    assert!(
+        wait_for(Duration::from_secs(5), || get(
+            "ebpf_gpu_busy_estimate_seconds_total",
+            &[]
+        )
+        .filter(|v| *v > 0.0))
+        .is_some(),
+        "busy estimate closed at exit"
+    );
+}
+
+/// The busy estimate: two pods keep the stand-in device busy for times their
+/// clients measure themselves, waiting for completion with each call the
+/// probe watches (stream, context and event synchronisation, stream and event
+/// queries), with overlapping streams and idle gaps. Each pod's estimate is
+/// within 10% of its own measurement.
+#[test]
+fn cuda_busy_estimate_per_pod_from_launch_to_completion() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let cuda = StandInCuda::new(dir);
+    let client = dir.join("cuda_busy");
+    compile_c("cuda/cuda_busy.c", &client, &["-ldl"]);
+
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let mut probe = CudaProbe::load(CudaOptions {
+        launches: true,
+        ..CudaOptions::default()
+    })
+    .expect("cuda probe loads")
+    .expect("kernel has the hooks");
+
+    let go = dir.join("go");
+    let run = |pod: &mut Pod, s: u32| {
+        let out = dir.join(format!("busy{s}.out"));
+        pod.spawn(&format!(
+            "LD_LIBRARY_PATH={} exec {} {} {} {s}",
+            cuda.lib_dir.display(),
+            client.display(),
+            go.display(),
+            out.display()
+        ));
+        out
+    };
+    let (out_a, out_b) = (run(&mut a, 1), run(&mut b, 2));
+    assert!(
+        wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&a, &b]))
+            + probe.files()
+            > 0)
+        .then_some(()))
+        .is_some(),
+        "the clients mapped the library"
+    );
+    File::create(&go).unwrap();
+    wait_file(&out_a, "pod a's client");
+    wait_file(&out_b, "pod b's client");
+    for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
+        let measured: u64 = std::fs::read_to_string(out)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let cg = File::open(&pod.cgroup).unwrap();
+        let got = probe.read(cg.as_fd()).expect("the pod has CUDA numbers");
+        eprintln!(
+            "pod {name}: busy estimate {} ns, measured {measured} ns, {} launches",
+            got.busy_ns, got.launches
+        );
+        assert_eq!(got.launches, 14, "pod {name}: launches (5 + 4 + 3 + 1 + 1)");
+        assert!(
+            within_10_percent(got.busy_ns as f64, measured as f64),
+            "pod {name}: busy {} vs measured {measured}",
+            got.busy_ns
+        );
+    }
+    assert_eq!(probe.kernel_stats()[3], 0, "every launch's stream tracked");
+}
+
+/// Uprobe mode: a pod process looked at before it held a GPU file (here a
+/// shell that later execs the client under the same pid) is looked at again
+/// once its address space changed, and probed from then on.
+#[test]
+fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let sb = CgroupSandbox::new();
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let devices = GpuDevices {
+        path_prefixes: vec![format!("{}/nvidia", dir.display())],
+        driver_names: vec![UART_DRIVER.into()],
+    };
+    let mut probe = GpuDriverProbe::load(&devices, Hook::Auto, &KernelBtf::load())
+        .expect("gpu_driver loads")
+        .expect("kernel has the hooks");
+    assert_eq!(probe.mode(), Mode::Uprobes, "the default");
+
+    let (go, out, later) = (dir.join("go"), dir.join("late.out"), dir.join("later"));
+    let pid = pod.spawn(&format!(
+        "while [ ! -e {} ]; do sleep 0.05; done; {}",
+        later.display(),
+        dev.command(2, 1, &go, &out, "")
+    )) as i32;
+    assert!(
+        wait_for(Duration::from_secs(5), || pod
+            .pids()
+            .contains(&pid)
+            .then_some(()))
+        .is_some(),
+        "the shell runs in the pod"
+    );
+    assert_eq!(probe.seed_new(&pids(&[&pod])), 0, "no GPU file yet");
+    assert_eq!(
+        probe.seed_new(&pids(&[&pod])),
+        0,
+        "unchanged: not looked at again"
+    );
+    assert_eq!(probe.probed(), 0);
+    File::create(&later).unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid, &dev.node)
+            .then_some(()))
+        .is_some(),
+        "the same pid, now the client, opened the device"
+    );
+    assert_eq!(probe.seed_new(&pids(&[&pod])), 1, "looked at again");
+    assert_eq!(probe.probed(), 1);
+    File::create(&go).unwrap();
+    wait_file(&out, "the client's calls");
+    let (calls, measured_ns) = measured(&out);
+    let cg = File::open(&pod.cgroup).unwrap();
+    let got = probe.read(cg.as_fd()).expect("the pod has driver time");
+    assert_eq!(got.ioctl[0].count, calls + 1, "cmd other");
+    let sum: u64 = got.ioctl.iter().map(|h| h.sum_ns).sum();
+    assert!(
+        within_10_percent(sum as f64, measured_ns as f64),
+        "sum {sum} vs measured {measured_ns}"
+    );
+    // the process is gone from the pod: its probes go
+    pod.wait_exit(pid as u32, Duration::from_secs(10));
+    probe.seed_new(&pids(&[&pod]));
+    assert_eq!(probe.probed(), 0, "probes of a gone process dropped");
 }

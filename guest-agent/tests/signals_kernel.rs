@@ -32,6 +32,7 @@ fn collector() -> Collector {
             node_devices: NodeDevices::None,
         },
         gpu_driver: gpu_driver::Config::default(),
+        nvml: probes::nvml::Config::default(),
         cuda: cuda::CudaOptions::default(),
     };
     let ctx = LoadContext {

@@ -26,7 +26,9 @@ pub fn tracefs_wanted(probes: &str, hook: Hook) -> bool {
         sel.iter()
             .any(|(_, names)| names.contains(&crate::probes::gpu_driver::NAME))
     });
-    gpu && hook != Hook::RawSyscalls
+    // only the per-syscall tracepoints attach by tracefs ids; uprobes and the BTF
+    // tracepoints need none
+    gpu && hook == Hook::Syscalls
 }
 
 /// How often the running agent re-evaluates its checks (all are cheap: a few file reads and

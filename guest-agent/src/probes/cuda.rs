@@ -31,13 +31,14 @@ pub const NAME: &str = "cuda";
 pub const VRAM: &str = "ebpf_gpu_vram_reserved_bytes";
 pub const PCIE: &str = "ebpf_gpu_pcie_bytes_total";
 pub const LAUNCHES: &str = "ebpf_gpu_kernel_launches_total";
+pub const BUSY: &str = "ebpf_gpu_busy_estimate_seconds_total";
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     load: load_unit,
 };
 
-static FAMILIES: [FamilySpec; 3] = [
+static FAMILIES: [FamilySpec; 4] = [
     FamilySpec {
         name: VRAM,
         help: "GPU memory the container's processes hold through the CUDA driver API (allocations and VMM physical allocations)",
@@ -56,6 +57,12 @@ static FAMILIES: [FamilySpec; 3] = [
         kind: Kind::Counter,
         scope: Scope::Container,
     },
+    FamilySpec {
+        name: BUSY,
+        help: "Wall time during which a stream of the container's processes had launched work not yet seen complete by a synchronisation or query (an upper bound of GPU busy time; only with --cuda-launches)",
+        kind: Kind::SecondsCounter,
+        scope: Scope::Container,
+    },
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
@@ -71,7 +78,9 @@ pub struct CudaOptions {
     /// Mapped files whose name starts with this are the driver library
     /// (maps shows the resolved name, e.g. `libcuda.so.550.54.15`).
     pub library_prefix: String,
-    /// Count cuLaunchKernel (a uprobe on the hot launch path).
+    /// Count cuLaunchKernel (a uprobe on the hot launch path) and estimate
+    /// busy time from launch to completion (uprobes on the synchronisation
+    /// calls and queries too).
     pub launches: bool,
 }
 
@@ -93,6 +102,9 @@ pub struct CudaCgroup {
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
     pub launches: u64,
+    /// Closed busy-estimate intervals (launch to seen complete), merged over
+    /// the cgroup's streams; an interval still open is left out.
+    pub busy_ns: u64,
 }
 
 unsafe impl plain::Plain for skel::types::cuda_cgroup {}
@@ -106,6 +118,7 @@ impl CudaCgroup {
             h2d_bytes: c.h2d_bytes,
             d2h_bytes: c.d2h_bytes,
             launches: c.launches,
+            busy_ns: c.busy_ns,
         })
     }
 
@@ -118,6 +131,7 @@ impl CudaCgroup {
             h2d_bytes: d(self.h2d_bytes, earlier.h2d_bytes),
             d2h_bytes: d(self.d2h_bytes, earlier.d2h_bytes),
             launches: d(self.launches, earlier.launches),
+            busy_ns: d(self.busy_ns, earlier.busy_ns),
         }
     }
 }
@@ -140,27 +154,76 @@ enum Prog {
     HtoD,
     DtoH,
     Launch,
+    EventRecord,
+    StreamSync,
+    StreamQuery,
+    CtxSync,
+    EventSync,
+    EventQuery,
+    SyncRet,
 }
 
-/// The driver API functions probed: (symbol, entry program, whether its
-/// out-parameters are read at return). Signatures are in bpf/cuda.bpf.c.
-const SYMBOLS: &[(&str, Prog, bool)] = &[
-    ("cuMemAlloc_v2", Prog::Alloc, true),
-    ("cuMemAllocManaged", Prog::AllocManaged, true),
-    ("cuMemAllocAsync", Prog::AllocAsync, true),
-    ("cuMemAllocPitch_v2", Prog::AllocPitch, true),
-    ("cuMemCreate", Prog::Create, true),
-    ("cuMemImportFromShareableHandle", Prog::Import, true),
-    ("cuMemFree_v2", Prog::Free, false),
-    ("cuMemFreeAsync", Prog::FreeAsync, false),
-    ("cuMemRelease", Prog::Release, false),
-    ("cuMemMap", Prog::Map, false),
-    ("cuMemUnmap", Prog::Unmap, false),
-    ("cuMemcpyHtoD_v2", Prog::HtoD, false),
-    ("cuMemcpyHtoDAsync_v2", Prog::HtoD, false),
-    ("cuMemcpyDtoH_v2", Prog::DtoH, false),
-    ("cuMemcpyDtoHAsync_v2", Prog::DtoH, false),
-    ("cuLaunchKernel", Prog::Launch, false),
+/// The driver API functions probed: (symbol, entry program, the program at
+/// its return if any, whether it belongs to the launch set that
+/// `--cuda-launches` turns on). Signatures are in bpf/cuda.bpf.c.
+const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
+    ("cuMemAlloc_v2", Prog::Alloc, Some(Prog::AllocRet), false),
+    (
+        "cuMemAllocManaged",
+        Prog::AllocManaged,
+        Some(Prog::AllocRet),
+        false,
+    ),
+    (
+        "cuMemAllocAsync",
+        Prog::AllocAsync,
+        Some(Prog::AllocRet),
+        false,
+    ),
+    (
+        "cuMemAllocPitch_v2",
+        Prog::AllocPitch,
+        Some(Prog::AllocRet),
+        false,
+    ),
+    ("cuMemCreate", Prog::Create, Some(Prog::AllocRet), false),
+    (
+        "cuMemImportFromShareableHandle",
+        Prog::Import,
+        Some(Prog::AllocRet),
+        false,
+    ),
+    ("cuMemFree_v2", Prog::Free, None, false),
+    ("cuMemFreeAsync", Prog::FreeAsync, None, false),
+    ("cuMemRelease", Prog::Release, None, false),
+    ("cuMemMap", Prog::Map, None, false),
+    ("cuMemUnmap", Prog::Unmap, None, false),
+    ("cuMemcpyHtoD_v2", Prog::HtoD, None, false),
+    ("cuMemcpyHtoDAsync_v2", Prog::HtoD, None, false),
+    ("cuMemcpyDtoH_v2", Prog::DtoH, None, false),
+    ("cuMemcpyDtoHAsync_v2", Prog::DtoH, None, false),
+    ("cuLaunchKernel", Prog::Launch, None, true),
+    ("cuEventRecord", Prog::EventRecord, None, true),
+    (
+        "cuStreamSynchronize",
+        Prog::StreamSync,
+        Some(Prog::SyncRet),
+        true,
+    ),
+    (
+        "cuStreamQuery",
+        Prog::StreamQuery,
+        Some(Prog::SyncRet),
+        true,
+    ),
+    ("cuCtxSynchronize", Prog::CtxSync, Some(Prog::SyncRet), true),
+    (
+        "cuEventSynchronize",
+        Prog::EventSync,
+        Some(Prog::SyncRet),
+        true,
+    ),
+    ("cuEventQuery", Prog::EventQuery, Some(Prog::SyncRet), true),
 ];
 
 /// A mapped library as /proc/<pid>/maps names it.
@@ -298,38 +361,26 @@ impl CudaProbe {
 
     /// Attaches to one mapped library unless its file is attached already.
     fn attach_file(&mut self, tgid: i32, lib: &MappedLib) -> Result<bool, String> {
-        // The path is the process's view: inside its root for a container,
-        // or a host path when the file is reachable from the agent's root
-        // (a chroot below it). The inode from maps tells which is the file.
-        let candidates = [
-            PathBuf::from(format!("/proc/{tgid}/root{}", lib.path)),
-            PathBuf::from(&lib.path),
-        ];
-        let found = candidates.iter().find_map(|p| {
-            let md = std::fs::metadata(p).ok()?;
-            let dev = (libc::major(md.dev()), libc::minor(md.dev()));
-            (md.ino() == lib.inode && dev == lib.dev).then(|| (p.clone(), (md.dev(), md.ino())))
-        });
-        let Some((path, key)) = found else {
+        let Some((path, key)) = reachable(tgid, lib) else {
             return Err("mapped library not reachable through /proc/<pid>/root".into());
         };
         if self.attached.contains_key(&key) {
             return Ok(false);
         }
         let mut links = Vec::new();
-        for &(sym, prog, ret) in SYMBOLS {
-            if matches!(prog, Prog::Launch) && !self.opts.launches {
+        for &(sym, prog, ret, launch_set) in SYMBOLS {
+            if launch_set && !self.opts.launches {
                 continue;
             }
-            let entry = attach_one(self.prog(prog), &path, sym, false);
+            let entry = attach_uprobe(self.prog(prog), -1, &path, sym, false);
             let Ok(entry) = entry else {
                 // older drivers lack some symbols
                 tracing::debug!(symbol = sym, path = %path.display(), "not attached");
                 continue;
             };
             links.push(entry);
-            if ret {
-                links.push(attach_one(self.prog(Prog::AllocRet), &path, sym, true)?);
+            if let Some(ret) = ret {
+                links.push(attach_uprobe(self.prog(ret), -1, &path, sym, true)?);
             }
         }
         tracing::info!(path = %path.display(), probes = links.len(), "cuda: attached");
@@ -356,6 +407,13 @@ impl CudaProbe {
             Prog::HtoD => &progs.cu_memcpy_htod,
             Prog::DtoH => &progs.cu_memcpy_dtoh,
             Prog::Launch => &progs.cu_launch_kernel,
+            Prog::EventRecord => &progs.cu_event_record,
+            Prog::StreamSync => &progs.cu_stream_sync,
+            Prog::StreamQuery => &progs.cu_stream_query,
+            Prog::CtxSync => &progs.cu_ctx_sync,
+            Prog::EventSync => &progs.cu_event_sync,
+            Prog::EventQuery => &progs.cu_event_query,
+            Prog::SyncRet => &progs.cu_sync_ret,
         }
     }
 
@@ -372,9 +430,10 @@ impl CudaProbe {
             .and_then(|b| CudaCgroup::from_bytes(&b))
     }
 
-    /// (cgroup storage unavailable, object map full, frees of unknown objects)
-    pub fn kernel_stats(&self) -> [u64; 3] {
-        [0, 1, 2].map(|i| percpu_sum(&self.stats, i))
+    /// (cgroup storage unavailable, object map full, frees of unknown
+    /// objects, launches whose stream was not tracked)
+    pub fn kernel_stats(&self) -> [u64; 4] {
+        [0, 1, 2, 3].map(|i| percpu_sum(&self.stats, i))
     }
 }
 
@@ -399,6 +458,11 @@ impl Probe for CudaProbe {
                 family: LAUNCHES,
                 labels: Labels::new(),
                 value: Value::Count(d.launches),
+            });
+            out.push(Delta {
+                family: BUSY,
+                labels: Labels::new(),
+                value: Value::Count(d.busy_ns),
             });
         }
     }
@@ -436,7 +500,7 @@ impl Probe for CudaProbe {
     }
 
     fn stats(&self) -> UnitStats {
-        let [failures, full, unknown] = self.kernel_stats();
+        let [failures, full, unknown, untracked] = self.kernel_stats();
         UnitStats {
             maps: vec![MapFill {
                 map: "cuda_cgroup",
@@ -458,6 +522,12 @@ impl Probe for CudaProbe {
                     value: full as f64,
                 },
                 SelfSeries {
+                    name: "gpufeed_cuda_launches_untracked_total",
+                    help: "Kernel launches left out of the busy estimate (stream map full, launch stack unreadable)",
+                    kind: Kind::Counter,
+                    value: untracked as f64,
+                },
+                SelfSeries {
                     name: "gpufeed_cuda_unknown_frees_total",
                     help: "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)",
                     kind: Kind::Counter,
@@ -469,21 +539,42 @@ impl Probe for CudaProbe {
 }
 
 /// Virtual memory size of a process (field 23 of /proc/<pid>/stat).
-fn vsize(tgid: i32) -> Option<u64> {
+pub fn vsize(tgid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{tgid}/stat")).ok()?;
     // the command name (field 2) may hold spaces and parentheses: skip past its end
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(20)?.parse().ok()
 }
 
-fn attach_one(
+/// The path through which the agent reaches a library process `tgid` maps,
+/// and the file's (dev, inode). The path in maps is the process's view: inside
+/// its root for a container, or a host path when the file is reachable from
+/// the agent's root (a chroot below it). The inode from maps tells which is
+/// the file.
+pub fn reachable(tgid: i32, lib: &MappedLib) -> Option<(PathBuf, (u64, u64))> {
+    let candidates = [
+        PathBuf::from(format!("/proc/{tgid}/root{}", lib.path)),
+        PathBuf::from(&lib.path),
+    ];
+    candidates.iter().find_map(|p| {
+        let md = std::fs::metadata(p).ok()?;
+        let dev = (libc::major(md.dev()), libc::minor(md.dev()));
+        (md.ino() == lib.inode && dev == lib.dev).then(|| (p.clone(), (md.dev(), md.ino())))
+    })
+}
+
+/// Attaches `prog` to function `sym` of the ELF file at `path`, in process
+/// `pid` only (the kernel then installs the breakpoint in that address space
+/// alone) or in every process that maps the file (`pid` -1).
+pub fn attach_uprobe(
     prog: &ProgramMut<'static>,
+    pid: i32,
     path: &std::path::Path,
     sym: &str,
     retprobe: bool,
 ) -> Result<Link, String> {
     prog.attach_uprobe_with_opts(
-        -1,
+        pid,
         path,
         0,
         UprobeOpts {
@@ -543,12 +634,13 @@ garbage line
     #[test]
     fn decode_cgroup() {
         let mut b = Vec::new();
-        for v in [-4096i64 as u64, 10, 20, 3] {
+        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1] {
             b.extend_from_slice(&v.to_ne_bytes());
         }
         let c = CudaCgroup::from_bytes(&b).unwrap();
         assert_eq!(c.vram_bytes, -4096);
         assert_eq!((c.h2d_bytes, c.d2h_bytes, c.launches), (10, 20, 3));
-        assert!(CudaCgroup::from_bytes(&b[..31]).is_none());
+        assert_eq!(c.busy_ns, 7_000, "an interval still open is left out");
+        assert!(CudaCgroup::from_bytes(&b[..55]).is_none());
     }
 }

@@ -5,6 +5,13 @@
 //! seeded from here: [`GpuDriverProbe::seed`] stats `/proc/<pid>/fd/*` against
 //! the character-device majors of the configured drivers (read from
 //! `/proc/devices`) and writes the process's bitmap through a pidfd.
+//!
+//! How the kernel side sees the calls depends on [`Hook`]. By default
+//! ([`Hook::Uprobes`]) no syscall hook is attached at all: each pod process
+//! that holds a GPU file gets uprobes on its C library's `ioctl()`,
+//! `close()`, `dup2()`, `dup3()` and `close_range()`, filtered to that
+//! process ([`GpuDriverProbe::seed_new`], every tick), so every other process
+//! keeps its syscalls on the kernel's fast path.
 
 mod skel {
     include!(concat!(env!("OUT_DIR"), "/gpu_driver.skel.rs"));
@@ -15,12 +22,13 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
+use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
+use super::cuda::{attach_uprobe, find_libs, reachable, vsize};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
@@ -40,11 +48,16 @@ pub const UNIT: UnitSpec = UnitSpec {
     load: load_unit,
 };
 
-/// Which syscall hooks time the driver calls.
+/// Which hooks time the driver calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Hook {
-    /// Per-syscall tracepoints when tracefs has them, raw_syscalls otherwise.
+    /// Uprobes.
     Auto,
+    /// Uprobes on the C library's ioctl(), close(), dup2(), dup3() and
+    /// close_range(), attached per process to the pod processes that hold a
+    /// GPU file (found in /proc every tick): no cost to any other process or
+    /// syscall. A GPU file is timed from the tick after it was opened.
+    Uprobes,
     /// `syscalls:sys_{enter,exit}_ioctl` and the open/close ones: run only for
     /// those syscalls, attached by their tracefs ids.
     Syscalls,
@@ -101,6 +114,10 @@ fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, P
     });
     Ok(Loaded::single(NAME, loaded))
 }
+
+/// Mapped file names that hold the C library's functions (glibc, musl); a
+/// process that maps none is linked statically and has them in its executable.
+const LIBC_NAMES: [&str; 3] = ["libc.so", "libc-", "ld-musl-"];
 
 /// Mirrors of the constants in bpf/gpu_driver.bpf.c.
 const GPU_FD_BITS: usize = 8192;
@@ -222,16 +239,44 @@ impl GpuDriverCgroup {
 }
 
 pub struct GpuDriverProbe {
+    // Uprobe mode attaches programs after load, per process: the skeleton
+    // lives as long as the agent (one probe per agent; tests load a few).
+    skel: &'static skel::GpuDriverSkel<'static>,
+    mode: Mode,
     cgroups: MapHandle,
     fds: MapHandle,
     stats: MapHandle,
     majors: Vec<u32>,
     seeded: HashSet<i32>,
+    /// Uprobe mode: address-space size of each process at its last look;
+    /// /proc/<pid>/fd is read again when it changed (opening a GPU device
+    /// comes with mapping it).
+    vsize: HashMap<i32, u64>,
+    /// Uprobe mode: the links on each probed process's C library.
+    probed: HashMap<i32, Vec<Link>>,
     _links: Vec<Link>,
     last: LastRead<GpuDriverCgroup>,
     /// Busy time read this tick, per cgroup, for the duty cycle.
     busy_read: Vec<(u64, u64)>,
     duty: DutyWindow,
+}
+
+/// The hooks a loaded probe uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Uprobes,
+    Syscalls,
+    RawSyscalls,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Uprobes => "uprobes",
+            Mode::Syscalls => "syscalls",
+            Mode::RawSyscalls => "raw_syscalls",
+        }
+    }
 }
 
 /// Whether tracefs has the event `syscalls/<name>` (libbpf attaches per-syscall
@@ -240,6 +285,26 @@ fn syscall_event(name: &str) -> bool {
     ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
         .iter()
         .any(|t| Path::new(&format!("{t}/events/syscalls/{name}/id")).exists())
+}
+
+/// The C library functions probed per process: (symbol, program, return
+/// probe, required).
+const PROCESS_SYMBOLS: [(&str, ProcessProg, bool, bool); 6] = [
+    ("ioctl", ProcessProg::Ioctl, false, true),
+    ("ioctl", ProcessProg::IoctlRet, true, true),
+    ("close", ProcessProg::Close, false, true),
+    ("dup2", ProcessProg::Dup2, false, false),
+    ("dup3", ProcessProg::Dup2, false, false),
+    ("close_range", ProcessProg::CloseRange, false, false),
+];
+
+#[derive(Clone, Copy)]
+enum ProcessProg {
+    Ioctl,
+    IoctlRet,
+    Close,
+    Dup2,
+    CloseRange,
 }
 
 impl GpuDriverProbe {
@@ -267,20 +332,20 @@ impl GpuDriverProbe {
             .iter()
             .all(|e| syscall_event(e));
         let has_raw = btf.has_tracepoint("sys_enter") && btf.has_tracepoint("sys_exit");
-        let per_syscall = match hook {
-            Hook::Auto if has_events => true,
-            Hook::Auto | Hook::RawSyscalls if has_raw => false,
-            Hook::Syscalls if has_events => true,
+        let mode = match hook {
+            Hook::Auto | Hook::Uprobes => Mode::Uprobes,
+            Hook::Syscalls if has_events => Mode::Syscalls,
+            Hook::RawSyscalls if has_raw => Mode::RawSyscalls,
             Hook::Syscalls => {
                 return Ok(Err(ProbeStatus::down(
                     NAME,
                     "no tracefs events syscalls/sys_{enter,exit}_ioctl (tracefs not mounted, or removed by lockdown)",
                 )))
             }
-            _ => {
+            Hook::RawSyscalls => {
                 return Ok(Err(ProbeStatus::down(
                     NAME,
-                    "neither tracefs syscall events nor the BTF tracepoints sys_enter/sys_exit",
+                    "no BTF tracepoints sys_enter/sys_exit",
                 )))
             }
         };
@@ -288,9 +353,10 @@ impl GpuDriverProbe {
             .map(|t| char_majors(&t, &devices.driver_names))
             .unwrap_or_default();
 
-        let mut storage = MaybeUninit::uninit();
+        let storage: &'static mut MaybeUninit<OpenObject> =
+            Box::leak(Box::new(MaybeUninit::uninit()));
         let mut open = skel::GpuDriverSkelBuilder::default()
-            .open(&mut storage)
+            .open(storage)
             .map_err(err(NAME, "open"))?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.n_prefixes = devices.path_prefixes.len() as u32;
@@ -301,6 +367,8 @@ impl GpuDriverProbe {
                 }
             }
         }
+        let per_syscall = mode == Mode::Syscalls;
+        let uprobes = mode == Mode::Uprobes;
         // open(2) and openat2(2) are optional (arm64 has no open; openat2 is 5.6+)
         let has_open = per_syscall && syscall_event("sys_enter_open");
         let has_openat2 = per_syscall && syscall_event("sys_enter_openat2");
@@ -319,40 +387,53 @@ impl GpuDriverProbe {
         p.gpu_open_exit.set_autoload(has_open);
         p.gpu_openat2_enter.set_autoload(has_openat2);
         p.gpu_openat2_exit.set_autoload(has_openat2);
-        p.gpu_sys_enter.set_autoload(!per_syscall);
-        p.gpu_sys_exit.set_autoload(!per_syscall);
+        p.gpu_sys_enter.set_autoload(mode == Mode::RawSyscalls);
+        p.gpu_sys_exit.set_autoload(mode == Mode::RawSyscalls);
+        for prog in [
+            &mut p.gpu_uprobe_ioctl,
+            &mut p.gpu_uretprobe_ioctl,
+            &mut p.gpu_uprobe_close,
+            &mut p.gpu_uprobe_dup2,
+            &mut p.gpu_uprobe_close_range,
+            &mut p.gpu_thread_exit,
+        ] {
+            prog.set_autoload(uprobes);
+        }
         let skel = open.load().map_err(err(NAME, "load"))?;
+        let skel: &'static skel::GpuDriverSkel<'static> = Box::leak(Box::new(skel));
         let p = &skel.progs;
         let mut progs = vec![
             (&p.gpu_exec, "sched_process_exec"),
             (&p.gpu_fork, "sched_process_fork"),
         ];
-        if per_syscall {
-            progs.extend([
-                (&p.gpu_ioctl_enter, "sys_enter_ioctl"),
-                (&p.gpu_ioctl_exit, "sys_exit_ioctl"),
-                (&p.gpu_openat_enter, "sys_enter_openat"),
-                (&p.gpu_openat_exit, "sys_exit_openat"),
-                (&p.gpu_close_enter, "sys_enter_close"),
-                (&p.gpu_close_range_enter, "sys_enter_close_range"),
-            ]);
-            if has_open {
+        match mode {
+            Mode::Uprobes => progs.push((&p.gpu_thread_exit, "sched_process_exit")),
+            Mode::Syscalls => {
                 progs.extend([
-                    (&p.gpu_open_enter, "sys_enter_open"),
-                    (&p.gpu_open_exit, "sys_exit_open"),
+                    (&p.gpu_ioctl_enter, "sys_enter_ioctl"),
+                    (&p.gpu_ioctl_exit, "sys_exit_ioctl"),
+                    (&p.gpu_openat_enter, "sys_enter_openat"),
+                    (&p.gpu_openat_exit, "sys_exit_openat"),
+                    (&p.gpu_close_enter, "sys_enter_close"),
+                    (&p.gpu_close_range_enter, "sys_enter_close_range"),
                 ]);
+                if has_open {
+                    progs.extend([
+                        (&p.gpu_open_enter, "sys_enter_open"),
+                        (&p.gpu_open_exit, "sys_exit_open"),
+                    ]);
+                }
+                if has_openat2 {
+                    progs.extend([
+                        (&p.gpu_openat2_enter, "sys_enter_openat2"),
+                        (&p.gpu_openat2_exit, "sys_exit_openat2"),
+                    ]);
+                }
             }
-            if has_openat2 {
-                progs.extend([
-                    (&p.gpu_openat2_enter, "sys_enter_openat2"),
-                    (&p.gpu_openat2_exit, "sys_exit_openat2"),
-                ]);
-            }
-        } else {
-            progs.extend([
+            Mode::RawSyscalls => progs.extend([
                 (&p.gpu_sys_enter, "sys_enter"),
                 (&p.gpu_sys_exit, "sys_exit"),
-            ]);
+            ]),
         }
         let mut links = Vec::new();
         for (prog, hook) in progs {
@@ -363,22 +444,36 @@ impl GpuDriverProbe {
             })?);
         }
         tracing::info!(
-            hook = if per_syscall { "syscalls" } else { "raw_syscalls" },
+            hook = mode.name(),
             ?majors,
             prefixes = ?devices.path_prefixes,
             "GPU driver time"
         );
         Ok(Ok(GpuDriverProbe {
+            skel,
+            mode,
             cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
             fds: handle(NAME, &skel.maps.gpu_fds)?,
             stats: handle(NAME, &skel.maps.gpu_stats)?,
             majors,
             seeded: HashSet::new(),
+            vsize: HashMap::new(),
+            probed: HashMap::new(),
             _links: links,
             last: LastRead::default(),
             busy_read: Vec::new(),
             duty: DutyWindow::new(Config::default().duty_window),
         }))
+    }
+
+    /// The hooks in use.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Processes whose C library carries the uprobes now (uprobe mode).
+    pub fn probed(&self) -> usize {
+        self.probed.len()
     }
 
     /// One cgroup's driver time, if any task of it ever called a GPU ioctl.
@@ -391,15 +486,77 @@ impl GpuDriverProbe {
 
     /// Seeds the processes in `tgids` not seen before, and forgets those no
     /// longer listed. Returns how many GPU fds were found.
+    ///
+    /// In uprobe mode a process is looked at again whenever its address
+    /// space changed size, and one found holding a GPU file gets the uprobes
+    /// on its C library.
     pub fn seed_new(&mut self, tgids: &HashSet<i32>) -> usize {
         self.seeded.retain(|t| tgids.contains(t));
+        self.vsize.retain(|t, _| tgids.contains(t));
+        self.probed.retain(|t, _| tgids.contains(t));
         let mut found = 0;
         for &tgid in tgids {
-            if self.seeded.insert(tgid) {
-                found += self.seed(tgid).unwrap_or(0);
+            let new = self.seeded.insert(tgid);
+            if self.mode != Mode::Uprobes {
+                if new {
+                    found += self.seed(tgid).unwrap_or(0);
+                }
+                continue;
+            }
+            let Some(v) = vsize(tgid) else { continue };
+            if self.vsize.insert(tgid, v) == Some(v) {
+                continue;
+            }
+            let n = self.seed(tgid).unwrap_or(0);
+            found += n;
+            if n > 0 && !self.probed.contains_key(&tgid) {
+                match self.probe_process(tgid) {
+                    Ok(links) => {
+                        self.probed.insert(tgid, links);
+                    }
+                    Err(e) => tracing::warn!(tgid, "GPU driver time: {e}"),
+                }
             }
         }
         found
+    }
+
+    /// Attaches the per-process uprobes to the C library functions process
+    /// `tgid` calls: its C library's, or its executable's when it is linked
+    /// statically.
+    fn probe_process(&self, tgid: i32) -> Result<Vec<Link>, String> {
+        let maps = std::fs::read_to_string(format!("/proc/{tgid}/maps"))
+            .map_err(|e| format!("maps: {e}"))?;
+        let libc = LIBC_NAMES
+            .iter()
+            .find_map(|name| find_libs(&maps, name).into_iter().next());
+        let path = match libc {
+            Some(lib) => {
+                reachable(tgid, &lib)
+                    .ok_or_else(|| format!("{} not reachable through /proc/<pid>/root", lib.path))?
+                    .0
+            }
+            None => PathBuf::from(format!("/proc/{tgid}/exe")),
+        };
+        let progs = &self.skel.progs;
+        let mut links = Vec::new();
+        for (sym, prog, ret, required) in PROCESS_SYMBOLS {
+            let prog = match prog {
+                ProcessProg::Ioctl => &progs.gpu_uprobe_ioctl,
+                ProcessProg::IoctlRet => &progs.gpu_uretprobe_ioctl,
+                ProcessProg::Close => &progs.gpu_uprobe_close,
+                ProcessProg::Dup2 => &progs.gpu_uprobe_dup2,
+                ProcessProg::CloseRange => &progs.gpu_uprobe_close_range,
+            };
+            match attach_uprobe(prog, tgid, &path, sym, ret) {
+                Ok(l) => links.push(l),
+                Err(e) if required => return Err(format!("{}: {e}", path.display())),
+                // a static executable links only what it calls
+                Err(_) => {}
+            }
+        }
+        tracing::debug!(tgid, path = %path.display(), "GPU driver time: process probed");
+        Ok(links)
     }
 
     /// Adds the GPU device files process `tgid` has open now to its bitmap in
@@ -540,6 +697,12 @@ impl Probe for GpuDriverProbe {
                     help: "GPU device files opened at an fd number too high to track (not timed)",
                     kind: Kind::Counter,
                     value: untracked as f64,
+                },
+                SelfSeries {
+                    name: "gpufeed_gpu_ioctl_processes_probed",
+                    help: "Processes whose C library carries the GPU driver time uprobes (uprobe mode)",
+                    kind: Kind::Gauge,
+                    value: self.probed.len() as f64,
                 },
                 SelfSeries {
                     name: "gpufeed_gpu_ioctl_cgroup_moves_total",

@@ -12,6 +12,7 @@
 pub mod cuda;
 pub mod gpu_driver;
 pub mod hist;
+pub mod nvml;
 pub mod sched;
 pub mod signal;
 pub mod tc;
@@ -27,6 +28,7 @@ pub const UNITS: &[UnitSpec] = &[
     tc::UNIT,
     gpu_driver::UNIT,
     cuda::UNIT,
+    nvml::UNIT,
 ];
 
 /// `--probes` names, in registry order.
@@ -302,10 +304,9 @@ mod tests {
         let e = select("sched_latency,gpu").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "unknown probe \"gpu\" (known: sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda, all, none)"
+            "unknown probe \"gpu\" (known: sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda, nvml, all, none)"
         );
-        assert!(
-            probes_help().contains("sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda")
-        );
+        assert!(probes_help()
+            .contains("sched_latency, tcp_rtt, tcp_retransmit, tc, gpu_driver, cuda, nvml"));
     }
 }

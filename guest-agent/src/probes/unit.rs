@@ -208,6 +208,7 @@ pub struct ProbeConfig {
     pub tc: super::tc::Config,
     pub gpu_driver: super::gpu_driver::Config,
     pub cuda: super::cuda::CudaOptions,
+    pub nvml: super::nvml::Config,
 }
 
 /// What loading gets: the kernel's BTF, the configuration, and the kernel's
