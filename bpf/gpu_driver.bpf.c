@@ -235,12 +235,24 @@ static __always_inline int ioctl_exit(struct task_struct *task, struct thread_st
 		bump(3);
 		return 0;
 	}
-	/* The last task of the cgroup to leave closes the busy interval. Its
-	 * start is read before leaving: once the count is 0 the next entrant
-	 * may stamp a new start, later than this task's `now`. */
-	since = cg->busy_since;
-	if (__sync_fetch_and_add(&cg->inflight, -1) == 1 && (__s64)(now - since) > 0)
-		__sync_fetch_and_add(&cg->busy_ns, now - since);
+	/* Every task that leaves books the busy time up to now, not only the
+	 * last one: a pod whose calls overlap without a gap (a busy
+	 * multi-threaded server) would otherwise show no driver time at all
+	 * until it pauses. Booking happens before this task leaves, so the
+	 * count is at least 1 and no entrant can stamp a new start meanwhile;
+	 * concurrent leavers advance the start with a compare-and-swap, each
+	 * stretch booked once, and one whose `now` is behind the start has had
+	 * its stretch booked by another. */
+	for (int i = 0; i < 4; i++) {
+		since = cg->busy_since;
+		if ((__s64)(now - since) <= 0)
+			break;
+		if (__sync_val_compare_and_swap(&cg->busy_since, since, now) == since) {
+			__sync_fetch_and_add(&cg->busy_ns, now - since);
+			break;
+		}
+	}
+	__sync_fetch_and_add(&cg->inflight, -1);
 	return 0;
 }
 

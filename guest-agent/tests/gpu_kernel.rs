@@ -178,6 +178,68 @@ fn driver_time_case(hook: Hook) {
     }
 }
 
+/// A pod whose calls overlap without a gap (two processes on one device:
+/// the tty layer serialises their breaks, so one is always inside the driver,
+/// running or waiting) is busy the whole time: its driver time grows while it
+/// works, not only once every call of the pod has ended.
+#[test]
+fn busy_time_of_overlapping_calls_is_booked_as_it_passes() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let sb = CgroupSandbox::new();
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let devices = GpuDevices {
+        path_prefixes: vec![format!("{}/nvidia", dir.display())],
+        driver_names: vec![UART_DRIVER.into()],
+    };
+    let probe = GpuDriverProbe::load(&devices, Hook::Syscalls, &KernelBtf::load())
+        .expect("gpu_driver loads")
+        .expect("kernel has the hooks");
+    let (go1, go2) = (dir.join("go1"), dir.join("go2"));
+    let (out1, out2) = (dir.join("1.out"), dir.join("2.out"));
+    // 5 calls of 200 ms each: 2 s of breaks in all, one at a time
+    pod.spawn(&dev.command(5, 2, &go1, &out1, ""));
+    pod.spawn(&dev.command(5, 2, &go2, &out2, ""));
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            let pids = pod.pids();
+            (pids.len() == 2 && pids.iter().all(|&p| has_open(p, &dev.node))).then_some(())
+        })
+        .is_some(),
+        "both processes opened the device"
+    );
+    let busy = || {
+        let cg = File::open(&pod.cgroup).unwrap();
+        probe.read(cg.as_fd()).map_or(0, |g| g.busy_ns)
+    };
+    let start = std::time::Instant::now();
+    File::create(&go1).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    File::create(&go2).unwrap();
+    std::thread::sleep(Duration::from_millis(1100));
+    let mid = busy();
+    let mid_wall = start.elapsed();
+    wait_file(&out1, "first process's calls");
+    wait_file(&out2, "second process's calls");
+    let span = start.elapsed();
+    let end = busy();
+    eprintln!("busy {mid} ns after {mid_wall:?}; {end} ns after {span:?}");
+    // booked at each call's end: at most one 200 ms break behind (plus the
+    // go files' polling)
+    assert!(
+        mid as f64 >= mid_wall.as_nanos() as f64 - 0.35e9,
+        "mid-run: busy {mid} ns after {mid_wall:?} of back-to-back calls"
+    );
+    // the whole run: 10 breaks of 200 ms one after the other, within the
+    // wall time the test saw
+    assert!(
+        end as f64 >= 0.9 * 2.0e9 && end as u128 <= span.as_nanos(),
+        "busy {end} ns for 2 s of calls within {span:?}"
+    );
+}
+
 struct App {
     /// the pod's container cgroup
     cgroup: PathBuf,

@@ -195,7 +195,8 @@ pub struct GpuDriverCgroup {
     /// ioctl durations per request class (index as [`CMD_CLASSES`]).
     pub ioctl: Vec<Hist>,
     /// Wall time during which at least one task of the cgroup was inside a
-    /// GPU ioctl, up to the end of the last such interval. A busy interval
+    /// GPU ioctl, booked each time a task of the cgroup leaves one (so a
+    /// pod whose calls overlap without a gap still shows its time). A busy interval
     /// still open is left out: userspace cannot read its start and the count
     /// of tasks inside as one consistent pair (a read between a first
     /// entrant's increment and its stamp would see the previous interval's
