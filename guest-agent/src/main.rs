@@ -336,12 +336,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     })?;
 
     let registry = prometheus::Registry::new();
-    registry.register(Box::new(exporter::AgentCollector::new(
+    // The agent's series are written straight into the exposition, beside the registry's.
+    let agent_series = Arc::new(exporter::AgentCollector::new(
         collector.shared.clone(),
         pods.clone(),
         collector.families(),
         statuses,
-    )))?;
+    ));
     let join_cfg = correlate::Config {
         before: args.join_before,
         after: args.join_after,
@@ -413,7 +414,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             now.saturating_sub(last_tick_ms.load(Ordering::Relaxed)) <= stale_after
         });
         tokio::select! {
-            r = exporter::serve(listener, registry, healthy, join::router(joined)) => r.context("metrics server"),
+            r = exporter::serve(listener, exporter::Exposition::new(registry, agent_series), healthy, join::router(joined)) => r.context("metrics server"),
             _ = shutdown_signal() => {
                 tracing::info!("shutting down");
                 Ok(())

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod fake_kube;
+pub mod host_agent;
 pub mod logs;
 
 use std::collections::BTreeMap;
