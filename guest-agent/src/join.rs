@@ -12,7 +12,7 @@
 //!   a kind this guest cannot decode arrive as what their frames say, and are counted and
 //!   listed as `unknown`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -149,11 +149,11 @@ impl Join {
         let now_ns = realtime_ns();
         let windows = pod_windows(&shared.windows, &self.pods, now_i, now_ns);
         // By UID: a pod whose names arrive is the same pod, not one gone and one new.
-        let live: HashSet<String> = shared
+        let live: HashSet<&str> = shared
             .owners
             .keys()
             .filter_map(|o| match o {
-                Owner::Pod { uid, .. } => Some(uid.clone()),
+                Owner::Pod { uid, .. } => Some(uid.as_str()),
                 _ => None,
             })
             .collect();
@@ -168,10 +168,17 @@ impl Join {
         let mut corr = self.corr();
         corr.observe(windows.iter(), now_ns);
         let mut prev = self.live.lock().unwrap_or_else(|e| e.into_inner());
-        for gone in prev.difference(&live) {
-            corr.forget_uid(gone);
+        prev.retain(|uid| {
+            let here = live.contains(uid.as_str());
+            if !here {
+                corr.forget_uid(uid);
+            }
+            here
+        });
+        // what is left is in `live`: equal sizes, equal sets (UIDs are copied only when new)
+        if prev.len() != live.len() {
+            prev.extend(live.iter().map(|u| u.to_string()));
         }
-        *prev = live;
     }
 
     /// `/events`: recent host events with the pods they hit, newest first.
@@ -312,23 +319,40 @@ struct Acc {
 }
 
 /// The collector's windows as one window per (pod, signal), stamped in guest realtime.
-/// One pass over the windows, then one pod store lookup per pod.
+/// One pass over the windows (a pod's few signals are found by a short scan), then one pod
+/// store lookup per pod; pods come out in the order of their first window.
 fn pod_windows(
     windows: &[signal::SignalWindow],
     pods: &PodStore,
     now_i: Instant,
     now_ns: i64,
 ) -> Vec<SignalWindow> {
-    let mut merged: BTreeMap<(&str, &'static str), Acc> = BTreeMap::new();
+    let mut slot_of: HashMap<&str, usize> = HashMap::new();
+    let mut merged: Vec<(&str, Vec<(&'static str, Acc)>)> = Vec::new();
     for w in windows {
         let Owner::Pod { uid, .. } = &w.owner else {
             continue;
         };
         let at = now_ns - now_i.saturating_duration_since(w.at).as_nanos() as i64;
-        let e = merged.entry((uid.as_str(), w.signal)).or_insert(Acc {
-            at,
-            ..Acc::default()
+        let slot = *slot_of.entry(uid.as_str()).or_insert_with(|| {
+            merged.push((uid.as_str(), Vec::new()));
+            merged.len() - 1
         });
+        let signals = &mut merged[slot].1;
+        let i = match signals.iter().position(|(s, _)| *s == w.signal) {
+            Some(i) => i,
+            None => {
+                signals.push((
+                    w.signal,
+                    Acc {
+                        at,
+                        ..Acc::default()
+                    },
+                ));
+                signals.len() - 1
+            }
+        };
+        let e = &mut signals[i].1;
         match w.value {
             WindowValue::Latency {
                 count,
@@ -356,14 +380,11 @@ fn pod_windows(
         }
         e.at = e.at.max(at);
     }
-    let mut keys: HashMap<&str, PodKey> = HashMap::new();
-    merged
-        .into_iter()
-        .map(|((uid, sig), a)| SignalWindow {
-            pod: keys
-                .entry(uid)
-                .or_insert_with(|| pod_key(uid, pods))
-                .clone(),
+    let mut out = Vec::with_capacity(merged.iter().map(|(_, s)| s.len()).sum());
+    for (uid, signals) in merged {
+        let pod = pod_key(uid, pods);
+        out.extend(signals.into_iter().map(|(sig, a)| SignalWindow {
+            pod: pod.clone(),
             signal: sig.to_string(),
             at: a.at,
             count: a.count,
@@ -375,8 +396,9 @@ fn pod_windows(
             },
             p99: a.p99,
             max: a.max,
-        })
-        .collect()
+        }));
+    }
+    out
 }
 
 #[cfg(test)]

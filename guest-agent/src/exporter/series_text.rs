@@ -2,14 +2,16 @@
 //! cached per owner.
 //!
 //! The output is what the prometheus crate's `TextEncoder` writes for the same series
-//! (families in name order, series in label-value order, numbers in Rust's `f64` display),
-//! which the tests check line for line. Several owners can map to one label set (a pod's
-//! sandbox and its pod cgroup both have `container=""`): their series are merged, so no series
-//! repeats.
+//! (families in name order, numbers in Rust's `f64` display), which the tests check line for
+//! line. Series are in the order of their label text; the registry orders by label values,
+//! which differs only where a value holds a character that sorts below `"` (Prometheus takes
+//! either). Several owners can map to one label set (a pod's sandbox and its pod cgroup both
+//! have `container=""`): their series are merged, so no series repeats.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use crate::collect::{Owner, Shared};
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
@@ -19,7 +21,7 @@ use crate::probes::unit::{FamilySpec, Kind, Labels, Scope, Value};
 struct OwnerText {
     labels: Labels,
     /// `a="x",b="y"` (no braces) per scope ([`ix`]) and the unit's own labels.
-    series: [HashMap<Labels, String>; 2],
+    series: [HashMap<Labels, Arc<str>>; 2],
     /// The render that last saw the owner (owners not seen in one are dropped).
     seen: u64,
 }
@@ -33,6 +35,148 @@ pub struct LabelCache {
     le: Vec<String>,
 }
 
+/// One series of one owner in a render: (family index, label text, value).
+type Row<'a> = (usize, Arc<str>, &'a Value);
+
+impl LabelCache {
+    /// The label text of `owner`'s series of `scope` with the unit's labels `extra`; `None`
+    /// for an owner not prepared in this render.
+    fn text(&mut self, owner: &Owner, scope: Scope, extra: &Labels) -> Option<Arc<str>> {
+        let o = self.owners.get_mut(owner)?;
+        if let Some(t) = o.series[ix(scope)].get(extra) {
+            return Some(t.clone());
+        }
+        let mut l = o.labels.clone();
+        if scope == Scope::Pod {
+            l.remove("container");
+        }
+        l.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
+        let t: Arc<str> = label_text(&l).into();
+        o.series[ix(scope)].insert(extra.clone(), t.clone());
+        Some(t)
+    }
+
+    /// Writes the per-owner families of `families` for the owners in `shared`; `labels`
+    /// gives an owner's labels (see `AgentCollector::owner_labels`), asked once per owner
+    /// and render and compared with the cached ones.
+    pub fn write(
+        &mut self,
+        out: &mut String,
+        shared: &Shared,
+        families: &[&'static FamilySpec],
+        mut labels: impl FnMut(&Owner) -> Labels,
+    ) {
+        self.renders += 1;
+        let renders = self.renders;
+        if self.le.is_empty() {
+            self.le = (0..BUCKETS)
+                .map(|i| upper_bound_us(i).to_string())
+                .collect();
+        }
+        let gauge_owners = shared.gauges.values().flatten().map(|g| &g.owner);
+        for owner in shared.owners.keys().chain(gauge_owners) {
+            match self.owners.get_mut(owner) {
+                Some(o) if o.seen == renders => {}
+                Some(o) => {
+                    let now = labels(owner);
+                    if o.labels != now {
+                        // renamed: every series' text is built again
+                        o.series = Default::default();
+                        o.labels = now;
+                    }
+                    o.seen = renders;
+                }
+                None => {
+                    let text = OwnerText {
+                        labels: labels(owner),
+                        series: Default::default(),
+                        seen: renders,
+                    };
+                    self.owners.insert(owner.clone(), text);
+                }
+            }
+        }
+        self.owners.retain(|_, o| o.seen == renders);
+
+        // Families by name, as the registry orders them.
+        let mut fams: Vec<&'static FamilySpec> = families.to_vec();
+        fams.sort_by_key(|f| f.name);
+        let index: HashMap<&'static str, usize> =
+            fams.iter().enumerate().map(|(i, f)| (f.name, i)).collect();
+        let mut rows: Vec<Row<'_>> = Vec::new();
+        for (owner, o) in &shared.owners {
+            for ((family, extra), value) in &o.series {
+                // no samples yet: no series; a family no loaded unit declares: none either
+                let Some(&fi) = index.get(family) else {
+                    continue;
+                };
+                if matches!(value, Value::Hist(h) if h.is_empty()) {
+                    continue;
+                }
+                if let Some(t) = self.text(owner, fams[fi].scope, extra) {
+                    rows.push((fi, t, value));
+                }
+            }
+        }
+        // By family, then label text: owners that share a label set come together and are
+        // merged, and each family's series come out in order.
+        rows.sort_unstable_by(|a, b| (a.0, &*a.1).cmp(&(b.0, &*b.1)));
+        let mut rows = rows.into_iter().peekable();
+        for (fi, f) in fams.iter().enumerate() {
+            if f.kind == Kind::Gauge {
+                self.write_gauges(out, f, shared);
+                continue;
+            }
+            let mut wrote_header = false;
+            while let Some((_, text, first)) = rows.next_if(|r| r.0 == fi) {
+                let mut sum = match first {
+                    Value::Hist(h) => Sum::Hist(Cow::Borrowed(h)),
+                    Value::Count(n) => Sum::Count(*n),
+                };
+                while let Some((_, _, v)) = rows.next_if(|r| r.0 == fi && r.1 == text) {
+                    match (&mut sum, v) {
+                        (Sum::Hist(a), Value::Hist(b)) => a.to_mut().add(b),
+                        (Sum::Count(a), Value::Count(b)) => *a += b,
+                        // a family has one kind; a unit mixing them is a bug, not input
+                        _ => {}
+                    }
+                }
+                if !wrote_header {
+                    header(out, f);
+                    wrote_header = true;
+                }
+                match (f.kind, sum) {
+                    (Kind::Histogram, Sum::Hist(h)) => write_hist(out, f.name, &text, &h, &self.le),
+                    (Kind::SecondsCounter, Sum::Count(n)) => {
+                        sample(out, f.name, "", &text, n as f64 * 1e-9)
+                    }
+                    (_, Sum::Count(n)) => sample(out, f.name, "", &text, n as f64),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// A gauge family: every value its unit set, in label order.
+    fn write_gauges(&mut self, out: &mut String, f: &FamilySpec, shared: &Shared) {
+        let Some(values) = shared.gauges.get(f.name) else {
+            return;
+        };
+        let mut series: Vec<(Arc<str>, f64)> = values
+            .iter()
+            .filter_map(|g| Some((self.text(&g.owner, f.scope, &g.labels)?, g.value)))
+            .collect();
+        if series.is_empty() {
+            return;
+        }
+        series.sort_by(|a, b| a.0.cmp(&b.0));
+        header(out, f);
+        for (labels, v) in series {
+            sample(out, f.name, "", &labels, v);
+        }
+    }
+}
+
 #[cfg(test)]
 impl LabelCache {
     /// Owners with cached label text.
@@ -42,175 +186,11 @@ impl LabelCache {
 }
 
 /// One series' value merged over the owners that share its label set.
+// One lives on the stack at a time, while its series is written.
+#[allow(clippy::large_enum_variant)]
 enum Sum<'a> {
     Hist(Cow<'a, Hist>),
     Count(u64),
-}
-
-impl LabelCache {
-    /// The label text of `owner`'s series of `scope` with `extra` labels; `labels` are the
-    /// owner's labels now (built by the caller, compared with the cached ones).
-    fn prepare(&mut self, owner: &Owner, labels: impl FnOnce() -> Labels) {
-        let renders = self.renders;
-        let now = labels();
-        match self.owners.get_mut(owner) {
-            Some(o) if o.labels == now => o.seen = renders,
-            _ => {
-                self.owners.insert(
-                    owner.clone(),
-                    OwnerText {
-                        labels: now,
-                        series: Default::default(),
-                        seen: renders,
-                    },
-                );
-            }
-        }
-    }
-
-    /// Makes sure the label text of `owner`'s series of `scope` with the unit's labels
-    /// `extra` is cached.
-    fn fill(&mut self, owner: &Owner, scope: Scope, extra: &Labels) {
-        let Some(o) = self.owners.get_mut(owner) else {
-            return;
-        };
-        if o.series[ix(scope)].contains_key(extra) {
-            return;
-        }
-        let mut l = o.labels.clone();
-        if scope == Scope::Pod {
-            l.remove("container");
-        }
-        l.extend(extra.iter().map(|(k, v)| (*k, v.clone())));
-        o.series[ix(scope)].insert(extra.clone(), label_text(&l));
-    }
-
-    fn text(&self, owner: &Owner, scope: Scope, extra: &Labels) -> Option<&str> {
-        self.owners.get(owner)?.series[ix(scope)]
-            .get(extra)
-            .map(String::as_str)
-    }
-
-    /// Writes the per-owner families of `families` for the owners in `shared`; `labels`
-    /// gives an owner's labels (see `AgentCollector::owner_labels`).
-    pub fn write(
-        &mut self,
-        out: &mut String,
-        shared: &Shared,
-        families: &[&'static FamilySpec],
-        mut labels: impl FnMut(&Owner) -> Labels,
-    ) {
-        self.renders += 1;
-        if self.le.is_empty() {
-            self.le = (0..BUCKETS)
-                .map(|i| upper_bound_us(i).to_string())
-                .collect();
-        }
-        let scope_of: HashMap<&'static str, Scope> =
-            families.iter().map(|f| (f.name, f.scope)).collect();
-        let gauge_owners = shared.gauges.values().flatten().map(|g| &g.owner);
-        for owner in shared.owners.keys().chain(gauge_owners) {
-            if self
-                .owners
-                .get(owner)
-                .is_none_or(|o| o.seen != self.renders)
-            {
-                self.prepare(owner, || labels(owner));
-            }
-        }
-        let renders = self.renders;
-        self.owners.retain(|_, o| o.seen == renders);
-        // Label texts are filled in (mutably) first, then borrowed for the merge.
-        for (owner, o) in &shared.owners {
-            for (family, extra) in o.series.keys() {
-                if let Some(&scope) = scope_of.get(family) {
-                    self.fill(owner, scope, extra);
-                }
-            }
-        }
-        for (family, values) in &shared.gauges {
-            if let Some(&scope) = scope_of.get(family) {
-                for g in values {
-                    self.fill(&g.owner, scope, &g.labels);
-                }
-            }
-        }
-        let cache = &*self;
-        let get = |owner: &Owner, scope: Scope, extra: &Labels| cache.text(owner, scope, extra);
-        let mut merged: HashMap<&'static str, HashMap<&str, Sum<'_>>> = HashMap::new();
-        for (owner, o) in &shared.owners {
-            for ((family, extra), value) in &o.series {
-                let Some(&scope) = scope_of.get(family) else {
-                    continue; // a family no loaded unit declares
-                };
-                let Some(text) = get(owner, scope, extra) else {
-                    continue;
-                };
-                let m = merged.entry(family).or_default();
-                match value {
-                    // no samples yet: no series
-                    Value::Hist(h) if h.is_empty() => {}
-                    Value::Hist(h) => match m.get_mut(text) {
-                        Some(Sum::Hist(sum)) => sum.to_mut().add(h),
-                        _ => {
-                            m.insert(text, Sum::Hist(Cow::Borrowed(h)));
-                        }
-                    },
-                    Value::Count(n) => match m.get_mut(text) {
-                        Some(Sum::Count(sum)) => *sum += n,
-                        _ => {
-                            m.insert(text, Sum::Count(*n));
-                        }
-                    },
-                }
-            }
-        }
-        let mut sorted: Vec<&&'static FamilySpec> = families.iter().collect();
-        sorted.sort_by_key(|f| f.name);
-        for f in sorted {
-            match f.kind {
-                Kind::Histogram | Kind::Counter | Kind::SecondsCounter => {
-                    let Some(series) = merged.remove(f.name) else {
-                        continue;
-                    };
-                    if series.is_empty() {
-                        continue;
-                    }
-                    header(out, f);
-                    for (labels, sum) in series_in_order(series) {
-                        match (f.kind, sum) {
-                            (Kind::Histogram, Sum::Hist(h)) => {
-                                write_hist(out, f.name, labels, &h, &cache.le)
-                            }
-                            (Kind::SecondsCounter, Sum::Count(n)) => {
-                                sample(out, f.name, "", labels, n as f64 * 1e-9)
-                            }
-                            (_, Sum::Count(n)) => sample(out, f.name, "", labels, n as f64),
-                            // a family has one kind; a unit mixing them is a bug, not input
-                            _ => {}
-                        }
-                    }
-                }
-                Kind::Gauge => {
-                    let Some(values) = shared.gauges.get(f.name) else {
-                        continue;
-                    };
-                    let mut series: Vec<(&str, f64)> = values
-                        .iter()
-                        .filter_map(|g| Some((get(&g.owner, f.scope, &g.labels)?, g.value)))
-                        .collect();
-                    if series.is_empty() {
-                        continue;
-                    }
-                    series.sort_by(|a, b| by_values(a.0, b.0));
-                    header(out, f);
-                    for (labels, v) in series {
-                        sample(out, f.name, "", labels, v);
-                    }
-                }
-            }
-        }
-    }
 }
 
 fn ix(scope: Scope) -> usize {
@@ -218,38 +198,6 @@ fn ix(scope: Scope) -> usize {
         Scope::Container => 0,
         Scope::Pod => 1,
     }
-}
-
-/// The series of a family in the order the registry sorts them: by label values.
-fn series_in_order<'a, 'b>(series: HashMap<&'a str, Sum<'b>>) -> Vec<(&'a str, Sum<'b>)> {
-    let mut v: Vec<(&str, Sum<'_>)> = series.into_iter().collect();
-    v.sort_by(|a, b| by_values(a.0, b.0));
-    v
-}
-
-/// Compares two label texts of one family by their values in order, as the registry compares
-/// label pairs (the values escaped: the order differs from the registry's only where a value
-/// holds a quote, backslash or newline).
-fn by_values(a: &str, b: &str) -> std::cmp::Ordering {
-    values(a).cmp(values(b))
-}
-
-/// The (escaped) values of a label text, in order: what stands between `="` and the next
-/// unescaped `"`.
-fn values(text: &str) -> impl Iterator<Item = &str> + '_ {
-    let mut rest = text;
-    std::iter::from_fn(move || {
-        let start = rest.find("=\"")? + 2;
-        let b = rest.as_bytes();
-        let mut i = start;
-        while i < b.len() && b[i] != b'"' {
-            i += if b[i] == b'\\' { 2 } else { 1 };
-        }
-        let end = i.min(b.len());
-        let v = &rest[start..end];
-        rest = &rest[(end + 1).min(rest.len())..];
-        Some(v)
-    })
 }
 
 /// `name="value",...` with values escaped as the text format wants them.
@@ -378,14 +326,5 @@ mod tests {
     fn label_text_escapes_as_the_text_format_wants() {
         let l = Labels::from([("a", "x\"y\\z\nw".to_string()), ("b", String::new())]);
         assert_eq!(label_text(&l), r#"a="x\"y\\z\nw",b="""#);
-        assert_eq!(
-            values(&label_text(&l)).collect::<Vec<_>>(),
-            [r#"x\"y\\z\nw"#, ""]
-        );
-        let commas = Labels::from([("a", "1,b=\"2".to_string()), ("c", "3".to_string())]);
-        assert_eq!(
-            values(&label_text(&commas)).collect::<Vec<_>>(),
-            [r#"1,b=\"2"#, "3"]
-        );
     }
 }

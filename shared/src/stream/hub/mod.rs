@@ -16,8 +16,8 @@
 //!   is authenticated) and logs a `warn` line; for unauthenticated peers, who can repeat them
 //!   at will, at most one line per reason every 10 s, with the count of those not logged.
 //!   An event this guest cannot decode (a kind from a newer host agent) is counted with
-//!   `reason="unknown_kind"`, and what its frame says (host, sequence, kind number, host time,
-//!   payload size) goes to [`Hub::subscribe_unknown`]: the guest lists it, never drops it
+//!   `reason="unknown_kind"`, and what its frame says (host, kind number, payload size,
+//!   sequence, host time) goes to [`Hub::subscribe_unknown`]: the guest lists it, never drops it
 //!   silently.
 //! * Recent events are kept in a bounded ring ([`Hub::recent`]) and broadcast
 //!   ([`Hub::subscribe`]); optionally journaled ([`HubConfig::journal`]).
@@ -152,16 +152,15 @@ pub struct ReceivedEvent {
 #[derive(Debug, Clone, Serialize)]
 pub struct UnknownEvent {
     pub host: String,
-    pub boot_id: u64,
-    pub seq: u64,
     /// The frame's kind number.
     pub kind: u16,
-    pub host_realtime_ns: i64,
-    pub host_monotonic_ns: u64,
-    pub received_realtime_ns: i64,
-    pub clock_offset_ns: Option<i64>,
     /// Size of the undecoded payload in bytes.
     pub payload_len: usize,
+    pub seq: u64,
+    /// When the host emitted it (host clock), and the offset estimated at receipt, as in
+    /// [`ReceivedEvent`].
+    pub host_realtime_ns: i64,
+    pub clock_offset_ns: Option<i64>,
 }
 
 impl ReceivedEvent {
@@ -1064,14 +1063,11 @@ impl Conn<'_> {
                             }
                             _ => unknown.push(UnknownEvent {
                                 host: self.host.to_owned(),
-                                boot_id: boot,
-                                seq: f.seq,
                                 kind: f.kind,
-                                host_realtime_ns: f.host_realtime_ns,
-                                host_monotonic_ns: f.host_monotonic_ns,
-                                received_realtime_ns: now,
-                                clock_offset_ns: offset,
                                 payload_len: f.payload.len(),
+                                seq: f.seq,
+                                host_realtime_ns: f.host_realtime_ns,
+                                clock_offset_ns: offset,
                             }),
                         }
                     }
