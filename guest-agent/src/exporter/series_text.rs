@@ -262,32 +262,59 @@ fn sample(out: &mut String, name: &str, suffix: &str, labels: &str, v: f64) {
 
 fn write_hist(out: &mut String, name: &str, labels: &str, h: &Hist, le: &[String]) {
     let cum = h.cumulative();
-    let sep = if labels.is_empty() { "" } else { "," };
-    for (i, bound) in le.iter().enumerate() {
-        bucket(out, name, labels, sep, bound, cum[i]);
+    // `name_bucket{labels,le="` once per series; most buckets repeat the one below them (0
+    // below the fastest sample, the count above the slowest): their number is copied.
+    let mut prefix = String::with_capacity(name.len() + labels.len() + 16);
+    prefix.push_str(name);
+    prefix.push_str("_bucket{");
+    prefix.push_str(labels);
+    if !labels.is_empty() {
+        prefix.push(',');
     }
-    bucket(out, name, labels, sep, "+Inf", h.count);
+    prefix.push_str("le=\"");
+    let mut last: Option<(u64, String)> = None;
+    let bounds = le.iter().map(String::as_str).chain(["+Inf"]);
+    for (bound, n) in bounds.zip(cum.iter().copied().chain([h.count])) {
+        out.push_str(&prefix);
+        out.push_str(bound);
+        out.push_str("\"} ");
+        match &last {
+            Some((v, text)) if *v == n => out.push_str(text),
+            _ => {
+                let mut text = String::new();
+                number(&mut text, n as f64);
+                out.push_str(&text);
+                last = Some((n, text));
+            }
+        }
+        out.push('\n');
+    }
     sample(out, name, "_sum", labels, h.sum_ns as f64 / 1000.0);
     sample(out, name, "_count", labels, h.count as f64);
-}
-
-fn bucket(out: &mut String, name: &str, labels: &str, sep: &str, le: &str, n: u64) {
-    out.push_str(name);
-    out.push_str("_bucket{");
-    out.push_str(labels);
-    out.push_str(sep);
-    out.push_str("le=\"");
-    out.push_str(le);
-    out.push_str("\"} ");
-    number(out, n as f64);
-    out.push('\n');
 }
 
 /// A value as `f64`'s display writes it (what the prometheus crate's encoder writes);
 /// whole numbers below 2^53, nearly all of them, the fast way.
 fn number(out: &mut String, v: f64) {
     if v.fract() == 0.0 && v.abs() < 9.0e15 && !(v == 0.0 && v.is_sign_negative()) {
-        let _ = write!(out, "{}", v as i64);
+        let n = v as i64;
+        if n < 0 {
+            out.push('-');
+        }
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        let mut m = n.unsigned_abs();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (m % 10) as u8;
+            m /= 10;
+            if m == 0 {
+                break;
+            }
+        }
+        for d in &digits[i..] {
+            out.push(*d as char);
+        }
     } else {
         let _ = write!(out, "{v}");
     }
