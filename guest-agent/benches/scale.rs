@@ -16,10 +16,14 @@
 //!
 //! cargo bench -p gpufeed-guest --bench scale [-- PODS...]
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use common::thread_cpu_ns;
 use gpufeed_guest::collect::{Owner, OwnerStats, Shared};
 use gpufeed_guest::correlate::Config;
 use gpufeed_guest::exporter::{AgentCollector, Exposition};
@@ -61,16 +65,6 @@ const DSTS: [&str; 2] = ["kv-store", "internet"];
 const WARMUP: usize = 60;
 const MEASURED: usize = 300;
 const RENDERS: usize = 30;
-
-fn thread_cpu_ns() -> i64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
-}
 
 fn rss_mb() -> f64 {
     std::fs::read_to_string("/proc/self/status")
