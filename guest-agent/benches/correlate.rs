@@ -6,7 +6,12 @@
 //!
 //! cargo bench -p gpufeed-guest --bench correlate
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::time::Instant;
+
+use common::thread_cpu_ns;
 
 use gpufeed_guest::correlate::events::Payload;
 use gpufeed_guest::correlate::{Config, Correlator, HostInput, PodKey, SignalWindow};
@@ -24,17 +29,6 @@ const SIGNALS: [&str; 5] = [
 ];
 const WARMUP: i64 = 120;
 const MEASURED: i64 = 600;
-
-/// CPU time of this thread, ns.
-fn thread_cpu_ns() -> i64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid pointer to a timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
-}
 
 /// (p50, p99, max, mean) of `v`, sorted in place.
 fn summary(v: &mut [f64]) -> (f64, f64, f64, f64) {

@@ -8,9 +8,11 @@
 //!   sums add, p50 is count-weighted, p99 and max are the largest), since a spike of any part
 //!   is a spike of the pod; slices are not pods and are left out;
 //! * a pod the collector no longer has (its grace period ended) is forgotten;
-//! * host events arrive from the hub with the clock offset it measured at receipt.
+//! * host events arrive from the hub with the clock offset it measured at receipt; events of
+//!   a kind this guest cannot decode arrive as what their frames say, and are counted and
+//!   listed as `unknown`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -21,7 +23,7 @@ use crate::collect::{Owner, Shared};
 use crate::correlate::events::Payload;
 use crate::correlate::export::EventView;
 use crate::correlate::{Config, Correlator, HostInput, PodKey, SignalWindow};
-use crate::hub::{Hub, ReceivedEvent};
+use crate::hub::{Hub, ReceivedEvent, UnknownEvent};
 use crate::incident::{self, HostView, PageState};
 use crate::pods::PodStore;
 use crate::probes::signal::{self, WindowValue};
@@ -42,7 +44,10 @@ pub struct Join {
     /// Hosts the operator declared simulated (`--simulated-host`): labelled so on the page.
     simulated: Vec<String>,
     hub: Mutex<Option<Hub>>,
-    live: Mutex<HashSet<PodKey>>,
+    /// UIDs of the pods the collector had at the last tick.
+    live: Mutex<HashSet<String>>,
+    /// (host, kind) of unknown kinds already logged: one line each, not one per event.
+    unknown_logged: Mutex<HashSet<(String, u16)>>,
 }
 
 impl Join {
@@ -54,6 +59,7 @@ impl Join {
             simulated,
             hub: Mutex::new(None),
             live: Mutex::new(HashSet::new()),
+            unknown_logged: Mutex::new(HashSet::new()),
         })
     }
 
@@ -61,25 +67,65 @@ impl Join {
         self.corr.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The hub whose host events and state this join reads; starts the event task.
+    /// The hub whose host events and state this join reads; starts the event task. An event
+    /// is joined, counted and listed as it arrives, not at the next tick.
     pub fn attach_hub(self: &Arc<Self>, hub: Hub) {
+        use tokio::sync::broadcast::error::RecvError;
         let mut rx = hub.subscribe();
+        let mut unknown = hub.subscribe_unknown();
         *self.hub.lock().unwrap_or_else(|e| e.into_inner()) = Some(hub);
         let me = self.clone();
         tokio::spawn(async move {
+            let lagged = |n| {
+                tracing::warn!(
+                    missed = n,
+                    "correlator fell behind the hub; host events not joined"
+                )
+            };
             loop {
-                match rx.recv().await {
-                    Ok(ev) => me.host_event(&ev),
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                        tracing::warn!(
-                            missed = n,
-                            "correlator fell behind the hub; host events not joined"
-                        )
-                    }
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                tokio::select! {
+                    r = rx.recv() => match r {
+                        Ok(ev) => me.host_event(&ev),
+                        Err(RecvError::Lagged(n)) => lagged(n),
+                        Err(RecvError::Closed) => break,
+                    },
+                    r = unknown.recv() => match r {
+                        Ok(ev) => me.unknown_event(&ev),
+                        Err(RecvError::Lagged(n)) => lagged(n),
+                        Err(RecvError::Closed) => break,
+                    },
                 }
             }
         });
+    }
+
+    /// One received event of a kind this guest cannot decode.
+    pub fn unknown_event(&self, ev: &UnknownEvent) {
+        let first = self
+            .unknown_logged
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((ev.host.clone(), ev.kind));
+        if first {
+            tracing::info!(
+                host = %ev.host,
+                kind = ev.kind,
+                seq = ev.seq,
+                bytes = ev.payload_len,
+                "host sends events of a kind this guest does not know (a newer host agent?); counted and listed as unknown"
+            );
+        }
+        let input = HostInput {
+            host: &ev.host,
+            host_realtime_ns: ev.host_realtime_ns,
+            clock_offset_ns: ev.clock_offset_ns.unwrap_or(0),
+            payload: Payload::UnknownKind {
+                kind: ev.kind,
+                seq: ev.seq,
+                payload_len: ev.payload_len,
+            },
+        };
+        self.corr().host_event(input, realtime_ns());
     }
 
     /// One received host event.
@@ -102,11 +148,12 @@ impl Join {
         let now_i = Instant::now();
         let now_ns = realtime_ns();
         let windows = pod_windows(&shared.windows, &self.pods, now_i, now_ns);
-        let live: HashSet<PodKey> = shared
+        // By UID: a pod whose names arrive is the same pod, not one gone and one new.
+        let live: HashSet<&str> = shared
             .owners
             .keys()
             .filter_map(|o| match o {
-                Owner::Pod { uid, .. } => Some(pod_key(uid, &self.pods)),
+                Owner::Pod { uid, .. } => Some(uid.as_str()),
                 _ => None,
             })
             .collect();
@@ -121,10 +168,17 @@ impl Join {
         let mut corr = self.corr();
         corr.observe(windows.iter(), now_ns);
         let mut prev = self.live.lock().unwrap_or_else(|e| e.into_inner());
-        for gone in prev.difference(&live) {
-            corr.forget_pod(gone);
+        prev.retain(|uid| {
+            let here = live.contains(uid.as_str());
+            if !here {
+                corr.forget_uid(uid);
+            }
+            here
+        });
+        // what is left is in `live`: equal sizes, equal sets (UIDs are copied only when new)
+        if prev.len() != live.len() {
+            prev.extend(live.iter().map(|u| u.to_string()));
         }
-        *prev = live;
     }
 
     /// `/events`: recent host events with the pods they hit, newest first.
@@ -250,81 +304,101 @@ fn pod_key(uid: &str, pods: &PodStore) -> PodKey {
     }
 }
 
-/// One pod's merged window while it is being built: (count, sum, Σ p50×count or Σ rate,
-/// p99, max, at).
-type Acc = (u64, f64, f64, f64, f64, i64);
+/// One (pod, signal) window while it is merged from the collector's windows.
+#[derive(Default)]
+struct Acc {
+    /// A rate signal: the parts' rates add up; otherwise a distribution.
+    rate: bool,
+    count: u64,
+    sum: f64,
+    /// Σ p50 × count (distribution) or Σ rate.
+    p50: f64,
+    p99: f64,
+    max: f64,
+    at: i64,
+}
 
 /// The collector's windows as one window per (pod, signal), stamped in guest realtime.
+/// One pass over the windows (a pod's few signals are found by a short scan), then one pod
+/// store lookup per pod; pods come out in the order of their first window.
 fn pod_windows(
     windows: &[signal::SignalWindow],
     pods: &PodStore,
     now_i: Instant,
     now_ns: i64,
 ) -> Vec<SignalWindow> {
-    let mut merged: BTreeMap<(String, &'static str), Acc> = BTreeMap::new();
+    let mut slot_of: HashMap<&str, usize> = HashMap::new();
+    let mut merged: Vec<(&str, Vec<(&'static str, Acc)>)> = Vec::new();
     for w in windows {
         let Owner::Pod { uid, .. } = &w.owner else {
             continue;
         };
         let at = now_ns - now_i.saturating_duration_since(w.at).as_nanos() as i64;
-        let (count, sum, p50, p99, max) = match w.value {
+        let slot = *slot_of.entry(uid.as_str()).or_insert_with(|| {
+            merged.push((uid.as_str(), Vec::new()));
+            merged.len() - 1
+        });
+        let signals = &mut merged[slot].1;
+        let i = match signals.iter().position(|(s, _)| *s == w.signal) {
+            Some(i) => i,
+            None => {
+                signals.push((
+                    w.signal,
+                    Acc {
+                        at,
+                        ..Acc::default()
+                    },
+                ));
+                signals.len() - 1
+            }
+        };
+        let e = &mut signals[i].1;
+        match w.value {
             WindowValue::Latency {
                 count,
                 sum_us,
                 p50_us,
                 p99_us,
                 max_us,
-            } => (count, sum_us, p50_us, p99_us, max_us),
-            // A rate is its own quantiles: the correlator reads p99 for rate signals.
+            } => {
+                e.count += count;
+                e.sum += sum_us;
+                e.p50 += p50_us * count as f64;
+                e.p99 = e.p99.max(p99_us);
+                e.max = e.max.max(max_us);
+            }
+            // A rate is its own quantiles (the correlator reads p99 for rate signals), and
+            // the rates of the parts add up.
             WindowValue::Rate { count, per_second } => {
-                (count, per_second, per_second, per_second, per_second)
-            }
-        };
-        let e = merged
-            .entry((uid.clone(), w.signal))
-            .or_insert((0, 0.0, 0.0, 0.0, 0.0, at));
-        match w.value {
-            WindowValue::Latency { .. } => {
-                e.0 += count;
-                e.1 += sum;
-                e.2 += p50 * count as f64;
-                e.3 = e.3.max(p99);
-                e.4 = e.4.max(max);
-            }
-            WindowValue::Rate { .. } => {
-                // rates of the parts add up
-                e.0 += count;
-                e.1 += sum;
-                e.2 += p50;
-                e.3 += p99;
-                e.4 += max;
+                e.rate = true;
+                e.count += count;
+                e.sum += per_second;
+                e.p50 += per_second;
+                e.p99 += per_second;
+                e.max += per_second;
             }
         }
-        e.5 = e.5.max(at);
+        e.at = e.at.max(at);
     }
-    merged
-        .into_iter()
-        .map(|((uid, sig), (count, sum, p50x, p99, max, at))| {
-            let rate = windows
-                .iter()
-                .find(|w| w.signal == sig)
-                .is_some_and(|w| matches!(w.value, WindowValue::Rate { .. }));
-            SignalWindow {
-                pod: pod_key(&uid, pods),
-                signal: sig.to_string(),
-                at,
-                count,
-                sum,
-                p50: if rate || count == 0 {
-                    p50x
-                } else {
-                    p50x / count as f64
-                },
-                p99,
-                max,
-            }
-        })
-        .collect()
+    let mut out = Vec::with_capacity(merged.iter().map(|(_, s)| s.len()).sum());
+    for (uid, signals) in merged {
+        let pod = pod_key(uid, pods);
+        out.extend(signals.into_iter().map(|(sig, a)| SignalWindow {
+            pod: pod.clone(),
+            signal: sig.to_string(),
+            at: a.at,
+            count: a.count,
+            sum: a.sum,
+            p50: if a.rate || a.count == 0 {
+                a.p50
+            } else {
+                a.p50 / a.count as f64
+            },
+            p99: a.p99,
+            max: a.max,
+        }));
+    }
+    out
 }
 
 #[cfg(test)]

@@ -385,7 +385,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let registry = prometheus::Registry::new();
     let finops = finops::FinOps::new(finops_cfg, pods.clone());
-    registry.register(Box::new(
+    // The agent's series are written straight into the exposition, beside the registry's.
+    let agent_series = Arc::new(
         exporter::AgentCollector::new(
             collector.shared.clone(),
             pods.clone(),
@@ -393,7 +394,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             statuses,
         )
         .with_pod_labels(finops.pod_labels()),
-    ))?;
+    );
     registry.register(Box::new(finops.clone()))?;
     let join_cfg = correlate::Config {
         before: args.join_before,
@@ -482,7 +483,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         });
         let routes = join::router(joined).merge(readiness::router(stream, healthy.clone(), findings));
         tokio::select! {
-            r = exporter::serve(listener, registry, healthy, routes) => r.context("metrics server"),
+            r = exporter::serve(listener, exporter::Exposition::new(registry, agent_series), healthy, routes) => r.context("metrics server"),
             _ = shutdown_signal() => {
                 tracing::info!("shutting down");
                 Ok(())

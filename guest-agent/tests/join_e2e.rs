@@ -15,118 +15,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::host_agent::*;
 use common::*;
-
-const GPU: &str = "0000:0a:00.0";
-const HOST: &str = "demo-egpu";
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn demo(args: &[&str]) {
-    let st = Command::new(repo().join("scripts/demo-egpu.sh"))
-        .args(args)
-        .status()
-        .unwrap();
-    assert!(st.success(), "demo-egpu.sh {args:?}");
-}
-
-/// The host agent binary, built beside the guest's (`cargo build --workspace`).
-fn host_binary() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
-        .parent()
-        .unwrap()
-        .join("gpufeed-host");
-    assert!(
-        p.exists(),
-        "{} missing: build the workspace first (cargo build --workspace)",
-        p.display()
-    );
-    p
-}
-
-struct HostAgent {
-    proc: Proc,
-    metrics: std::net::SocketAddr,
-}
-
-fn start_host(dir: &Path, quic: u16) -> HostAgent {
-    let guest = Path::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
-    let out = Command::new(guest)
-        .args(["certs", "init", "--out"])
-        .arg(dir.join("certs"))
-        .args(["--guest-addr", &format!("127.0.0.1:{quic}"), "--host", HOST])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let metrics: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let certs = dir.join("certs");
-    // The recorded tree as root, the GPU to watch, a memory spool, a fast link poll, and no
-    // watcher that would read this machine's own bridges or uevents.
-    let cfg = format!(
-        r#"host_id = "{HOST}"
-root = "{root}"
-metrics_listen = "{metrics}"
-devices = ["{GPU}"]
-
-[pcie]
-poll_interval_ms = 200
-
-[bridge]
-enabled = false
-
-[host]
-enabled = false
-
-[thunderbolt]
-uevents = false
-
-[stream]
-ca = "{ca}"
-cert = "{cert}"
-key = "{key}"
-spool_dir = ""
-state_interval_ms = 200
-
-[[stream.guests]]
-name = "guest"
-endpoint = "127.0.0.1:{quic}"
-"#,
-        root = dir.join("root").display(),
-        ca = certs.join("hosts").join(HOST).join("tls/ca.pem").display(),
-        cert = certs
-            .join("hosts")
-            .join(HOST)
-            .join("tls/host.pem")
-            .display(),
-        key = certs
-            .join("hosts")
-            .join(HOST)
-            .join("tls/host-key.pem")
-            .display(),
-    );
-    std::fs::write(dir.join("host.toml"), &cfg).unwrap();
-    let child = Command::new(host_binary())
-        .args(["run", "--config"])
-        .arg(dir.join("host.toml"))
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let h = HostAgent {
-        proc: Proc(child),
-        metrics,
-    };
-    wait_for(Duration::from_secs(30), || http_get(metrics, "/metrics"))
-        .unwrap_or_else(|| panic!("host agent did not serve /metrics; config:\n{cfg}"));
-    h
-}
 
 fn json(addr: std::net::SocketAddr, path: &str) -> serde_json::Value {
     serde_json::from_str(&http_get(addr, path).unwrap_or_default()).unwrap_or_default()
@@ -170,7 +60,15 @@ fn link_drop_joins_the_contended_pod_only() {
     let dir = tempfile::tempdir().unwrap();
     demo(&["tree", dir.path().join("root").to_str().unwrap()]);
     let quic = free_port();
-    let host = start_host(dir.path(), quic);
+    // A fast link poll and state interval: the scenario's timing is not the defaults' test.
+    let host = start_host(
+        dir.path(),
+        quic,
+        HostIntervals {
+            pcie_poll_ms: Some(200),
+            state_ms: Some(200),
+        },
+    );
     let tls = dir.path().join("certs/guest");
     let agent = Agent::no_kube(
         "1s",

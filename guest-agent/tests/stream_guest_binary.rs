@@ -1,7 +1,8 @@
 //! The real `gpufeed-guest` binary as the hub: `certs init`, then `run --quic-listen
 //! --tls-dir --event-journal`; a host speaking the real protocol streams to it; its /metrics
 //! shows the stream series; after SIGKILL and restart it resumes from the journal and drops
-//! retransmissions; a client without a certificate is rejected and counted.
+//! retransmissions; a client without a certificate is rejected and counted. An event of a kind
+//! from a newer host is counted and listed in /events as `unknown`, and the stream goes on.
 
 mod common;
 
@@ -10,26 +11,47 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{value, wait_for, Agent};
+use common::{http_get, value, wait_for, Agent};
 use gpufeed_shared::event::HostEvent;
 use gpufeed_shared::proto::{encode, ClientSession, EventFrame, FrameDecoder, Message, Welcome};
 use gpufeed_shared::{certs, tls};
 
 fn frame(seq: u64) -> Vec<u8> {
     let ev = HostEvent::KmsgLost { count: seq };
+    raw_frame(seq, ev.kind(), postcard::to_allocvec(&ev).unwrap())
+}
+
+/// An event frame of any kind and payload, stamped now.
+fn raw_frame(seq: u64, kind: u16, payload: Vec<u8>) -> Vec<u8> {
     let mut b = Vec::new();
     encode(
         &Message::Event(EventFrame {
             seq,
             host_realtime_ns: gpufeed_shared::clock::realtime_ns(),
             host_monotonic_ns: seq,
-            kind: ev.kind(),
-            payload: postcard::to_allocvec(&ev).unwrap(),
+            kind,
+            payload,
         }),
         &mut b,
     )
     .unwrap();
     b
+}
+
+fn free_udp() -> SocketAddr {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.local_addr().unwrap()
+}
+
+/// `certs init` for host pve1 into `out`.
+fn certs_init(out: &std::path::Path, quic: SocketAddr, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args(["certs", "init", "--out"])
+        .arg(out)
+        .args(["--guest-addr", &quic.to_string(), "--host", "pve1"])
+        .args(extra)
+        .output()
+        .unwrap()
 }
 
 fn client(cfg: rustls::ClientConfig) -> (quinn::Endpoint, quinn::ClientConfig) {
@@ -83,20 +105,9 @@ fn metric(agent: &Agent, name: &str, labels: &[(&str, &str)]) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guest_binary_hub() {
     let work = tempfile::tempdir().unwrap();
-    let quic: SocketAddr = {
-        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        s.local_addr().unwrap()
-    };
+    let quic = free_udp();
     let out = work.path().join("deploy");
-    let init = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
-            .args(["certs", "init", "--out"])
-            .arg(&out)
-            .args(["--guest-addr", &quic.to_string(), "--host", "pve1"])
-            .args(extra)
-            .output()
-            .unwrap()
-    };
+    let init = |extra: &[&str]| certs_init(&out, quic, extra);
     let o = init(&[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("hosts/pve1/host.toml"));
@@ -205,4 +216,89 @@ async fn guest_binary_hub() {
     });
     assert!(counted.is_some());
     assert!(agent.log.lock().unwrap().contains("hub: rejected"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kind_from_a_newer_host_is_counted_and_listed_as_unknown() {
+    let work = tempfile::tempdir().unwrap();
+    let quic = free_udp();
+    let out = work.path().join("deploy");
+    let o = certs_init(&out, quic, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tls_dir = out.join("guest").display().to_string();
+    let agent = Agent::start(
+        &[
+            "--probes",
+            "none",
+            "--no-kube",
+            "--quic-listen",
+            &quic.to_string(),
+            "--tls-dir",
+            &tls_dir,
+        ],
+        &[],
+    );
+    let pve1 = [("host", "pve1")];
+    let (conn, _ctl, _) = connect(&out, quic).await;
+    let mut ev = conn.open_uni().await.unwrap();
+    // A known event, one of kind 999 (no such kind yet) with 5 bytes this guest cannot
+    // decode, and a known one after it: through the hub's real decoder.
+    let mut wire = frame(0);
+    wire.extend(raw_frame(1, 999, vec![0x2a, 1, 2, 3, 4]));
+    wire.extend(frame(2));
+    ev.write_all(&wire).await.unwrap();
+    let got = wait_for(Duration::from_secs(10), || {
+        (metric(
+            &agent,
+            "gpufeed_host_events_total",
+            &[("host", "pve1"), ("event", "unknown")],
+        ) == 1.0)
+            .then_some(())
+    });
+    assert!(got.is_some(), "{}", agent.log.lock().unwrap());
+    assert_eq!(
+        metric(&agent, "gpufeed_stream_events_received_total", &pve1),
+        2.0,
+        "the known events around it arrive"
+    );
+    assert_eq!(
+        metric(
+            &agent,
+            "gpufeed_stream_frames_rejected_total",
+            &[("host", "pve1"), ("reason", "unknown_kind")]
+        ),
+        1.0
+    );
+    // /events lists it with what its frame said.
+    let events: serde_json::Value =
+        serde_json::from_str(&http_get(agent.addr, "/events").unwrap()).unwrap();
+    let unknown: Vec<&serde_json::Value> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["event"] == "unknown")
+        .collect();
+    assert_eq!(unknown.len(), 1, "{events:#}");
+    let e = unknown[0];
+    assert_eq!(e["host"], "pve1");
+    assert_eq!(e["host_kind"], "unknown");
+    assert_eq!(e["title"], "unknown on pve1");
+    let text = e["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("host event of kind 999, unknown to this guest (seq 1, 5 bytes"),
+        "{text}"
+    );
+    let now_ms = gpufeed_shared::clock::realtime_ns() / 1_000_000;
+    let t = e["time"].as_i64().unwrap();
+    assert!(
+        (now_ms - 60_000..=now_ms).contains(&t),
+        "time {t}, now {now_ms}"
+    );
+    // The stream goes on, and the agent is alive.
+    ev.write_all(&frame(3)).await.unwrap();
+    let more = wait_for(Duration::from_secs(10), || {
+        (metric(&agent, "gpufeed_stream_events_received_total", &pve1) == 3.0).then_some(())
+    });
+    assert!(more.is_some(), "{}", agent.log.lock().unwrap());
+    assert!(agent.log.lock().unwrap().contains("listed as unknown"));
 }

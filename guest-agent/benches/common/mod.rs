@@ -1,4 +1,5 @@
-//! What the benchmarks share.
+//! What the benchmarks share (each bench uses its part of it).
+#![allow(dead_code)]
 
 use std::process::{Child, Command};
 
@@ -25,4 +26,15 @@ impl Drop for Killed {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// CPU time of this thread, ns: what a busy machine's preemptions do not inflate.
+pub fn thread_cpu_ns() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 }

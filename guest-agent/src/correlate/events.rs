@@ -72,8 +72,15 @@ impl EventKind {
 #[derive(Debug, Clone, Copy)]
 pub enum Payload<'a> {
     Known(&'a HostEvent),
-    /// The frame's kind id, for a payload this guest could not decode.
-    UnknownKind(u16),
+    /// A payload this guest could not decode: what its frame says (a newer host agent's kind).
+    UnknownKind {
+        /// The frame's kind number.
+        kind: u16,
+        /// The host's sequence number of the event.
+        seq: u64,
+        /// Size of the undecoded payload.
+        payload_len: usize,
+    },
 }
 
 /// One host event handed to the correlator.
@@ -116,11 +123,18 @@ pub struct Classified {
 pub fn classify(p: Payload<'_>) -> Classified {
     let ev = match p {
         Payload::Known(ev) => ev,
-        Payload::UnknownKind(k) => {
+        Payload::UnknownKind {
+            kind,
+            seq,
+            payload_len,
+        } => {
             return Classified {
                 kind: EventKind::Unknown,
                 host_kind: "unknown",
-                summary: format!("host event of unknown kind {k}"),
+                summary: format!(
+                    "host event of kind {kind}, unknown to this guest (seq {seq}, \
+                     {payload_len} bytes not decoded; is the host agent newer?)"
+                ),
             }
         }
     };
@@ -478,8 +492,17 @@ pub(crate) mod tests {
         let c = classify(Payload::Known(&kmsg_link_down()));
         assert_eq!(c.kind.as_str(), "kmsg");
         assert!(!c.kind.joins() && !c.kind.listed());
-        let u = classify(Payload::UnknownKind(99));
+        let u = classify(Payload::UnknownKind {
+            kind: 99,
+            seq: 7,
+            payload_len: 12,
+        });
         assert_eq!(u.kind, EventKind::Unknown);
+        assert_eq!(
+            u.summary,
+            "host event of kind 99, unknown to this guest (seq 7, 12 bytes not decoded; \
+             is the host agent newer?)"
+        );
         assert_eq!(u.host_kind, "unknown");
         assert!(!u.kind.joins() && u.kind.listed());
         assert!(EventKind::LinkDown.joins() && EventKind::LinkDown.listed());

@@ -184,13 +184,16 @@ impl Correlator {
         }
         let mut out = BTreeMap::new();
         for (kind, e) in latest {
-            for h in e.hits.iter().filter(|h| self.pods.contains_key(&h.pod)) {
+            for h in &e.hits {
+                let Some(pod) = self.live_key(&h.pod.uid) else {
+                    continue;
+                };
                 let m = magnitude(h.value, h.baseline).unwrap_or(f64::INFINITY);
                 let key = [
                     kind.as_str().to_string(),
                     h.signal.clone(),
-                    h.pod.namespace.clone(),
-                    h.pod.pod.clone(),
+                    pod.namespace.clone(),
+                    pod.pod.clone(),
                 ];
                 let v = out.entry(key).or_insert(m);
                 *v = v.max(m);
@@ -205,13 +208,19 @@ impl Correlator {
         // Series are per (namespace, pod): two pod objects of one name (a StatefulSet pod
         // re-created) add up.
         let mut spikes: BTreeMap<[String; 3], f64> = BTreeMap::new();
-        for ((p, s), n) in &c.spikes {
+        for ((uid, s), n) in &c.spikes {
+            let Some(p) = self.live_key(uid) else {
+                continue;
+            };
             *spikes
                 .entry([s.clone(), p.namespace.clone(), p.pod.clone()])
                 .or_default() += *n as f64;
         }
         let mut correlated: BTreeMap<[String; 4], f64> = BTreeMap::new();
-        for ((p, s, k), n) in &c.correlated {
+        for ((uid, s, k), n) in &c.correlated {
+            let Some(p) = self.live_key(uid) else {
+                continue;
+            };
             let key = [
                 k.as_str().to_string(),
                 s.clone(),

@@ -100,24 +100,28 @@ struct SignalState {
 }
 
 struct PodState {
+    /// The pod's names as its latest window gave them (they can arrive after its UID).
+    key: PodKey,
     signals: HashMap<String, SignalState>,
     last_window: i64,
 }
 
-/// Counter values kept per pod key (with uid); rendered per (namespace, pod).
+/// Counter values kept per pod UID; rendered per (namespace, pod) of the pod's current key.
 #[derive(Debug, Default, Clone)]
 struct Counters {
-    /// (pod, signal)
-    spikes: BTreeMap<(PodKey, String), u64>,
-    /// (pod, signal, event kind)
-    correlated: BTreeMap<(PodKey, String, EventKind), u64>,
+    /// (pod uid, signal)
+    spikes: BTreeMap<(String, String), u64>,
+    /// (pod uid, signal, event kind)
+    correlated: BTreeMap<(String, String, EventKind), u64>,
     /// (host, event label)
     host_events: BTreeMap<(String, &'static str), u64>,
 }
 
 pub struct Correlator {
     cfg: Config,
-    pods: HashMap<PodKey, PodState>,
+    /// By UID: a pod is its UID. Its names may arrive after its first windows (the API
+    /// watch answers later than the first tick); that renames it, and keeps its baselines.
+    pods: HashMap<String, PodState>,
     joiner: Joiner,
     counters: Counters,
 }
@@ -163,13 +167,18 @@ impl Correlator {
                 rate: false,
                 abs_floor: 0.0,
             });
-        let pod = match self.pods.get_mut(&w.pod) {
+        let pod = match self.pods.get_mut(&w.pod.uid) {
             Some(p) => p,
-            None => self.pods.entry(w.pod.clone()).or_insert(PodState {
+            None => self.pods.entry(w.pod.uid.clone()).or_insert(PodState {
+                key: w.pod.clone(),
                 signals: HashMap::new(),
                 last_window: w.at,
             }),
         };
+        if pod.key != w.pod {
+            // Named (or renamed) by the API: same pod, same baselines and counters.
+            pod.key = w.pod.clone();
+        }
         pod.last_window = pod.last_window.max(w.at);
         let st = match pod.signals.get_mut(&w.signal) {
             Some(s) => s,
@@ -195,7 +204,7 @@ impl Correlator {
                 *self
                     .counters
                     .spikes
-                    .entry((w.pod.clone(), w.signal.clone()))
+                    .entry((w.pod.uid.clone(), w.signal.clone()))
                     .or_default() += 1;
                 self.count_joins(joins);
             }
@@ -221,22 +230,33 @@ impl Correlator {
         self.expire(now);
     }
 
-    /// The pod is gone: its baselines and series go; its spikes stay in the events they
-    /// joined (history), and a late event still lists them, without re-creating series.
+    /// The pod (its UID, whatever names `pod` carries) is gone: its baselines and series go;
+    /// its spikes stay in the events they joined (history), and a late event still lists
+    /// them, without re-creating series.
     pub fn forget_pod(&mut self, pod: &PodKey) {
-        self.pods.remove(pod);
-        self.counters.spikes.retain(|(p, _), _| p != pod);
-        self.counters.correlated.retain(|(p, _, _), _| p != pod);
+        self.forget_uid(&pod.uid);
+    }
+
+    /// [`Correlator::forget_pod`] by the pod's UID.
+    pub fn forget_uid(&mut self, uid: &str) {
+        self.pods.remove(uid);
+        self.counters.spikes.retain(|(p, _), _| p != uid);
+        self.counters.correlated.retain(|(p, _, _), _| p != uid);
+    }
+
+    /// The current key of a live pod.
+    fn live_key(&self, uid: &str) -> Option<&PodKey> {
+        self.pods.get(uid).map(|p| &p.key)
     }
 
     fn count_joins(&mut self, joins: Vec<NewJoin>) {
         for j in joins {
             // Series exist only for live pods (a late event must not resurrect a gone one).
-            if self.pods.contains_key(&j.pod) {
+            if self.pods.contains_key(&j.pod.uid) {
                 *self
                     .counters
                     .correlated
-                    .entry((j.pod, j.signal, j.kind))
+                    .entry((j.pod.uid, j.signal, j.kind))
                     .or_default() += 1;
             }
         }
@@ -245,14 +265,14 @@ impl Correlator {
     fn expire(&mut self, now: i64) {
         self.joiner.expire(now);
         let horizon = now.saturating_sub(ns(self.cfg.idle_pod));
-        let idle: Vec<PodKey> = self
+        let idle: Vec<String> = self
             .pods
             .iter()
             .filter(|(_, p)| p.last_window < horizon)
             .map(|(k, _)| k.clone())
             .collect();
         for k in idle {
-            self.forget_pod(&k);
+            self.forget_uid(&k);
         }
     }
 

@@ -464,7 +464,11 @@ fn an_unknown_kind_is_counted_and_listed_and_explains_nothing() {
                     host: "pve1",
                     host_realtime_ns: T0 + 30 * S,
                     clock_offset_ns: 0,
-                    payload: Payload::UnknownKind(99),
+                    payload: Payload::UnknownKind {
+                        kind: 99,
+                        seq: 3,
+                        payload_len: 5,
+                    },
                 },
                 now,
             );
@@ -605,4 +609,38 @@ fn hostile_windows_and_times_do_not_panic() {
     }
     let _ = c.metric_families(i64::MAX);
     let _ = c.unexplained_spikes(i64::MIN);
+}
+
+#[test]
+fn a_pod_named_after_its_first_windows_keeps_its_baseline() {
+    // The first ticks know the pod only by its UID (the API watch answered later).
+    let uid = "uid-vllm-0";
+    let unnamed = PodKey::new("", uid, uid);
+    let named = pod("vllm-0");
+    let mut sim = Sim::new();
+    sim.quiet(&[&unnamed], 30);
+    // Its names arrive; contention starts in the next window.
+    sim.tick(&[(&named, "run_queue_wait", Some(900.0))]);
+    sim.tick(&[(&named, "run_queue_wait", Some(900.0))]);
+    assert_eq!(sim.c.pods(), 1, "one pod, not two");
+    assert_eq!(
+        spikes_of(&sim, "vllm-0"),
+        Some(1.0),
+        "the baseline of the unnamed ticks holds: no second warm-up"
+    );
+    // Its series carry the names now, not the UID.
+    assert_eq!(
+        sim.value(
+            export::LATENCY_SPIKES,
+            &[
+                ("signal", "run_queue_wait"),
+                ("namespace", ""),
+                ("pod", uid)
+            ]
+        ),
+        None
+    );
+    // The join in the agent hands the old key to forget_pod only when the UID is gone.
+    sim.c.forget_pod(&unnamed);
+    assert_eq!(sim.c.pods(), 0, "a pod is its UID");
 }

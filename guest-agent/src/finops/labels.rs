@@ -9,6 +9,11 @@ use crate::probes::unit::Labels;
 /// Families that carry the configured labels directly.
 const GPU_FAMILY_PREFIX: &str = "ebpf_gpu_";
 
+/// Whether a family is one of the GPU series, which carry the configured pod labels.
+pub fn is_gpu_family(family: &str) -> bool {
+    family.starts_with(GPU_FAMILY_PREFIX)
+}
+
 /// Series label name → pod label key, in the order given.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PodLabels {
@@ -64,7 +69,7 @@ impl PodLabels {
 
     /// [`PodLabels::extend`] for the GPU families only (the exporter calls it for every series).
     pub fn extend_gpu(&self, family: &str, meta: Option<&PodMeta>, l: &mut Labels) {
-        if family.starts_with(GPU_FAMILY_PREFIX) {
+        if is_gpu_family(family) {
             self.extend(meta, l);
         }
     }

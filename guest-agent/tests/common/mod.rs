@@ -8,6 +8,7 @@
 
 pub mod fake_kube;
 pub mod gpu;
+pub mod host_agent;
 pub mod logs;
 
 use std::collections::BTreeMap;

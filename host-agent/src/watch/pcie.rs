@@ -31,13 +31,91 @@ pub struct PciePoller {
     watched: HashMap<String, Link>,
     /// Devices skipped on the last poll because they were runtime-suspended.
     pub suspended_skips: u64,
+    /// Directory handles of the devices polled.
+    dirs: DevDirs,
+}
+
+/// A short sysfs attribute, trimmed, in one `read(2)`: the files polled every interval are a
+/// few bytes, and `std::fs::read` also asks for the size (`statx`) and reads once more to see
+/// the end. Longer contents are read the ordinary way.
+fn read_short(path: &std::path::Path) -> std::io::Result<String> {
+    read_file(std::fs::File::open(path)?)
+}
+
+fn read_file(mut f: std::fs::File) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut buf = [0u8; 64];
+    let n = f.read(&mut buf)?;
+    if n == buf.len() {
+        let mut rest = buf.to_vec();
+        f.read_to_end(&mut rest)?;
+        return Ok(String::from_utf8_lossy(&rest).trim().to_string());
+    }
+    Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+}
+
+/// Reads attribute `attr` (a path relative to the device's directory) of device `bdf`.
+type ReadAttr<'a> = dyn FnMut(&str, &str) -> std::io::Result<String> + 'a;
+
+/// Attributes read by path under `roots`.
+fn by_path(roots: &Roots) -> impl FnMut(&str, &str) -> std::io::Result<String> + '_ {
+    move |bdf, attr| read_short(&roots.pci_devices().join(bdf).join(attr))
+}
+
+/// Open handles of the polled devices' sysfs directories: a poll opens each attribute by its
+/// one name under its device (`openat`) instead of walking the whole sysfs path again, which
+/// was most of a poll's cost (see docs/benchmarks.md). A handle under which an attribute is
+/// not found (the device was removed, or replaced at the same address) is dropped and the
+/// directory opened again by its path.
+#[derive(Debug, Default)]
+struct DevDirs(HashMap<String, std::fs::File>);
+
+impl DevDirs {
+    fn read(&mut self, roots: &Roots, bdf: &str, attr: &str) -> std::io::Result<String> {
+        use nix::fcntl::{openat, OFlag};
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let mut fresh = false;
+        loop {
+            let dir = match self.0.get(bdf) {
+                Some(d) => d,
+                None => {
+                    fresh = true;
+                    let d = std::fs::File::open(roots.pci_devices().join(bdf))?;
+                    self.0.entry(bdf.to_string()).or_insert(d)
+                }
+            };
+            let opened = openat(
+                Some(dir.as_raw_fd()),
+                attr,
+                OFlag::O_RDONLY | OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::empty(),
+            );
+            match opened {
+                // SAFETY: openat returned a new descriptor that nothing else owns.
+                Ok(fd) => return read_file(unsafe { std::fs::File::from_raw_fd(fd) }),
+                Err(nix::errno::Errno::ENOENT) if !fresh => {
+                    self.0.remove(bdf);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Drops the handles of devices not in `keep`.
+    fn retain(&mut self, keep: &HashSet<&str>) {
+        self.0.retain(|bdf, _| keep.contains(bdf.as_str()));
+    }
 }
 
 /// True when `power/runtime_status` says the device sleeps (reading would wake it).
 pub fn runtime_suspended(roots: &Roots, bdf: &str) -> bool {
+    suspended_with(&mut by_path(roots), bdf)
+}
+
+fn suspended_with(read: &mut ReadAttr<'_>, bdf: &str) -> bool {
     matches!(
-        read_attr(&roots.pci_devices().join(bdf).join("power/runtime_status")).as_deref(),
-        Some("suspended") | Some("suspending")
+        read(bdf, "power/runtime_status").as_deref(),
+        Ok("suspended") | Ok("suspending")
     )
 }
 
@@ -56,9 +134,12 @@ pub enum LinkStatus {
 
 /// Read `current_link_*` of `bdf`.
 pub fn read_status(roots: &Roots, bdf: &str) -> LinkStatus {
-    let d = roots.pci_devices().join(bdf);
-    let read = |f: &str| match std::fs::read(d.join(f)) {
-        Ok(b) => Ok(String::from_utf8_lossy(&b).trim().to_string()),
+    status_with(&mut by_path(roots), bdf)
+}
+
+fn status_with(read_attr: &mut ReadAttr<'_>, bdf: &str) -> LinkStatus {
+    let mut read = |f: &str| match read_attr(bdf, f) {
+        Ok(s) => Ok(s),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LinkStatus::Absent),
         Err(_) => Err(LinkStatus::Unreadable),
     };
@@ -88,8 +169,17 @@ fn valid_width(w: u8) -> bool {
 /// left with its link (pciehp removes the device of a link that went down): down too.
 /// `None` when the device has no such attributes and its link is not known to be down.
 pub fn read_current(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<(Option<u32>, u8)> {
-    let port = || parent.map(|p| read_status(roots, p));
-    match read_status(roots, bdf) {
+    current_with(&mut by_path(roots), bdf, parent)
+}
+
+fn current_with(
+    read: &mut ReadAttr<'_>,
+    bdf: &str,
+    parent: Option<&str>,
+) -> Option<(Option<u32>, u8)> {
+    let own = status_with(read, bdf);
+    let mut port = || parent.map(|p| status_with(read, p));
+    match own {
         LinkStatus::Read(s, w) => Some((s, w)),
         LinkStatus::Unreadable => Some(match port() {
             Some(LinkStatus::Read(s, w)) => (s, w),
@@ -201,11 +291,16 @@ impl PciePoller {
         source: Source,
         out: &mut Vec<HostEvent>,
     ) -> Option<LinkState> {
-        if runtime_suspended(roots, &link.child) {
-            self.suspended_skips += 1;
-            return None;
-        }
-        let Some((speed, width)) = read_current(roots, &link.child, link.parent.as_deref()) else {
+        let current = {
+            let dirs = &mut self.dirs;
+            let mut read = |bdf: &str, attr: &str| dirs.read(roots, bdf, attr);
+            if suspended_with(&mut read, &link.child) {
+                self.suspended_skips += 1;
+                return None;
+            }
+            current_with(&mut read, &link.child, link.parent.as_deref())
+        };
+        let Some((speed, width)) = current else {
             self.max_valid.remove(&link.child); // gone: read the maxima again when it is back
             return None;
         };
@@ -321,6 +416,13 @@ impl PciePoller {
                 self.watched.remove(&l.child);
             }
         }
+        // no handles kept for devices no longer polled
+        let polled: HashSet<&str> = self
+            .watched
+            .values()
+            .flat_map(|l| std::iter::once(l.child.as_str()).chain(l.parent.as_deref()))
+            .collect();
+        self.dirs.retain(&polled);
         out
     }
 }

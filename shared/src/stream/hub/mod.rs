@@ -15,7 +15,10 @@
 //!   `gpufeed_stream_frames_rejected_total{host,reason}` (`host="unverified"` before the peer
 //!   is authenticated) and logs a `warn` line; for unauthenticated peers, who can repeat them
 //!   at will, at most one line per reason every 10 s, with the count of those not logged.
-//!   Unknown event kinds are skipped and counted with `reason="unknown_kind"`.
+//!   An event this guest cannot decode (a kind from a newer host agent) is counted with
+//!   `reason="unknown_kind"`, and what its frame says (host, kind number, payload size,
+//!   sequence, host time) goes to [`Hub::subscribe_unknown`]: the guest lists it, never drops it
+//!   silently.
 //! * Recent events are kept in a bounded ring ([`Hub::recent`]) and broadcast
 //!   ([`Hub::subscribe`]); optionally journaled ([`HubConfig::journal`]).
 //!
@@ -142,6 +145,22 @@ pub struct ReceivedEvent {
     /// Host minus guest clock offset estimated at receipt, ns (None before the first probe).
     pub clock_offset_ns: Option<i64>,
     pub event: HostEvent,
+}
+
+/// An event whose payload this guest could not decode as its frame's kind (a kind from a newer
+/// host agent): what the frame says about it.
+#[derive(Debug, Clone, Serialize)]
+pub struct UnknownEvent {
+    pub host: String,
+    /// The frame's kind number.
+    pub kind: u16,
+    /// Size of the undecoded payload in bytes.
+    pub payload_len: usize,
+    pub seq: u64,
+    /// When the host emitted it (host clock), and the offset estimated at receipt, as in
+    /// [`ReceivedEvent`].
+    pub host_realtime_ns: i64,
+    pub clock_offset_ns: Option<i64>,
 }
 
 impl ReceivedEvent {
@@ -288,6 +307,7 @@ struct Inner {
     metrics: Metrics,
     allowed: RwLock<Vec<String>>,
     tx: broadcast::Sender<ReceivedEvent>,
+    unknown_tx: broadcast::Sender<UnknownEvent>,
     endpoint: quinn::Endpoint,
     ptp: Option<Mutex<KvmPtp>>,
     ptp_warned: Mutex<HashMap<String, Instant>>,
@@ -431,6 +451,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         metrics,
         allowed: RwLock::new(allowed),
         tx: broadcast::channel(4096).0,
+        unknown_tx: broadcast::channel(256).0,
         endpoint,
         ptp,
         ptp_warned: Mutex::new(HashMap::new()),
@@ -481,6 +502,11 @@ impl Hub {
     /// Every event received from now on (a receiver that lags loses events).
     pub fn subscribe(&self) -> broadcast::Receiver<ReceivedEvent> {
         self.inner.tx.subscribe()
+    }
+
+    /// Every event of a kind this guest cannot decode received from now on.
+    pub fn subscribe_unknown(&self) -> broadcast::Receiver<UnknownEvent> {
+        self.inner.unknown_tx.subscribe()
     }
 
     /// The bound address (useful with port 0).
@@ -978,7 +1004,7 @@ impl Conn<'_> {
         let inner = self.inner;
         let now = clock::realtime_ns();
         let (mut dups, mut lost_n) = (0u64, 0u64);
-        let mut unknown = 0u64;
+        let mut unknown = Vec::new();
         let mut garbage = Vec::new();
         let mut fatal = None;
         delivered.clear();
@@ -1046,7 +1072,14 @@ impl Conn<'_> {
                                     event,
                                 });
                             }
-                            _ => unknown += 1,
+                            _ => unknown.push(UnknownEvent {
+                                host: self.host.to_owned(),
+                                kind: f.kind,
+                                payload_len: f.payload.len(),
+                                seq: f.seq,
+                                host_realtime_ns: f.host_realtime_ns,
+                                clock_offset_ns: offset,
+                            }),
                         }
                     }
                     Accounted::Lost {
@@ -1111,17 +1144,22 @@ impl Conn<'_> {
         received.inc_by(delivered.len() as u64);
         duplicate.inc_by(dups);
         lost.inc_by(lost_n);
-        if unknown > 0 {
+        if !unknown.is_empty() {
             tracing::debug!(
                 host = self.host,
-                unknown,
-                "hub: skipped events of unknown kind"
+                unknown = unknown.len(),
+                "hub: events of a kind this guest does not know; passed on undecoded"
             );
             inner
                 .metrics
                 .rejected
                 .with_label_values(&[self.host, "unknown_kind"])
-                .inc_by(unknown);
+                .inc_by(unknown.len() as u64);
+            if inner.unknown_tx.receiver_count() > 0 {
+                for e in unknown {
+                    let _ = inner.unknown_tx.send(e);
+                }
+            }
         }
         for g in garbage {
             inner.reject(

@@ -1,0 +1,137 @@
+//! The real host agent (`gpufeed-host`, built beside the guest's binary) on a recorded
+//! Thunderbolt eGPU tree (scripts/demo-egpu.sh, in the kernel's sysfs formats), streaming to
+//! a guest on loopback with certificates made by `gpufeed-guest certs init`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use super::{free_port, http_get, wait_for, Proc};
+
+/// The GPU of the recorded tree.
+pub const GPU: &str = "0000:0a:00.0";
+/// The host agent's identity.
+pub const HOST: &str = "demo-egpu";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// `scripts/demo-egpu.sh ARGS...`.
+pub fn demo(args: &[&str]) {
+    let st = Command::new(repo().join("scripts/demo-egpu.sh"))
+        .args(args)
+        .status()
+        .unwrap();
+    assert!(st.success(), "demo-egpu.sh {args:?}");
+}
+
+/// The host agent binary, built beside the guest's (`cargo build --workspace`, or
+/// `--release` for benchmarks).
+pub fn host_binary() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .parent()
+        .unwrap()
+        .join("gpufeed-host");
+    assert!(
+        p.exists(),
+        "{} missing: build the workspace first (cargo build --workspace)",
+        p.display()
+    );
+    p
+}
+
+/// How the host agent polls.
+pub struct HostIntervals {
+    /// `pcie.poll_interval_ms`; `None`: the agent's default.
+    pub pcie_poll_ms: Option<u64>,
+    /// `stream.state_interval_ms`; `None`: the agent's default.
+    pub state_ms: Option<u64>,
+}
+
+pub struct HostAgent {
+    pub proc: Proc,
+    pub metrics: SocketAddr,
+}
+
+/// `certs init` into `dir/certs`, the recorded tree in `dir/root` (written by the caller with
+/// `demo(&["tree", ...])`), and the host agent on it streaming to `127.0.0.1:quic`; returns
+/// once it serves /metrics.
+pub fn start_host(dir: &Path, quic: u16, iv: HostIntervals) -> HostAgent {
+    let guest = Path::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
+    let out = Command::new(guest)
+        .args(["certs", "init", "--out"])
+        .arg(dir.join("certs"))
+        .args(["--guest-addr", &format!("127.0.0.1:{quic}"), "--host", HOST])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let certs = dir.join("certs");
+    let line = |k: &str, v: Option<u64>| v.map(|v| format!("{k} = {v}\n")).unwrap_or_default();
+    // The recorded tree as root, the GPU to watch, a memory spool, and no watcher that would
+    // read this machine's own bridges or uevents.
+    let cfg = format!(
+        r#"host_id = "{HOST}"
+root = "{root}"
+metrics_listen = "{metrics}"
+devices = ["{GPU}"]
+
+[pcie]
+{poll}
+[bridge]
+enabled = false
+
+[host]
+enabled = false
+
+[thunderbolt]
+uevents = false
+
+[stream]
+ca = "{ca}"
+cert = "{cert}"
+key = "{key}"
+spool_dir = ""
+{state}
+[[stream.guests]]
+name = "guest"
+endpoint = "127.0.0.1:{quic}"
+"#,
+        root = dir.join("root").display(),
+        poll = line("poll_interval_ms", iv.pcie_poll_ms),
+        state = line("state_interval_ms", iv.state_ms),
+        ca = certs.join("hosts").join(HOST).join("tls/ca.pem").display(),
+        cert = certs
+            .join("hosts")
+            .join(HOST)
+            .join("tls/host.pem")
+            .display(),
+        key = certs
+            .join("hosts")
+            .join(HOST)
+            .join("tls/host-key.pem")
+            .display(),
+    );
+    std::fs::write(dir.join("host.toml"), &cfg).unwrap();
+    let child = Command::new(host_binary())
+        .args(["run", "--config"])
+        .arg(dir.join("host.toml"))
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let h = HostAgent {
+        proc: Proc(child),
+        metrics,
+    };
+    wait_for(Duration::from_secs(30), || http_get(metrics, "/metrics"))
+        .unwrap_or_else(|| panic!("host agent did not serve /metrics; config:\n{cfg}"));
+    h
+}
