@@ -190,7 +190,21 @@ pub trait Probe: Send {
     /// read of that cgroup. Units keyed by cgroup storage implement it.
     fn read_cgroup(&mut self, _id: u64, _dir: BorrowedFd<'_>, _out: &mut Vec<Delta>) {}
 
-    /// The cgroup is gone (it was read a last time): forget its delta state.
+    /// The cgroups whose entries this unit's programs changed since the
+    /// previous call (`cgroup_maps::ActiveSet`), so that a tick reads those
+    /// only; None when the unit cannot tell, and then every cgroup is read.
+    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        None
+    }
+
+    /// The last numbers of cgroups removed since the previous call, which can
+    /// no longer be read through their directories (`cgroup_maps::Drained`):
+    /// pushes (cgroup id, what changed since the previous read of it) and
+    /// forgets the cgroup's delta state.
+    fn read_removed(&mut self, _out: &mut Vec<(u64, Delta)>) {}
+
+    /// The cgroup is gone and its last numbers were taken (or never will be):
+    /// forget its delta state.
     fn forget_cgroup(&mut self, _id: u64) {}
 
     /// Once per tick, after every cgroup was read: work not keyed by cgroup.
