@@ -29,6 +29,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include "cgroup.h"
+#include "cgroup_active.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -42,6 +43,7 @@ struct cuda_cgroup {
 	__u64 h2d_bytes;
 	__u64 d2h_bytes;
 	__u64 launches;
+	__u64 epoch; /* see cgroup_active.h */
 };
 
 struct {
@@ -128,12 +130,14 @@ static __always_inline void bump(__u32 i)
 
 static __always_inline struct cuda_cgroup *my_cgroup(void)
 {
+	struct cgroup *cgrp = task_dfl_cgroup(bpf_get_current_task_btf());
 	struct cuda_cgroup *cg;
 
-	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(bpf_get_current_task_btf()), 0,
-				  BPF_LOCAL_STORAGE_GET_F_CREATE);
+	cg = bpf_cgrp_storage_get(&cuda_cgroup, cgrp, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!cg)
 		bump(0);
+	else
+		mark_active(cgrp, &cg->epoch);
 	return cg;
 }
 
@@ -455,9 +459,11 @@ int BPF_PROG(cuda_exit, struct task_struct *p)
 		return 0;
 	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(p), 0,
 				  BPF_LOCAL_STORAGE_GET_F_CREATE);
-	if (cg)
+	if (cg) {
 		__sync_fetch_and_add(&cg->vram_bytes, -bytes);
-	else
+		mark_active(task_dfl_cgroup(p), &cg->epoch);
+	} else {
 		bump(0);
+	}
 	return 0;
 }

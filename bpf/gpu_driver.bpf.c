@@ -30,6 +30,7 @@
 #include <bpf/bpf_tracing.h>
 #include "hist.h"
 #include "cgroup.h"
+#include "cgroup_active.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -94,6 +95,7 @@ struct gpu_cgroup {
 	__u64 busy_ns;	  /* closed busy intervals */
 	__u64 busy_since; /* ktime ns the current busy interval began */
 	__s64 inflight;	  /* tasks of the cgroup inside a GPU ioctl now */
+	__u64 epoch;	  /* see cgroup_active.h */
 };
 
 struct {
@@ -184,6 +186,7 @@ static __always_inline int ioctl_enter(__u64 fd, __u32 cmd)
 		bump(0);
 		return 0;
 	}
+	mark_active(task_dfl_cgroup(task), &cg->epoch);
 	now = bpf_ktime_get_ns();
 	ts->ioctl_start = now;
 	ts->cgroup_id = bpf_get_current_cgroup_id();
@@ -209,6 +212,7 @@ static __always_inline int ioctl_exit(struct task_struct *task, struct thread_st
 		bump(0);
 		return 0;
 	}
+	mark_active(task_dfl_cgroup(task), &cg->epoch);
 	now = bpf_ktime_get_ns();
 	if (slot < CMD_SLOTS)
 		hist_record(&cg->ioctl[slot], now - start);

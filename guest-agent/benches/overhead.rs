@@ -7,13 +7,17 @@
 //!
 //! cargo bench -p gpufeed-guest --bench overhead
 
+mod common;
+
+use common::{cpu_ns, rss_kb, Killed};
+
 mod empty {
     include!(concat!(env!("OUT_DIR"), "/bench_empty.skel.rs"));
 }
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
@@ -117,41 +121,6 @@ fn measure(name: &'static str, baseline: Option<f64>) -> Row {
         r.wakeup_ns, r.switch_ns
     );
     r
-}
-
-struct Killed(Child);
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// CPU time of all the process's threads in ns (schedstat: exact, not tick-sampled).
-fn cpu_ns(pid: u32) -> u64 {
-    let mut total = 0;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-    {
-        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            total += s
-                .split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    total
-}
-
-fn rss_kb(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 fn main() {

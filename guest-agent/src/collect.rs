@@ -7,6 +7,7 @@
 //! series per slice, and lets the exporter relabel an owner (pod UID → name)
 //! without restarting its counters.
 
+use std::cell::RefCell;
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::AsFd;
@@ -17,7 +18,7 @@ use crate::cgroups::{CgroupTree, Changes, Died};
 use crate::pods::{classify_cgroup, CgroupClass, PodStore};
 use crate::probes::signal::{latency_window, rate_window, SignalKind, SignalSpec, SignalWindow};
 use crate::probes::unit::{
-    Delta, FamilySpec, GaugeValue, Labels, Scope, TickContext, UnitStats, Units, Value,
+    Delta, FamilySpec, GaugeValue, Labels, PidCache, Scope, TickContext, UnitStats, Units, Value,
 };
 
 /// Who a cgroup's numbers belong to.
@@ -105,6 +106,9 @@ pub struct Collector {
     /// drained deltas whose cgroup's owner is not known yet (the removal's
     /// event is read a tick later), with the ticks they waited
     unresolved: Vec<(u64, Delta, u32)>,
+    /// each pod cgroup's processes, for units that look at them
+    pids: RefCell<PidCache>,
+    ticks: u64,
     pods: PodStore,
     grace: Duration,
     last_tick: Option<Instant>,
@@ -131,6 +135,8 @@ impl Collector {
             live: HashMap::new(),
             dying: HashMap::new(),
             unresolved: Vec::new(),
+            pids: RefCell::default(),
+            ticks: 0,
             pods,
             grace,
             last_tick: None,
@@ -183,10 +189,13 @@ impl Collector {
 
         // Live cgroups: those with activity, or all of them for a unit that cannot tell.
         let mut read = Vec::new();
+        let mut active: Option<HashSet<u64>> = None;
         for unit in &mut self.units {
-            let active = unit.active_cgroups();
-            let ids: Box<dyn Iterator<Item = u64>> = match active {
-                Some(ids) => Box::new(ids.into_iter()),
+            let ids: Box<dyn Iterator<Item = u64>> = match unit.active_cgroups() {
+                Some(ids) => {
+                    active.get_or_insert_default().extend(&ids);
+                    Box::new(ids.into_iter())
+                }
                 None => Box::new(
                     self.tree
                         .cgroups
@@ -224,6 +233,9 @@ impl Collector {
             owners: &self.owners,
             pods: &self.pods,
             cgroups_changed: !changes.added.is_empty() || !changes.removed.is_empty(),
+            active: active.as_ref(),
+            tick: self.ticks,
+            pids: &self.pids,
         };
         let mut gauges = Vec::new();
         for unit in &mut self.units {
@@ -245,6 +257,7 @@ impl Collector {
             self.owners.remove(id);
         }
         self.age_dying();
+        self.ticks += 1;
         let previous_tick = self.last_tick.replace(now);
         let signals: Vec<SignalSpec> = self.units.iter().flat_map(|u| u.signals()).collect();
         let units: Vec<UnitStats> = self.units.iter().map(|u| u.stats()).collect();

@@ -532,3 +532,60 @@ fn containers_shorter_than_an_interval_still_count_after_their_cgroups_are_remov
     // one sample per socket per interval: the control connection and two streams
     assert!(rtt_samples >= 3.0, "{rtt_samples} RTT samples");
 }
+
+/// A crowded node: 320 other pods (pod and container cgroup each, each woken
+/// once, so the kernel holds storage for all of them) around one contended
+/// pod, created while the agent runs (it follows the kernel's mkdir events and
+/// reads only the cgroups with activity). The contended pod's histogram sum
+/// must match its tasks' schedstat run_delay within 1%.
+#[test]
+fn sched_sum_matches_schedstat_among_hundreds_of_pods() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let agent = Agent::no_kube("1s", "sched_latency", &["--sched-method", "sched-info"]);
+    let mut others: Vec<Pod> = (0..320)
+        .map(|_| Pod::random(&sb, Layout::Cgroupfs, "besteffort"))
+        .collect();
+    for p in &mut others {
+        let pid = p.spawn("exec sleep 0.01");
+        p.wait_exit(pid, Duration::from_secs(5));
+    }
+    let mut busy = Pod::random(&sb, Layout::Systemd, "burstable");
+    for _ in 0..3 {
+        busy.spawn("exec taskset -c 0 sh -c 'while :; do :; done'");
+    }
+    let bl = pod_labels(&busy);
+    let settle = |agent: &Agent| {
+        // frozen tasks: neither run_delay nor the histogram moves; two ticks
+        std::thread::sleep(Duration::from_millis(2300));
+        let s = agent.scrape();
+        let others_seen = find(&s, &format!("{SCHED}_count"), &[]).len();
+        (
+            value(&s, &format!("{SCHED}_sum"), &sel(&bl)).expect("busy pod has a series"),
+            busy.run_delay_ns(),
+            others_seen,
+        )
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    busy.signal_all(libc::SIGSTOP);
+    let (sum0, d0, _) = settle(&agent);
+    busy.signal_all(libc::SIGCONT);
+    std::thread::sleep(Duration::from_secs(3));
+    busy.signal_all(libc::SIGSTOP);
+    let (sum1, d1, seen) = settle(&agent);
+    busy.signal_all(libc::SIGCONT);
+    let ours_us = sum1 - sum0;
+    let kernel_us = (d1 - d0) as f64 / 1000.0;
+    let err = (ours_us - kernel_us) / kernel_us;
+    eprintln!(
+        "among {seen} series: histogram sum {ours_us:.0} us, schedstat {kernel_us:.0} us ({:+.2}%)",
+        err * 100.0
+    );
+    assert!(seen > 320, "the other pods have series too ({seen})");
+    assert!(kernel_us > 2_000_000.0, "the tasks waited for seconds");
+    assert!(
+        err.abs() < 0.01,
+        "histogram sum {ours_us} us vs schedstat {kernel_us} us: {:+.2}%",
+        err * 100.0
+    );
+}

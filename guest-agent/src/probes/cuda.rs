@@ -217,6 +217,7 @@ pub struct CudaProbe {
     skel: &'static skel::CudaSkel<'static>,
     _exit: Link,
     cgroups: MapHandle,
+    active: super::cgroup_maps::ActiveSet,
     stats: MapHandle,
     opts: CudaOptions,
     /// Library files already attached, by (dev, inode), and their links.
@@ -248,6 +249,10 @@ impl CudaProbe {
         Ok(Ok(CudaProbe {
             _exit: exit,
             cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
+            active: super::cgroup_maps::ActiveSet::new(
+                handle(NAME, &skel.maps.active_epoch)?,
+                handle(NAME, &skel.maps.active_cgroups)?,
+            ),
             stats: handle(NAME, &skel.maps.cuda_stats)?,
             skel,
             opts,
@@ -401,6 +406,10 @@ impl Probe for CudaProbe {
                 value: Value::Count(d.launches),
             });
         }
+    }
+
+    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        self.active.take()
     }
 
     fn forget_cgroup(&mut self, id: u64) {

@@ -1,0 +1,245 @@
+//! Scale benchmark (not a test): the agent's own cost as the node fills with
+//! pods. Kubelet-shaped pods (a pod cgroup and a container cgroup each, in a
+//! private subtree of the cgroup2 root): 0, 110 and 250 pods whose container
+//! wakes every 20 ms, the same 250 at a 100 ms interval, then 1,000 pods idle
+//! after one wake-up each. For each: the agent (default probes, no Kubernetes
+//! API) started fresh, 3 s to settle, its CPU over a quiet window (schedstat
+//! of all its threads, no scrape meanwhile), then the tick time it reports,
+//! the time a /metrics request takes (median of 5) and its RSS. Needs root.
+//!
+//! cargo bench -p gpufeed-guest --bench scale
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{cpu_ns, rss_kb, Killed};
+
+/// A private subtree of the cgroup2 root holding the pods; removed on drop.
+struct Node {
+    root: PathBuf,
+    pods: Vec<PathBuf>,
+    wakers: Vec<Killed>,
+}
+
+impl Node {
+    fn new() -> Node {
+        let mount = gpufeed_guest::cgroups::cgroup2_mount().expect("a cgroup2 mount");
+        let root = mount.join(format!("gpufeed-scale-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("kubepods/burstable")).unwrap();
+        Node {
+            root,
+            pods: Vec::new(),
+            wakers: Vec::new(),
+        }
+    }
+
+    /// Adds a pod and container cgroup; returns the container's.
+    fn add_pod(&mut self) -> PathBuf {
+        let n = self.pods.len();
+        let uid = format!("{n:08x}-0000-4000-8000-{:012x}", std::process::id());
+        let pod = self.root.join(format!("kubepods/burstable/pod{uid}"));
+        let ctr = pod.join(format!("{n:064x}"));
+        std::fs::create_dir_all(&ctr).unwrap();
+        self.pods.push(pod);
+        ctr
+    }
+
+    /// Runs `cmd` in the container cgroup (the shell moves itself first).
+    fn spawn(ctr: &Path, cmd: &str) -> Child {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("echo $$ > {}/cgroup.procs && {cmd}", ctr.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    fn add_waking(&mut self, n: usize) {
+        for _ in 0..n {
+            let ctr = self.add_pod();
+            let c = Node::spawn(
+                &ctr,
+                "exec perl -e 'select(undef, undef, undef, 0.02) while 1'",
+            );
+            self.wakers.push(Killed(c));
+        }
+    }
+
+    fn add_idle(&mut self, n: usize) {
+        for _ in 0..n {
+            let ctr = self.add_pod();
+            let _ = Node::spawn(&ctr, "exec sleep 0.01").wait();
+        }
+    }
+
+    /// The waking pods' tasks exit; their cgroups stay (idle).
+    fn quiet(&mut self) {
+        self.wakers.clear();
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.wakers.clear();
+        for pod in &self.pods {
+            if let Ok(entries) = std::fs::read_dir(pod) {
+                for e in entries.flatten().filter(|e| e.path().is_dir()) {
+                    let _ = std::fs::remove_dir(e.path());
+                }
+            }
+            let _ = std::fs::remove_dir(pod);
+        }
+        let _ = std::fs::remove_dir(self.root.join("kubepods/burstable"));
+        let _ = std::fs::remove_dir(self.root.join("kubepods"));
+        let _ = std::fs::remove_dir(&self.root);
+    }
+}
+
+fn get(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+}
+
+struct Row {
+    name: String,
+    cpu_pct: f64,
+    tick_ms: f64,
+    render_ms: f64,
+    rss_mb: f64,
+    cgroups: f64,
+}
+
+fn measure(agent_bin: &str, name: String, interval: &str, window: Duration) -> Row {
+    let mut child = Command::new(agent_bin)
+        .args([
+            "run",
+            "--no-kube",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--interval",
+            interval,
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let pid = child.id();
+    let agent = Killed(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(a) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr=")?.parse::<SocketAddr>().ok())
+            {
+                let _ = tx.send(a);
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the agent serves /metrics");
+    std::thread::sleep(Duration::from_secs(3));
+    let t0 = (Instant::now(), cpu_ns(pid));
+    std::thread::sleep(window);
+    let cpu_pct = (cpu_ns(pid) - t0.1) as f64 / 1e9 / t0.0.elapsed().as_secs_f64() * 100.0;
+    let mut renders = Vec::new();
+    let (mut tick_ms, mut cgroups) = (0.0f64, 0.0);
+    for _ in 0..5 {
+        let t = Instant::now();
+        let text = get(addr, "/metrics");
+        renders.push(t.elapsed().as_secs_f64() * 1000.0);
+        tick_ms =
+            tick_ms.max(metric(&text, "gpufeed_tick_duration_seconds").unwrap_or(0.0) * 1000.0);
+        cgroups = metric(&text, "gpufeed_cgroups").unwrap_or(0.0);
+        std::thread::sleep(Duration::from_millis(1100));
+    }
+    renders.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let rss_mb = rss_kb(pid) as f64 / 1024.0;
+    drop(agent);
+    let r = Row {
+        name,
+        cpu_pct,
+        tick_ms,
+        render_ms: renders[2],
+        rss_mb,
+        cgroups,
+    };
+    eprintln!(
+        "{:<44} cpu {:>6.3}%  tick {:>6.2} ms  render {:>6.2} ms  rss {:>5.1} MB  cgroups {}",
+        r.name, r.cpu_pct, r.tick_ms, r.render_ms, r.rss_mb, r.cgroups
+    );
+    r
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") || unsafe { libc::geteuid() } != 0 {
+        eprintln!("scale benchmark: needs root; skipped");
+        return;
+    }
+    let agent_bin = env!("CARGO_BIN_EXE_gpufeed-guest");
+    let window = Duration::from_secs(20);
+    let mut node = Node::new();
+    let mut rows = Vec::new();
+    rows.push(measure(agent_bin, "0 pods, 1 s".into(), "1s", window));
+    node.add_waking(110);
+    rows.push(measure(
+        agent_bin,
+        "110 pods waking every 20 ms, 1 s".into(),
+        "1s",
+        window,
+    ));
+    node.add_waking(140);
+    rows.push(measure(
+        agent_bin,
+        "250 pods waking every 20 ms, 1 s".into(),
+        "1s",
+        window,
+    ));
+    rows.push(measure(
+        agent_bin,
+        "250 pods waking every 20 ms, 100 ms".into(),
+        "100ms",
+        window,
+    ));
+    node.quiet();
+    node.add_idle(750);
+    rows.push(measure(
+        agent_bin,
+        "1,000 pods idle after one wake-up, 1 s".into(),
+        "1s",
+        window,
+    ));
+    drop(node);
+
+    println!("| pods (pod + container cgroup each), interval | agent CPU (% of a core) | tick | /metrics request | RSS | cgroups |");
+    println!("|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {:.3}% | {:.2} ms | {:.2} ms | {:.1} MB | {} |",
+            r.name, r.cpu_pct, r.tick_ms, r.render_ms, r.rss_mb, r.cgroups
+        );
+    }
+}
