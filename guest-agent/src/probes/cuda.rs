@@ -552,12 +552,13 @@ garbage line
     #[test]
     fn decode_cgroup() {
         let mut b = Vec::new();
-        for v in [-4096i64 as u64, 10, 20, 3] {
+        // the last one is the activity epoch (bpf/cgroup_active.h)
+        for v in [-4096i64 as u64, 10, 20, 3, 7] {
             b.extend_from_slice(&v.to_ne_bytes());
         }
         let c = CudaCgroup::from_bytes(&b).unwrap();
         assert_eq!(c.vram_bytes, -4096);
         assert_eq!((c.h2d_bytes, c.d2h_bytes, c.launches), (10, 20, 3));
-        assert!(CudaCgroup::from_bytes(&b[..31]).is_none());
+        assert!(CudaCgroup::from_bytes(&b[..39]).is_none());
     }
 }
