@@ -2,8 +2,8 @@
 //! pods. Kubelet-shaped pods (a pod cgroup and a container cgroup each, in a
 //! private subtree of the cgroup2 root): 0, 110 and 250 pods whose container
 //! wakes every 20 ms, the same 250 at a 100 ms interval, then 1,000 pods idle
-//! after one wake-up each. For each: the agent (default probes, no Kubernetes
-//! API) started fresh, 3 s to settle, its CPU over a quiet window (schedstat
+//! after one wake-up each. For each, with every probe and without the GPU
+//! probes: the agent (no Kubernetes API) started fresh, 3 s to settle, its CPU over a quiet window (schedstat
 //! of all its threads, no scrape meanwhile), then the tick time it reports,
 //! the time a /metrics request takes (median of 5) and its RSS. Needs root.
 //!
@@ -125,7 +125,7 @@ struct Row {
     cgroups: f64,
 }
 
-fn measure(agent_bin: &str, name: String, interval: &str, window: Duration) -> Row {
+fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: Duration) -> Row {
     let mut child = Command::new(agent_bin)
         .args([
             "run",
@@ -134,6 +134,8 @@ fn measure(agent_bin: &str, name: String, interval: &str, window: Duration) -> R
             "127.0.0.1:0",
             "--interval",
             interval,
+            "--probes",
+            probes,
         ])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
@@ -200,41 +202,30 @@ fn main() {
         return;
     }
     let agent_bin = env!("CARGO_BIN_EXE_gpufeed-guest");
-    let window = Duration::from_secs(20);
+    let window = Duration::from_secs(15);
     let mut node = Node::new();
     let mut rows = Vec::new();
-    rows.push(measure(agent_bin, "0 pods, 1 s".into(), "1s", window));
+    // every probe (the default), and without the GPU probes, whose per-tick
+    // work follows each pod's processes
+    const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
+    let mut both = |rows: &mut Vec<Row>, what: &str, interval: &str| {
+        for (probes, label) in [("all", "all probes"), (NO_GPU, "no GPU probes")] {
+            let name = format!("{what}, {interval}, {label}");
+            rows.push(measure(agent_bin, name, interval, probes, window));
+        }
+    };
+    both(&mut rows, "0 pods", "1s");
     node.add_waking(110);
-    rows.push(measure(
-        agent_bin,
-        "110 pods waking every 20 ms, 1 s".into(),
-        "1s",
-        window,
-    ));
+    both(&mut rows, "110 pods waking every 20 ms", "1s");
     node.add_waking(140);
-    rows.push(measure(
-        agent_bin,
-        "250 pods waking every 20 ms, 1 s".into(),
-        "1s",
-        window,
-    ));
-    rows.push(measure(
-        agent_bin,
-        "250 pods waking every 20 ms, 100 ms".into(),
-        "100ms",
-        window,
-    ));
+    both(&mut rows, "250 pods waking every 20 ms", "1s");
+    both(&mut rows, "250 pods waking every 20 ms", "100ms");
     node.quiet();
     node.add_idle(750);
-    rows.push(measure(
-        agent_bin,
-        "1,000 pods idle after one wake-up, 1 s".into(),
-        "1s",
-        window,
-    ));
+    both(&mut rows, "1,000 pods idle after one wake-up", "1s");
     drop(node);
 
-    println!("| pods (pod + container cgroup each), interval | agent CPU (% of a core) | tick | /metrics request | RSS | cgroups |");
+    println!("| pods (pod + container cgroup each), interval, probes | agent CPU (% of a core) | tick | /metrics request | RSS | cgroups |");
     println!("|---|---|---|---|---|---|");
     for r in &rows {
         println!(
