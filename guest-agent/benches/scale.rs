@@ -208,7 +208,7 @@ fn main() {
     // every probe (the default), and without the GPU probes, whose per-tick
     // work follows each pod's processes
     const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
-    let mut both = |rows: &mut Vec<Row>, what: &str, interval: &str| {
+    let both = |rows: &mut Vec<Row>, what: &str, interval: &str| {
         for (probes, label) in [("all", "all probes"), (NO_GPU, "no GPU probes")] {
             let name = format!("{what}, {interval}, {label}");
             rows.push(measure(agent_bin, name, interval, probes, window));
