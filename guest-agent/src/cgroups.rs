@@ -105,28 +105,31 @@ fn is_cgroup2(path: &Path) -> bool {
 }
 
 impl CgroupTree {
-    /// A tree rooted at `root`. On a cgroup2 mount it follows creation and
-    /// removal through BPF when the kernel lets it load (else, and for any
-    /// other directory, it walks the hierarchy at every refresh).
+    /// A tree rooted at `root` that walks the hierarchy at every refresh
+    /// (any directory: tests, and readers that must not load BPF).
     pub fn new(root: PathBuf) -> CgroupTree {
-        let events = if is_cgroup2(&root) {
-            let read_paths = crate::privileges::lockdown().as_deref() != Some("confidentiality");
-            match CgroupEvents::load(read_paths) {
-                Ok(e) => Some(e),
-                Err(e) => {
-                    tracing::info!(error = %e, "cgroup events unavailable: walking the hierarchy every tick");
-                    None
-                }
-            }
-        } else {
-            None
-        };
         CgroupTree {
             root,
             cgroups: HashMap::new(),
-            events,
+            events: None,
             walked: false,
         }
+    }
+
+    /// The agent's tree: on a cgroup2 mount it follows creation and removal
+    /// through BPF when the kernel lets it load (else it walks, as `new`).
+    pub fn following(root: PathBuf) -> CgroupTree {
+        let mut tree = CgroupTree::new(root);
+        if is_cgroup2(&tree.root) {
+            let read_paths = crate::privileges::lockdown().as_deref() != Some("confidentiality");
+            match CgroupEvents::load(read_paths) {
+                Ok(e) => tree.events = Some(e),
+                Err(e) => {
+                    tracing::info!(error = %e, "cgroup events unavailable: walking the hierarchy every tick");
+                }
+            }
+        }
+        tree
     }
 
     /// Whether the tree follows kernel events rather than walking each refresh.

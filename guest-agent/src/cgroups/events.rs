@@ -9,8 +9,9 @@ mod skel {
 use std::mem::MaybeUninit;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
+use libbpf_rs::{Link, MapHandle};
 
+use crate::probes::cgroup_maps::{take_all, take_flag};
 use crate::probes::{decode, err, handle, ProbeError};
 
 const OBJ: &str = "cgroup_events";
@@ -87,29 +88,8 @@ impl CgroupEvents {
 
     /// Takes the events recorded since the previous call out of the maps.
     pub fn take(&self) -> Events {
-        let key = 0u32.to_ne_bytes();
-        let overflowed = self
-            .overflow
-            .lookup(&key, MapFlags::ANY)
-            .ok()
-            .flatten()
-            .is_some_and(|v| v.iter().any(|b| *b != 0));
-        if overflowed {
-            let _ = self
-                .overflow
-                .update(&key, &0u64.to_ne_bytes(), MapFlags::ANY);
-        }
-        let entries = |map: &MapHandle| -> Vec<(u64, Vec<u8>)> {
-            match map.lookup_and_delete_batch(BATCH, MapFlags::ANY, MapFlags::ANY) {
-                Ok(it) => it
-                    .filter_map(|(k, v)| {
-                        Some((u64::from_ne_bytes(k.get(..8)?.try_into().ok()?), v))
-                    })
-                    .collect(),
-                Err(_) => Vec::new(),
-            }
-        };
-        let born = entries(&self.born)
+        let overflowed = take_flag(&self.overflow, 0);
+        let born = take_all(&self.born, BATCH)
             .into_iter()
             .filter_map(|(id, v)| {
                 let b = decode::<skel::types::born>(&v)?;
@@ -120,7 +100,7 @@ impl CgroupEvents {
                 })
             })
             .collect();
-        let died = entries(&self.died)
+        let died = take_all(&self.died, BATCH)
             .into_iter()
             .filter_map(|(id, v)| {
                 let d = decode::<skel::types::died>(&v)?;

@@ -4,6 +4,8 @@
 
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
+use super::unit::Delta;
+
 /// Entries one batch syscall moves. Drained values are large (a TCP cgroup's
 /// is 3.6 KiB), so their batches are smaller.
 const ACTIVE_BATCH: u32 = 1024;
@@ -11,6 +13,33 @@ const DRAIN_BATCH: u32 = 64;
 
 fn id_of(key: &[u8]) -> Option<u64> {
     Some(u64::from_ne_bytes(key.get(..8)?.try_into().ok()?))
+}
+
+/// Takes every entry out of a hash map keyed by a u64 (a cgroup id):
+/// (key, value bytes), `batch` entries per syscall.
+pub fn take_all(map: &MapHandle, batch: u32) -> Vec<(u64, Vec<u8>)> {
+    match map.lookup_and_delete_batch(batch, MapFlags::ANY, MapFlags::ANY) {
+        Ok(it) => it.filter_map(|(k, v)| Some((id_of(&k)?, v))).collect(),
+        Err(e) => {
+            tracing::debug!(error = %e, "emptying a map");
+            Vec::new()
+        }
+    }
+}
+
+/// Whether the u64 flag at `index` of an array map is set; clears it.
+pub fn take_flag(map: &MapHandle, index: u32) -> bool {
+    let key = index.to_ne_bytes();
+    let set = map
+        .lookup(&key, MapFlags::ANY)
+        .ok()
+        .flatten()
+        .and_then(|v| id_of(&v))
+        .is_some_and(|v| v != 0);
+    if set {
+        let _ = map.update(&key, &0u64.to_ne_bytes(), MapFlags::ANY);
+    }
+    set
 }
 
 /// `<storage>_drained`: removed cgroups' storage values as they were at rmdir.
@@ -23,17 +52,20 @@ impl Drained {
         Drained { map }
     }
 
-    /// Takes every entry out of the map: (cgroup id, value bytes).
-    pub fn take(&self) -> Vec<(u64, Vec<u8>)> {
-        match self
-            .map
-            .lookup_and_delete_batch(DRAIN_BATCH, MapFlags::ANY, MapFlags::ANY)
-        {
-            Ok(it) => it.filter_map(|(k, v)| Some((id_of(&k)?, v))).collect(),
-            Err(e) => {
-                tracing::debug!(error = %e, "reading drained cgroups");
-                Vec::new()
-            }
+    /// Takes every entry out of the map and turns each into the deltas since
+    /// the cgroup's previous read: `decode` the value, `push` its deltas (the
+    /// unit's delta state is then forgotten by `push`'s caller).
+    pub fn deltas<T>(
+        &self,
+        decode: impl Fn(&[u8]) -> Option<T>,
+        mut push: impl FnMut(u64, T, &mut Vec<Delta>),
+        out: &mut Vec<(u64, Delta)>,
+    ) {
+        let mut deltas = Vec::new();
+        for (id, bytes) in take_all(&self.map, DRAIN_BATCH) {
+            let Some(v) = decode(&bytes) else { continue };
+            push(id, v, &mut deltas);
+            out.extend(deltas.drain(..).map(|d| (id, d)));
         }
     }
 }
@@ -73,42 +105,18 @@ impl ActiveSet {
             .is_ok()
     }
 
-    /// Whether an insert failed since the last call (and clears the flag).
-    fn overflowed(&self) -> bool {
-        let key = 1u32.to_ne_bytes();
-        let full = self
-            .epoch_map
-            .lookup(&key, MapFlags::ANY)
-            .ok()
-            .flatten()
-            .and_then(|v| id_of(&v))
-            .unwrap_or(0);
-        if full != 0 {
-            let _ = self
-                .epoch_map
-                .update(&key, &0u64.to_ne_bytes(), MapFlags::ANY);
-        }
-        full != 0
-    }
-
     /// Starts a new epoch and returns the cgroups that had activity in the
     /// ones before (this and the previous take's set), or None when the set
-    /// cannot be trusted (it overflowed, or a map operation failed): then the
-    /// caller reads every cgroup.
+    /// cannot be trusted (it overflowed, or the epoch could not be set): then
+    /// the caller reads every cgroup.
     pub fn take(&mut self) -> Option<Vec<u64>> {
         let bumped = self.bump();
-        let overflowed = self.overflowed();
-        let now: Vec<u64> =
-            match self
-                .set
-                .lookup_and_delete_batch(ACTIVE_BATCH, MapFlags::ANY, MapFlags::ANY)
-            {
-                Ok(it) => it.filter_map(|(k, _)| id_of(&k)).collect(),
-                Err(e) => {
-                    tracing::debug!(error = %e, "reading active cgroups");
-                    return None;
-                }
-            };
+        // [1]: an insert failed since the last take
+        let overflowed = take_flag(&self.epoch_map, 1);
+        let now: Vec<u64> = take_all(&self.set, ACTIVE_BATCH)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
         let mut out = std::mem::replace(&mut self.previous, now.clone());
         out.extend(now);
         out.sort_unstable();

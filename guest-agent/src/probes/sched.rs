@@ -180,17 +180,17 @@ impl SchedProbe {
             .flatten()
             .and_then(|b| hist_of(&b))
     }
+}
 
-    /// The delta of a cgroup's cumulative histogram `h` since its previous reading.
-    fn push_delta(&mut self, id: u64, h: Hist, out: &mut Vec<Delta>) {
-        let d = self.last.advance(id, h, Hist::delta_since);
-        if !d.is_empty() {
-            out.push(Delta {
-                family: FAMILY,
-                labels: Default::default(),
-                value: Value::Hist(d),
-            });
-        }
+/// The delta of a cgroup's cumulative histogram `h` since its previous reading.
+fn push_delta(last: &mut LastRead<Hist>, id: u64, h: Hist, out: &mut Vec<Delta>) {
+    let d = last.advance(id, h, Hist::delta_since);
+    if !d.is_empty() {
+        out.push(Delta {
+            family: FAMILY,
+            labels: Default::default(),
+            value: Value::Hist(d),
+        });
     }
 }
 
@@ -226,7 +226,7 @@ impl Probe for SchedProbe {
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(h) = self.read(dir) else { return };
-        self.push_delta(id, h, out);
+        push_delta(&mut self.last, id, h, out);
     }
 
     fn active_cgroups(&mut self) -> Option<Vec<u64>> {
@@ -234,13 +234,12 @@ impl Probe for SchedProbe {
     }
 
     fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
-        let mut deltas = Vec::new();
-        for (id, bytes) in self.drained.take() {
-            let Some(h) = hist_of(&bytes) else { continue };
-            self.push_delta(id, h, &mut deltas);
-            self.last.forget(id);
-            out.extend(deltas.drain(..).map(|d| (id, d)));
-        }
+        let (drained, last) = (&self.drained, &mut self.last);
+        let push = |id, h, d: &mut Vec<Delta>| {
+            push_delta(last, id, h, d);
+            last.forget(id);
+        };
+        drained.deltas(hist_of, push, out);
     }
 
     fn forget_cgroup(&mut self, id: u64) {

@@ -252,30 +252,36 @@ impl TcpProbe {
             .flatten()
             .and_then(|b| TcpCgroup::decode(&b))
     }
+}
 
-    /// The deltas of a cgroup's cumulative aggregates `t` since its previous reading.
-    fn push_deltas(&mut self, id: u64, t: TcpCgroup, out: &mut Vec<Delta>) {
-        let d = self.last.advance(id, t, TcpCgroup::delta_since);
-        for (i, (rtt, &retrans)) in d.rtt.into_iter().zip(&d.retrans_segs).enumerate() {
-            // A socket owner with traffic to a destination gets both series,
-            // so a clean pod reads 0 retransmits rather than nothing.
-            if rtt.is_empty() && retrans == 0 {
-                continue;
-            }
-            let labels = Labels::from([("dst", self.dst.name(i).to_string())]);
-            if !rtt.is_empty() {
-                out.push(Delta {
-                    family: RTT_FAMILY,
-                    labels: labels.clone(),
-                    value: Value::Hist(rtt),
-                });
-            }
+/// The deltas of a cgroup's cumulative aggregates `t` since its previous reading.
+fn push_deltas(
+    last: &mut LastRead<TcpCgroup>,
+    dst: &DstTable,
+    id: u64,
+    t: TcpCgroup,
+    out: &mut Vec<Delta>,
+) {
+    let d = last.advance(id, t, TcpCgroup::delta_since);
+    for (i, (rtt, &retrans)) in d.rtt.into_iter().zip(&d.retrans_segs).enumerate() {
+        // A socket owner with traffic to a destination gets both series,
+        // so a clean pod reads 0 retransmits rather than nothing.
+        if rtt.is_empty() && retrans == 0 {
+            continue;
+        }
+        let labels = Labels::from([("dst", dst.name(i).to_string())]);
+        if !rtt.is_empty() {
             out.push(Delta {
-                family: RETRANS_FAMILY,
-                labels,
-                value: Value::Count(retrans),
+                family: RTT_FAMILY,
+                labels: labels.clone(),
+                value: Value::Hist(rtt),
             });
         }
+        out.push(Delta {
+            family: RETRANS_FAMILY,
+            labels,
+            value: Value::Count(retrans),
+        });
     }
 }
 
@@ -301,7 +307,7 @@ impl Probe for TcpProbe {
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(t) = self.read(dir) else { return };
-        self.push_deltas(id, t, out);
+        push_deltas(&mut self.last, &self.dst, id, t, out);
     }
 
     fn active_cgroups(&mut self) -> Option<Vec<u64>> {
@@ -309,15 +315,12 @@ impl Probe for TcpProbe {
     }
 
     fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
-        let mut deltas = Vec::new();
-        for (id, bytes) in self.drained.take() {
-            let Some(t) = TcpCgroup::decode(&bytes) else {
-                continue;
-            };
-            self.push_deltas(id, t, &mut deltas);
-            self.last.forget(id);
-            out.extend(deltas.drain(..).map(|d| (id, d)));
-        }
+        let (drained, last, dst) = (&self.drained, &mut self.last, &self.dst);
+        let push = |id, t, d: &mut Vec<Delta>| {
+            push_deltas(last, dst, id, t, d);
+            last.forget(id);
+        };
+        drained.deltas(TcpCgroup::decode, push, out);
     }
 
     fn forget_cgroup(&mut self, id: u64) {
