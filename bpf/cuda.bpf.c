@@ -40,6 +40,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include "cgroup.h"
+#include "cgroup_active.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -56,6 +57,7 @@ struct cuda_cgroup {
 	__u64 busy_ns;	      /* closed busy-estimate intervals */
 	__u64 busy_since;     /* ktime ns the current interval began */
 	__s64 busy_streams;   /* streams of the cgroup with outstanding work */
+	__u64 epoch; /* see cgroup_active.h */
 };
 
 struct {
@@ -175,12 +177,14 @@ static __always_inline void bump(__u32 i)
 
 static __always_inline struct cuda_cgroup *my_cgroup(void)
 {
+	struct cgroup *cgrp = task_dfl_cgroup(bpf_get_current_task_btf());
 	struct cuda_cgroup *cg;
 
-	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(bpf_get_current_task_btf()), 0,
-				  BPF_LOCAL_STORAGE_GET_F_CREATE);
+	cg = bpf_cgrp_storage_get(&cuda_cgroup, cgrp, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!cg)
 		bump(0);
+	else
+		mark_active(cgrp, &cg->epoch);
 	return cg;
 }
 
@@ -684,9 +688,11 @@ int BPF_PROG(cuda_exit, struct task_struct *p)
 		return 0;
 	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(p), 0,
 				  BPF_LOCAL_STORAGE_GET_F_CREATE);
-	if (cg)
+	if (cg) {
 		__sync_fetch_and_add(&cg->vram_bytes, -bytes);
-	else
+		mark_active(task_dfl_cgroup(p), &cg->epoch);
+	} else {
 		bump(0);
+	}
 	return 0;
 }

@@ -40,6 +40,7 @@
 #include <bpf/bpf_tracing.h>
 #include "hist.h"
 #include "cgroup.h"
+#include "cgroup_active.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -104,6 +105,7 @@ struct gpu_cgroup {
 	__u64 busy_ns;	  /* closed busy intervals */
 	__u64 busy_since; /* ktime ns the current busy interval began */
 	__s64 inflight;	  /* tasks of the cgroup inside a GPU ioctl now */
+	__u64 epoch;	  /* see cgroup_active.h */
 };
 
 struct {
@@ -201,6 +203,7 @@ static __always_inline int ioctl_enter(__u64 fd, __u32 cmd)
 	 * cgroup's busy interval stay open. */
 	if (ts->ioctl_start)
 		ioctl_exit(task, ts);
+	mark_active(task_dfl_cgroup(task), &cg->epoch);
 	now = bpf_ktime_get_ns();
 	ts->ioctl_start = now;
 	ts->cgroup_id = bpf_get_current_cgroup_id();
@@ -226,6 +229,7 @@ static __always_inline int ioctl_exit(struct task_struct *task, struct thread_st
 		bump(0);
 		return 0;
 	}
+	mark_active(task_dfl_cgroup(task), &cg->epoch);
 	now = bpf_ktime_get_ns();
 	if (slot < CMD_SLOTS)
 		hist_record(&cg->ioctl[slot], now - start);

@@ -37,6 +37,8 @@
 #include <bpf/bpf_core_read.h>
 #include "hist.h"
 #include "cgroup.h"
+#include "cgroup_active.h"
+#include "cgroup_drain.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -65,12 +67,19 @@ struct {
 	__type(value, __u64); /* ktime ns when the task became runnable, 0 = none */
 } runnable_since SEC(".maps");
 
+struct sched_cgroup {
+	struct hist hist;
+	__u64 epoch; /* see cgroup_active.h */
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_CGRP_STORAGE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, int);
-	__type(value, struct hist);
+	__type(value, struct sched_cgroup);
 } sched_hist SEC(".maps");
+
+CGROUP_DRAIN(sched_hist, struct sched_cgroup)
 
 /* Stats userspace exports as self-metrics: [0] negative deltas (cross-CPU clock
  * skew) that were dropped, [1] cgroup storage allocation failures. */
@@ -117,19 +126,20 @@ int BPF_PROG(sched_wakeup_new, struct task_struct *p)
 
 static __always_inline void record(struct task_struct *next, __u64 delta)
 {
-	struct hist *h;
+	struct cgroup *cg = task_dfl_cgroup(next);
+	struct sched_cgroup *c;
 
 	if ((__s64)delta < 0) {
 		bump_stat(0);
 		return;
 	}
-	h = bpf_cgrp_storage_get(&sched_hist, task_dfl_cgroup(next), 0,
-				 BPF_LOCAL_STORAGE_GET_F_CREATE);
-	if (!h) {
+	c = bpf_cgrp_storage_get(&sched_hist, cg, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (!c) {
 		bump_stat(1);
 		return;
 	}
-	hist_record(h, delta);
+	hist_record(&c->hist, delta);
+	mark_active(cg, &c->epoch);
 }
 
 SEC("tp_btf/sched_switch")

@@ -29,6 +29,8 @@
 #include <bpf/bpf_tracing.h>
 #include "hist.h"
 #include "cgroup.h"
+#include "cgroup_active.h"
+#include "cgroup_drain.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -72,6 +74,7 @@ struct {
 struct tcp_cgroup {
 	struct hist rtt[TCP_MAX_DST];
 	__u64 retrans_segs[TCP_MAX_DST];
+	__u64 epoch; /* see cgroup_active.h */
 };
 
 struct {
@@ -80,6 +83,8 @@ struct {
 	__type(key, int);
 	__type(value, struct tcp_cgroup);
 } tcp_stats SEC(".maps");
+
+CGROUP_DRAIN(tcp_stats, struct tcp_cgroup)
 
 /* [0] events lost because cgroup storage was unavailable (allocation failed or
  * the per-CPU storage lock was busy, e.g. a softirq interrupting a probe). */
@@ -158,6 +163,8 @@ static __always_inline struct tcp_cgroup *owner_stats(const struct sock *sk)
 	st = bpf_cgrp_storage_get(&tcp_stats, cg, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!st)
 		count_lost();
+	else
+		mark_active(cg, &st->epoch);
 	return st;
 }
 

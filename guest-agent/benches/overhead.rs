@@ -9,6 +9,8 @@
 
 mod common;
 
+use common::{cpu_ns, rss_kb, Killed};
+
 mod empty {
     include!(concat!(env!("OUT_DIR"), "/bench_empty.skel.rs"));
 }
@@ -18,7 +20,7 @@ use std::mem::MaybeUninit;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{pingpong_us, Killed};
+use common::pingpong_us;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 
 const ROUNDS: usize = 5;
@@ -106,33 +108,6 @@ fn measure(name: &'static str, baseline: Option<f64>) -> Row {
         r.wakeup_ns, r.switch_ns
     );
     r
-}
-
-/// CPU time of all the process's threads in ns (schedstat: exact, not tick-sampled).
-fn cpu_ns(pid: u32) -> u64 {
-    let mut total = 0;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-    {
-        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            total += s
-                .split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    total
-}
-
-fn rss_kb(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 fn main() {

@@ -1,380 +1,236 @@
-//! The join and /metrics at node scale (not a test): synthetic owners for 250 and 1,000 pods
-//! with series in every probe family, pods named by the API, the correlator on.
+//! Scale benchmark (not a test): the agent's own cost as the node fills with
+//! pods. Kubelet-shaped pods (a pod cgroup and a container cgroup each, in a
+//! private subtree of the cgroup2 root): 0, 110 and 250 pods whose container
+//! wakes every 20 ms, the same 250 at a 100 ms interval, then 1,000 pods idle
+//! after one wake-up each. For each, with every probe and without the GPU
+//! probes: the agent (no Kubernetes API) started fresh, 3 s to settle, its CPU over a quiet window (schedstat
+//! of all its threads, no scrape meanwhile), then the tick time it reports,
+//! the time a /metrics request takes (median of 5) and its RSS. Needs root.
 //!
-//! Per pod: a container and the pod-level cgroup as owners; the scheduler histogram, TCP RTT
-//! histograms and retransmit counters for two destinations, tc bytes (two directions) and
-//! drops, GPU ioctl histograms for two commands, GPU compute seconds, CUDA launches and PCIe
-//! bytes; gauges for the bandwidth limit, VRAM and the duty cycle. Every tick, each pod's
-//! signal windows (run queue, RTT and retransmits per destination, tc drops, GPU ioctl: five
-//! signals, seven windows) with log-normal noise; a tenth of the pods are hot for 5 ticks
-//! every 30 s and a host event arrives every 30 s, so spikes and joins happen.
-//!
-//! Reports, per pod count: `Join::tick` (the collector's windows merged per pod and signal,
-//! then the correlator) in µs per tick, wall and thread CPU; the time to render /metrics
-//! (`Exposition::render`: the agent's series and the correlator's); the process RSS.
-//! Targets: tick ≤ 1 ms at 250 pods, render ≤ 20 ms at 250 and 1,000 pods, RSS ≤ 40 MB.
-//!
-//! cargo bench -p gpufeed-guest --bench scale [-- PODS...]
+//! cargo bench -p gpufeed-guest --bench scale
 
-#[path = "common/mod.rs"]
 mod common;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
-use common::thread_cpu_ns;
-use gpufeed_guest::collect::{Owner, OwnerStats, Shared};
-use gpufeed_guest::correlate::Config;
-use gpufeed_guest::exporter::{AgentCollector, Exposition};
-use gpufeed_guest::hub::ReceivedEvent;
-use gpufeed_guest::join::{Join, JoinCollector};
-use gpufeed_guest::pods::{PodMeta, PodStore};
-use gpufeed_guest::probes::hist::Hist;
-use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
-use gpufeed_guest::probes::unit::{FamilySpec, GaugeValue, Kind, Labels, Scope, Value};
-use gpufeed_guest::probes::{cuda, gpu_driver, sched, tc, tcp, ProbeStatus};
-use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
+use common::{cpu_ns, rss_kb, Killed};
 
-/// The families the loaded units declare, as they declare them.
-static FAMILIES: [FamilySpec; 12] = [
-    spec(sched::FAMILY, Kind::Histogram, Scope::Container),
-    spec(tcp::RTT_FAMILY, Kind::Histogram, Scope::Container),
-    spec(tcp::RETRANS_FAMILY, Kind::Counter, Scope::Container),
-    spec(tc::BYTES_FAMILY, Kind::Counter, Scope::Pod),
-    spec(tc::DROPS_FAMILY, Kind::Counter, Scope::Pod),
-    spec(tc::BW_LIMIT_FAMILY, Kind::Gauge, Scope::Pod),
-    spec(gpu_driver::IOCTL, Kind::Histogram, Scope::Container),
-    spec(gpu_driver::COMPUTE, Kind::SecondsCounter, Scope::Container),
-    spec(gpu_driver::DUTY, Kind::Gauge, Scope::Container),
-    spec(cuda::VRAM, Kind::Gauge, Scope::Container),
-    spec(cuda::PCIE, Kind::Counter, Scope::Pod),
-    spec(cuda::LAUNCHES, Kind::Counter, Scope::Container),
-];
+/// A private subtree of the cgroup2 root holding the pods; removed on drop.
+struct Node {
+    root: PathBuf,
+    pods: Vec<PathBuf>,
+    wakers: Vec<Killed>,
+}
 
-const fn spec(name: &'static str, kind: Kind, scope: Scope) -> FamilySpec {
-    FamilySpec {
-        name,
-        help: "synthetic",
-        kind,
-        scope,
+impl Node {
+    fn new() -> Node {
+        let mount = gpufeed_guest::cgroups::cgroup2_mount().expect("a cgroup2 mount");
+        let root = mount.join(format!("gpufeed-scale-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("kubepods/burstable")).unwrap();
+        Node {
+            root,
+            pods: Vec::new(),
+            wakers: Vec::new(),
+        }
+    }
+
+    /// Adds a pod and container cgroup; returns the container's.
+    fn add_pod(&mut self) -> PathBuf {
+        let n = self.pods.len();
+        let uid = format!("{n:08x}-0000-4000-8000-{:012x}", std::process::id());
+        let pod = self.root.join(format!("kubepods/burstable/pod{uid}"));
+        let ctr = pod.join(format!("{n:064x}"));
+        std::fs::create_dir_all(&ctr).unwrap();
+        self.pods.push(pod);
+        ctr
+    }
+
+    /// Runs `cmd` in the container cgroup (the shell moves itself first).
+    fn spawn(ctr: &Path, cmd: &str) -> Child {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("echo $$ > {}/cgroup.procs && {cmd}", ctr.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    fn add_waking(&mut self, n: usize) {
+        for _ in 0..n {
+            let ctr = self.add_pod();
+            let c = Node::spawn(
+                &ctr,
+                "exec perl -e 'select(undef, undef, undef, 0.02) while 1'",
+            );
+            self.wakers.push(Killed(c));
+        }
+    }
+
+    fn add_idle(&mut self, n: usize) {
+        for _ in 0..n {
+            let ctr = self.add_pod();
+            let _ = Node::spawn(&ctr, "exec sleep 0.01").wait();
+        }
+    }
+
+    /// The waking pods' tasks exit; their cgroups stay (idle).
+    fn quiet(&mut self) {
+        self.wakers.clear();
     }
 }
 
-const DSTS: [&str; 2] = ["kv-store", "internet"];
-const WARMUP: usize = 60;
-const MEASURED: usize = 300;
-const RENDERS: usize = 30;
-
-fn rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(0.0)
-}
-
-/// (p50, p99, max) of `v`, sorted in place.
-fn summary(v: &mut [f64]) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    let q = |p: f64| v[((v.len() - 1) as f64 * p) as usize];
-    (q(0.5), q(0.99), q(1.0))
-}
-
-fn uid(i: usize) -> String {
-    format!("{:08x}-5f60-4718-9a2b-{:012x}", i, i)
-}
-
-fn cid(i: usize) -> String {
-    format!("{:064x}", i + 1)
-}
-
-fn hist(rng: &mut fastrand::Rng) -> Hist {
-    let mut h = Hist::default();
-    for b in h.buckets.iter_mut().take(12) {
-        *b = rng.u64(0..1000);
-    }
-    h.count = h.buckets.iter().sum();
-    h.sum_ns = h.count * 20_000;
-    h
-}
-
-fn l(pairs: &[(&'static str, &str)]) -> Labels {
-    pairs.iter().map(|(k, v)| (*k, v.to_string())).collect()
-}
-
-/// The shared state after some time with `pods` pods.
-fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Shared {
-    let mut s = Shared::default();
-    for i in 0..pods {
-        let (uid, cid) = (uid(i), cid(i));
-        store.upsert(PodMeta {
-            uid: uid.clone(),
-            namespace: "inference".into(),
-            name: format!("vllm-{i}"),
-            labels: BTreeMap::from([
-                ("app".into(), "vllm".into()),
-                ("pod-template-hash".into(), "5d8f7c9b6".into()),
-            ]),
-            annotations: BTreeMap::new(),
-            containers: HashMap::from([(cid.clone(), "server".into())]),
-            ips: vec![],
-            host_network: false,
-            deleted_at: None,
-        });
-        let container = Owner::Pod {
-            uid: uid.clone(),
-            container_id: Some(cid),
-        };
-        let mut series = BTreeMap::new();
-        series.insert((sched::FAMILY, Labels::new()), Value::Hist(hist(rng)));
-        for d in DSTS {
-            series.insert((tcp::RTT_FAMILY, l(&[("dst", d)])), Value::Hist(hist(rng)));
-            series.insert(
-                (tcp::RETRANS_FAMILY, l(&[("dst", d)])),
-                Value::Count(rng.u64(..1000)),
-            );
-        }
-        for cmd in ["submit", "alloc"] {
-            series.insert(
-                (gpu_driver::IOCTL, l(&[("cmd", cmd)])),
-                Value::Hist(hist(rng)),
-            );
-        }
-        series.insert(
-            (gpu_driver::COMPUTE, Labels::new()),
-            Value::Count(rng.u64(..1 << 40)),
-        );
-        series.insert(
-            (cuda::LAUNCHES, Labels::new()),
-            Value::Count(rng.u64(..1 << 30)),
-        );
-        s.owners.insert(
-            container.clone(),
-            OwnerStats {
-                series,
-                live_cgroups: 1,
-                gone_since: None,
-            },
-        );
-        let pod = container.pod_level();
-        let mut series = BTreeMap::new();
-        series.insert((sched::FAMILY, Labels::new()), Value::Hist(hist(rng)));
-        for dir in ["egress", "ingress"] {
-            series.insert(
-                (tc::BYTES_FAMILY, l(&[("direction", dir)])),
-                Value::Count(rng.u64(..1 << 40)),
-            );
-            series.insert(
-                (cuda::PCIE, l(&[("direction", dir)])),
-                Value::Count(rng.u64(..1 << 40)),
-            );
-        }
-        series.insert(
-            (
-                tc::DROPS_FAMILY,
-                l(&[("direction", "egress"), ("reason", "tc_egress")]),
-            ),
-            Value::Count(rng.u64(..100)),
-        );
-        s.owners.insert(
-            pod.clone(),
-            OwnerStats {
-                series,
-                live_cgroups: 1,
-                gone_since: None,
-            },
-        );
-        let gauge = |owner: &Owner, labels: Labels, value: f64| GaugeValue {
-            owner: owner.clone(),
-            labels,
-            value,
-        };
-        s.gauges.entry(tc::BW_LIMIT_FAMILY).or_default().push(gauge(
-            &pod,
-            l(&[("direction", "egress")]),
-            1e9,
-        ));
-        s.gauges
-            .entry(cuda::VRAM)
-            .or_default()
-            .push(gauge(&container, Labels::new(), 8e9));
-        s.gauges
-            .entry(gpu_driver::DUTY)
-            .or_default()
-            .push(gauge(&container, Labels::new(), 0.5));
-    }
-    s
-}
-
-/// One tick's windows: five signals per pod, two of them per destination.
-fn windows(pods: usize, tick: usize, rng: &mut fastrand::Rng) -> Vec<SignalWindow> {
-    let at = Instant::now();
-    let mut out = Vec::with_capacity(pods * 7);
-    for i in 0..pods {
-        let owner = Owner::Pod {
-            uid: uid(i),
-            container_id: Some(cid(i)),
-        };
-        let hot = tick % 30 < 5 && i % 10 == (tick / 30) % 10;
-        let latency = |rng: &mut fastrand::Rng| {
-            let z = (-2.0 * rng.f64().max(1e-12).ln()).sqrt()
-                * (std::f64::consts::TAU * rng.f64()).cos();
-            let p99 = 100.0 * (0.2 * z).exp() * if hot { 10.0 } else { 1.0 };
-            WindowValue::Latency {
-                count: 500,
-                sum_us: p99 * 250.0,
-                p50_us: p99 / 2.0,
-                p99_us: p99,
-                max_us: p99 * 1.5,
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.wakers.clear();
+        for pod in &self.pods {
+            if let Ok(entries) = std::fs::read_dir(pod) {
+                for e in entries.flatten().filter(|e| e.path().is_dir()) {
+                    let _ = std::fs::remove_dir(e.path());
+                }
             }
-        };
-        let rate = |hot: bool| WindowValue::Rate {
-            count: if hot { 20 } else { 0 },
-            per_second: if hot { 20.0 } else { 0.0 },
-        };
-        let w = |signal, labels, value| SignalWindow {
-            owner: owner.clone(),
-            signal,
-            labels,
-            at,
-            window: Duration::from_secs(1),
-            value,
-        };
-        out.push(w("run_queue_wait", Labels::new(), latency(rng)));
-        for d in DSTS {
-            out.push(w("tcp_rtt", l(&[("dst", d)]), latency(rng)));
-            out.push(w("tcp_retransmit_rate", l(&[("dst", d)]), rate(hot)));
+            let _ = std::fs::remove_dir(pod);
         }
-        out.push(w("tc_drop_rate", Labels::new(), rate(hot)));
-        out.push(w("gpu_ioctl", l(&[("cmd", "submit")]), latency(rng)));
+        let _ = std::fs::remove_dir(self.root.join("kubepods/burstable"));
+        let _ = std::fs::remove_dir(self.root.join("kubepods"));
+        let _ = std::fs::remove_dir(&self.root);
     }
+}
+
+fn get(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
     out
 }
 
-fn link_event(seq: u64) -> ReceivedEvent {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0);
-    let (old, new) = if seq.is_multiple_of(2) {
-        ((Some(16000), 4), (Some(2500), 1))
-    } else {
-        ((Some(2500), 1), (Some(16000), 4))
-    };
-    ReceivedEvent {
-        host: "pve1".into(),
-        boot_id: 1,
-        seq,
-        kind: gpufeed_shared::event::kind::PCIE_LINK_CHANGE,
-        host_realtime_ns: now,
-        host_monotonic_ns: 0,
-        received_realtime_ns: now,
-        clock_offset_ns: Some(0),
-        event: HostEvent::PcieLinkChange(PcieLinkChange {
-            bdf: "0000:0a:00.0".into(),
-            upstream_bdf: Some("0000:09:01.0".into()),
-            target_bdf: Some("0000:0a:00.0".into()),
-            vmid: Some(100),
-            old_speed_mts: old.0,
-            new_speed_mts: new.0,
-            old_width: old.1,
-            new_width: new.1,
-            max_speed_mts: Some(16000),
-            max_width: 4,
-            class: if seq.is_multiple_of(2) {
-                LinkChangeClass::WidthReduction
-            } else {
-                LinkChangeClass::WidthIncrease
-            },
-            degraded: seq.is_multiple_of(2),
-            source: Source::Poll,
-        }),
-    }
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
 }
 
-fn run(pods: usize) {
-    let mut rng = fastrand::Rng::with_seed(42);
-    let store = PodStore::default();
-    let shared = Arc::new(Mutex::new(shared(pods, &store, &mut rng)));
-    let join = Join::new(Config::default(), store.clone(), "node-1".into(), vec![]);
-    let registry = prometheus::Registry::new();
-    let probes = [
-        "sched_latency",
-        "tcp_rtt",
-        "tcp_retransmit",
-        "tc",
-        "gpu_driver",
-        "cuda",
-    ]
-    .map(ProbeStatus::up)
-    .to_vec();
-    let agent = AgentCollector::new(shared.clone(), store, FAMILIES.iter().collect(), probes);
-    registry
-        .register(Box::new(JoinCollector::new(join.clone())))
-        .expect("register");
-    let exposition = Exposition::new(registry, Arc::new(agent));
+struct Row {
+    name: String,
+    cpu_pct: f64,
+    tick_ms: f64,
+    render_ms: f64,
+    rss_mb: f64,
+    cgroups: f64,
+}
 
-    let (mut wall, mut cpu) = (Vec::new(), Vec::new());
-    for t in 0..WARMUP + MEASURED {
-        let w = windows(pods, t, &mut rng);
-        if t % 30 == 1 {
-            join.host_event(&link_event(t as u64));
+fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: Duration) -> Row {
+    let mut child = Command::new(agent_bin)
+        .args([
+            "run",
+            "--no-kube",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--interval",
+            interval,
+            "--probes",
+            probes,
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let pid = child.id();
+    let agent = Killed(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(a) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr=")?.parse::<SocketAddr>().ok())
+            {
+                let _ = tx.send(a);
+            }
         }
-        let mut s = shared.lock().expect("shared");
-        s.windows = w;
-        let (start, cpu_start) = (Instant::now(), thread_cpu_ns());
-        join.tick(&s);
-        if t >= WARMUP {
-            cpu.push((thread_cpu_ns() - cpu_start) as f64 / 1e3);
-            wall.push(start.elapsed().as_secs_f64() * 1e6);
-        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the agent serves /metrics");
+    std::thread::sleep(Duration::from_secs(3));
+    let t0 = (Instant::now(), cpu_ns(pid));
+    std::thread::sleep(window);
+    let cpu_pct = (cpu_ns(pid) - t0.1) as f64 / 1e9 / t0.0.elapsed().as_secs_f64() * 100.0;
+    let mut renders = Vec::new();
+    let (mut tick_ms, mut cgroups) = (0.0f64, 0.0);
+    for _ in 0..5 {
+        let t = Instant::now();
+        let text = get(addr, "/metrics");
+        renders.push(t.elapsed().as_secs_f64() * 1000.0);
+        tick_ms =
+            tick_ms.max(metric(&text, "gpufeed_tick_duration_seconds").unwrap_or(0.0) * 1000.0);
+        cgroups = metric(&text, "gpufeed_cgroups").unwrap_or(0.0);
+        std::thread::sleep(Duration::from_millis(1100));
     }
-    let (mut render, mut render_cpu) = (Vec::new(), Vec::new());
-    let mut bytes = 0;
-    for _ in 0..RENDERS {
-        let (start, cpu_start) = (Instant::now(), thread_cpu_ns());
-        bytes = exposition.render().len();
-        render_cpu.push((thread_cpu_ns() - cpu_start) as f64 / 1e6);
-        render.push(start.elapsed().as_secs_f64() * 1e3);
-    }
-    let text = exposition.render();
-    let series = text.lines().filter(|l| !l.starts_with('#')).count();
-    let spikes = text
-        .lines()
-        .filter(|l| l.starts_with("gpufeed_latency_spikes_total{"))
-        .count();
-    let windows = pods * 7;
-    for (what, v) in [("wall", &mut wall), ("cpu", &mut cpu)] {
-        let (p50, p99, max) = summary(v);
-        println!(
-            "scale: {pods} pods, {windows} windows/tick: Join::tick {what} µs: p50 {p50:.0}, p99 {p99:.0}, max {max:.0} (target ≤ 1000 at 250 pods)"
-        );
-    }
-    for (what, v) in [("wall", &mut render), ("cpu", &mut render_cpu)] {
-        let (p50, p99, max) = summary(v);
-        println!(
-            "scale: {pods} pods: /metrics render {what} ms: p50 {p50:.1}, p99 {p99:.1}, max {max:.1} ({series} samples, {bytes} bytes, {spikes} pod signals with spikes; target ≤ 20)"
-        );
-    }
-    println!("scale: {pods} pods: RSS {:.1} MB (target ≤ 40)", rss_mb());
+    renders.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let rss_mb = rss_kb(pid) as f64 / 1024.0;
+    drop(agent);
+    let r = Row {
+        name,
+        cpu_pct,
+        tick_ms,
+        render_ms: renders[2],
+        rss_mb,
+        cgroups,
+    };
+    eprintln!(
+        "{:<44} cpu {:>6.3}%  tick {:>6.2} ms  render {:>6.2} ms  rss {:>5.1} MB  cgroups {}",
+        r.name, r.cpu_pct, r.tick_ms, r.render_ms, r.rss_mb, r.cgroups
+    );
+    r
 }
 
 fn main() {
-    let counts: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let counts = if counts.is_empty() {
-        vec![250, 1000]
-    } else {
-        counts
+    if std::env::args().any(|a| a == "--list") || unsafe { libc::geteuid() } != 0 {
+        eprintln!("scale benchmark: needs root; skipped");
+        return;
+    }
+    let agent_bin = env!("CARGO_BIN_EXE_gpufeed-guest");
+    let window = Duration::from_secs(15);
+    let mut node = Node::new();
+    let mut rows = Vec::new();
+    // every probe (the default), and without the GPU probes, whose per-tick
+    // work follows each pod's processes
+    const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
+    let both = |rows: &mut Vec<Row>, what: &str, interval: &str| {
+        for (probes, label) in [("all", "all probes"), (NO_GPU, "no GPU probes")] {
+            let name = format!("{what}, {interval}, {label}");
+            rows.push(measure(agent_bin, name, interval, probes, window));
+        }
     };
-    for pods in counts {
-        run(pods);
+    both(&mut rows, "0 pods", "1s");
+    node.add_waking(110);
+    both(&mut rows, "110 pods waking every 20 ms", "1s");
+    node.add_waking(140);
+    both(&mut rows, "250 pods waking every 20 ms", "1s");
+    both(&mut rows, "250 pods waking every 20 ms", "100ms");
+    node.quiet();
+    node.add_idle(750);
+    both(&mut rows, "1,000 pods idle after one wake-up", "1s");
+    drop(node);
+
+    println!("| pods (pod + container cgroup each), interval, probes | agent CPU (% of a core) | tick | /metrics request | RSS | cgroups |");
+    println!("|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {:.3}% | {:.2} ms | {:.2} ms | {:.1} MB | {} |",
+            r.name, r.cpu_pct, r.tick_ms, r.render_ms, r.rss_mb, r.cgroups
+        );
     }
 }

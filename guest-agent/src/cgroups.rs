@@ -4,12 +4,20 @@
 //! them with an open fd of the cgroup's directory. `CgroupTree` keeps one such
 //! fd per live cgroup, keyed by the cgroup id (the directory's inode number,
 //! which is the kernfs id `bpf_get_current_cgroup_id()` returns on 64-bit).
+//!
+//! On a cgroup2 mount the tree follows the kernel's creation and removal
+//! events (`events`) instead of walking the whole hierarchy every tick, so an
+//! idle node's tick does not grow with the number of cgroups.
 
-use std::collections::HashMap;
+mod events;
+
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::DirEntryExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+pub use events::{Born, CgroupEvents, Died, Events};
 
 /// Finds the cgroup2 mount point in a mountinfo text (`/proc/self/mountinfo`).
 /// Field 5 is the mount point; the filesystem type follows the ` - ` separator.
@@ -67,23 +75,66 @@ pub struct Cgroup {
 pub struct CgroupTree {
     root: PathBuf,
     pub cgroups: HashMap<u64, Cgroup>,
+    /// Creation and removal as the kernel reports them; None: walk every refresh.
+    events: Option<CgroupEvents>,
+    walked: bool,
 }
 
 /// What changed in one refresh.
 #[derive(Default)]
 pub struct Changes {
     pub added: Vec<u64>,
-    /// Removed cgroups with their still-open directory fds: a dying cgroup can
-    /// still be read once, so its last numbers are not lost.
+    /// Removed cgroups that were in the tree (their directory fds, now of
+    /// offline cgroups: the kernel no longer reads their storage through them).
     pub removed: HashMap<u64, Cgroup>,
+    /// Every cgroup the kernel reported removed, known to the tree or not
+    /// (one created and removed between two refreshes): who it was.
+    pub died: Vec<Died>,
+}
+
+/// CGROUP2_SUPER_MAGIC (linux/magic.h)
+const CGROUP2_MAGIC: i64 = 0x6367_7270;
+
+fn is_cgroup2(path: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs writes one struct statfs; the path is a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == CGROUP2_MAGIC }
 }
 
 impl CgroupTree {
+    /// A tree rooted at `root` that walks the hierarchy at every refresh
+    /// (any directory: tests, and readers that must not load BPF).
     pub fn new(root: PathBuf) -> CgroupTree {
         CgroupTree {
             root,
             cgroups: HashMap::new(),
+            events: None,
+            walked: false,
         }
+    }
+
+    /// The agent's tree: on a cgroup2 mount it follows creation and removal
+    /// through BPF when the kernel lets it load (else it walks, as `new`).
+    pub fn following(root: PathBuf) -> CgroupTree {
+        let mut tree = CgroupTree::new(root);
+        if is_cgroup2(&tree.root) {
+            let read_paths = crate::privileges::lockdown().as_deref() != Some("confidentiality");
+            match CgroupEvents::load(read_paths) {
+                Ok(e) => tree.events = Some(e),
+                Err(e) => {
+                    tracing::info!(error = %e, "cgroup events unavailable: walking the hierarchy every tick");
+                }
+            }
+        }
+        tree
+    }
+
+    /// Whether the tree follows kernel events rather than walking each refresh.
+    pub fn follows_events(&self) -> bool {
+        self.events.is_some()
     }
 
     /// Absolute path of a cgroup of this tree.
@@ -91,9 +142,86 @@ impl CgroupTree {
         self.root.join(c.path.trim_start_matches('/'))
     }
 
+    /// Brings the tree up to date: from the kernel's creation and removal
+    /// events (listing only the parents of new cgroups) when it follows them,
+    /// else, and the first time, by walking the whole hierarchy.
+    pub fn refresh(&mut self) -> io::Result<Changes> {
+        let Some(events) = &self.events else {
+            return self.walk();
+        };
+        // events first: whatever happens after this read is in the next one
+        let ev = events.take();
+        let mut changes = if !self.walked || ev.overflowed {
+            self.walked = true;
+            self.walk()?
+        } else {
+            let mut changes = Changes::default();
+            for d in &ev.died {
+                if let Some(c) = self.cgroups.remove(&d.id) {
+                    changes.removed.insert(d.id, c);
+                }
+            }
+            if !self.add_born(ev.born, &mut changes) {
+                let walked = self.walk()?;
+                changes.added.extend(walked.added);
+                changes.removed.extend(walked.removed);
+            }
+            changes
+        };
+        changes.died = ev.died;
+        Ok(changes)
+    }
+
+    /// Opens the new cgroups by listing their parents' directories, parents
+    /// first. False when a parent is unknown (the caller walks instead).
+    fn add_born(&mut self, mut born: Vec<Born>, changes: &mut Changes) -> bool {
+        born.sort_by_key(|b| b.level);
+        let mut listed = HashSet::new();
+        for b in born {
+            if self.cgroups.contains_key(&b.id) || !listed.insert(b.parent) {
+                continue;
+            }
+            let Some(parent) = self.cgroups.get(&b.parent) else {
+                return false;
+            };
+            let dir = self.path_of(parent);
+            let entries = match std::fs::read_dir(&dir) {
+                Ok(e) => e,
+                // the parent went meanwhile: its removal is in the next events
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(_) => return false,
+            };
+            let found: Vec<(u64, PathBuf)> = entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| (e.ino(), e.path()))
+                .filter(|(id, _)| !self.cgroups.contains_key(id))
+                .collect();
+            for (id, path) in found {
+                if self.open(id, &path) {
+                    changes.added.push(id);
+                }
+            }
+        }
+        true
+    }
+
+    /// Adds a cgroup to the tree with an open fd of its directory.
+    fn open(&mut self, id: u64, path: &Path) -> bool {
+        let Ok(dir) = File::open(path) else {
+            return false;
+        };
+        let rel = path
+            .strip_prefix(&self.root)
+            .map(|p| format!("/{}", p.display()))
+            .unwrap_or_default();
+        self.cgroups.insert(id, Cgroup { path: rel, dir });
+        true
+    }
+
     /// Walks the hierarchy: opens newly created cgroups and drops removed ones.
     /// Only directory entries are considered (d_type, no stat per entry).
-    pub fn refresh(&mut self) -> io::Result<Changes> {
+    fn walk(&mut self) -> io::Result<Changes> {
         let mut seen: HashMap<u64, PathBuf> = HashMap::with_capacity(self.cgroups.len() + 16);
         let root_ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&self.root)?);
         seen.insert(root_ino, self.root.clone());
@@ -125,16 +253,9 @@ impl CgroupTree {
             }
         }
         for (id, path) in seen {
-            if self.cgroups.contains_key(&id) {
-                continue;
+            if !self.cgroups.contains_key(&id) && self.open(id, &path) {
+                changes.added.push(id);
             }
-            let Ok(dir) = File::open(&path) else { continue };
-            let rel = path
-                .strip_prefix(&self.root)
-                .map(|p| format!("/{}", p.display()))
-                .unwrap_or_default();
-            self.cgroups.insert(id, Cgroup { path: rel, dir });
-            changes.added.push(id);
         }
         Ok(changes)
     }

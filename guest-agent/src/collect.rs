@@ -7,17 +7,18 @@
 //! series per slice, and lets the exporter relabel an owner (pod UID → name)
 //! without restarting its counters.
 
+use std::cell::RefCell;
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::cgroups::CgroupTree;
+use crate::cgroups::{CgroupTree, Changes, Died};
 use crate::pods::{classify_cgroup, CgroupClass, PodStore};
 use crate::probes::signal::{latency_window, rate_window, SignalKind, SignalSpec, SignalWindow};
 use crate::probes::unit::{
-    Delta, FamilySpec, GaugeValue, Labels, Scope, TickContext, UnitStats, Units, Value,
+    Delta, FamilySpec, GaugeValue, Labels, PidCache, Scope, TickContext, UnitStats, Units, Value,
 };
 
 /// Who a cgroup's numbers belong to.
@@ -95,13 +96,35 @@ type TickDeltas = HashMap<Owner, BTreeMap<(&'static str, Labels), Value>>;
 pub struct Collector {
     tree: CgroupTree,
     units: Units,
-    /// owner of every cgroup read before, by cgroup id
+    /// owner of every live cgroup, by cgroup id
     owners: HashMap<u64, Owner>,
+    /// live cgroups per owner
+    live: HashMap<Owner, usize>,
+    /// owners of cgroups removed in the last few ticks, whose last numbers
+    /// the units drain (see `Probe::read_removed`)
+    dying: HashMap<u64, Dying>,
+    /// drained deltas whose cgroup's owner is not known yet (the removal's
+    /// event is read a tick later), with the ticks they waited
+    unresolved: Vec<(u64, Delta, u32)>,
+    /// each pod cgroup's processes, for units that look at them
+    pids: RefCell<PidCache>,
+    ticks: u64,
     pods: PodStore,
     grace: Duration,
     last_tick: Option<Instant>,
     pub shared: Arc<Mutex<Shared>>,
 }
+
+/// A removed cgroup's owner, kept while its last numbers may still come.
+struct Dying {
+    owner: Owner,
+    ticks: u32,
+}
+
+/// Ticks a removed cgroup's owner is kept for its drained numbers, and a
+/// drained delta waits for its owner: the events and the drains are read one
+/// after the other, so one tick is enough; the rest is margin.
+const DYING_TICKS: u32 = 3;
 
 impl Collector {
     pub fn new(tree: CgroupTree, units: Units, pods: PodStore, grace: Duration) -> Collector {
@@ -109,6 +132,11 @@ impl Collector {
             tree,
             units,
             owners: HashMap::new(),
+            live: HashMap::new(),
+            dying: HashMap::new(),
+            unresolved: Vec::new(),
+            pids: RefCell::default(),
+            ticks: 0,
             pods,
             grace,
             last_tick: None,
@@ -122,50 +150,92 @@ impl Collector {
     }
 
     /// One tick. Returns an error only if the cgroup hierarchy itself can't be read.
+    ///
+    /// Its cost follows what changed, not what exists: the tree follows
+    /// cgroup creation and removal, the units name the cgroups their programs
+    /// touched since the last tick (`Probe::active_cgroups`), and removed
+    /// cgroups' last numbers come drained from the kernel.
     pub fn tick(&mut self) -> std::io::Result<()> {
         let started = Instant::now();
         let now = started;
-        // Cgroups present last tick: read them once more before the refresh
-        // forgets removed ones, so their last numbers are not lost. A removed
-        // cgroup's storage is freed by the kernel with the cgroup.
         let changes = self.tree.refresh()?;
+        self.follow(&changes);
         let mut deltas = TickDeltas::new();
-        let mut live: HashMap<Owner, usize> = HashMap::new();
-        let mut read = Vec::new();
-        let cgroups = changes
-            .removed
-            .iter()
-            .map(|(id, c)| (*id, c, false))
-            .chain(self.tree.cgroups.iter().map(|(id, c)| (*id, c, true)));
-        for (id, cg, is_live) in cgroups {
+
+        // Removed cgroups first: their last numbers, drained in the kernel at rmdir.
+        let mut drained = Vec::new();
+        for unit in &mut self.units {
+            unit.read_removed(&mut drained);
+        }
+        let waiting = std::mem::take(&mut self.unresolved);
+        let fresh = drained.into_iter().map(|(id, d)| (id, d, 0));
+        for (id, delta, waited) in waiting.into_iter().chain(fresh) {
             let owner = self
                 .owners
-                .entry(id)
-                .or_insert_with(|| Owner::of(classify_cgroup(&cg.path)));
-            if is_live {
-                *live.entry(owner.clone()).or_default() += 1;
-            }
-            for unit in &mut self.units {
-                unit.read_cgroup(id, cg.dir.as_fd(), &mut read);
-            }
-            if read.is_empty() {
-                continue;
-            }
-            let d = deltas.entry(owner.clone()).or_default();
-            for Delta {
-                family,
-                labels,
-                value,
-            } in read.drain(..)
-            {
-                add(d, (family, labels), value);
+                .get(&id)
+                .or_else(|| self.dying.get(&id).map(|d| &d.owner));
+            match owner {
+                Some(o) => add(
+                    deltas.entry(o.clone()).or_default(),
+                    (delta.family, delta.labels),
+                    delta.value,
+                ),
+                None if waited < DYING_TICKS => self.unresolved.push((id, delta, waited + 1)),
+                None => {
+                    tracing::debug!(cgroup = id, "drained numbers of an unknown cgroup dropped")
+                }
             }
         }
+
+        // Live cgroups: those with activity, or all of them for a unit that cannot tell.
+        let mut read = Vec::new();
+        let mut active: Option<HashSet<u64>> = None;
+        for unit in &mut self.units {
+            let ids: Box<dyn Iterator<Item = u64>> = match unit.active_cgroups() {
+                Some(ids) => {
+                    active.get_or_insert_default().extend(&ids);
+                    Box::new(ids.into_iter())
+                }
+                None => Box::new(
+                    self.tree
+                        .cgroups
+                        .keys()
+                        .copied()
+                        .collect::<Vec<_>>()
+                        .into_iter(),
+                ),
+            };
+            for id in ids {
+                let (Some(cg), Some(owner)) = (self.tree.cgroups.get(&id), self.owners.get(&id))
+                else {
+                    // not in the tree yet (created after the refresh): it
+                    // stays in the unit's set for the next tick
+                    continue;
+                };
+                unit.read_cgroup(id, cg.dir.as_fd(), &mut read);
+                if read.is_empty() {
+                    continue;
+                }
+                let d = deltas.entry(owner.clone()).or_default();
+                for Delta {
+                    family,
+                    labels,
+                    value,
+                } in read.drain(..)
+                {
+                    add(d, (family, labels), value);
+                }
+            }
+        }
+
         let ctx = TickContext {
             tree: &self.tree,
             owners: &self.owners,
             pods: &self.pods,
             cgroups_changed: !changes.added.is_empty() || !changes.removed.is_empty(),
+            active: active.as_ref(),
+            tick: self.ticks,
+            pids: &self.pids,
         };
         let mut gauges = Vec::new();
         for unit in &mut self.units {
@@ -185,14 +255,12 @@ impl Collector {
         }
         for id in changes.removed.keys() {
             self.owners.remove(id);
-            for unit in &mut self.units {
-                unit.forget_cgroup(*id);
-            }
         }
+        self.age_dying();
+        self.ticks += 1;
         let previous_tick = self.last_tick.replace(now);
         let signals: Vec<SignalSpec> = self.units.iter().flat_map(|u| u.signals()).collect();
         let units: Vec<UnitStats> = self.units.iter().map(|u| u.stats()).collect();
-
         let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
         // No series before the first sample: idle cgroups cost nothing, and a
         // retired owner is not revived by zero deltas.
@@ -220,7 +288,7 @@ impl Collector {
             .collect();
         retire(
             &mut shared.owners,
-            &live,
+            &self.live,
             &self.pods,
             &scopes,
             self.grace,
@@ -244,6 +312,87 @@ impl Collector {
             units,
         };
         Ok(())
+    }
+}
+
+impl Collector {
+    /// Follows the tree's changes: owners of new cgroups, live counts, and the
+    /// owners of removed cgroups kept for their drained numbers. A removed
+    /// cgroup stays in `owners` until the end of the tick, for the units' tick.
+    fn follow(&mut self, changes: &Changes) {
+        for id in &changes.added {
+            let Some(cg) = self.tree.cgroups.get(id) else {
+                continue;
+            };
+            let owner = Owner::of(classify_cgroup(&cg.path));
+            *self.live.entry(owner.clone()).or_default() += 1;
+            if let Some(old) = self.owners.insert(*id, owner) {
+                self.unlive(&old);
+            }
+        }
+        for id in changes.removed.keys() {
+            if let Some(owner) = self.owners.get(id).cloned() {
+                self.unlive(&owner);
+                self.dying.insert(*id, Dying { owner, ticks: 0 });
+            }
+        }
+        for d in &changes.died {
+            if self.dying.contains_key(&d.id) {
+                continue;
+            }
+            if let Some(owner) = self.owner_of_unknown(d) {
+                self.dying.insert(d.id, Dying { owner, ticks: 0 });
+            }
+        }
+    }
+
+    fn unlive(&mut self, owner: &Owner) {
+        if let Some(n) = self.live.get_mut(owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.live.remove(owner);
+            }
+        }
+    }
+
+    /// The owner of a cgroup removed before the tree saw it: its path below
+    /// its parent's when the parent is known (the tree's view, as for any
+    /// cgroup), else the kernel's path, else (no path under lockdown) the
+    /// parent's owner at pod level.
+    fn owner_of_unknown(&self, d: &Died) -> Option<Owner> {
+        let name = d.path.as_deref().and_then(|p| p.rsplit('/').next());
+        let parent = self.tree.cgroups.get(&d.parent);
+        match (parent, name, d.path.as_deref()) {
+            (Some(p), Some(name), _) => Some(Owner::of(classify_cgroup(&format!(
+                "{}/{name}",
+                p.path.trim_end_matches('/')
+            )))),
+            (None, _, Some(path)) => Some(Owner::of(classify_cgroup(path))),
+            _ => self
+                .owners
+                .get(&d.parent)
+                .or_else(|| self.dying.get(&d.parent).map(|x| &x.owner))
+                .map(Owner::pod_level),
+        }
+    }
+
+    /// One more tick for the removed cgroups; those past `DYING_TICKS` are
+    /// forgotten by every unit.
+    fn age_dying(&mut self) {
+        let mut gone = Vec::new();
+        self.dying.retain(|id, d| {
+            d.ticks += 1;
+            let keep = d.ticks <= DYING_TICKS;
+            if !keep {
+                gone.push(*id);
+            }
+            keep
+        });
+        for id in gone {
+            for unit in &mut self.units {
+                unit.forget_cgroup(id);
+            }
+        }
     }
 }
 
@@ -435,6 +584,10 @@ mod tests {
     #[derive(Default)]
     struct Fake {
         kernel: Arc<Mutex<HashMap<u64, u64>>>,
+        /// removed cgroups' last counts, as the kernel drains them at rmdir
+        drained: Arc<Mutex<HashMap<u64, u64>>>,
+        /// the cgroups with activity the unit reports; None: it cannot tell
+        active: Arc<Mutex<Option<Vec<u64>>>>,
         last: crate::probes::unit::LastRead<u64>,
         forgotten: Arc<Mutex<Vec<u64>>>,
     }
@@ -466,6 +619,23 @@ mod tests {
                 labels: Labels::from([("dst", "private".to_string())]),
                 value: Value::Count(0),
             });
+        }
+        fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+            self.active.lock().unwrap().clone()
+        }
+        fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
+            for (id, now) in self.drained.lock().unwrap().drain() {
+                let d = self.last.advance(id, now, |n, p| n - p);
+                self.last.forget(id);
+                out.push((
+                    id,
+                    Delta {
+                        family: EVENTS,
+                        labels: Labels::new(),
+                        value: Value::Count(d),
+                    },
+                ));
+            }
         }
         fn forget_cgroup(&mut self, id: u64) {
             self.last.forget(id);
@@ -499,6 +669,7 @@ mod tests {
         std::fs::create_dir_all(&quiet).unwrap();
         let fake = Fake::default();
         let (kernel, forgotten) = (fake.kernel.clone(), fake.forgotten.clone());
+        let fake_drained = fake.drained.clone();
         kernel.lock().unwrap().insert(ino(&container), 5);
         // a cgroup whose counts never move: no owner, no series
         kernel.lock().unwrap().insert(ino(&quiet), 0);
@@ -547,14 +718,119 @@ mod tests {
             assert!((per_second - 3.0 / w.window.as_secs_f64()).abs() < 1e-9);
         }
 
-        // the container goes: read once more, forgotten, and with no grace
-        // its owner goes in the same tick
-        kernel.lock().unwrap().insert(ino(&container), 10);
+        // the container goes: its directory cannot be read any more, its
+        // last count comes drained; with no grace its owner goes in the same
+        // tick, after the last delta made its window
         let id = ino(&container);
         std::fs::remove_dir(&container).unwrap();
+        kernel.lock().unwrap().remove(&id);
+        fake_drained.lock().unwrap().insert(id, 10);
         c.tick().unwrap();
+        {
+            let shared = c.shared.lock().unwrap();
+            assert!(!shared.owners.contains_key(&pod));
+            let rates: Vec<_> = shared
+                .windows
+                .iter()
+                .filter(|w| w.owner == pod)
+                .map(|w| w.value.clone())
+                .collect();
+            assert!(
+                matches!(rates[..], [WindowValue::Rate { count: 2, .. }]),
+                "{rates:?}"
+            );
+        }
+        // delta state is forgotten by every unit once late numbers cannot come
+        for _ in 0..=DYING_TICKS {
+            c.tick().unwrap();
+        }
         assert_eq!(*forgotten.lock().unwrap(), [id]);
-        assert!(!c.shared.lock().unwrap().owners.contains_key(&pod));
+    }
+
+    /// A container created and removed between two ticks: the tree never
+    /// saw it; the kernel's removal event names it (under its known parent),
+    /// or, without a path, its parent's pod.
+    #[test]
+    fn a_cgroup_removed_before_any_tick_counts_for_its_owner() {
+        let root = tempfile::tempdir().unwrap();
+        let pod_dir = root.path().join(format!("kubepods/burstable/pod{UID}"));
+        std::fs::create_dir_all(&pod_dir).unwrap();
+        let fake = Fake::default();
+        let drained = fake.drained.clone();
+        let mut c = Collector::new(
+            CgroupTree::new(root.path().to_path_buf()),
+            vec![Box::new(fake)],
+            PodStore::default(),
+            Duration::from_secs(3600),
+        );
+        c.tick().unwrap();
+        let parent = ino(&pod_dir);
+        let (named, unnamed) = (u64::MAX - 1, u64::MAX - 2);
+        c.follow(&Changes {
+            died: vec![
+                Died {
+                    id: named,
+                    parent,
+                    // the kernel's path, from the hierarchy's root
+                    path: Some(format!("/elsewhere/kubepods/burstable/pod{UID}/{CID}")),
+                },
+                Died {
+                    id: unnamed,
+                    parent,
+                    path: None,
+                },
+            ],
+            ..Changes::default()
+        });
+        drained.lock().unwrap().extend([(named, 4), (unnamed, 3)]);
+        c.tick().unwrap();
+        assert_eq!(count(&c, &pod(Some(CID)), EVENTS, Labels::new()), Some(4));
+        assert_eq!(count(&c, &pod(None), EVENTS, Labels::new()), Some(3));
+
+        // drained numbers whose removal event is not read yet wait for it
+        let late = u64::MAX - 3;
+        drained.lock().unwrap().insert(late, 6);
+        c.tick().unwrap();
+        assert_eq!(c.unresolved.len(), 1);
+        c.follow(&Changes {
+            died: vec![Died {
+                id: late,
+                parent,
+                path: Some(format!("/kubepods/burstable/pod{UID}/{CID}")),
+            }],
+            ..Changes::default()
+        });
+        c.tick().unwrap();
+        assert_eq!(count(&c, &pod(Some(CID)), EVENTS, Labels::new()), Some(10));
+    }
+
+    /// A unit that names the cgroups with activity is read for those only.
+    #[test]
+    fn only_active_cgroups_are_read() {
+        let root = tempfile::tempdir().unwrap();
+        let (a, b) = (root.path().join("a.slice"), root.path().join("b.slice"));
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        let fake = Fake::default();
+        let (kernel, active) = (fake.kernel.clone(), fake.active.clone());
+        kernel.lock().unwrap().extend([(ino(&a), 1), (ino(&b), 1)]);
+        *active.lock().unwrap() = Some(vec![ino(&a)]);
+        let mut c = Collector::new(
+            CgroupTree::new(root.path().to_path_buf()),
+            vec![Box::new(fake)],
+            PodStore::default(),
+            Duration::from_secs(3600),
+        );
+        c.tick().unwrap();
+        let (sa, sb) = (
+            Owner::Slice("a.slice".into()),
+            Owner::Slice("b.slice".into()),
+        );
+        assert_eq!(count(&c, &sa, EVENTS, Labels::new()), Some(1));
+        assert_eq!(count(&c, &sb, EVENTS, Labels::new()), None, "b not read");
+        *active.lock().unwrap() = None;
+        c.tick().unwrap();
+        assert_eq!(count(&c, &sb, EVENTS, Labels::new()), Some(1), "all read");
     }
 
     fn counts(series: &[(&'static str, u64)]) -> OwnerStats {

@@ -278,7 +278,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         );
     }
     let mut collector = collect::Collector::new(
-        cgroups::CgroupTree::new(root.clone()),
+        cgroups::CgroupTree::following(root.clone()),
         units,
         pods::PodStore::default(),
         Duration::from_secs(3600),
@@ -371,7 +371,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let pods = pods::PodStore::default();
     let mut collector = collect::Collector::new(
-        cgroups::CgroupTree::new(cgroup_root.clone()),
+        cgroups::CgroupTree::following(cgroup_root.clone()),
         units,
         pods.clone(),
         args.pod_grace,

@@ -280,6 +280,7 @@ pub struct CudaProbe {
     skel: &'static skel::CudaSkel<'static>,
     _exit: Link,
     cgroups: MapHandle,
+    active: super::cgroup_maps::ActiveSet,
     stats: MapHandle,
     opts: CudaOptions,
     /// Library files already attached, by (dev, inode), and their links.
@@ -311,6 +312,10 @@ impl CudaProbe {
         Ok(Ok(CudaProbe {
             _exit: exit,
             cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
+            active: super::cgroup_maps::ActiveSet::new(
+                handle(NAME, &skel.maps.active_epoch)?,
+                handle(NAME, &skel.maps.active_cgroups)?,
+            ),
             stats: handle(NAME, &skel.maps.cuda_stats)?,
             skel,
             opts,
@@ -465,6 +470,10 @@ impl Probe for CudaProbe {
                 value: Value::Count(d.busy_ns),
             });
         }
+    }
+
+    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        self.active.take()
     }
 
     fn forget_cgroup(&mut self, id: u64) {
@@ -634,13 +643,14 @@ garbage line
     #[test]
     fn decode_cgroup() {
         let mut b = Vec::new();
-        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1] {
+        // the last one is the activity epoch (bpf/cgroup_active.h)
+        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1, 7] {
             b.extend_from_slice(&v.to_ne_bytes());
         }
         let c = CudaCgroup::from_bytes(&b).unwrap();
         assert_eq!(c.vram_bytes, -4096);
         assert_eq!((c.h2d_bytes, c.d2h_bytes, c.launches), (10, 20, 3));
         assert_eq!(c.busy_ns, 7_000, "an interval still open is left out");
-        assert!(CudaCgroup::from_bytes(&b[..55]).is_none());
+        assert!(CudaCgroup::from_bytes(&b[..63]).is_none());
     }
 }

@@ -204,7 +204,8 @@ pub struct GpuDriverCgroup {
     pub busy_ns: u64,
 }
 
-const CGROUP_BYTES: usize = CMD_CLASSES.len() * HIST_BYTES + 3 * 8;
+// three counters and the activity epoch (bpf/cgroup_active.h)
+const CGROUP_BYTES: usize = CMD_CLASSES.len() * HIST_BYTES + 4 * 8;
 
 unsafe impl plain::Plain for skel::types::gpu_cgroup {}
 const _: () = assert!(std::mem::size_of::<skel::types::gpu_cgroup>() == CGROUP_BYTES);
@@ -245,6 +246,7 @@ pub struct GpuDriverProbe {
     skel: &'static skel::GpuDriverSkel<'static>,
     mode: Mode,
     cgroups: MapHandle,
+    active: super::cgroup_maps::ActiveSet,
     fds: MapHandle,
     stats: MapHandle,
     majors: Vec<u32>,
@@ -454,6 +456,10 @@ impl GpuDriverProbe {
             skel,
             mode,
             cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
+            active: super::cgroup_maps::ActiveSet::new(
+                handle(NAME, &skel.maps.active_epoch)?,
+                handle(NAME, &skel.maps.active_cgroups)?,
+            ),
             fds: handle(NAME, &skel.maps.gpu_fds)?,
             stats: handle(NAME, &skel.maps.gpu_stats)?,
             majors,
@@ -652,6 +658,10 @@ impl Probe for GpuDriverProbe {
             value: Value::Count(d.busy_ns),
         });
         self.busy_read.push((id, d.busy_ns));
+    }
+
+    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        self.active.take()
     }
 
     fn forget_cgroup(&mut self, id: u64) {

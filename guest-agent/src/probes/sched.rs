@@ -11,6 +11,7 @@ use std::os::fd::BorrowedFd;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle};
 
+use super::cgroup_maps::{ActiveSet, Drained};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
@@ -24,6 +25,8 @@ pub const FAMILY: &str = "ebpf_sched_latency_microseconds";
 
 // SAFETY: a generated #[repr(C)] struct of integers: every bit pattern is valid.
 unsafe impl plain::Plain for skel::types::hist {}
+// SAFETY: as above.
+unsafe impl plain::Plain for skel::types::sched_cgroup {}
 const _: () = assert!(std::mem::size_of::<skel::types::hist>() == HIST_BYTES);
 
 pub const UNIT: UnitSpec = UnitSpec {
@@ -72,6 +75,8 @@ pub enum Method {
 pub struct SchedProbe {
     hist: MapHandle,
     stats: MapHandle,
+    active: ActiveSet,
+    drained: Drained,
     _links: Vec<Link>,
     last: LastRead<Hist>,
 }
@@ -117,12 +122,22 @@ impl SchedProbe {
         }
         open.progs.sched_wakeup.set_autoload(!use_sched_info);
         open.progs.sched_wakeup_new.set_autoload(!use_sched_info);
+        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
+        open.progs.sched_hist_rmdir.set_autoload(has_rmdir);
         let skel = open.load().map_err(err(NAME, "load"))?;
         let mut links = vec![skel
             .progs
             .sched_switch
             .attach()
             .map_err(err(NAME, "attach sched_switch"))?];
+        if has_rmdir {
+            links.push(
+                skel.progs
+                    .sched_hist_rmdir
+                    .attach()
+                    .map_err(err(NAME, "attach cgroup_rmdir"))?,
+            );
+        }
         if !use_sched_info {
             links.push(
                 skel.progs
@@ -148,6 +163,11 @@ impl SchedProbe {
         Ok(Ok(SchedProbe {
             hist: handle(NAME, &skel.maps.sched_hist)?,
             stats: handle(NAME, &skel.maps.sched_stats)?,
+            active: ActiveSet::new(
+                handle(NAME, &skel.maps.active_epoch)?,
+                handle(NAME, &skel.maps.active_cgroups)?,
+            ),
+            drained: Drained::new(handle(NAME, &skel.maps.sched_hist_drained)?),
             _links: links,
             last: LastRead::default(),
         }))
@@ -158,9 +178,26 @@ impl SchedProbe {
         lookup_cgroup(&self.hist, cgroup_dir)
             .ok()
             .flatten()
-            .and_then(|b| decode::<skel::types::hist>(&b))
-            .map(|h| Hist::from_parts(&h.buckets, h.sum_ns))
+            .and_then(|b| hist_of(&b))
     }
+}
+
+/// The delta of a cgroup's cumulative histogram `h` since its previous reading.
+fn push_delta(last: &mut LastRead<Hist>, id: u64, h: Hist, out: &mut Vec<Delta>) {
+    let d = last.advance(id, h, Hist::delta_since);
+    if !d.is_empty() {
+        out.push(Delta {
+            family: FAMILY,
+            labels: Default::default(),
+            value: Value::Hist(d),
+        });
+    }
+}
+
+/// Decodes a `struct sched_cgroup` (storage or drained value).
+fn hist_of(bytes: &[u8]) -> Option<Hist> {
+    decode::<skel::types::sched_cgroup>(bytes)
+        .map(|c| Hist::from_parts(&c.hist.buckets, c.hist.sum_ns))
 }
 
 /// CLOCK_MONOTONIC in ns, the clock of `task_struct.start_time`.
@@ -189,14 +226,20 @@ impl Probe for SchedProbe {
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(h) = self.read(dir) else { return };
-        let d = self.last.advance(id, h, Hist::delta_since);
-        if !d.is_empty() {
-            out.push(Delta {
-                family: FAMILY,
-                labels: Default::default(),
-                value: Value::Hist(d),
-            });
-        }
+        push_delta(&mut self.last, id, h, out);
+    }
+
+    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        self.active.take()
+    }
+
+    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
+        let (drained, last) = (&self.drained, &mut self.last);
+        let push = |id, h, d: &mut Vec<Delta>| {
+            push_delta(last, id, h, d);
+            last.forget(id);
+        };
+        drained.deltas(hist_of, push, out);
     }
 
     fn forget_cgroup(&mut self, id: u64) {

@@ -11,6 +11,7 @@ use std::os::fd::BorrowedFd;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
+use super::cgroup_maps::{ActiveSet, Drained};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
@@ -84,6 +85,11 @@ pub struct TcpCgroup {
 }
 
 impl TcpCgroup {
+    /// Decodes a `struct tcp_cgroup` (storage or drained value).
+    fn decode(bytes: &[u8]) -> Option<TcpCgroup> {
+        decode::<skel::types::tcp_cgroup>(bytes).map(|v| TcpCgroup::from_skel(&v))
+    }
+
     fn from_skel(v: &skel::types::tcp_cgroup) -> TcpCgroup {
         // typed: fails to compile if the kernel's TCP_MAX_DST differs from MAX_DST
         let rtt: &[skel::types::hist; MAX_DST] = &v.rtt;
@@ -120,6 +126,8 @@ impl TcpCgroup {
 pub struct TcpProbe {
     stats: MapHandle,
     lost: MapHandle,
+    active: ActiveSet,
+    drained: Drained,
     _links: Vec<Link>,
     dst: DstTable,
     /// prefixes in `dst_cidrs` (also its size)
@@ -162,6 +170,8 @@ impl TcpProbe {
         open.progs.tcp_retransmit_skb.set_autoload(has_retrans);
         open.progs.tcp_destroy_sock.set_autoload(has_retrans);
         open.progs.tcp_retransmit_synack.set_autoload(has_synack);
+        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
+        open.progs.tcp_stats_rmdir.set_autoload(has_rmdir);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.rtt_every_ns = config.rtt_every.as_nanos().min(u64::MAX as u128) as u64;
         }
@@ -210,10 +220,23 @@ impl TcpProbe {
                     .map_err(err(RETRANS, "attach tcp_retransmit_synack"))?,
             );
         }
+        if has_rmdir {
+            links.push(
+                skel.progs
+                    .tcp_stats_rmdir
+                    .attach()
+                    .map_err(err(OBJ, "attach cgroup_rmdir"))?,
+            );
+        }
         Ok((
             Some(TcpProbe {
                 stats: handle(OBJ, &skel.maps.tcp_stats)?,
                 lost: handle(OBJ, &skel.maps.tcp_lost)?,
+                active: ActiveSet::new(
+                    handle(OBJ, &skel.maps.active_epoch)?,
+                    handle(OBJ, &skel.maps.active_cgroups)?,
+                ),
+                drained: Drained::new(handle(OBJ, &skel.maps.tcp_stats_drained)?),
                 _links: links,
                 dst: dst.clone(),
                 dst_entries: lpm_len,
@@ -227,8 +250,38 @@ impl TcpProbe {
         lookup_cgroup(&self.stats, cgroup_dir)
             .ok()
             .flatten()
-            .and_then(|b| decode::<skel::types::tcp_cgroup>(&b))
-            .map(|v| TcpCgroup::from_skel(&v))
+            .and_then(|b| TcpCgroup::decode(&b))
+    }
+}
+
+/// The deltas of a cgroup's cumulative aggregates `t` since its previous reading.
+fn push_deltas(
+    last: &mut LastRead<TcpCgroup>,
+    dst: &DstTable,
+    id: u64,
+    t: TcpCgroup,
+    out: &mut Vec<Delta>,
+) {
+    let d = last.advance(id, t, TcpCgroup::delta_since);
+    for (i, (rtt, &retrans)) in d.rtt.into_iter().zip(&d.retrans_segs).enumerate() {
+        // A socket owner with traffic to a destination gets both series,
+        // so a clean pod reads 0 retransmits rather than nothing.
+        if rtt.is_empty() && retrans == 0 {
+            continue;
+        }
+        let labels = Labels::from([("dst", dst.name(i).to_string())]);
+        if !rtt.is_empty() {
+            out.push(Delta {
+                family: RTT_FAMILY,
+                labels: labels.clone(),
+                value: Value::Hist(rtt),
+            });
+        }
+        out.push(Delta {
+            family: RETRANS_FAMILY,
+            labels,
+            value: Value::Count(retrans),
+        });
     }
 }
 
@@ -254,27 +307,20 @@ impl Probe for TcpProbe {
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(t) = self.read(dir) else { return };
-        let d = self.last.advance(id, t, TcpCgroup::delta_since);
-        for (i, (rtt, &retrans)) in d.rtt.into_iter().zip(&d.retrans_segs).enumerate() {
-            // A socket owner with traffic to a destination gets both series,
-            // so a clean pod reads 0 retransmits rather than nothing.
-            if rtt.is_empty() && retrans == 0 {
-                continue;
-            }
-            let labels = Labels::from([("dst", self.dst.name(i).to_string())]);
-            if !rtt.is_empty() {
-                out.push(Delta {
-                    family: RTT_FAMILY,
-                    labels: labels.clone(),
-                    value: Value::Hist(rtt),
-                });
-            }
-            out.push(Delta {
-                family: RETRANS_FAMILY,
-                labels,
-                value: Value::Count(retrans),
-            });
-        }
+        push_deltas(&mut self.last, &self.dst, id, t, out);
+    }
+
+    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        self.active.take()
+    }
+
+    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
+        let (drained, last, dst) = (&self.drained, &mut self.last, &self.dst);
+        let push = |id, t, d: &mut Vec<Delta>| {
+            push_deltas(last, dst, id, t, d);
+            last.forget(id);
+        };
+        drained.deltas(TcpCgroup::decode, push, out);
     }
 
     fn forget_cgroup(&mut self, id: u64) {

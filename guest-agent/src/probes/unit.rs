@@ -7,7 +7,8 @@
 //! the exporter renders every family the loaded units declare; neither knows
 //! which probe a family belongs to.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::BorrowedFd;
 
 use super::hist::Hist;
@@ -144,6 +145,26 @@ pub struct TickContext<'a> {
     pub pods: &'a PodStore,
     /// Whether cgroups came or went since the previous tick.
     pub cgroups_changed: bool,
+    /// The cgroups the units' programs saw activity in since the previous
+    /// tick (None when no unit can tell), and the tick's number.
+    pub active: Option<&'a HashSet<u64>>,
+    pub tick: u64,
+    pub pids: &'a RefCell<PidCache>,
+}
+
+/// Ticks over which every pod cgroup's process list is re-read once, whatever
+/// its activity (a process that exits while running leaves no trace in the
+/// activity sets).
+const PIDS_ROTATION: u64 = 30;
+
+/// Each pod cgroup's processes (cgroup.procs), kept between ticks, and the
+/// per-pod lists built from them.
+#[derive(Default)]
+pub struct PidCache {
+    by_cgroup: HashMap<u64, Vec<i32>>,
+    by_pod: HashMap<String, Vec<i32>>,
+    /// the tick `by_pod` was brought up to date in
+    built: Option<u64>,
 }
 
 impl TickContext<'_> {
@@ -153,25 +174,55 @@ impl TickContext<'_> {
         self.owners.get(&id).map(Owner::pod_level)
     }
 
-    /// The pids of each pod, from the cgroup.procs of its cgroups.
+    /// The pids of each pod, from the cgroup.procs of its cgroups. A cgroup's
+    /// list is re-read when the cgroup is new, had activity since the previous
+    /// tick (a process that starts runs, so the scheduler probe marks its
+    /// cgroup), or its turn in a rotation over `PIDS_ROTATION` ticks came;
+    /// otherwise the list read before stands. An idle node's tick reads none.
     pub fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
-        let mut out: HashMap<String, Vec<i32>> = HashMap::new();
-        for (id, owner) in self.owners {
-            let Owner::Pod { uid, .. } = owner else {
-                continue;
-            };
-            let Some(cg) = self.tree.cgroups.get(id) else {
-                continue;
-            };
-            let procs = self.tree.path_of(cg).join("cgroup.procs");
-            let Ok(text) = std::fs::read_to_string(procs) else {
-                continue;
-            };
-            out.entry(uid.clone())
-                .or_default()
-                .extend(text.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+        let mut cache = self.pids.borrow_mut();
+        if cache.built == Some(self.tick) {
+            return cache.by_pod.clone();
         }
-        out
+        let before = cache.by_cgroup.len();
+        cache
+            .by_cgroup
+            .retain(|id, _| self.owners.contains_key(id) && self.tree.cgroups.contains_key(id));
+        let mut changed = self.cgroups_changed || cache.by_cgroup.len() != before;
+        for (id, owner) in self.owners {
+            let (Owner::Pod { .. }, Some(cg)) = (owner, self.tree.cgroups.get(id)) else {
+                continue;
+            };
+            let stale = !cache.by_cgroup.contains_key(id)
+                || self.active.is_none_or(|a| a.contains(id))
+                || id % PIDS_ROTATION == self.tick % PIDS_ROTATION;
+            if !stale {
+                continue;
+            }
+            let procs = self.tree.path_of(cg).join("cgroup.procs");
+            let pids: Vec<i32> = std::fs::read_to_string(procs)
+                .map(|text| {
+                    text.lines()
+                        .filter_map(|l| l.trim().parse::<i32>().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if cache.by_cgroup.get(id) != Some(&pids) {
+                cache.by_cgroup.insert(*id, pids);
+                changed = true;
+            }
+        }
+        if changed || cache.built.is_none() {
+            let mut by_pod: HashMap<String, Vec<i32>> = HashMap::new();
+            for (id, pids) in &cache.by_cgroup {
+                if let Some(Owner::Pod { uid, .. }) = self.owners.get(id) {
+                    by_pod.entry(uid.clone()).or_default().extend(pids);
+                }
+            }
+            cache.by_pod = by_pod;
+        }
+        cache.built = Some(self.tick);
+        cache.by_pod.clone()
     }
 }
 
@@ -190,7 +241,21 @@ pub trait Probe: Send {
     /// read of that cgroup. Units keyed by cgroup storage implement it.
     fn read_cgroup(&mut self, _id: u64, _dir: BorrowedFd<'_>, _out: &mut Vec<Delta>) {}
 
-    /// The cgroup is gone (it was read a last time): forget its delta state.
+    /// The cgroups whose entries this unit's programs changed since the
+    /// previous call (`cgroup_maps::ActiveSet`), so that a tick reads those
+    /// only; None when the unit cannot tell, and then every cgroup is read.
+    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        None
+    }
+
+    /// The last numbers of cgroups removed since the previous call, which can
+    /// no longer be read through their directories (`cgroup_maps::Drained`):
+    /// pushes (cgroup id, what changed since the previous read of it) and
+    /// forgets the cgroup's delta state.
+    fn read_removed(&mut self, _out: &mut Vec<(u64, Delta)>) {}
+
+    /// The cgroup is gone and its last numbers were taken (or never will be):
+    /// forget its delta state.
     fn forget_cgroup(&mut self, _id: u64) {}
 
     /// Once per tick, after every cgroup was read: work not keyed by cgroup.

@@ -1,0 +1,126 @@
+//! Userspace halves of `bpf/cgroup_drain.h` and `bpf/cgroup_active.h`, the
+//! two maps a unit keyed by cgroup storage adds so that a tick reads only what
+//! changed and nothing is lost when a cgroup goes.
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
+
+use super::unit::Delta;
+
+/// Entries one batch syscall moves. Drained values are large (a TCP cgroup's
+/// is 3.6 KiB), so their batches are smaller.
+const ACTIVE_BATCH: u32 = 1024;
+const DRAIN_BATCH: u32 = 64;
+
+fn id_of(key: &[u8]) -> Option<u64> {
+    Some(u64::from_ne_bytes(key.get(..8)?.try_into().ok()?))
+}
+
+/// Takes every entry out of a hash map keyed by a u64 (a cgroup id):
+/// (key, value bytes), `batch` entries per syscall.
+pub fn take_all(map: &MapHandle, batch: u32) -> Vec<(u64, Vec<u8>)> {
+    match map.lookup_and_delete_batch(batch, MapFlags::ANY, MapFlags::ANY) {
+        Ok(it) => it.filter_map(|(k, v)| Some((id_of(&k)?, v))).collect(),
+        Err(e) => {
+            tracing::debug!(error = %e, "emptying a map");
+            Vec::new()
+        }
+    }
+}
+
+/// Whether the u64 flag at `index` of an array map is set; clears it.
+pub fn take_flag(map: &MapHandle, index: u32) -> bool {
+    let key = index.to_ne_bytes();
+    let set = map
+        .lookup(&key, MapFlags::ANY)
+        .ok()
+        .flatten()
+        .and_then(|v| id_of(&v))
+        .is_some_and(|v| v != 0);
+    if set {
+        let _ = map.update(&key, &0u64.to_ne_bytes(), MapFlags::ANY);
+    }
+    set
+}
+
+/// `<storage>_drained`: removed cgroups' storage values as they were at rmdir.
+pub struct Drained {
+    map: MapHandle,
+}
+
+impl Drained {
+    pub fn new(map: MapHandle) -> Drained {
+        Drained { map }
+    }
+
+    /// Takes every entry out of the map and turns each into the deltas since
+    /// the cgroup's previous read: `decode` the value, `push` its deltas (the
+    /// unit's delta state is then forgotten by `push`'s caller).
+    pub fn deltas<T>(
+        &self,
+        decode: impl Fn(&[u8]) -> Option<T>,
+        mut push: impl FnMut(u64, T, &mut Vec<Delta>),
+        out: &mut Vec<(u64, Delta)>,
+    ) {
+        let mut deltas = Vec::new();
+        for (id, bytes) in take_all(&self.map, DRAIN_BATCH) {
+            let Some(v) = decode(&bytes) else { continue };
+            push(id, v, &mut deltas);
+            out.extend(deltas.drain(..).map(|d| (id, d)));
+        }
+    }
+}
+
+/// `active_epoch` and `active_cgroups`: the cgroups whose storage changed.
+pub struct ActiveSet {
+    epoch_map: MapHandle,
+    set: MapHandle,
+    epoch: u64,
+    /// The previous take's cgroups, read once more: an event that saw the old
+    /// epoch (so did not mark its cgroup again) may update the storage just
+    /// after the agent read it.
+    previous: Vec<u64>,
+}
+
+impl ActiveSet {
+    /// Starts the first epoch (fresh storage has epoch 0: its first event marks it).
+    pub fn new(epoch_map: MapHandle, set: MapHandle) -> ActiveSet {
+        let mut s = ActiveSet {
+            epoch_map,
+            set,
+            epoch: 0,
+            previous: Vec::new(),
+        };
+        s.bump();
+        s
+    }
+
+    fn bump(&mut self) -> bool {
+        self.epoch += 1;
+        self.epoch_map
+            .update(
+                &0u32.to_ne_bytes(),
+                &self.epoch.to_ne_bytes(),
+                MapFlags::ANY,
+            )
+            .is_ok()
+    }
+
+    /// Starts a new epoch and returns the cgroups that had activity in the
+    /// ones before (this and the previous take's set), or None when the set
+    /// cannot be trusted (it overflowed, or the epoch could not be set): then
+    /// the caller reads every cgroup.
+    pub fn take(&mut self) -> Option<Vec<u64>> {
+        let bumped = self.bump();
+        // [1]: an insert failed since the last take
+        let overflowed = take_flag(&self.epoch_map, 1);
+        let now: Vec<u64> = take_all(&self.set, ACTIVE_BATCH)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        let mut out = std::mem::replace(&mut self.previous, now.clone());
+        out.extend(now);
+        out.sort_unstable();
+        out.dedup();
+        (bumped && !overflowed).then_some(out)
+    }
+}
