@@ -297,12 +297,38 @@ fn node_name(arg: Option<String>) -> String {
     .unwrap_or_default()
 }
 
+/// The node's GPU capacity as NVML reports it: the GPUs' memory and maximum link bandwidth
+/// summed (the hourly rate is the node's, so its shares are of all its GPUs); nothing when the
+/// library is absent or fails (the configuration must then give them).
+fn nvml_capacity(library: &str) -> finops::CapacityInput {
+    let gpus = match gpufeed_guest::nvml::Nvml::load(library) {
+        Ok(Some(nvml)) => nvml.capacity(),
+        Ok(None) => return finops::CapacityInput::default(),
+        Err(e) => Err(e),
+    };
+    match gpus {
+        Ok(gpus) if !gpus.is_empty() => finops::CapacityInput {
+            memory_bytes: Some(gpus.iter().map(|g| g.memory_total_bytes).sum()),
+            link_bytes_per_second: Some(gpus.iter().map(|g| g.link_bytes_per_second).sum()),
+        },
+        Ok(_) => finops::CapacityInput::default(),
+        Err(e) => {
+            tracing::warn!("NVML: GPU capacity unavailable for the cost model: {e}");
+            finops::CapacityInput::default()
+        }
+    }
+}
+
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    // NVML, when a probe provides it, will pass the GPU's capacities here.
-    let finops_cfg = args
-        .finops
-        .settings()
-        .validate(finops::CapacityInput::default())?;
+    let settings = args.finops.settings();
+    // The cost shares' denominators from the GPUs themselves when NVML is there (configured
+    // values win); looked up only when a cost is asked for.
+    let discovered = if settings.hourly_rate.is_some() {
+        nvml_capacity(&args.nvml_library)
+    } else {
+        finops::CapacityInput::default()
+    };
+    let finops_cfg = settings.validate(discovered)?;
     let selected = probes::select(&args.probes).context("--probes")?;
     let dst = if args.dst.is_empty() {
         dst::DstTable::defaults()

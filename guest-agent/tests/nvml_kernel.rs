@@ -151,6 +151,48 @@ fn nvml_series_per_pod_on_metrics() {
     assert_eq!(value(&agent.scrape(), "gpufeed_nvml_gpus", &[]), Some(2.0));
     drop(agent);
 
+    // A cost asked for without capacities in the configuration: the GPUs' own, from NVML.
+    let cost = |lib: &str| {
+        Agent::no_kube(
+            "200ms",
+            "nvml",
+            &["--nvml-library", lib, "--gpu-hourly-rate", "3.6"],
+        )
+    };
+    let with = cost(lib.to_str().unwrap());
+    assert!(
+        wait_for(Duration::from_secs(10), || value(
+            &with.scrape(),
+            "gpufeed_gpu_node_cost_total",
+            &[("currency", "USD")]
+        )
+        .filter(|v| *v > 0.0))
+        .is_some(),
+        "the node's cost accrues with NVML's capacities"
+    );
+    drop(with);
+    // ... and without NVML the same command line is refused, naming what is missing
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args([
+            "run",
+            "--no-kube",
+            "--probes",
+            "nvml",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--nvml-library",
+            "/nonexistent/libnvidia-ml.so.1",
+            "--gpu-hourly-rate",
+            "3.6",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--gpu-memory-bytes"), "{err}");
+
     let absent = Agent::no_kube(
         "200ms",
         "nvml",
