@@ -189,11 +189,16 @@ impl Collector {
 
         // Live cgroups: those with activity, or all of them for a unit that cannot tell.
         let mut read = Vec::new();
+        // cgroups where a task ran, from a unit that sees every run: only with
+        // one can a process list be left unread (see `TickContext::pod_pids`)
         let mut active: Option<HashSet<u64>> = None;
         for unit in &mut self.units {
+            let marks_every_run = unit.marks_every_run();
             let ids: Box<dyn Iterator<Item = u64>> = match unit.active_cgroups() {
                 Some(ids) => {
-                    active.get_or_insert_default().extend(&ids);
+                    if marks_every_run {
+                        active.get_or_insert_default().extend(&ids);
+                    }
                     Box::new(ids.into_iter())
                 }
                 None => Box::new(

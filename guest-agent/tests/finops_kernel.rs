@@ -103,6 +103,7 @@ async fn cost_per_tenant_follows_the_formula_and_adds_up_to_the_node() {
     // Tenant a: driver time only, 10 calls held 100 ms each.
     let (go, out) = (dir.join("go"), dir.join("hold.out"));
     a.spawn(&dev.command(10, 1, &go, &out, ""));
+    wait_probed(&agent, 1);
     File::create(&go).unwrap();
     wait_file(&out, "the ioctl client");
     let (_, measured_ns) = measured(&out);

@@ -134,6 +134,7 @@ async fn prometheus_evaluates_the_scaler_query_the_mps_advice_and_the_rules() {
     // is a small slice.
     let (go, out) = (dir.join("go-light"), dir.join("light.out"));
     server.spawn(&dev.command(1, 1, &go, &out, ""));
+    wait_probed(&agent, 1);
     File::create(&go).unwrap();
     wait_file(&out, "the light client");
     let mps = "gpufeed_mps_recommended_active_thread_percentage{namespace=\"ml\",pod=\"server-0\"}";
@@ -146,6 +147,8 @@ async fn prometheus_evaluates_the_scaler_query_the_mps_advice_and_the_rules() {
     for out in &outs {
         server.spawn(&dev.command(40, 1, &go, out, ""));
     }
+    // the light client is gone: its process is no longer probed
+    wait_probed(&agent, 2);
     File::create(&go).unwrap();
     let query = keda_query();
     let scaler = wait_scalar(&query, &|v| v > 0.75, 10);

@@ -233,6 +233,12 @@ impl Probe for SchedProbe {
         self.active.take()
     }
 
+    /// Every switch-in marks its task's cgroup: a cgroup missing from the set
+    /// had no task run.
+    fn marks_every_run(&self) -> bool {
+        true
+    }
+
     fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
         let (drained, last) = (&self.drained, &mut self.last);
         let push = |id, h, d: &mut Vec<Delta>| {

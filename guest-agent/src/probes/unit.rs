@@ -145,8 +145,9 @@ pub struct TickContext<'a> {
     pub pods: &'a PodStore,
     /// Whether cgroups came or went since the previous tick.
     pub cgroups_changed: bool,
-    /// The cgroups the units' programs saw activity in since the previous
-    /// tick (None when no unit can tell), and the tick's number.
+    /// The cgroups in which any task ran since the previous tick, from a
+    /// unit that marks every run (None without one: every list is re-read),
+    /// and the tick's number.
     pub active: Option<&'a HashSet<u64>>,
     pub tick: u64,
     pub pids: &'a RefCell<PidCache>,
@@ -175,10 +176,11 @@ impl TickContext<'_> {
     }
 
     /// The pids of each pod, from the cgroup.procs of its cgroups. A cgroup's
-    /// list is re-read when the cgroup is new, had activity since the previous
-    /// tick (a process that starts runs, so the scheduler probe marks its
-    /// cgroup), or its turn in a rotation over `PIDS_ROTATION` ticks came;
-    /// otherwise the list read before stands. An idle node's tick reads none.
+    /// list is re-read when the cgroup is new, had a task run since the
+    /// previous tick (a process that starts runs, so the scheduler probe marks
+    /// its cgroup; without that probe every list is re-read each tick), or its
+    /// turn in a rotation over `PIDS_ROTATION` ticks came; otherwise the list
+    /// read before stands. An idle node's tick reads none.
     pub fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
         let mut cache = self.pids.borrow_mut();
         if cache.built == Some(self.tick) {
@@ -246,6 +248,13 @@ pub trait Probe: Send {
     /// only; None when the unit cannot tell, and then every cgroup is read.
     fn active_cgroups(&mut self) -> Option<Vec<u64>> {
         None
+    }
+
+    /// Whether [`Probe::active_cgroups`] names every cgroup in which any task
+    /// ran (the scheduler's unit does): then a cgroup missing from it had no
+    /// process start or change, and its process list need not be read again.
+    fn marks_every_run(&self) -> bool {
+        false
     }
 
     /// The last numbers of cgroups removed since the previous call, which can

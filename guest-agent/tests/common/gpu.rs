@@ -11,7 +11,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::{compile_c, wait_for, CgroupSandbox, Layout, Pod};
+use super::{compile_c, value, wait_for, Agent, CgroupSandbox, Layout, Pod};
 
 pub fn wait_file(path: &Path, what: &str) {
     assert!(
@@ -242,4 +242,14 @@ impl StandIns {
             UART_DRIVER.into(),
         ]
     }
+}
+
+/// Waits until the agent's GPU driver probe has put its uprobes on at least `n` processes:
+/// with the default hook a process holding a GPU file is timed from the agent's next tick
+/// after it opened it, so a test's calls start only then.
+pub fn wait_probed(agent: &Agent, n: usize) {
+    let probed = wait_for(Duration::from_secs(10), || {
+        value(&agent.scrape(), "gpufeed_gpu_ioctl_processes_probed", &[]).filter(|v| *v >= n as f64)
+    });
+    assert!(probed.is_some(), "the agent probed {n} GPU processes");
 }
