@@ -71,15 +71,17 @@ trap 'exit 130' INT TERM
 bin=./target/$([ "$profile" = dev ] && echo debug || echo release)
 host=$(hostname)
 demo_host=demo-egpu
-if [ ! -f "$state/certs/ca.pem" ]; then
+if [ ! -f "$state/certs/ca/ca.pem" ]; then
   "$bin/gpufeed-guest" certs init --out "$state/certs" --guest-addr "$quic" --host "$host" \
     --host "$demo_host" >/dev/null
 fi
-# The generated host configuration, with the spool in the state directory and the metrics
-# address of this stack.
+# The generated host bundle's configuration (laid out for /etc/gpufeed), pointed at the bundle
+# where it lies, with the spool in the state directory and the metrics address of this stack.
+bundle="$state/certs/hosts/$host"
 {
   echo "metrics_listen = \"$host_metrics\""
-  sed "s#^spool_dir = .*#spool_dir = \"$state/spool\"#" "$state/certs/host-$host.toml"
+  sed -e "s#^spool_dir = .*#spool_dir = \"$state/spool\"#" -e "s#/etc/gpufeed/#$bundle/#" \
+    "$bundle/host.toml"
 } >"$state/host.toml"
 
 "$bin/gpufeed-host" run --config "$state/host.toml" >"$state/host.log" 2>&1 &
@@ -106,9 +108,9 @@ enabled = false
 [thunderbolt]
 uevents = false
 [stream]
-ca = "$state/certs/ca.pem"
-cert = "$state/certs/host-$demo_host.pem"
-key = "$state/certs/host-$demo_host.key"
+ca = "$state/certs/hosts/$demo_host/tls/ca.pem"
+cert = "$state/certs/hosts/$demo_host/tls/host.pem"
+key = "$state/certs/hosts/$demo_host/tls/host-key.pem"
 spool_dir = ""
 [[stream.guests]]
 name = "guest"
