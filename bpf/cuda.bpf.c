@@ -41,10 +41,18 @@
 #include <bpf/bpf_tracing.h>
 #include "cgroup.h"
 #include "cgroup_active.h"
+#include "cgroup_drain.h"
+#include "hist.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 #define CUDA_SUCCESS 0
+
+/* Set by userspace before load (--cuda-launches): the launch, record and
+ * query probes are attached and the synchronisation calls close busy
+ * intervals. Without it the synchronisation probes only time the wait, and
+ * no stream map is walked. */
+const volatile bool busy_estimate = false;
 /* Adjacent mappings one cuMemUnmap may cover (it must unmap whole mappings). */
 #define MAX_UNMAP_SPAN 32
 
@@ -57,6 +65,7 @@ struct cuda_cgroup {
 	__u64 busy_ns;	      /* closed busy-estimate intervals */
 	__u64 busy_since;     /* ktime ns the current interval began */
 	__s64 busy_streams;   /* streams of the cgroup with outstanding work */
+	struct hist sync_wait; /* time blocked in cuStream/Ctx/EventSynchronize */
 	__u64 epoch; /* see cgroup_active.h */
 };
 
@@ -66,6 +75,8 @@ struct {
 	__type(key, int);
 	__type(value, struct cuda_cgroup);
 } cuda_cgroup SEC(".maps");
+
+CGROUP_DRAIN(cuda_cgroup, struct cuda_cgroup)
 
 #define KIND_DPTR 0    /* classic allocation: key is the device pointer */
 #define KIND_HANDLE 1  /* VMM allocation handle */
@@ -119,7 +130,8 @@ struct {
 struct pending {
 	__u64 out;   /* user address of the out-parameter (dptr or handle) */
 	__u64 out2;  /* cuMemAllocPitch: user address of *pPitch */
-	__u64 size;  /* requested bytes, or the height for pitch allocations */
+	__u64 size;  /* requested bytes, the height for pitch allocations, or
+		      * the entry time (ktime ns) of a synchronisation call */
 	__u32 call;
 };
 
@@ -545,7 +557,7 @@ int BPF_UPROBE(cu_event_record, __u64 event, __u64 stream)
 SEC("uprobe")
 int BPF_UPROBE(cu_stream_sync, __u64 stream)
 {
-	return stash(CALL_STREAM_SYNC, stream, 0, 0);
+	return stash(CALL_STREAM_SYNC, stream, 0, bpf_ktime_get_ns());
 }
 
 SEC("uprobe")
@@ -558,14 +570,14 @@ int BPF_UPROBE(cu_stream_query, __u64 stream)
 SEC("uprobe")
 int BPF_UPROBE(cu_ctx_sync)
 {
-	return stash(CALL_CTX_SYNC, 0, 0, 0);
+	return stash(CALL_CTX_SYNC, 0, 0, bpf_ktime_get_ns());
 }
 
 /* CUresult cuEventSynchronize(CUevent hEvent), cuEventQuery(CUevent hEvent) */
 SEC("uprobe")
 int BPF_UPROBE(cu_event_sync, __u64 event)
 {
-	return stash(CALL_EVENT_SYNC, event, 0, 0);
+	return stash(CALL_EVENT_SYNC, event, 0, bpf_ktime_get_ns());
 }
 
 SEC("uprobe")
@@ -619,18 +631,28 @@ int BPF_URETPROBE(cu_sync_ret, int ret)
 	__u64 id = bpf_get_current_pid_tgid(), now = bpf_ktime_get_ns(), handle;
 	struct pending *p = bpf_map_lookup_elem(&cuda_pending, &id);
 	struct cuda_cgroup *cg;
+	__u64 entered;
+	bool blocking;
 	__u32 call;
 
 	if (!p)
 		return 0;
 	call = p->call;
 	handle = p->out;
+	entered = p->size;
 	bpf_map_delete_elem(&cuda_pending, &id);
-	if (ret != CUDA_SUCCESS)
-		return 0; /* a query answering "not ready", or an error */
+	blocking = call == CALL_STREAM_SYNC || call == CALL_CTX_SYNC || call == CALL_EVENT_SYNC;
+	if (ret != CUDA_SUCCESS && !blocking)
+		return 0; /* a query answering "not ready" */
 	cg = my_cgroup();
 	if (!cg)
 		return 0;
+	/* The host thread waited this long for the GPU, whatever the outcome:
+	 * the latency signal a pod feels when the GPU (or its link) is slow. */
+	if (blocking && now > entered)
+		hist_record(&cg->sync_wait, now - entered);
+	if (ret != CUDA_SUCCESS || !busy_estimate)
+		return 0; /* an error (nothing is known complete), or no busy estimate */
 	switch (call) {
 	case CALL_STREAM_SYNC:
 	case CALL_STREAM_QUERY:
@@ -673,7 +695,7 @@ int BPF_PROG(cuda_exit, struct task_struct *p)
 		return 0;
 	/* its outstanding work ends with it (the driver tears its context down) */
 	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(p), 0, 0);
-	if (cg)
+	if (cg && busy_estimate)
 		all_done(cg, c.tgid, bpf_ktime_get_ns());
 	pv = bpf_map_lookup_elem(&cuda_procs, &c.tgid);
 	if (!pv)

@@ -41,6 +41,7 @@
 #include "hist.h"
 #include "cgroup.h"
 #include "cgroup_active.h"
+#include "cgroup_drain.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -114,6 +115,8 @@ struct {
 	__type(key, int);
 	__type(value, struct gpu_cgroup);
 } gpu_cgroup SEC(".maps");
+
+CGROUP_DRAIN(gpu_cgroup, struct gpu_cgroup)
 
 /* [0] storage unavailable, [1] GPU fds learned at open, [2] GPU fds beyond
  * GPU_FD_BITS (not tracked), [3] calls that left a cgroup other than the one

@@ -16,6 +16,7 @@
 //!    allocation and a free, a stream synchronisation).
 //!
 //! cargo bench -p gpufeed-guest --bench gpu_overhead
+//! (`GPU_OVERHEAD_ONLY=cuda` or `=driver` runs one half)
 
 use std::collections::HashSet;
 use std::os::fd::AsRawFd;
@@ -207,7 +208,7 @@ fn client(
         std::thread::sleep(Duration::from_millis(5));
     }
     let _probe = opts.map(|o| {
-        let mut p = CudaProbe::load(o.clone())
+        let mut p = CudaProbe::load(o.clone(), &KernelBtf::load())
             .expect("cuda probe loads")
             .expect("the kernel has the hooks");
         assert_eq!(p.scan(&HashSet::from([child.id() as i32])), 1, "attached");
@@ -313,6 +314,11 @@ fn main() {
         return;
     }
     let scratch = tempfile::tempdir().unwrap();
-    driver_time(scratch.path());
-    cuda(scratch.path());
+    let only = std::env::var("GPU_OVERHEAD_ONLY").unwrap_or_default();
+    if only != "cuda" {
+        driver_time(scratch.path());
+    }
+    if only != "driver" {
+        cuda(scratch.path());
+    }
 }

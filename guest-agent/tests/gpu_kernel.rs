@@ -19,8 +19,14 @@ use std::time::Duration;
 
 use common::gpu::*;
 use common::*;
-use gpufeed_guest::probes::cuda::{CudaCgroup, CudaOptions, CudaProbe};
-use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook, Mode, CMD_CLASSES};
+use std::os::unix::fs::MetadataExt;
+
+use gpufeed_guest::probes::cuda::{self, CudaCgroup, CudaOptions, CudaProbe};
+use gpufeed_guest::probes::gpu_driver::{
+    self, GpuDevices, GpuDriverProbe, Hook, Mode, CMD_CLASSES,
+};
+use gpufeed_guest::probes::hist::Hist;
+use gpufeed_guest::probes::unit::{Delta, Probe, Value};
 use gpufeed_guest::probes::KernelBtf;
 
 fn pids(pods: &[&Pod]) -> HashSet<i32> {
@@ -273,10 +279,13 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     let mut host_pod = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
     let mut ctr_pod = Pod::random(&sb, Layout::Systemd, "burstable");
 
-    let mut probe = CudaProbe::load(CudaOptions {
-        launches: true,
-        ..CudaOptions::default()
-    })
+    let mut probe = CudaProbe::load(
+        CudaOptions {
+            launches: true,
+            ..CudaOptions::default()
+        },
+        &KernelBtf::load(),
+    )
     .expect("cuda probe loads")
     .expect("kernel has the hooks");
 
@@ -521,6 +530,20 @@ fn gpu_series_on_metrics() {
 /// within 10% of its own measurement.
 #[test]
 fn cuda_busy_estimate_per_pod_from_launch_to_completion() {
+    cuda_busy_case(true);
+}
+
+/// The synchronisation calls are timed with the default probe set: the
+/// launch probes (and so the busy estimate) stay off.
+#[test]
+fn cuda_sync_wait_per_pod_without_the_launch_probes() {
+    cuda_busy_case(false);
+}
+
+/// Two pods run the busy client (pod b at twice the durations); with
+/// `launches`, the busy estimate is checked against the client's own
+/// measurement, and in both cases the four synchronisation waits.
+fn cuda_busy_case(launches: bool) {
     let Some(_lock) = require_root() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
@@ -531,10 +554,13 @@ fn cuda_busy_estimate_per_pod_from_launch_to_completion() {
     let sb = CgroupSandbox::new();
     let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
-    let mut probe = CudaProbe::load(CudaOptions {
-        launches: true,
-        ..CudaOptions::default()
-    })
+    let mut probe = CudaProbe::load(
+        CudaOptions {
+            launches,
+            ..CudaOptions::default()
+        },
+        &KernelBtf::load(),
+    )
     .expect("cuda probe loads")
     .expect("kernel has the hooks");
 
@@ -563,23 +589,42 @@ fn cuda_busy_estimate_per_pod_from_launch_to_completion() {
     wait_file(&out_a, "pod a's client");
     wait_file(&out_b, "pod b's client");
     for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
-        let measured: u64 = std::fs::read_to_string(out)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let line = std::fs::read_to_string(out).unwrap();
+        let measured: Vec<u64> = line
+            .split_whitespace()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        let (busy, sync) = (measured[0], measured[1]);
         let cg = File::open(&pod.cgroup).unwrap();
         let got = probe.read(cg.as_fd()).expect("the pod has CUDA numbers");
         eprintln!(
-            "pod {name}: busy estimate {} ns, measured {measured} ns, {} launches",
-            got.busy_ns, got.launches
+            "pod {name}: busy estimate {} ns, measured {busy} ns, {} launches; \
+             sync wait {} calls {} ns, measured {sync} ns",
+            got.busy_ns, got.launches, got.sync_wait.count, got.sync_wait.sum_ns
         );
-        assert_eq!(got.launches, 14, "pod {name}: launches (5 + 4 + 3 + 1 + 1)");
+        assert_eq!(
+            got.sync_wait.count, 4,
+            "pod {name}: the four synchronisation calls timed"
+        );
         assert!(
-            within_10_percent(got.busy_ns as f64, measured as f64),
-            "pod {name}: busy {} vs measured {measured}",
-            got.busy_ns
+            within_10_percent(got.sync_wait.sum_ns as f64, sync as f64),
+            "pod {name}: sync wait {} vs measured {sync}",
+            got.sync_wait.sum_ns
         );
+        if launches {
+            assert_eq!(got.launches, 14, "pod {name}: launches (5 + 4 + 3 + 1 + 1)");
+            assert!(
+                within_10_percent(got.busy_ns as f64, busy as f64),
+                "pod {name}: busy {} vs measured {busy}",
+                got.busy_ns
+            );
+        } else {
+            assert_eq!(
+                (got.launches, got.busy_ns),
+                (0, 0),
+                "pod {name}: no launch probes, no busy estimate"
+            );
+        }
     }
     assert_eq!(probe.kernel_stats()[3], 0, "every launch's stream tracked");
 }
@@ -649,4 +694,132 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
     pod.wait_exit(pid as u32, Duration::from_secs(10));
     probe.seed_new(&pids(&[&pod]));
     assert_eq!(probe.probed(), 0, "probes of a gone process dropped");
+}
+
+/// The deltas `read_removed` hands out for cgroup `id`.
+fn removed_deltas(probe: &mut dyn Probe, id: u64) -> Vec<Delta> {
+    let mut out = Vec::new();
+    probe.read_removed(&mut out);
+    out.into_iter()
+        .filter(|(cg, _)| *cg == id)
+        .map(|(_, d)| d)
+        .collect()
+}
+
+fn hist_of<'a>(deltas: &'a [Delta], family: &str) -> Vec<&'a Hist> {
+    deltas
+        .iter()
+        .filter(|d| d.family == family)
+        .filter_map(|d| match &d.value {
+            Value::Hist(h) => Some(h),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A container that makes its GPU calls and is gone (processes exited,
+/// cgroup removed) before the agent's next read still counts: both GPU
+/// units drain its storage at rmdir, and the agent credits what it held
+/// since the last read to the pod.
+#[test]
+fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let cuda = StandInCuda::new(dir);
+    let client = dir.join("cuda_busy");
+    compile_c("cuda/cuda_busy.c", &client, &["-ldl"]);
+    let sb = CgroupSandbox::new();
+    let mut driver = GpuDriverProbe::load(
+        &GpuDevices {
+            path_prefixes: vec![format!("{}/nvidia", dir.display())],
+            driver_names: vec![UART_DRIVER.into()],
+        },
+        Hook::Auto,
+        &KernelBtf::load(),
+    )
+    .expect("gpu_driver loads")
+    .expect("kernel has the hooks");
+    let mut probe = CudaProbe::load(CudaOptions::default(), &KernelBtf::load())
+        .expect("cuda probe loads")
+        .expect("kernel has the hooks");
+
+    // one pod per unit; each process runs after the unit looked at it
+    let go = dir.join("go");
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let out_a = dir.join("a.out");
+    let pid_a = a.spawn(&dev.command(2, 1, &go, &out_a, ""));
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid_a as i32, &dev.node)
+            .then_some(()))
+        .is_some(),
+        "pod a opened the device"
+    );
+    assert_eq!(driver.seed_new(&pids(&[&a])), 1, "a's device fd seeded");
+    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let out_b = dir.join("b.out");
+    let pid_b = b.spawn(&format!(
+        "LD_LIBRARY_PATH={} exec {} {} {} 1",
+        cuda.lib_dir.display(),
+        client.display(),
+        go.display(),
+        out_b.display()
+    ));
+    assert!(
+        wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&b]))
+            + probe.files()
+            > 0)
+        .then_some(()))
+        .is_some(),
+        "pod b's client mapped the library"
+    );
+    File::create(&go).unwrap();
+    wait_file(&out_a, "pod a's calls");
+    wait_file(&out_b, "pod b's client");
+    a.wait_exit(pid_a, Duration::from_secs(10));
+    b.wait_exit(pid_b, Duration::from_secs(10));
+    let (calls, ioctl_ns) = measured(&out_a);
+    let sync_ns: u64 = std::fs::read_to_string(&out_b)
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let id = |p: &Pod| std::fs::metadata(&p.cgroup).unwrap().ino();
+    let (id_a, id_b) = (id(&a), id(&b));
+    a.remove();
+    b.remove();
+
+    let got = removed_deltas(&mut driver, id_a);
+    let ioctl = hist_of(&got, gpu_driver::IOCTL);
+    let (count, sum) = ioctl
+        .iter()
+        .fold((0, 0), |(c, s), h| (c + h.count, s + h.sum_ns));
+    eprintln!("pod a drained: {count} calls, {sum} ns; measured {calls} calls, {ioctl_ns} ns");
+    // the held calls, then one call of each NVIDIA request class
+    assert_eq!(count, calls + CMD_CLASSES.len() as u64, "pod a's calls");
+    assert!(
+        within_10_percent(sum as f64, ioctl_ns as f64),
+        "pod a: {sum} ns vs measured {ioctl_ns}"
+    );
+    assert!(
+        removed_deltas(&mut driver, id_a).is_empty(),
+        "a drained cgroup is handed out once"
+    );
+
+    let got = removed_deltas(&mut probe, id_b);
+    let waits = hist_of(&got, cuda::SYNC_WAIT);
+    assert_eq!(waits.len(), 1, "pod b's sync waits: {got:?}");
+    eprintln!(
+        "pod b drained: {} waits, {} ns; measured {sync_ns} ns",
+        waits[0].count, waits[0].sum_ns
+    );
+    assert_eq!(waits[0].count, 4, "pod b's four synchronisation calls");
+    assert!(
+        within_10_percent(waits[0].sum_ns as f64, sync_ns as f64),
+        "pod b: {} ns vs measured {sync_ns}",
+        waits[0].sum_ns
+    );
 }

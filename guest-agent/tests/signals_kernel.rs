@@ -1,12 +1,14 @@
-//! Signal windows on the real kernel, through the library: the sched unit
-//! loaded from the registry, the collector ticking over real cgroups, and the
-//! per-tick run-queue windows a correlator reads, compared with the kernel's
-//! own schedstat run_delay.
+//! Signal windows on the real kernel, through the library: units loaded from
+//! the registry, the collector ticking over real cgroups, and the per-tick
+//! windows a correlator reads: run-queue waits compared with the kernel's own
+//! schedstat run_delay, GPU synchronisation waits with what a stand-in CUDA
+//! client measured around its calls.
 
 mod common;
 
 use std::time::Duration;
 
+use common::gpu;
 use common::*;
 use gpufeed_guest::cgroups::CgroupTree;
 use gpufeed_guest::collect::{Collector, Owner};
@@ -17,7 +19,7 @@ use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
 use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
 use gpufeed_guest::probes::{self, cuda, gpu_driver, sched, tc, tcp, KernelBtf};
 
-fn collector() -> Collector {
+fn collector(probes: &str) -> Collector {
     let btf = KernelBtf::load();
     let config = ProbeConfig {
         sched: sched::Config {
@@ -40,7 +42,7 @@ fn collector() -> Collector {
         config: &config,
         lockdown: None,
     };
-    let selected = probes::select("sched_latency").unwrap();
+    let selected = probes::select(probes).unwrap();
     let (units, statuses) = probes::load(&ctx, &selected).unwrap();
     assert_eq!(statuses.len(), 1);
     assert!(statuses[0].up, "{:?}", statuses[0]);
@@ -64,13 +66,17 @@ struct Window {
 
 /// This tick's run-queue windows of one pod.
 fn pod_windows(c: &Collector, uid: &str) -> Vec<Window> {
+    signal_windows(c, "run_queue_wait", uid)
+}
+
+/// This tick's windows of one latency signal of one pod.
+fn signal_windows(c: &Collector, signal: &str, uid: &str) -> Vec<Window> {
     let shared = c.shared.lock().unwrap();
     shared
         .windows
         .iter()
         .filter(|w: &&SignalWindow| {
-            w.signal == "run_queue_wait"
-                && matches!(&w.owner, Owner::Pod { uid: u, .. } if u == uid)
+            w.signal == signal && matches!(&w.owner, Owner::Pod { uid: u, .. } if u == uid)
         })
         .map(|w| match w.value {
             WindowValue::Latency {
@@ -87,7 +93,7 @@ fn pod_windows(c: &Collector, uid: &str) -> Vec<Window> {
                 max: max_us,
                 length: w.window,
             },
-            WindowValue::Rate { .. } => panic!("run-queue wait is a latency signal"),
+            WindowValue::Rate { .. } => panic!("{signal} is a latency signal"),
         })
         .collect()
 }
@@ -96,7 +102,7 @@ fn pod_windows(c: &Collector, uid: &str) -> Vec<Window> {
 fn run_queue_windows_add_up_to_schedstat_and_separate_busy_from_idle() {
     let Some(_lock) = require_root() else { return };
     let sb = CgroupSandbox::new();
-    let mut c = collector();
+    let mut c = collector("sched_latency");
     c.tick().unwrap();
     assert!(
         c.shared.lock().unwrap().windows.is_empty(),
@@ -180,4 +186,78 @@ fn run_queue_windows_add_up_to_schedstat_and_separate_busy_from_idle() {
         busy_p50 >= 4.0 * idle_p50,
         "busy p50 {busy_p50} us not far above idle {idle_p50} us"
     );
+}
+
+/// The CUDA unit offers the time a pod blocks in the synchronisation calls
+/// as the `gpu_sync_wait` latency signal: the client's four waits arrive in
+/// its pod's windows (and in no other pod's), summing to what the client
+/// measured around the calls.
+#[test]
+fn gpu_sync_waits_reach_the_correlator_as_a_latency_signal() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let cuda = gpu::StandInCuda::new(dir);
+    let client = dir.join("cuda_busy");
+    compile_c("cuda/cuda_busy.c", &client, &["-ldl"]);
+    let sb = CgroupSandbox::new();
+    let mut c = collector("cuda");
+    let mut waiting = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let other = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let (go, out) = (dir.join("go"), dir.join("busy.out"));
+    waiting.spawn(&format!(
+        "LD_LIBRARY_PATH={} exec {} {} {} 1",
+        cuda.lib_dir.display(),
+        client.display(),
+        go.display(),
+        out.display()
+    ));
+    // the unit attaches to the library the client mapped at its next tick
+    let attached = wait_for(Duration::from_secs(10), || {
+        c.tick().unwrap();
+        let shared = c.shared.lock().unwrap();
+        let mut libraries = shared.stats.units.iter().flat_map(|u| &u.series);
+        libraries
+            .find(|s| s.name == "gpufeed_cuda_libraries" && s.value == 1.0)
+            .map(|_| ())
+    });
+    assert!(attached.is_some(), "the cuda unit attached to the library");
+    std::fs::File::create(&go).unwrap();
+    let (mut mine, mut others) = (Vec::new(), Vec::new());
+    let done = wait_for(Duration::from_secs(15), || {
+        std::thread::sleep(Duration::from_millis(200));
+        c.tick().unwrap();
+        mine.extend(signal_windows(&c, "gpu_sync_wait", &waiting.uid));
+        others.extend(signal_windows(&c, "gpu_sync_wait", &other.uid));
+        (out.exists() && mine.iter().map(|w| w.count).sum::<u64>() >= 4).then_some(())
+    });
+    assert!(
+        done.is_some(),
+        "the client's waits arrived: {} windows",
+        mine.len()
+    );
+    let measured: u64 = std::fs::read_to_string(&out)
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (count, sum_us) = mine
+        .iter()
+        .fold((0, 0.0), |(n, s), w| (n + w.count, s + w.sum));
+    let max_us = mine.iter().map(|w| w.max).fold(0.0, f64::max);
+    eprintln!(
+        "{} windows: {count} waits, {sum_us:.0} us (largest {max_us:.0} us); measured {} us",
+        mine.len(),
+        measured / 1000
+    );
+    assert_eq!(count, 4, "the four synchronisation calls");
+    assert!(
+        gpu::within_10_percent(sum_us, measured as f64 / 1e3),
+        "sum {sum_us} us vs measured {measured} ns"
+    );
+    // the longest wait is phase 1's 100 ms of kernels (a bucket's upper bound)
+    assert!((100_000.0..=140_000.0).contains(&max_us), "max {max_us} us");
+    assert!(others.is_empty(), "no waits in the other pod");
 }

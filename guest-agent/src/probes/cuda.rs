@@ -1,5 +1,6 @@
 //! CUDA driver API per cgroup by uprobes on `libcuda.so` (`bpf/cuda.bpf.c`):
-//! device memory reserved, host↔device copy bytes, kernel launches.
+//! device memory reserved, host↔device copy bytes, time blocked in the
+//! synchronisation calls, kernel launches.
 //!
 //! Each container brings its own copy of the library (or bind-mounts the
 //! host's). [`CudaProbe::scan`] finds it in `/proc/<pid>/maps`, opens it
@@ -20,11 +21,14 @@ use std::path::PathBuf;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
+use super::cgroup_maps::Drained;
+use super::hist::Hist;
+use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
     Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::{decode, err, handle, lookup_cgroup, percpu_sum, ProbeError, ProbeStatus};
+use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
 use crate::collect::Owner;
 
 pub const NAME: &str = "cuda";
@@ -32,13 +36,14 @@ pub const VRAM: &str = "ebpf_gpu_vram_reserved_bytes";
 pub const PCIE: &str = "ebpf_gpu_pcie_bytes_total";
 pub const LAUNCHES: &str = "ebpf_gpu_kernel_launches_total";
 pub const BUSY: &str = "ebpf_gpu_busy_estimate_seconds_total";
+pub const SYNC_WAIT: &str = "ebpf_gpu_sync_wait_microseconds";
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     load: load_unit,
 };
 
-static FAMILIES: [FamilySpec; 4] = [
+static FAMILIES: [FamilySpec; 5] = [
     FamilySpec {
         name: VRAM,
         help: "GPU memory the container's processes hold through the CUDA driver API (allocations and VMM physical allocations)",
@@ -63,12 +68,18 @@ static FAMILIES: [FamilySpec; 4] = [
         kind: Kind::SecondsCounter,
         scope: Scope::Container,
     },
+    FamilySpec {
+        name: SYNC_WAIT,
+        help: "Time a thread of the container blocked in cuStreamSynchronize, cuCtxSynchronize or cuEventSynchronize (waiting for the GPU)",
+        kind: Kind::Histogram,
+        scope: Scope::Container,
+    },
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
     Ok(Loaded::single(
         NAME,
-        CudaProbe::load(ctx.config.cuda.clone())?,
+        CudaProbe::load(ctx.config.cuda.clone(), ctx.btf)?,
     ))
 }
 
@@ -79,8 +90,9 @@ pub struct CudaOptions {
     /// (maps shows the resolved name, e.g. `libcuda.so.550.54.15`).
     pub library_prefix: String,
     /// Count cuLaunchKernel (a uprobe on the hot launch path) and estimate
-    /// busy time from launch to completion (uprobes on the synchronisation
-    /// calls and queries too).
+    /// busy time from launch to completion (uprobes on cuEventRecord and the
+    /// stream and event queries too; the synchronisation calls, timed
+    /// always, then also close busy intervals).
     pub launches: bool,
 }
 
@@ -94,11 +106,13 @@ impl Default for CudaOptions {
 }
 
 /// One cgroup's CUDA numbers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct CudaCgroup {
     /// Device memory its processes hold now (signed: memory allocated before
     /// the probe attached and freed after shows as a negative contribution).
     pub vram_bytes: i64,
+    /// Time blocked in the synchronisation calls, per call.
+    pub sync_wait: Hist,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
     pub launches: u64,
@@ -119,6 +133,7 @@ impl CudaCgroup {
             d2h_bytes: c.d2h_bytes,
             launches: c.launches,
             busy_ns: c.busy_ns,
+            sync_wait: Hist::from_parts(&c.sync_wait.buckets, c.sync_wait.sum_ns),
         })
     }
 
@@ -132,6 +147,7 @@ impl CudaCgroup {
             d2h_bytes: d(self.d2h_bytes, earlier.d2h_bytes),
             launches: d(self.launches, earlier.launches),
             busy_ns: d(self.busy_ns, earlier.busy_ns),
+            sync_wait: self.sync_wait.delta_since(&earlier.sync_wait),
         }
     }
 }
@@ -165,7 +181,9 @@ enum Prog {
 
 /// The driver API functions probed: (symbol, entry program, the program at
 /// its return if any, whether it belongs to the launch set that
-/// `--cuda-launches` turns on). Signatures are in bpf/cuda.bpf.c.
+/// `--cuda-launches` turns on). The synchronisation calls are outside that
+/// set: a process makes a few per step, and their wait is the latency
+/// signal a pod feels when the GPU is slow. Signatures are in bpf/cuda.bpf.c.
 const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
     ("cuMemAlloc_v2", Prog::Alloc, Some(Prog::AllocRet), false),
     (
@@ -208,7 +226,7 @@ const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
         "cuStreamSynchronize",
         Prog::StreamSync,
         Some(Prog::SyncRet),
-        true,
+        false,
     ),
     (
         "cuStreamQuery",
@@ -216,12 +234,17 @@ const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
         Some(Prog::SyncRet),
         true,
     ),
-    ("cuCtxSynchronize", Prog::CtxSync, Some(Prog::SyncRet), true),
+    (
+        "cuCtxSynchronize",
+        Prog::CtxSync,
+        Some(Prog::SyncRet),
+        false,
+    ),
     (
         "cuEventSynchronize",
         Prog::EventSync,
         Some(Prog::SyncRet),
-        true,
+        false,
     ),
     ("cuEventQuery", Prog::EventQuery, Some(Prog::SyncRet), true),
 ];
@@ -278,8 +301,9 @@ pub struct CudaProbe {
     // Programs must stay attachable after load, for libraries found later:
     // the skeleton is leaked once (one probe per agent).
     skel: &'static skel::CudaSkel<'static>,
-    _exit: Link,
+    _links: Vec<Link>,
     cgroups: MapHandle,
+    drained: Drained,
     active: super::cgroup_maps::ActiveSet,
     stats: MapHandle,
     opts: CudaOptions,
@@ -296,22 +320,39 @@ pub struct CudaProbe {
 }
 
 impl CudaProbe {
-    pub fn load(opts: CudaOptions) -> Result<Result<CudaProbe, ProbeStatus>, ProbeError> {
+    pub fn load(
+        opts: CudaOptions,
+        btf: &KernelBtf,
+    ) -> Result<Result<CudaProbe, ProbeStatus>, ProbeError> {
         let storage: &'static mut MaybeUninit<OpenObject> =
             Box::leak(Box::new(MaybeUninit::uninit()));
-        let open = skel::CudaSkelBuilder::default()
+        let mut open = skel::CudaSkelBuilder::default()
             .open(storage)
             .map_err(err(NAME, "open"))?;
+        if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+            ro.busy_estimate = opts.launches;
+        }
+        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
+        open.progs.cuda_cgroup_rmdir.set_autoload(has_rmdir);
         let skel = open.load().map_err(err(NAME, "load"))?;
-        let exit = skel
+        let mut links = vec![skel
             .progs
             .cuda_exit
             .attach()
-            .map_err(err(NAME, "attach sched_process_exit"))?;
+            .map_err(err(NAME, "attach sched_process_exit"))?];
+        if has_rmdir {
+            links.push(
+                skel.progs
+                    .cuda_cgroup_rmdir
+                    .attach()
+                    .map_err(err(NAME, "attach cgroup_rmdir"))?,
+            );
+        }
         let skel: &'static skel::CudaSkel<'static> = Box::leak(Box::new(skel));
         Ok(Ok(CudaProbe {
-            _exit: exit,
+            _links: links,
             cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
+            drained: Drained::new(handle(NAME, &skel.maps.cuda_cgroup_drained)?),
             active: super::cgroup_maps::ActiveSet::new(
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
@@ -447,29 +488,33 @@ impl Probe for CudaProbe {
         &FAMILIES
     }
 
+    fn signals(&self) -> Vec<SignalSpec> {
+        vec![SignalSpec {
+            name: "gpu_sync_wait",
+            family: SYNC_WAIT,
+            kind: SignalKind::Latency,
+        }]
+    }
+
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(now) = self.read(dir) else { return };
         self.vram.insert(id, now.vram_bytes);
         let d = self.last.advance(id, now, CudaCgroup::delta_since);
-        for (direction, bytes) in [("h2d", d.h2d_bytes), ("d2h", d.d2h_bytes)] {
-            out.push(Delta {
-                family: PCIE,
-                labels: Labels::from([("direction", direction.to_string())]),
-                value: Value::Count(bytes),
-            });
-        }
-        if self.opts.launches {
-            out.push(Delta {
-                family: LAUNCHES,
-                labels: Labels::new(),
-                value: Value::Count(d.launches),
-            });
-            out.push(Delta {
-                family: BUSY,
-                labels: Labels::new(),
-                value: Value::Count(d.busy_ns),
-            });
-        }
+        push_deltas(d, self.opts.launches, out);
+    }
+
+    /// A removed cgroup's last interval: its processes are gone (their exit
+    /// gave their memory back), what they copied and waited since the last
+    /// read is still owed to the pod.
+    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
+        let (drained, last, vram) = (&self.drained, &mut self.last, &mut self.vram);
+        let launches = self.opts.launches;
+        let push = |id, now, d: &mut Vec<Delta>| {
+            push_deltas(last.advance(id, now, CudaCgroup::delta_since), launches, d);
+            last.forget(id);
+            vram.remove(&id);
+        };
+        drained.deltas(CudaCgroup::from_bytes, push, out);
     }
 
     fn active_cgroups(&mut self) -> Option<Vec<u64>> {
@@ -544,6 +589,36 @@ impl Probe for CudaProbe {
                 },
             ],
         }
+    }
+}
+
+/// The deltas of one cgroup's interval `d`.
+fn push_deltas(d: CudaCgroup, launches: bool, out: &mut Vec<Delta>) {
+    for (direction, bytes) in [("h2d", d.h2d_bytes), ("d2h", d.d2h_bytes)] {
+        out.push(Delta {
+            family: PCIE,
+            labels: Labels::from([("direction", direction.to_string())]),
+            value: Value::Count(bytes),
+        });
+    }
+    if !d.sync_wait.is_empty() {
+        out.push(Delta {
+            family: SYNC_WAIT,
+            labels: Labels::new(),
+            value: Value::Hist(d.sync_wait),
+        });
+    }
+    if launches {
+        out.push(Delta {
+            family: LAUNCHES,
+            labels: Labels::new(),
+            value: Value::Count(d.launches),
+        });
+        out.push(Delta {
+            family: BUSY,
+            labels: Labels::new(),
+            value: Value::Count(d.busy_ns),
+        });
     }
 }
 

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
+use super::cgroup_maps::Drained;
 use super::cuda::{attach_uprobe, find_libs, reachable, vsize};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
@@ -240,12 +241,31 @@ impl GpuDriverCgroup {
     }
 }
 
+/// The deltas of one cgroup's interval `d`.
+fn push_deltas(d: GpuDriverCgroup, out: &mut Vec<Delta>) {
+    for (class, h) in CMD_CLASSES.iter().zip(d.ioctl) {
+        if !h.is_empty() {
+            out.push(Delta {
+                family: IOCTL,
+                labels: Labels::from([("cmd", class.to_string())]),
+                value: Value::Hist(h),
+            });
+        }
+    }
+    out.push(Delta {
+        family: COMPUTE,
+        labels: Labels::new(),
+        value: Value::Count(d.busy_ns),
+    });
+}
+
 pub struct GpuDriverProbe {
     // Uprobe mode attaches programs after load, per process: the skeleton
     // lives as long as the agent (one probe per agent; tests load a few).
     skel: &'static skel::GpuDriverSkel<'static>,
     mode: Mode,
     cgroups: MapHandle,
+    drained: Drained,
     active: super::cgroup_maps::ActiveSet,
     fds: MapHandle,
     stats: MapHandle,
@@ -402,6 +422,8 @@ impl GpuDriverProbe {
         ] {
             prog.set_autoload(uprobes);
         }
+        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
+        p.gpu_cgroup_rmdir.set_autoload(has_rmdir);
         let skel = open.load().map_err(err(NAME, "load"))?;
         let skel: &'static skel::GpuDriverSkel<'static> = Box::leak(Box::new(skel));
         let p = &skel.progs;
@@ -409,6 +431,9 @@ impl GpuDriverProbe {
             (&p.gpu_exec, "sched_process_exec"),
             (&p.gpu_fork, "sched_process_fork"),
         ];
+        if has_rmdir {
+            progs.push((&p.gpu_cgroup_rmdir, "cgroup_rmdir"));
+        }
         match mode {
             Mode::Uprobes => progs.push((&p.gpu_thread_exit, "sched_process_exit")),
             Mode::Syscalls => {
@@ -456,6 +481,7 @@ impl GpuDriverProbe {
             skel,
             mode,
             cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
+            drained: Drained::new(handle(NAME, &skel.maps.gpu_cgroup_drained)?),
             active: super::cgroup_maps::ActiveSet::new(
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
@@ -643,21 +669,19 @@ impl Probe for GpuDriverProbe {
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(now) = self.read(dir) else { return };
         let d = self.last.advance(id, now, GpuDriverCgroup::delta_since);
-        for (class, h) in CMD_CLASSES.iter().zip(d.ioctl) {
-            if !h.is_empty() {
-                out.push(Delta {
-                    family: IOCTL,
-                    labels: Labels::from([("cmd", class.to_string())]),
-                    value: Value::Hist(h),
-                });
-            }
-        }
-        out.push(Delta {
-            family: COMPUTE,
-            labels: Labels::new(),
-            value: Value::Count(d.busy_ns),
-        });
         self.busy_read.push((id, d.busy_ns));
+        push_deltas(d, out);
+    }
+
+    /// A removed cgroup's last interval (its tasks left their last calls
+    /// before it could be removed).
+    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
+        let (drained, last) = (&self.drained, &mut self.last);
+        let push = |id, now, d: &mut Vec<Delta>| {
+            push_deltas(last.advance(id, now, GpuDriverCgroup::delta_since), d);
+            last.forget(id);
+        };
+        drained.deltas(GpuDriverCgroup::from_bytes, push, out);
     }
 
     fn active_cgroups(&mut self) -> Option<Vec<u64>> {
