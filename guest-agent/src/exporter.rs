@@ -220,6 +220,10 @@ impl AgentCollector {
             };
             out.push(family(s.name, s.help, t, vec![m]));
         }
+        for f in stats.units.iter().flat_map(|u| u.node.iter()) {
+            let samples = f.samples.iter().map(|(l, v)| gauge(l, *v)).collect();
+            out.push(family(f.name, f.help, MetricType::GAUGE, samples));
+        }
         out.push(g(
             "gpufeed_cgroups",
             "Live cgroups in the cgroup v2 hierarchy",

@@ -148,7 +148,25 @@ fn nvml_series_per_pod_on_metrics() {
         let u = got.unwrap().1;
         assert!((u - sm).abs() < 1e-9, "pod {}: SM {u}", pod.uid);
     }
-    assert_eq!(value(&agent.scrape(), "gpufeed_nvml_gpus", &[]), Some(2.0));
+    let s = agent.scrape();
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(2.0));
+    // each GPU's capacity, as the stand-in reports it
+    for (gpu, memory, link) in [
+        ("0", 80 * GIB, 16 * 1_969_230_769u64),
+        ("1", 24 * GIB, 8 * 984_615_384),
+    ] {
+        let want = [("gpu", gpu)];
+        assert_eq!(
+            value(&s, "gpufeed_gpu_memory_total_bytes", &want),
+            Some(memory as f64),
+            "gpu {gpu}: memory"
+        );
+        assert_eq!(
+            value(&s, "gpufeed_gpu_link_max_bytes_per_second", &want),
+            Some(link as f64),
+            "gpu {gpu}: link"
+        );
+    }
     drop(agent);
 
     // A cost asked for without capacities in the configuration: the GPUs' own, from NVML.
@@ -204,4 +222,8 @@ fn nvml_series_per_pod_on_metrics() {
         Some(1.0)
     );
     assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(0.0));
+    assert!(
+        find(&s, "gpufeed_gpu_memory_total_bytes", &[]).is_empty(),
+        "no capacity without NVML"
+    );
 }

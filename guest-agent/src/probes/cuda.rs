@@ -588,6 +588,7 @@ impl Probe for CudaProbe {
                     value: unknown as f64,
                 },
             ],
+            node: Vec::new(),
         }
     }
 }

@@ -746,6 +746,7 @@ impl Probe for GpuDriverProbe {
                     value: moved as f64,
                 },
             ],
+            node: Vec::new(),
         }
     }
 }

@@ -1,22 +1,25 @@
 //! The `nvml` unit: NVML's per-process SM utilisation and memory, summed per
-//! container, exported beside the eBPF GPU series as their ground truth
-//! (`crate::nvml` does the reading). No BPF: it works by the tick. A node
+//! container, exported beside the eBPF GPU series as their ground truth, and
+//! each GPU's capacity (total memory, maximum link bandwidth: the FinOps
+//! denominators) (`crate::nvml` does the reading). No BPF: it works by the tick. A node
 //! without the library has the unit up and idle (`gpufeed_nvml_gpus` 0; one
 //! info line at start).
 
 use std::collections::HashMap;
 
 use super::unit::{
-    FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Probe, Scope, SelfSeries,
-    TickContext, TickOutput, UnitSpec, UnitStats,
+    FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, NodeFamily, Probe, Scope,
+    SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats,
 };
 use super::ProbeError;
 use crate::collect::Owner;
-use crate::nvml::Nvml;
+use crate::nvml::{GpuCapacity, Nvml};
 
 pub const NAME: &str = "nvml";
 pub const SM: &str = "gpufeed_nvml_process_sm_utilization_ratio";
 pub const MEMORY: &str = "gpufeed_nvml_process_memory_bytes";
+pub const MEMORY_TOTAL: &str = "gpufeed_gpu_memory_total_bytes";
+pub const LINK_MAX: &str = "gpufeed_gpu_link_max_bytes_per_second";
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
@@ -64,20 +67,47 @@ fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, P
 
 pub struct NvmlUnit {
     nvml: Option<Nvml>,
-    gpus: usize,
+    /// Read once at start: a GPU's memory and link maximum do not change
+    /// while the driver is loaded.
+    gpus: Vec<GpuCapacity>,
     failures: u64,
 }
 
 impl NvmlUnit {
     pub fn new(nvml: Option<Nvml>) -> NvmlUnit {
-        let gpus = nvml
-            .as_ref()
-            .and_then(|n| n.capacity().ok())
-            .map_or(0, |c| c.len());
+        let gpus = match nvml.as_ref().map(Nvml::capacity) {
+            Some(Ok(c)) => c,
+            Some(Err(e)) => {
+                tracing::warn!("NVML: GPU capacity: {e}");
+                Vec::new()
+            }
+            None => Vec::new(),
+        };
         NvmlUnit {
             nvml,
             gpus,
             failures: 0,
+        }
+    }
+
+    /// One gauge per GPU, labelled `gpu` (NVML's index).
+    fn per_gpu(
+        &self,
+        name: &'static str,
+        help: &'static str,
+        pick: fn(&GpuCapacity) -> u64,
+    ) -> NodeFamily {
+        NodeFamily {
+            name,
+            help,
+            samples: self
+                .gpus
+                .iter()
+                .map(|g| {
+                    let labels = Labels::from([("gpu", g.index.to_string())]);
+                    (labels, pick(g) as f64)
+                })
+                .collect(),
         }
     }
 }
@@ -135,7 +165,7 @@ impl Probe for NvmlUnit {
                     name: "gpufeed_nvml_gpus",
                     help: "GPUs NVML reports (0: no NVML library on the node)",
                     kind: Kind::Gauge,
-                    value: self.gpus as f64,
+                    value: self.gpus.len() as f64,
                 },
                 SelfSeries {
                     name: "gpufeed_nvml_errors_total",
@@ -143,6 +173,18 @@ impl Probe for NvmlUnit {
                     kind: Kind::Counter,
                     value: self.failures as f64,
                 },
+            ],
+            node: vec![
+                self.per_gpu(
+                    MEMORY_TOTAL,
+                    "Total memory of each GPU by NVML (the denominator of VRAM shares)",
+                    |g| g.memory_total_bytes,
+                ),
+                self.per_gpu(
+                    LINK_MAX,
+                    "Maximum PCIe bandwidth per direction of each GPU's link by NVML (maximum generation's per-lane rate after encoding, times maximum width)",
+                    |g| g.link_bytes_per_second,
+                ),
             ],
             ..UnitStats::default()
         }

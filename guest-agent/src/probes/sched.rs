@@ -267,6 +267,7 @@ impl Probe for SchedProbe {
                 kind: Kind::Counter,
                 value: percpu_sum(&self.stats, 0) as f64,
             }],
+            node: Vec::new(),
         }
     }
 }

@@ -344,6 +344,7 @@ impl Probe for TcpProbe {
             // events dropped because cgroup storage was unavailable
             storage_failures: Some((OBJ, percpu_sum(&self.lost, 0))),
             series: Vec::new(),
+            node: Vec::new(),
         }
     }
 }

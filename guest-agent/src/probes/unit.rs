@@ -135,6 +135,16 @@ pub struct UnitStats {
     /// (`probe` label, events lost because cgroup storage was unavailable)
     pub storage_failures: Option<(&'static str, u64)>,
     pub series: Vec<SelfSeries>,
+    /// Series about the node's devices, one per label set (a GPU's capacity).
+    pub node: Vec<NodeFamily>,
+}
+
+/// A labelled family of node-level gauges a unit reports (not per owner).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeFamily {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub samples: Vec<(Labels, f64)>,
 }
 
 /// What the collector knows that a unit may need in its tick.

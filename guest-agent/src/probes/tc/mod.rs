@@ -416,6 +416,7 @@ impl Probe for TcUnit {
                     value: self.probe.overflow() as f64,
                 },
             ],
+            node: Vec::new(),
         }
     }
 }
