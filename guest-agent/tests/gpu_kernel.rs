@@ -548,8 +548,7 @@ fn cuda_busy_case(launches: bool) {
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
     let cuda = StandInCuda::new(dir);
-    let client = dir.join("cuda_busy");
-    compile_c("cuda/cuda_busy.c", &client, &["-ldl"]);
+    let client = BusyClient::new(dir);
 
     let sb = CgroupSandbox::new();
     let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
@@ -567,13 +566,7 @@ fn cuda_busy_case(launches: bool) {
     let go = dir.join("go");
     let run = |pod: &mut Pod, s: u32| {
         let out = dir.join(format!("busy{s}.out"));
-        pod.spawn(&format!(
-            "LD_LIBRARY_PATH={} exec {} {} {} {s}",
-            cuda.lib_dir.display(),
-            client.display(),
-            go.display(),
-            out.display()
-        ));
+        pod.spawn(&client.command(&cuda, &go, &out, s));
         out
     };
     let (out_a, out_b) = (run(&mut a, 1), run(&mut b, 2));
@@ -589,12 +582,7 @@ fn cuda_busy_case(launches: bool) {
     wait_file(&out_a, "pod a's client");
     wait_file(&out_b, "pod b's client");
     for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
-        let line = std::fs::read_to_string(out).unwrap();
-        let measured: Vec<u64> = line
-            .split_whitespace()
-            .map(|n| n.parse().unwrap())
-            .collect();
-        let (busy, sync) = (measured[0], measured[1]);
+        let (busy, sync) = busy_measured(out);
         let cg = File::open(&pod.cgroup).unwrap();
         let got = probe.read(cg.as_fd()).expect("the pod has CUDA numbers");
         eprintln!(
@@ -728,8 +716,7 @@ fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
     let dir = scratch.path();
     let dev = StandInDevice::new(dir);
     let cuda = StandInCuda::new(dir);
-    let client = dir.join("cuda_busy");
-    compile_c("cuda/cuda_busy.c", &client, &["-ldl"]);
+    let client = BusyClient::new(dir);
     let sb = CgroupSandbox::new();
     let mut driver = GpuDriverProbe::load(
         &GpuDevices {
@@ -759,13 +746,7 @@ fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
     assert_eq!(driver.seed_new(&pids(&[&a])), 1, "a's device fd seeded");
     let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
     let out_b = dir.join("b.out");
-    let pid_b = b.spawn(&format!(
-        "LD_LIBRARY_PATH={} exec {} {} {} 1",
-        cuda.lib_dir.display(),
-        client.display(),
-        go.display(),
-        out_b.display()
-    ));
+    let pid_b = b.spawn(&client.command(&cuda, &go, &out_b, 1));
     assert!(
         wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&b]))
             + probe.files()
@@ -780,13 +761,7 @@ fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
     a.wait_exit(pid_a, Duration::from_secs(10));
     b.wait_exit(pid_b, Duration::from_secs(10));
     let (calls, ioctl_ns) = measured(&out_a);
-    let sync_ns: u64 = std::fs::read_to_string(&out_b)
-        .unwrap()
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (_, sync_ns) = busy_measured(&out_b);
     let id = |p: &Pod| std::fs::metadata(&p.cgroup).unwrap().ino();
     let (id_a, id_b) = (id(&a), id(&b));
     a.remove();

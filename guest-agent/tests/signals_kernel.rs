@@ -198,20 +198,13 @@ fn gpu_sync_waits_reach_the_correlator_as_a_latency_signal() {
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
     let cuda = gpu::StandInCuda::new(dir);
-    let client = dir.join("cuda_busy");
-    compile_c("cuda/cuda_busy.c", &client, &["-ldl"]);
+    let client = gpu::BusyClient::new(dir);
     let sb = CgroupSandbox::new();
     let mut c = collector("cuda");
     let mut waiting = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     let other = Pod::random(&sb, Layout::Systemd, "besteffort");
     let (go, out) = (dir.join("go"), dir.join("busy.out"));
-    waiting.spawn(&format!(
-        "LD_LIBRARY_PATH={} exec {} {} {} 1",
-        cuda.lib_dir.display(),
-        client.display(),
-        go.display(),
-        out.display()
-    ));
+    waiting.spawn(&client.command(&cuda, &go, &out, 1));
     // the unit attaches to the library the client mapped at its next tick
     let attached = wait_for(Duration::from_secs(10), || {
         c.tick().unwrap();
@@ -236,13 +229,7 @@ fn gpu_sync_waits_reach_the_correlator_as_a_latency_signal() {
         "the client's waits arrived: {} windows",
         mine.len()
     );
-    let measured: u64 = std::fs::read_to_string(&out)
-        .unwrap()
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
+    let (_, measured) = gpu::busy_measured(&out);
     let (count, sum_us) = mine
         .iter()
         .fold((0, 0.0), |(n, s), w| (n + w.count, s + w.sum));

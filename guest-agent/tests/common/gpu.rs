@@ -154,6 +154,38 @@ impl StandInCuda {
     }
 }
 
+/// The busy client (fixtures/cuda/cuda_busy.c) built in a test's directory:
+/// five phases of kernels waited for in each way the probes watch; it writes
+/// "BUSY_NS SYNC_NS" as it measured them.
+pub struct BusyClient {
+    bin: PathBuf,
+}
+
+impl BusyClient {
+    pub fn new(dir: &Path) -> BusyClient {
+        let bin = dir.join("cuda_busy");
+        compile_c("cuda/cuda_busy.c", &bin, &["-ldl"]);
+        BusyClient { bin }
+    }
+
+    /// The shell command: the client at scale `s` on `cuda`'s library,
+    /// starting once `go` exists, its result in `out`.
+    pub fn command(&self, cuda: &StandInCuda, go: &Path, out: &Path, s: u32) -> String {
+        format!(
+            "LD_LIBRARY_PATH={} exec {} {} {} {s}",
+            cuda.lib_dir.display(),
+            self.bin.display(),
+            go.display(),
+            out.display()
+        )
+    }
+}
+
+/// (busy ns, ns inside the synchronisation calls) a busy client measured.
+pub fn busy_measured(out: &Path) -> (u64, u64) {
+    measured(out)
+}
+
 /// A running pod as the API lists it: one container `main` with id `cid`, on `node`.
 pub fn api_pod(
     uid: &str,
