@@ -260,7 +260,7 @@ fn cuda(dir: &Path) {
     println!("|---|---|---|---|");
     let what = [
         "entry uprobe (default set)",
-        "entry uprobe + uretprobe (launch set)",
+        "entry uprobe + uretprobe (default set; busy-estimate work with the launch set)",
         "entry uprobe, stack read, map update (launch set)",
     ];
     for (k, name) in names.iter().enumerate() {
