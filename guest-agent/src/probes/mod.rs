@@ -13,6 +13,7 @@ pub mod cgroup_maps;
 pub mod cuda;
 pub mod gpu_driver;
 pub mod hist;
+pub mod lookout;
 pub mod nvml;
 pub mod sched;
 pub mod signal;
