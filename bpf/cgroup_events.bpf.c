@@ -13,9 +13,9 @@
  * And what changed in the processes, so that the agent re-reads a pod's
  * process list, and looks at a process's mappings again, only after a change:
  *
- * procs_changed: cgroup id -> unused, for every cgroup that gained a process
- *       (fork, or a task moved in) or lost one (its last thread exited);
- * maps_changed: tgid -> unused, for every process that exec'd or mapped
+ * procs_changed: the id of every cgroup that gained a process (fork, or a
+ *       task moved in) or lost one (its last thread exited);
+ * maps_changed: the tgid of every process that exec'd or mapped
  *       something at an address of the kernel's choosing (vm_unmapped_area:
  *       how dlopen() maps a library and a driver maps its device file). A
  *       process is marked once per epoch (`changed_epoch`, bumped by the agent
@@ -68,10 +68,12 @@ struct {
 } died SEC(".maps");
 
 /* [0] non-zero when an event could not be recorded since the agent last
- * looked (it then walks the whole hierarchy once) */
+ * looked (it then walks the whole hierarchy once), [1] events recorded since
+ * the agent last took them: with none it leaves born and died alone (their
+ * batch read walks every bucket of the map) */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);
 } overflow SEC(".maps");
@@ -85,7 +87,7 @@ struct {
 } scratch SEC(".maps");
 
 /* [0] the agent's epoch for maps_changed (starts at 1), [1] non-zero when an
- * insert into procs_changed or maps_changed failed since the agent last
+ * write to procs_changed or maps_changed failed (a ring was full) since the agent last
  * looked (it then re-reads every list and looks at every process again) */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -94,20 +96,16 @@ struct {
 	__type(value, __u64);
 } changed_epoch SEC(".maps");
 
+/* rings of u64 ids (8 bytes and an 8-byte header each), read by the agent
+ * through shared memory (see cgroup_active.h) */
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, EVENTS_MAX);
-	__type(key, __u64);
-	__type(value, __u8);
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, EVENTS_MAX * 16);
 } procs_changed SEC(".maps");
 
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, EVENTS_MAX);
-	__type(key, __u64);
-	__type(value, __u8);
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, EVENTS_MAX * 16);
 } maps_changed SEC(".maps");
 
 /* the epoch in which the process was last put in maps_changed */
@@ -125,6 +123,15 @@ static __always_inline void overflowed(void)
 
 	if (v)
 		*v = 1;
+}
+
+static __always_inline void recorded(void)
+{
+	__u32 one = 1;
+	__u64 *v = bpf_map_lookup_elem(&overflow, &one);
+
+	if (v)
+		__sync_fetch_and_add(v, 1);
 }
 
 /* The default (v2) hierarchy is the first one the kernel sets up: id 0. */
@@ -153,6 +160,7 @@ int BPF_PROG(cgroup_mkdir, struct cgroup *cgrp, const char *path)
 	b.level = cgrp->level;
 	if (bpf_map_update_elem(&born, &id, &b, BPF_ANY))
 		overflowed();
+	recorded();
 	return 0;
 }
 
@@ -177,6 +185,7 @@ int BPF_PROG(cgroup_rmdir, struct cgroup *cgrp, const char *path)
 	bpf_map_delete_elem(&born, &id);
 	if (bpf_map_update_elem(&died, &id, d, BPF_ANY))
 		overflowed();
+	recorded();
 	return 0;
 }
 
@@ -192,9 +201,8 @@ static __always_inline void changes_lost(void)
 static __always_inline void procs_changed_in(struct cgroup *cgrp)
 {
 	__u64 id = cgrp->kn->id;
-	__u8 v = 1;
 
-	if (bpf_map_update_elem(&procs_changed, &id, &v, BPF_ANY))
+	if (bpf_ringbuf_output(&procs_changed, &id, sizeof(id), BPF_RB_NO_WAKEUP))
 		changes_lost();
 }
 
@@ -203,7 +211,6 @@ static __always_inline void maps_changed_in(struct task_struct *t)
 	struct task_struct *leader = t->group_leader;
 	__u32 zero = 0;
 	__u64 *epoch = bpf_map_lookup_elem(&changed_epoch, &zero), *seen, tgid;
-	__u8 v = 1;
 
 	if (!epoch || !leader)
 		return;
@@ -213,7 +220,7 @@ static __always_inline void maps_changed_in(struct task_struct *t)
 	if (seen)
 		*seen = *epoch;
 	tgid = t->tgid;
-	if (bpf_map_update_elem(&maps_changed, &tgid, &v, BPF_ANY))
+	if (bpf_ringbuf_output(&maps_changed, &tgid, sizeof(tgid), BPF_RB_NO_WAKEUP))
 		changes_lost();
 }
 

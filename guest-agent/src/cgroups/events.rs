@@ -133,8 +133,8 @@ impl CgroupEvents {
         let procs = if processes {
             let epoch = || handle(OBJ, &skel.maps.changed_epoch);
             Some((
-                ActiveSet::new(epoch()?, handle(OBJ, &skel.maps.procs_changed)?),
-                ActiveSet::new(epoch()?, handle(OBJ, &skel.maps.maps_changed)?),
+                ActiveSet::new(OBJ, epoch()?, handle(OBJ, &skel.maps.procs_changed)?)?,
+                ActiveSet::new(OBJ, epoch()?, handle(OBJ, &skel.maps.maps_changed)?)?,
             ))
         } else {
             None
@@ -166,6 +166,14 @@ impl CgroupEvents {
     /// Takes the events recorded since the previous call out of the maps.
     pub fn take(&self) -> Events {
         let overflowed = take_flag(&self.overflow, 0);
+        // [1] counts what was recorded: cleared before the take, so that
+        // whatever comes after the clear is taken now or next time
+        if !take_flag(&self.overflow, 1) {
+            return Events {
+                overflowed,
+                ..Events::default()
+            };
+        }
         let born = take_all(&self.born, BATCH)
             .into_iter()
             .filter_map(|(id, v)| {

@@ -313,9 +313,10 @@ impl CudaProbe {
             _exit: exit,
             cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
             active: super::cgroup_maps::ActiveSet::new(
+                NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
-            ),
+            )?,
             stats: handle(NAME, &skel.maps.cuda_stats)?,
             skel,
             opts,

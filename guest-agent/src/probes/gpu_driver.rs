@@ -457,9 +457,10 @@ impl GpuDriverProbe {
             mode,
             cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
             active: super::cgroup_maps::ActiveSet::new(
+                NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
-            ),
+            )?,
             fds: handle(NAME, &skel.maps.gpu_fds)?,
             stats: handle(NAME, &skel.maps.gpu_stats)?,
             majors,
