@@ -14,7 +14,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle};
 
 use crate::probes::cgroup_maps::{take_all, take_flag, ActiveSet};
-use crate::probes::{decode, err, handle, ProbeError};
+use crate::probes::{attach_all, decode, err, handle, ProbeError};
 
 const OBJ: &str = "cgroup_events";
 const BATCH: u32 = 256;
@@ -122,14 +122,7 @@ impl CgroupEvents {
                 .zip(PROCESS_HOOKS),
             );
         }
-        let mut links = Vec::new();
-        for (prog, hook) in progs {
-            links.push(prog.attach().map_err(|source| ProbeError::Libbpf {
-                probe: OBJ,
-                what: hook,
-                source,
-            })?);
-        }
+        let links = attach_all(OBJ, progs)?;
         let procs = if processes {
             let epoch = || handle(OBJ, &skel.maps.changed_epoch);
             Some((

@@ -36,7 +36,9 @@ use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
     Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use super::{
+    attach_all, decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus,
+};
 use crate::collect::Owner;
 
 pub const NAME: &str = "gpu_driver";
@@ -438,14 +440,7 @@ impl GpuDriverProbe {
                 (&p.gpu_sys_exit, "sys_exit"),
             ]),
         }
-        let mut links = Vec::new();
-        for (prog, hook) in progs {
-            links.push(prog.attach().map_err(|source| ProbeError::Libbpf {
-                probe: NAME,
-                what: hook,
-                source,
-            })?);
-        }
+        let links = attach_all(NAME, progs)?;
         tracing::info!(
             hook = mode.name(),
             ?majors,

@@ -239,6 +239,24 @@ pub fn lookup_cgroup(map: &MapHandle, cgroup_dir: BorrowedFd<'_>) -> io::Result<
     }
 }
 
+/// Attaches each program to the hook it names (tracepoints, by the program's
+/// section); the error names the hook that failed.
+pub(crate) fn attach_all<'a>(
+    probe: &'static str,
+    progs: impl IntoIterator<Item = (&'a libbpf_rs::ProgramMut<'a>, &'static str)>,
+) -> Result<Vec<libbpf_rs::Link>, ProbeError> {
+    progs
+        .into_iter()
+        .map(|(prog, hook)| {
+            prog.attach().map_err(|source| ProbeError::Libbpf {
+                probe,
+                what: hook,
+                source,
+            })
+        })
+        .collect()
+}
+
 /// Sums a per-CPU array of u64 counters.
 pub fn percpu_sum(map: &MapHandle, index: u32) -> u64 {
     map.lookup_percpu(&index.to_ne_bytes(), MapFlags::ANY)
