@@ -10,6 +10,18 @@
  *       and removed between two ticks (a container shorter than one interval)
  *       whose last numbers the probes drained (cgroup_drain.h).
  *
+ * And what changed in the processes, so that the agent re-reads a pod's
+ * process list, and looks at a process's mappings again, only after a change:
+ *
+ * procs_changed: the id of every cgroup that gained a process (fork, or a
+ *       task moved in) or lost one (its last thread exited);
+ * maps_changed: the tgid of every process that exec'd or mapped
+ *       something at an address of the kernel's choosing (vm_unmapped_area:
+ *       how dlopen() maps a library and a driver maps its device file). A
+ *       process is marked once per epoch (`changed_epoch`, bumped by the agent
+ *       at each read) through its leader's task storage, so a process that
+ *       maps often costs one storage lookup per mapping after its first.
+ *
  * The path comes with the tracepoint in a kernel buffer; copying it needs
  * bpf_probe_read_kernel_str, which lockdown=confidentiality forbids, so it is
  * behind `read_paths` (userspace leaves it off under lockdown; the agent then
@@ -19,6 +31,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include "cgroup.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -55,10 +68,12 @@ struct {
 } died SEC(".maps");
 
 /* [0] non-zero when an event could not be recorded since the agent last
- * looked (it then walks the whole hierarchy once) */
+ * looked (it then walks the whole hierarchy once), [1] events recorded since
+ * the agent last took them: with none it leaves born and died alone (their
+ * batch read walks every bucket of the map) */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);
 } overflow SEC(".maps");
@@ -71,6 +86,36 @@ struct {
 	__type(value, struct died);
 } scratch SEC(".maps");
 
+/* [0] the agent's epoch for maps_changed (starts at 1), [1] non-zero when an
+ * write to procs_changed or maps_changed failed (a ring was full) since the agent last
+ * looked (it then re-reads every list and looks at every process again) */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, __u64);
+} changed_epoch SEC(".maps");
+
+/* rings of u64 ids (8 bytes and an 8-byte header each), read by the agent
+ * through shared memory (see cgroup_active.h) */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, EVENTS_MAX * 16);
+} procs_changed SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, EVENTS_MAX * 16);
+} maps_changed SEC(".maps");
+
+/* the epoch in which the process was last put in maps_changed */
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u64);
+} maps_seen SEC(".maps");
+
 static __always_inline void overflowed(void)
 {
 	__u32 zero = 0;
@@ -78,6 +123,15 @@ static __always_inline void overflowed(void)
 
 	if (v)
 		*v = 1;
+}
+
+static __always_inline void recorded(void)
+{
+	__u32 one = 1;
+	__u64 *v = bpf_map_lookup_elem(&overflow, &one);
+
+	if (v)
+		__sync_fetch_and_add(v, 1);
 }
 
 /* The default (v2) hierarchy is the first one the kernel sets up: id 0. */
@@ -106,6 +160,7 @@ int BPF_PROG(cgroup_mkdir, struct cgroup *cgrp, const char *path)
 	b.level = cgrp->level;
 	if (bpf_map_update_elem(&born, &id, &b, BPF_ANY))
 		overflowed();
+	recorded();
 	return 0;
 }
 
@@ -130,5 +185,89 @@ int BPF_PROG(cgroup_rmdir, struct cgroup *cgrp, const char *path)
 	bpf_map_delete_elem(&born, &id);
 	if (bpf_map_update_elem(&died, &id, d, BPF_ANY))
 		overflowed();
+	recorded();
+	return 0;
+}
+
+static __always_inline void changes_lost(void)
+{
+	__u32 one = 1;
+	__u64 *v = bpf_map_lookup_elem(&changed_epoch, &one);
+
+	if (v)
+		*v = 1;
+}
+
+static __always_inline void procs_changed_in(struct cgroup *cgrp)
+{
+	__u64 id = cgrp->kn->id;
+
+	if (bpf_ringbuf_output(&procs_changed, &id, sizeof(id), BPF_RB_NO_WAKEUP))
+		changes_lost();
+}
+
+static __always_inline void maps_changed_in(struct task_struct *t)
+{
+	struct task_struct *leader = t->group_leader;
+	__u32 zero = 0;
+	__u64 *epoch = bpf_map_lookup_elem(&changed_epoch, &zero), *seen, tgid;
+
+	if (!epoch || !leader)
+		return;
+	seen = bpf_task_storage_get(&maps_seen, leader, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (seen && *seen == *epoch)
+		return;
+	if (seen)
+		*seen = *epoch;
+	tgid = t->tgid;
+	if (bpf_ringbuf_output(&maps_changed, &tgid, sizeof(tgid), BPF_RB_NO_WAKEUP))
+		changes_lost();
+}
+
+/* A new process (not a thread) in its parent's cgroup. */
+SEC("tp_btf/sched_process_fork")
+int BPF_PROG(procs_fork, struct task_struct *parent, struct task_struct *child)
+{
+	if (child->pid == child->tgid)
+		procs_changed_in(task_dfl_cgroup(child));
+	return 0;
+}
+
+/* The last thread of a process exits. (The tracepoint fires before the task
+ * leaves its cgroup: the agent reads a marked list twice.) */
+SEC("tp_btf/sched_process_exit")
+int BPF_PROG(procs_exit, struct task_struct *p)
+{
+	if (p->signal->live.counter == 0)
+		procs_changed_in(task_dfl_cgroup(p));
+	return 0;
+}
+
+/* A task (or a whole process) moved into a cgroup; the cgroup it left keeps
+ * the pid in the agent's list until that list's next read. */
+SEC("tp_btf/cgroup_attach_task")
+int BPF_PROG(procs_attach, struct cgroup *dst, const char *path, struct task_struct *task,
+	     bool threadgroup)
+{
+	if (on_dfl(dst))
+		procs_changed_in(dst);
+	return 0;
+}
+
+/* A new image under the same pid. */
+SEC("tp_btf/sched_process_exec")
+int BPF_PROG(maps_exec, struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)
+{
+	maps_changed_in(p);
+	return 0;
+}
+
+/* An address chosen by the kernel for a new mapping of the current process.
+ * It fires before the mapping exists: the agent looks at a marked process
+ * twice. */
+SEC("tp_btf/vm_unmapped_area")
+int BPF_PROG(maps_new_area, unsigned long addr, struct vm_unmapped_area_info *info)
+{
+	maps_changed_in(bpf_get_current_task_btf());
 	return 0;
 }

@@ -113,7 +113,7 @@ fn driver_time(dir: &Path) {
             let mut p = GpuDriverProbe::load(&devices, h, &btf)
                 .expect("gpu_driver loads")
                 .expect("the kernel has the hooks");
-            p.seed_new(&pids.iter().copied().collect());
+            p.seed_new(&pids.iter().copied().collect(), None);
             p
         })
     };
@@ -211,7 +211,11 @@ fn client(
         let mut p = CudaProbe::load(o.clone(), &KernelBtf::load())
             .expect("cuda probe loads")
             .expect("the kernel has the hooks");
-        assert_eq!(p.scan(&HashSet::from([child.id() as i32])), 1, "attached");
+        assert_eq!(
+            p.scan(&HashSet::from([child.id() as i32]), None),
+            1,
+            "attached"
+        );
         p
     });
     std::fs::File::create(&go).unwrap();

@@ -8,6 +8,12 @@
 //! the time a /metrics request takes (median of 5) and its RSS. Needs root.
 //!
 //! cargo bench -p gpufeed-guest --bench scale
+//!
+//! `SCALE_ROWS=250,100ms` runs only the rows whose name contains one of the
+//! comma-separated words (the node is still filled up to the last row run);
+//! `SCALE_PERF=<dir>` records each measured row's agent with `perf record -g`
+//! into `<dir>` during its CPU window (which then reads higher);
+//! `SCALE_AGENT=<path>` measures another build of the agent binary.
 
 mod common;
 
@@ -165,7 +171,34 @@ fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: 
         .expect("the agent serves /metrics");
     std::thread::sleep(Duration::from_secs(3));
     let t0 = (Instant::now(), cpu_ns(pid));
-    std::thread::sleep(window);
+    match std::env::var_os("SCALE_PERF") {
+        Some(dir) => {
+            let file: String = name
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            let data = Path::new(&dir).join(format!("{file}.data"));
+            let secs = window.as_secs().to_string();
+            let status = Command::new("perf")
+                .args([
+                    "record",
+                    "-q",
+                    "-g",
+                    "-F",
+                    "499",
+                    "-p",
+                    &pid.to_string(),
+                    "-o",
+                ])
+                .arg(&data)
+                .args(["--", "sleep", &secs])
+                .stdout(Stdio::null())
+                .status()
+                .expect("perf runs");
+            assert!(status.success(), "perf record");
+        }
+        None => std::thread::sleep(window),
+    }
     let cpu_pct = (cpu_ns(pid) - t0.1) as f64 / 1e9 / t0.0.elapsed().as_secs_f64() * 100.0;
     let mut renders = Vec::new();
     let (mut tick_ms, mut cgroups) = (0.0f64, 0.0);
@@ -201,28 +234,54 @@ fn main() {
         eprintln!("scale benchmark: needs root; skipped");
         return;
     }
-    let agent_bin = env!("CARGO_BIN_EXE_gpufeed-guest");
+    let agent_bin = std::env::var("SCALE_AGENT")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_gpufeed-guest").to_string());
+    let agent_bin = agent_bin.as_str();
     let window = Duration::from_secs(15);
     let mut node = Node::new();
     let mut rows = Vec::new();
     // every probe (the default), and without the GPU probes, whose per-tick
     // work follows each pod's processes
     const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
-    let both = |rows: &mut Vec<Row>, what: &str, interval: &str| {
-        for (probes, label) in [("all", "all probes"), (NO_GPU, "no GPU probes")] {
-            let name = format!("{what}, {interval}, {label}");
-            rows.push(measure(agent_bin, name, interval, probes, window));
-        }
+    let only: Option<Vec<String>> = std::env::var("SCALE_ROWS")
+        .ok()
+        .map(|v| v.split(',').map(str::to_string).collect());
+    let selected = |name: &str| {
+        only.as_ref()
+            .is_none_or(|words| words.iter().any(|w| name.contains(w.as_str())))
     };
-    both(&mut rows, "0 pods", "1s");
-    node.add_waking(110);
-    both(&mut rows, "110 pods waking every 20 ms", "1s");
-    node.add_waking(140);
-    both(&mut rows, "250 pods waking every 20 ms", "1s");
-    both(&mut rows, "250 pods waking every 20 ms", "100ms");
-    node.quiet();
-    node.add_idle(750);
-    both(&mut rows, "1,000 pods idle after one wake-up", "1s");
+    let names = |what: &str, interval: &str| {
+        [("all", "all probes"), (NO_GPU, "no GPU probes")]
+            .map(|(probes, label)| (probes, format!("{what}, {interval}, {label}")))
+    };
+    let plan: [(&str, &str); 5] = [
+        ("0 pods", "1s"),
+        ("110 pods waking every 20 ms", "1s"),
+        ("250 pods waking every 20 ms", "1s"),
+        ("250 pods waking every 20 ms", "100ms"),
+        ("1,000 pods idle after one wake-up", "1s"),
+    ];
+    // the last step whose rows are wanted: the node is filled up to it only
+    let last = plan
+        .iter()
+        .rposition(|(what, interval)| names(what, interval).iter().any(|(_, n)| selected(n)))
+        .unwrap_or(0);
+    for (step, (what, interval)) in plan.into_iter().enumerate().take(last + 1) {
+        match step {
+            1 => node.add_waking(110),
+            2 => node.add_waking(140),
+            4 => {
+                node.quiet();
+                node.add_idle(750);
+            }
+            _ => {}
+        }
+        for (probes, name) in names(what, interval) {
+            if selected(&name) {
+                rows.push(measure(agent_bin, name, interval, probes, window));
+            }
+        }
+    }
     drop(node);
 
     println!("| pods (pod + container cgroup each), interval, probes | agent CPU (% of a core) | tick | /metrics request | RSS | cgroups |");

@@ -17,7 +17,7 @@ use std::io;
 use std::os::unix::fs::DirEntryExt;
 use std::path::{Path, PathBuf};
 
-pub use events::{Born, CgroupEvents, Died, Events};
+pub use events::{Born, CgroupEvents, Died, Events, ProcessChanges};
 
 /// Finds the cgroup2 mount point in a mountinfo text (`/proc/self/mountinfo`).
 /// Field 5 is the mount point; the filesystem type follows the ` - ` separator.
@@ -90,6 +90,9 @@ pub struct Changes {
     /// Every cgroup the kernel reported removed, known to the tree or not
     /// (one created and removed between two refreshes): who it was.
     pub died: Vec<Died>,
+    /// The changes in processes the kernel reported; None when the tree does
+    /// not follow them (or some were lost): every list is stale.
+    pub processes: Option<ProcessChanges>,
 }
 
 /// CGROUP2_SUPER_MAGIC (linux/magic.h)
@@ -122,7 +125,12 @@ impl CgroupTree {
         let mut tree = CgroupTree::new(root);
         if is_cgroup2(&tree.root) {
             let read_paths = crate::privileges::lockdown().as_deref() != Some("confidentiality");
-            match CgroupEvents::load(read_paths) {
+            // without a process hook the cgroups are still followed
+            let loaded = CgroupEvents::load(read_paths, true).or_else(|e| {
+                tracing::info!(error = %e, "process changes unavailable: process lists follow activity");
+                CgroupEvents::load(read_paths, false)
+            });
+            match loaded {
                 Ok(e) => tree.events = Some(e),
                 Err(e) => {
                     tracing::info!(error = %e, "cgroup events unavailable: walking the hierarchy every tick");
@@ -146,11 +154,12 @@ impl CgroupTree {
     /// events (listing only the parents of new cgroups) when it follows them,
     /// else, and the first time, by walking the whole hierarchy.
     pub fn refresh(&mut self) -> io::Result<Changes> {
-        let Some(events) = &self.events else {
+        let Some(events) = &mut self.events else {
             return self.walk();
         };
         // events first: whatever happens after this read is in the next one
         let ev = events.take();
+        let processes = events.processes();
         let mut changes = if !self.walked || ev.overflowed {
             self.walked = true;
             self.walk()?
@@ -169,6 +178,7 @@ impl CgroupTree {
             changes
         };
         changes.died = ev.died;
+        changes.processes = processes;
         Ok(changes)
     }
 

@@ -238,6 +238,7 @@ impl Collector {
             owners: &self.owners,
             pods: &self.pods,
             cgroups_changed: !changes.added.is_empty() || !changes.removed.is_empty(),
+            processes: changes.processes.as_ref(),
             active: active.as_ref(),
             tick: self.ticks,
             pids: &self.pids,

@@ -70,3 +70,68 @@ fn five_hundred_pods_created_and_deleted_return_to_baseline() {
         back.unwrap_or_else(|| panic!("back to baseline {base:?}; now {:?}", counts(&agent)));
     assert_eq!(back.0, base.0);
 }
+
+/// The kernel's word on processes: a cgroup that gains or loses a process is
+/// named, and so is a process that execs or maps something at an address of
+/// the kernel's choosing; a steady process is not named again.
+#[test]
+fn process_changes_name_the_cgroups_and_processes_that_changed() {
+    use std::os::unix::fs::MetadataExt;
+
+    let Some(_lock) = require_root() else { return };
+    let mut events = gpufeed_guest::cgroups::CgroupEvents::load(false, true)
+        .expect("the cgroup events with the process hooks load");
+    let scratch = tempfile::tempdir().unwrap();
+    let go = scratch.path().join("go");
+    let sb = CgroupSandbox::new();
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let cgroup = std::fs::metadata(&pod.cgroup).unwrap().ino();
+    // polls without mapping anything, then allocates 64 MiB (an anonymous
+    // mapping at an address the kernel picks), then sleeps
+    let pid = pod.spawn(&format!(
+        "exec perl -e 'select(undef, undef, undef, 0.02) until -e \"{}\"; my $x = \"a\" x (64 << 20); sleep 60'",
+        go.display()
+    )) as i32;
+    let named = |events: &mut gpufeed_guest::cgroups::CgroupEvents| {
+        let p = events.processes().expect("no change lost");
+        (p.cgroups.contains(&cgroup), p.processes.contains(&pid))
+    };
+    // the shell moved into the cgroup and exec'd perl under the same pid
+    let (mut cgroup_named, mut pid_named) = (false, false);
+    let both = wait_for(Duration::from_secs(5), || {
+        let (c, p) = named(&mut events);
+        cgroup_named |= c;
+        pid_named |= p;
+        (cgroup_named && pid_named).then_some(())
+    });
+    assert!(both.is_some(), "the new process and its cgroup are named");
+    // once perl has started: named no more while it only polls
+    assert!(
+        wait_for(Duration::from_secs(5), || (named(&mut events)
+            == (false, false))
+            .then_some(()))
+        .is_some(),
+        "a steady process is not named"
+    );
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(named(&mut events), (false, false), "still steady");
+    std::fs::write(&go, "").unwrap();
+    let seen = wait_for(Duration::from_secs(5), || {
+        named(&mut events).1.then_some(())
+    });
+    assert!(seen.is_some(), "the process that mapped memory is named");
+    assert_eq!(
+        named(&mut events),
+        (false, true),
+        "and once more in the next read (the kernel marks it before the mapping exists)"
+    );
+    pod.signal_all(libc::SIGKILL);
+    pod.wait_exit(pid as u32, Duration::from_secs(5));
+    assert!(
+        wait_for(Duration::from_secs(5), || named(&mut events)
+            .0
+            .then_some(()))
+        .is_some(),
+        "the cgroup that lost its process is named"
+    );
+}

@@ -98,12 +98,12 @@ fn driver_time_case(hook: Hook) {
         .expect("kernel has the hooks");
     let uprobes = probe.mode() == Mode::Uprobes;
     assert_eq!(
-        probe.seed_new(&pids(&[&a, &b])),
+        probe.seed_new(&pids(&[&a, &b]), None),
         1,
         "a's one device fd seeded"
     );
     assert_eq!(
-        probe.seed_new(&pids(&[&a, &b])),
+        probe.seed_new(&pids(&[&a, &b]), None),
         0,
         "a process is seeded once"
     );
@@ -133,7 +133,11 @@ fn driver_time_case(hook: Hook) {
     if uprobes {
         // what the agent's next tick does: the processes that hold a GPU
         // file since the last look get the uprobes (b, its child, c)
-        assert_eq!(probe.seed_new(&pids(&[&a, &b, &c])), 3, "b, its child, c");
+        assert_eq!(
+            probe.seed_new(&pids(&[&a, &b, &c]), None),
+            3,
+            "b, its child, c"
+        );
         assert_eq!(probe.probed(), 4, "a, b, b's child and c are probed");
     }
     File::create(&go).unwrap();
@@ -307,12 +311,12 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     };
     let all = || pids(&[&host_pod, &ctr_pod]);
     // not mapped yet: nothing to attach
-    assert_eq!(probe.scan(&all()), 0);
+    assert_eq!(probe.scan(&all(), None), 0);
     // the library is mapped later (dlopen): the next scan attaches, once per file
     a.step(0);
     c.step(0);
-    assert_eq!(probe.scan(&all()), 2, "two distinct library files");
-    assert_eq!(probe.scan(&all()), 0, "each file is attached once");
+    assert_eq!(probe.scan(&all(), None), 2, "two distinct library files");
+    assert_eq!(probe.scan(&all(), None), 0, "each file is attached once");
     assert_eq!(probe.files(), 2);
 
     for app in [&a, &c] {
@@ -571,7 +575,8 @@ fn cuda_busy_case(launches: bool) {
     };
     let (out_a, out_b) = (run(&mut a, 1), run(&mut b, 2));
     assert!(
-        wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&a, &b]))
+        wait_for(Duration::from_secs(10), || (probe
+            .scan(&pids(&[&a, &b]), None)
             + probe.files()
             > 0)
         .then_some(()))
@@ -651,9 +656,9 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
         .is_some(),
         "the shell runs in the pod"
     );
-    assert_eq!(probe.seed_new(&pids(&[&pod])), 0, "no GPU file yet");
+    assert_eq!(probe.seed_new(&pids(&[&pod]), None), 0, "no GPU file yet");
     assert_eq!(
-        probe.seed_new(&pids(&[&pod])),
+        probe.seed_new(&pids(&[&pod]), None),
         0,
         "unchanged: not looked at again"
     );
@@ -665,7 +670,7 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
         .is_some(),
         "the same pid, now the client, opened the device"
     );
-    assert_eq!(probe.seed_new(&pids(&[&pod])), 1, "looked at again");
+    assert_eq!(probe.seed_new(&pids(&[&pod]), None), 1, "looked at again");
     assert_eq!(probe.probed(), 1);
     File::create(&go).unwrap();
     wait_file(&out, "the client's calls");
@@ -680,7 +685,7 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
     );
     // the process is gone from the pod: its probes go
     pod.wait_exit(pid as u32, Duration::from_secs(10));
-    probe.seed_new(&pids(&[&pod]));
+    probe.seed_new(&pids(&[&pod]), None);
     assert_eq!(probe.probed(), 0, "probes of a gone process dropped");
 }
 
@@ -743,12 +748,16 @@ fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
         .is_some(),
         "pod a opened the device"
     );
-    assert_eq!(driver.seed_new(&pids(&[&a])), 1, "a's device fd seeded");
+    assert_eq!(
+        driver.seed_new(&pids(&[&a]), None),
+        1,
+        "a's device fd seeded"
+    );
     let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
     let out_b = dir.join("b.out");
     let pid_b = b.spawn(&client.command(&cuda, &go, &out_b, 1));
     assert!(
-        wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&b]))
+        wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&b]), None)
             + probe.files()
             > 0)
         .then_some(()))

@@ -2,13 +2,15 @@
 //! two maps a unit keyed by cgroup storage adds so that a tick reads only what
 //! changed and nothing is lost when a cgroup goes.
 
-use libbpf_rs::{MapCore, MapFlags, MapHandle};
+use std::sync::{Arc, Mutex};
+
+use libbpf_rs::{MapCore, MapFlags, MapHandle, RingBuffer, RingBufferBuilder};
 
 use super::unit::Delta;
+use super::{err, ProbeError};
 
 /// Entries one batch syscall moves. Drained values are large (a TCP cgroup's
-/// is 3.6 KiB), so their batches are smaller.
-const ACTIVE_BATCH: u32 = 1024;
+/// is 3.6 KiB).
 const DRAIN_BATCH: u32 = 64;
 
 fn id_of(key: &[u8]) -> Option<u64> {
@@ -18,6 +20,11 @@ fn id_of(key: &[u8]) -> Option<u64> {
 /// Takes every entry out of a hash map keyed by a u64 (a cgroup id):
 /// (key, value bytes), `batch` entries per syscall.
 pub fn take_all(map: &MapHandle, batch: u32) -> Vec<(u64, Vec<u8>)> {
+    // An empty map's batch read still allocates a whole batch of values, in
+    // the kernel and here (64 TCP values are 230 KiB): one key lookup first.
+    if map.keys().next().is_none() {
+        return Vec::new();
+    }
     match map.lookup_and_delete_batch(batch, MapFlags::ANY, MapFlags::ANY) {
         Ok(it) => it.filter_map(|(k, v)| Some((id_of(&k)?, v))).collect(),
         Err(e) => {
@@ -70,28 +77,53 @@ impl Drained {
     }
 }
 
-/// `active_epoch` and `active_cgroups`: the cgroups whose storage changed.
+/// `active_epoch` and the ring `active_cgroups`: the cgroups whose storage
+/// changed (and, with the same layout, the rings of `bpf/cgroup_events.bpf.c`).
 pub struct ActiveSet {
     epoch_map: MapHandle,
-    set: MapHandle,
+    /// Read through shared memory: taking the ids costs no syscall.
+    ring: RingBuffer<'static>,
+    _ring_map: MapHandle,
+    /// What the ring's callback collected in the current take.
+    taken: Arc<Mutex<Vec<u64>>>,
     epoch: u64,
-    /// The previous take's cgroups, read once more: an event that saw the old
-    /// epoch (so did not mark its cgroup again) may update the storage just
-    /// after the agent read it.
+    /// The previous take's ids, read once more: an event that saw the old
+    /// epoch (so did not mark again) may update what it marks just after the
+    /// agent read it.
     previous: Vec<u64>,
 }
 
 impl ActiveSet {
     /// Starts the first epoch (fresh storage has epoch 0: its first event marks it).
-    pub fn new(epoch_map: MapHandle, set: MapHandle) -> ActiveSet {
+    pub fn new(
+        probe: &'static str,
+        epoch_map: MapHandle,
+        ring_map: MapHandle,
+    ) -> Result<ActiveSet, ProbeError> {
+        let taken: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let into = taken.clone();
+        let mut builder = RingBufferBuilder::new();
+        builder
+            .add(&ring_map, move |record: &[u8]| {
+                if let Some(id) = id_of(record) {
+                    into.lock().unwrap_or_else(|e| e.into_inner()).push(id);
+                }
+                0
+            })
+            .map_err(err(probe, "reading the activity ring"))?;
+        let ring = builder
+            .build()
+            .map_err(err(probe, "reading the activity ring"))?;
         let mut s = ActiveSet {
             epoch_map,
-            set,
+            ring,
+            _ring_map: ring_map,
+            taken,
             epoch: 0,
             previous: Vec::new(),
         };
         s.bump();
-        s
+        Ok(s)
     }
 
     fn bump(&mut self) -> bool {
@@ -105,22 +137,22 @@ impl ActiveSet {
             .is_ok()
     }
 
-    /// Starts a new epoch and returns the cgroups that had activity in the
-    /// ones before (this and the previous take's set), or None when the set
-    /// cannot be trusted (it overflowed, or the epoch could not be set): then
-    /// the caller reads every cgroup.
+    /// Starts a new epoch and returns the ids marked in the ones before (this
+    /// and the previous take's), or None when they cannot be trusted (the
+    /// ring overflowed, or the epoch could not be set): then the caller reads
+    /// every cgroup (or process).
     pub fn take(&mut self) -> Option<Vec<u64>> {
         let bumped = self.bump();
-        // [1]: an insert failed since the last take
+        // [1]: a write to the ring failed since the last take
         let overflowed = take_flag(&self.epoch_map, 1);
-        let now: Vec<u64> = take_all(&self.set, ACTIVE_BATCH)
-            .into_iter()
-            .map(|(id, _)| id)
-            .collect();
+        let consumed = self.ring.consume().is_ok();
+        let mut now = std::mem::take(&mut *self.taken.lock().unwrap_or_else(|e| e.into_inner()));
+        now.sort_unstable();
+        now.dedup();
         let mut out = std::mem::replace(&mut self.previous, now.clone());
         out.extend(now);
         out.sort_unstable();
         out.dedup();
-        (bumped && !overflowed).then_some(out)
+        (bumped && consumed && !overflowed).then_some(out)
     }
 }

@@ -23,6 +23,7 @@ use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
 use super::cgroup_maps::Drained;
 use super::hist::Hist;
+use super::lookout::Lookout;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
@@ -311,9 +312,8 @@ pub struct CudaProbe {
     attached: HashMap<(u64, u64), Vec<Link>>,
     /// Processes whose maps held the library (not scanned again).
     done: HashSet<i32>,
-    /// Address-space size of each process at its last scan: maps is read
-    /// again only when it changed (mapping a library changes it).
-    vsize: HashMap<i32, u64>,
+    /// The others: maps is read again only when they may have mapped it.
+    lookout: Lookout,
     last: LastRead<CudaCgroup>,
     /// VRAM per cgroup at its last read.
     vram: HashMap<u64, i64>,
@@ -354,37 +354,32 @@ impl CudaProbe {
             cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
             drained: Drained::new(handle(NAME, &skel.maps.cuda_cgroup_drained)?),
             active: super::cgroup_maps::ActiveSet::new(
+                NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
-            ),
+            )?,
             stats: handle(NAME, &skel.maps.cuda_stats)?,
             skel,
             opts,
             attached: HashMap::new(),
             done: HashSet::new(),
-            vsize: HashMap::new(),
+            lookout: Lookout::default(),
             last: LastRead::default(),
             vram: HashMap::new(),
         }))
     }
 
     /// Looks for the driver library in the processes `tgids` not yet known to
-    /// map it, and attaches to every new library file. Returns the number of
-    /// files newly attached.
-    pub fn scan(&mut self, tgids: &HashSet<i32>) -> usize {
+    /// map it (new ones, and those that may have mapped something since: see
+    /// [`Lookout::look`] for `changed`), and attaches to every new library
+    /// file. Returns the number of files newly attached.
+    pub fn scan(&mut self, tgids: &HashSet<i32>, changed: Option<&HashSet<i32>>) -> usize {
         self.done.retain(|t| tgids.contains(t));
-        self.vsize.retain(|t, _| tgids.contains(t));
+        self.lookout.retain(tgids);
         let mut new = 0;
         for &tgid in tgids {
-            if self.done.contains(&tgid) {
+            if self.done.contains(&tgid) || !self.lookout.look(tgid, changed) {
                 continue;
-            }
-            match vsize(tgid) {
-                Some(v) if self.vsize.get(&tgid) == Some(&v) => continue,
-                Some(v) => {
-                    self.vsize.insert(tgid, v);
-                }
-                None => continue,
             }
             let Ok(maps) = std::fs::read_to_string(format!("/proc/{tgid}/maps")) else {
                 continue;
@@ -528,7 +523,7 @@ impl Probe for CudaProbe {
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
         let pids: HashSet<i32> = ctx.pod_pids().into_values().flatten().collect();
-        self.scan(&pids);
+        self.scan(&pids, ctx.processes_changed());
         let mut per_owner: HashMap<&Owner, i64> = HashMap::new();
         for (id, bytes) in &self.vram {
             if let Some(owner) = ctx.owners.get(id) {
@@ -623,14 +618,6 @@ fn push_deltas(d: CudaCgroup, launches: bool, out: &mut Vec<Delta>) {
     }
 }
 
-/// Virtual memory size of a process (field 23 of /proc/<pid>/stat).
-pub fn vsize(tgid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{tgid}/stat")).ok()?;
-    // the command name (field 2) may hold spaces and parentheses: skip past its end
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(20)?.parse().ok()
-}
-
 /// The path through which the agent reaches a library process `tgid` maps,
 /// and the file's (dev, inode). The path in maps is the process's view: inside
 /// its root for a container, or a host path when the file is reachable from
@@ -704,16 +691,6 @@ garbage line
             ]
         );
         assert!(find_libs("", "libcuda.so").is_empty());
-    }
-
-    #[test]
-    fn vsize_of_self() {
-        let v = vsize(std::process::id() as i32).expect("own /proc/<pid>/stat");
-        assert!(
-            v > 1 << 20,
-            "a running test has more than 1 MiB mapped: {v}"
-        );
-        assert_eq!(vsize(-1), None);
     }
 
     #[test]

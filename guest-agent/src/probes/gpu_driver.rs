@@ -29,14 +29,17 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
 use super::cgroup_maps::Drained;
-use super::cuda::{attach_uprobe, find_libs, reachable, vsize};
+use super::cuda::{attach_uprobe, find_libs, reachable};
 use super::hist::{Hist, HIST_BYTES};
+use super::lookout::Lookout;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
     Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use super::{
+    attach_all, decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus,
+};
 use crate::collect::Owner;
 
 pub const NAME: &str = "gpu_driver";
@@ -271,10 +274,9 @@ pub struct GpuDriverProbe {
     stats: MapHandle,
     majors: Vec<u32>,
     seeded: HashSet<i32>,
-    /// Uprobe mode: address-space size of each process at its last look;
-    /// /proc/<pid>/fd is read again when it changed (opening a GPU device
-    /// comes with mapping it).
-    vsize: HashMap<i32, u64>,
+    /// Uprobe mode: /proc/<pid>/fd is read again when the process may have
+    /// mapped something (opening a GPU device comes with mapping it).
+    lookout: Lookout,
     /// Uprobe mode: the links on each probed process's C library.
     probed: HashMap<i32, Vec<Link>>,
     _links: Vec<Link>,
@@ -463,14 +465,7 @@ impl GpuDriverProbe {
                 (&p.gpu_sys_exit, "sys_exit"),
             ]),
         }
-        let mut links = Vec::new();
-        for (prog, hook) in progs {
-            links.push(prog.attach().map_err(|source| ProbeError::Libbpf {
-                probe: NAME,
-                what: hook,
-                source,
-            })?);
-        }
+        let links = attach_all(NAME, progs)?;
         tracing::info!(
             hook = mode.name(),
             ?majors,
@@ -483,14 +478,15 @@ impl GpuDriverProbe {
             cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
             drained: Drained::new(handle(NAME, &skel.maps.gpu_cgroup_drained)?),
             active: super::cgroup_maps::ActiveSet::new(
+                NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
-            ),
+            )?,
             fds: handle(NAME, &skel.maps.gpu_fds)?,
             stats: handle(NAME, &skel.maps.gpu_stats)?,
             majors,
             seeded: HashSet::new(),
-            vsize: HashMap::new(),
+            lookout: Lookout::default(),
             probed: HashMap::new(),
             _links: links,
             last: LastRead::default(),
@@ -520,12 +516,12 @@ impl GpuDriverProbe {
     /// Seeds the processes in `tgids` not seen before, and forgets those no
     /// longer listed. Returns how many GPU fds were found.
     ///
-    /// In uprobe mode a process is looked at again whenever its address
-    /// space changed size, and one found holding a GPU file gets the uprobes
-    /// on its C library.
-    pub fn seed_new(&mut self, tgids: &HashSet<i32>) -> usize {
+    /// In uprobe mode a process is looked at again whenever it may have
+    /// mapped something (see [`Lookout::look`] for `changed`), and one found
+    /// holding a GPU file gets the uprobes on its C library.
+    pub fn seed_new(&mut self, tgids: &HashSet<i32>, changed: Option<&HashSet<i32>>) -> usize {
         self.seeded.retain(|t| tgids.contains(t));
-        self.vsize.retain(|t, _| tgids.contains(t));
+        self.lookout.retain(tgids);
         self.probed.retain(|t, _| tgids.contains(t));
         let mut found = 0;
         for &tgid in tgids {
@@ -536,8 +532,7 @@ impl GpuDriverProbe {
                 }
                 continue;
             }
-            let Some(v) = vsize(tgid) else { continue };
-            if self.vsize.insert(tgid, v) == Some(v) {
+            if !self.lookout.look(tgid, changed) {
                 continue;
             }
             let n = self.seed(tgid).unwrap_or(0);
@@ -694,7 +689,7 @@ impl Probe for GpuDriverProbe {
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
         let pids: HashSet<i32> = ctx.pod_pids().into_values().flatten().collect();
-        let seeded = self.seed_new(&pids);
+        let seeded = self.seed_new(&pids, ctx.processes_changed());
         if seeded > 0 {
             tracing::debug!(fds = seeded, "GPU fds seeded from /proc");
         }

@@ -13,6 +13,7 @@ pub mod cgroup_maps;
 pub mod cuda;
 pub mod gpu_driver;
 pub mod hist;
+pub mod lookout;
 pub mod nvml;
 pub mod sched;
 pub mod signal;
@@ -236,6 +237,24 @@ pub fn lookup_cgroup(map: &MapHandle, cgroup_dir: BorrowedFd<'_>) -> io::Result<
         Ok(v) => Ok(v),
         Err(e) => Err(io::Error::other(e.to_string())),
     }
+}
+
+/// Attaches each program to the hook it names (tracepoints, by the program's
+/// section); the error names the hook that failed.
+pub(crate) fn attach_all<'a>(
+    probe: &'static str,
+    progs: impl IntoIterator<Item = (&'a libbpf_rs::ProgramMut<'a>, &'static str)>,
+) -> Result<Vec<libbpf_rs::Link>, ProbeError> {
+    progs
+        .into_iter()
+        .map(|(prog, hook)| {
+            prog.attach().map_err(|source| ProbeError::Libbpf {
+                probe,
+                what: hook,
+                source,
+            })
+        })
+        .collect()
 }
 
 /// Sums a per-CPU array of u64 counters.

@@ -164,9 +164,10 @@ impl SchedProbe {
             hist: handle(NAME, &skel.maps.sched_hist)?,
             stats: handle(NAME, &skel.maps.sched_stats)?,
             active: ActiveSet::new(
+                NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
-            ),
+            )?,
             drained: Drained::new(handle(NAME, &skel.maps.sched_hist_drained)?),
             _links: links,
             last: LastRead::default(),

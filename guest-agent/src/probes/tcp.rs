@@ -233,9 +233,10 @@ impl TcpProbe {
                 stats: handle(OBJ, &skel.maps.tcp_stats)?,
                 lost: handle(OBJ, &skel.maps.tcp_lost)?,
                 active: ActiveSet::new(
+                    OBJ,
                     handle(OBJ, &skel.maps.active_epoch)?,
                     handle(OBJ, &skel.maps.active_cgroups)?,
-                ),
+                )?,
                 drained: Drained::new(handle(OBJ, &skel.maps.tcp_stats_drained)?),
                 _links: links,
                 dst: dst.clone(),

@@ -14,7 +14,7 @@ use std::os::fd::BorrowedFd;
 use super::hist::Hist;
 use super::signal::SignalSpec;
 use super::{KernelBtf, ProbeError, ProbeStatus};
-use crate::cgroups::CgroupTree;
+use crate::cgroups::{CgroupTree, ProcessChanges};
 use crate::collect::Owner;
 use crate::pods::PodStore;
 
@@ -155,6 +155,8 @@ pub struct TickContext<'a> {
     pub pods: &'a PodStore,
     /// Whether cgroups came or went since the previous tick.
     pub cgroups_changed: bool,
+    /// What the kernel says changed in processes (None: it does not say).
+    pub processes: Option<&'a ProcessChanges>,
     /// The cgroups in which any task ran since the previous tick, from a
     /// unit that marks every run (None without one: every list is re-read),
     /// and the tick's number.
@@ -163,9 +165,9 @@ pub struct TickContext<'a> {
     pub pids: &'a RefCell<PidCache>,
 }
 
-/// Ticks over which every pod cgroup's process list is re-read once, whatever
-/// its activity (a process that exits while running leaves no trace in the
-/// activity sets).
+/// Without the kernel's process changes: ticks over which every pod cgroup's
+/// process list is re-read once, whatever its activity (a process that exits
+/// while running leaves no trace in the activity sets).
 const PIDS_ROTATION: u64 = 30;
 
 /// Each pod cgroup's processes (cgroup.procs), kept between ticks, and the
@@ -185,12 +187,25 @@ impl TickContext<'_> {
         self.owners.get(&id).map(Owner::pod_level)
     }
 
+    /// Processes the kernel says exec'd or mapped something since the
+    /// previous tick (see `probes::lookout`); None when it does not say.
+    pub fn processes_changed(&self) -> Option<&HashSet<i32>> {
+        self.processes.map(|p| &p.processes)
+    }
+
     /// The pids of each pod, from the cgroup.procs of its cgroups. A cgroup's
-    /// list is re-read when the cgroup is new, had a task run since the
-    /// previous tick (a process that starts runs, so the scheduler probe marks
-    /// its cgroup; without that probe every list is re-read each tick), or its
-    /// turn in a rotation over `PIDS_ROTATION` ticks came; otherwise the list
-    /// read before stands. An idle node's tick reads none.
+    /// list is re-read when the cgroup is new, or when the kernel says it
+    /// gained or lost a process (fork, exit, a task moved in). A process moved
+    /// *out* of a cgroup is not reported for the cgroup it left, so its pid
+    /// stays in that list until the list changes otherwise; kubelet moves
+    /// processes into containers, never out.
+    ///
+    /// Without the kernel's process changes, a list is re-read when a task of
+    /// the cgroup ran since the previous tick (a process that starts runs, so
+    /// the scheduler probe marks its cgroup; without that probe every list is
+    /// re-read each tick), or its turn in a rotation over `PIDS_ROTATION`
+    /// ticks came. Otherwise the list read before stands: an idle node's tick
+    /// reads none, and with the kernel's changes a busy but steady one neither.
     pub fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
         let mut cache = self.pids.borrow_mut();
         if cache.built == Some(self.tick) {
@@ -206,8 +221,13 @@ impl TickContext<'_> {
                 continue;
             };
             let stale = !cache.by_cgroup.contains_key(id)
-                || self.active.is_none_or(|a| a.contains(id))
-                || id % PIDS_ROTATION == self.tick % PIDS_ROTATION;
+                || match self.processes {
+                    Some(p) => p.cgroups.contains(id),
+                    None => {
+                        self.active.is_none_or(|a| a.contains(id))
+                            || id % PIDS_ROTATION == self.tick % PIDS_ROTATION
+                    }
+                };
             if !stale {
                 continue;
             }
