@@ -18,6 +18,7 @@ fn counts(agent: &Agent) -> (f64, f64, usize) {
 #[test]
 fn five_hundred_pods_created_and_deleted_return_to_baseline() {
     let Some(_lock) = require_root() else { return };
+    let t0 = std::time::Instant::now();
     let agent = Agent::no_kube("200ms", "sched_latency", &["--pod-grace", "1s"]);
     std::thread::sleep(Duration::from_millis(500));
     let base = counts(&agent);
@@ -35,6 +36,7 @@ fn five_hundred_pods_created_and_deleted_return_to_baseline() {
         .collect();
     // One shell visits every container cgroup and runs a short task there, so
     // each gets scheduler samples (and so cgroup storage in the kernel).
+    eprintln!("500 pods made ({:?} in)", t0.elapsed());
     let script: String = pods
         .iter()
         .map(|p| format!("echo $$ > {}/cgroup.procs; /bin/true\n", p.cgroup.display()))
@@ -50,7 +52,10 @@ fn five_hundred_pods_created_and_deleted_return_to_baseline() {
         (c.0 >= base.0 + 500.0).then_some(c)
     })
     .expect("agent saw 500 new pods");
-    eprintln!("baseline owners/entries/series {base:?}, with 500 pods {peak:?}");
+    eprintln!(
+        "baseline owners/entries/series {base:?}, with 500 pods {peak:?} ({:?} in)",
+        t0.elapsed()
+    );
     assert!(
         peak.1 >= base.1 + 500.0,
         "each pod cgroup holds a map entry"
@@ -65,7 +70,7 @@ fn five_hundred_pods_created_and_deleted_return_to_baseline() {
         let c = counts(&agent);
         (c.0 <= base.0 && c.1 <= base.1 && c.2 <= base.2).then_some(c)
     });
-    eprintln!("after deletion: {back:?}");
+    eprintln!("after deletion: {back:?} ({:?} in)", t0.elapsed());
     let back =
         back.unwrap_or_else(|| panic!("back to baseline {base:?}; now {:?}", counts(&agent)));
     assert_eq!(back.0, base.0);
