@@ -191,11 +191,15 @@ impl Probe for NvmlUnit {
     }
 }
 
-/// The cgroup id of every process of the owners' cgroups, from their
-/// cgroup.procs (the agent's own view of the hierarchy).
+/// The cgroup id of every process of the owners' cgroups: the pods' from the
+/// collector's process lists (re-read only when the kernel says they
+/// changed), the few other owners' (slices) read here.
 fn pid_cgroups(ctx: &TickContext<'_>) -> HashMap<u32, u64> {
-    let mut out = HashMap::new();
-    for id in ctx.owners.keys() {
+    let mut out = ctx.pod_pid_cgroups();
+    for (id, owner) in ctx.owners {
+        if matches!(owner, Owner::Pod { .. }) {
+            continue;
+        }
         let Some(cg) = ctx.tree.cgroups.get(id) else {
             continue;
         };

@@ -207,9 +207,26 @@ impl TickContext<'_> {
     /// ticks came. Otherwise the list read before stands: an idle node's tick
     /// reads none, and with the kernel's changes a busy but steady one neither.
     pub fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
+        self.refresh_pids();
+        self.pids.borrow().by_pod.clone()
+    }
+
+    /// The cgroup of each process of the pods' cgroups: the lists of
+    /// [`TickContext::pod_pids`], read no more often.
+    pub fn pod_pid_cgroups(&self) -> HashMap<u32, u64> {
+        self.refresh_pids();
+        let cache = self.pids.borrow();
+        let lists = cache.by_cgroup.iter();
+        lists
+            .flat_map(|(id, pids)| pids.iter().map(move |&pid| (pid as u32, *id)))
+            .collect()
+    }
+
+    /// Brings the process lists up to date for this tick (see `pod_pids`).
+    fn refresh_pids(&self) {
         let mut cache = self.pids.borrow_mut();
         if cache.built == Some(self.tick) {
-            return cache.by_pod.clone();
+            return;
         }
         let before = cache.by_cgroup.len();
         cache
@@ -254,7 +271,6 @@ impl TickContext<'_> {
             cache.by_pod = by_pod;
         }
         cache.built = Some(self.tick);
-        cache.by_pod.clone()
     }
 }
 
