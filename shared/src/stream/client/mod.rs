@@ -90,7 +90,9 @@ pub struct StreamConfig {
     /// Default 500.
     pub coalesce_us: u64,
     /// How often the host's series for a guest are looked at and, when changed, sent to it
-    /// (guests that take host state). Default 1000.
+    /// (guests that take host state). They are also looked at right after events go out (at
+    /// most every 20 ms), so the series that an event changed reach the guest with it.
+    /// Default 1000.
     pub state_interval_ms: u64,
     /// Guests to stream to. Default none (streaming off).
     pub guests: Vec<GuestEndpoint>,
