@@ -181,10 +181,11 @@ impl Join {
             let here = live.contains(uid.as_str());
             if !here {
                 corr.forget_uid(uid);
-                merge.pods.remove(uid);
             }
             here
         });
+        // a pod the collector no longer has takes its slot with it
+        merge.pods.retain(|uid, _| live.contains(uid.as_str()));
         // what is left is in `live`: equal sizes, equal sets (UIDs are copied only when new)
         if prev.len() != live.len() {
             prev.extend(live.iter().map(|u| u.to_string()));
