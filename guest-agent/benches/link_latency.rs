@@ -9,8 +9,8 @@
 //! 16 GT/s x4 → 2.5 GT/s x1 and back, 300–1300 ms apart. Each change is timed from the write of
 //! the sysfs files to the moment the guest shows it: in `/events` (the events' `count`s add up
 //! to one more), in `/metrics` (`gpufeed_host_events_total{host}` one more), and in the
-//! host-state gauge `gpufeed_host_pcie_link_width{bdf}` of the guest's /metrics (sent every
-//! `stream.state_interval_ms`). Target: p99 ≤ 250 ms for /events and /metrics; host idle CPU
+//! host-state gauge `gpufeed_host_pcie_link_width{bdf}` of the guest's /metrics (sent right
+//! after events and every `stream.state_interval_ms`). Target: p99 ≤ 250 ms for /events and /metrics; host idle CPU
 //! ≤ 0.2% of a core.
 //!
 //!   cargo build --release -p gpufeed-host

@@ -12,7 +12,9 @@
 //!   a kind this guest cannot decode arrive as what their frames say, and are counted and
 //!   listed as `unknown`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
+
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -22,7 +24,9 @@ use prometheus::proto::MetricFamily;
 use crate::collect::{Owner, Shared};
 use crate::correlate::events::Payload;
 use crate::correlate::export::EventView;
-use crate::correlate::{Config, Correlator, HostInput, PodKey, SignalWindow};
+#[cfg(test)]
+use crate::correlate::SignalWindow;
+use crate::correlate::{Config, Correlator, HostInput, PodKey, WindowRef};
 use crate::hub::{Hub, ReceivedEvent, UnknownEvent};
 use crate::incident::{self, HostView, PageState};
 use crate::pods::PodStore;
@@ -46,6 +50,8 @@ pub struct Join {
     hub: Mutex<Option<Hub>>,
     /// UIDs of the pods the collector had at the last tick.
     live: Mutex<HashSet<String>>,
+    /// The merge of the collector's windows, kept between ticks (no copies per tick).
+    merge: Mutex<Merge>,
     /// (host, kind) of unknown kinds already logged: one line each, not one per event.
     unknown_logged: Mutex<HashSet<(String, u16)>>,
 }
@@ -59,6 +65,7 @@ impl Join {
             simulated,
             hub: Mutex::new(None),
             live: Mutex::new(HashSet::new()),
+            merge: Mutex::new(Merge::default()),
             unknown_logged: Mutex::new(HashSet::new()),
         })
     }
@@ -147,9 +154,10 @@ impl Join {
     pub fn tick(&self, shared: &Shared) {
         let now_i = Instant::now();
         let now_ns = realtime_ns();
-        let windows = pod_windows(&shared.windows, &self.pods, now_i, now_ns);
+        let mut merge = self.merge.lock().unwrap_or_else(|e| e.into_inner());
+        merge.add(&shared.windows, &self.pods, now_i, now_ns);
         // By UID: a pod whose names arrive is the same pod, not one gone and one new.
-        let live: HashSet<&str> = shared
+        let live: FxHashSet<&str> = shared
             .owners
             .keys()
             .filter_map(|o| match o {
@@ -159,14 +167,15 @@ impl Join {
             .collect();
         tracing::trace!(
             windows = shared.windows.len(),
-            pod_windows = windows.len(),
+            pods = merge.pods.len(),
             "signal windows into the correlator"
         );
-        for w in &windows {
-            tracing::trace!(pod = %w.pod.pod, signal = %w.signal, count = w.count, p50 = w.p50, p99 = w.p99, max = w.max, "window");
-        }
         let mut corr = self.corr();
-        corr.observe(windows.iter(), now_ns);
+        for w in merge.windows() {
+            tracing::trace!(pod = %w.pod.pod, signal = %w.signal, count = w.count, p99 = w.p99, "window");
+            corr.observe_window(w);
+        }
+        corr.end_tick(now_ns);
         let mut prev = self.live.lock().unwrap_or_else(|e| e.into_inner());
         prev.retain(|uid| {
             let here = live.contains(uid.as_str());
@@ -175,6 +184,8 @@ impl Join {
             }
             here
         });
+        // a pod the collector no longer has takes its slot with it
+        merge.pods.retain(|uid, _| live.contains(uid.as_str()));
         // what is left is in `live`: equal sizes, equal sets (UIDs are copied only when new)
         if prev.len() != live.len() {
             prev.extend(live.iter().map(|u| u.to_string()));
@@ -289,19 +300,19 @@ impl PromCollector for JoinCollector {
     }
 }
 
+/// The pod as the correlator names it: by the pod store's names, or by its UID while the API
+/// has not named it (as in /metrics).
 fn pod_key(uid: &str, pods: &PodStore) -> PodKey {
-    match pods.get(uid) {
-        Some(m) => PodKey {
-            namespace: m.namespace,
-            pod: m.name,
-            uid: uid.to_string(),
-        },
-        None => PodKey {
-            namespace: String::new(),
-            pod: uid.to_string(),
-            uid: uid.to_string(),
-        },
-    }
+    pods.with(uid, |m| PodKey::new(&m.namespace, &m.name, uid))
+        .unwrap_or_else(|| PodKey::new("", uid, uid))
+}
+
+/// Whether `key` still names its pod as the pod store does (see [`pod_key`]).
+fn key_current(key: &PodKey, pods: &PodStore) -> bool {
+    pods.with(&key.uid, |m| {
+        m.namespace == key.namespace && m.name == key.pod
+    })
+    .unwrap_or(key.namespace.is_empty() && key.pod == key.uid)
 }
 
 /// One (pod, signal) window while it is merged from the collector's windows.
@@ -318,42 +329,9 @@ struct Acc {
     at: i64,
 }
 
-/// The collector's windows as one window per (pod, signal), stamped in guest realtime.
-/// One pass over the windows (a pod's few signals are found by a short scan), then one pod
-/// store lookup per pod; pods come out in the order of their first window.
-fn pod_windows(
-    windows: &[signal::SignalWindow],
-    pods: &PodStore,
-    now_i: Instant,
-    now_ns: i64,
-) -> Vec<SignalWindow> {
-    let mut slot_of: HashMap<&str, usize> = HashMap::new();
-    let mut merged: Vec<(&str, Vec<(&'static str, Acc)>)> = Vec::new();
-    for w in windows {
-        let Owner::Pod { uid, .. } = &w.owner else {
-            continue;
-        };
-        let at = now_ns - now_i.saturating_duration_since(w.at).as_nanos() as i64;
-        let slot = *slot_of.entry(uid.as_str()).or_insert_with(|| {
-            merged.push((uid.as_str(), Vec::new()));
-            merged.len() - 1
-        });
-        let signals = &mut merged[slot].1;
-        let i = match signals.iter().position(|(s, _)| *s == w.signal) {
-            Some(i) => i,
-            None => {
-                signals.push((
-                    w.signal,
-                    Acc {
-                        at,
-                        ..Acc::default()
-                    },
-                ));
-                signals.len() - 1
-            }
-        };
-        let e = &mut signals[i].1;
-        match w.value {
+impl Acc {
+    fn add(&mut self, value: &WindowValue, at: i64) {
+        match *value {
             WindowValue::Latency {
                 count,
                 sum_us,
@@ -361,44 +339,127 @@ fn pod_windows(
                 p99_us,
                 max_us,
             } => {
-                e.count += count;
-                e.sum += sum_us;
-                e.p50 += p50_us * count as f64;
-                e.p99 = e.p99.max(p99_us);
-                e.max = e.max.max(max_us);
+                self.count += count;
+                self.sum += sum_us;
+                self.p50 += p50_us * count as f64;
+                self.p99 = self.p99.max(p99_us);
+                self.max = self.max.max(max_us);
             }
             // A rate is its own quantiles (the correlator reads p99 for rate signals), and
             // the rates of the parts add up.
             WindowValue::Rate { count, per_second } => {
-                e.rate = true;
-                e.count += count;
-                e.sum += per_second;
-                e.p50 += per_second;
-                e.p99 += per_second;
-                e.max += per_second;
+                self.rate = true;
+                self.count += count;
+                self.sum += per_second;
+                self.p50 += per_second;
+                self.p99 += per_second;
+                self.max += per_second;
             }
         }
-        e.at = e.at.max(at);
+        self.at = self.at.max(at);
     }
-    let mut out = Vec::with_capacity(merged.iter().map(|(_, s)| s.len()).sum());
-    for (uid, signals) in merged {
-        let pod = pod_key(uid, pods);
-        out.extend(signals.into_iter().map(|(sig, a)| SignalWindow {
+
+    /// The merged window of `pod`'s `signal`.
+    #[cfg(test)]
+    fn window(&self, pod: &PodKey, signal: &str) -> SignalWindow {
+        SignalWindow {
             pod: pod.clone(),
-            signal: sig.to_string(),
-            at: a.at,
-            count: a.count,
-            sum: a.sum,
-            p50: if a.rate || a.count == 0 {
-                a.p50
+            signal: signal.to_string(),
+            at: self.at,
+            count: self.count,
+            sum: self.sum,
+            p50: if self.rate || self.count == 0 {
+                self.p50
             } else {
-                a.p50 / a.count as f64
+                self.p50 / self.count as f64
             },
-            p99: a.p99,
-            max: a.max,
-        }));
+            p99: self.p99,
+            max: self.max,
+        }
     }
-    out
+}
+
+/// One pod's merged windows.
+struct PodSlot {
+    key: PodKey,
+    /// The pod's signals and what the tick `tick` merged into each.
+    signals: Vec<(&'static str, Acc)>,
+    tick: u64,
+}
+
+/// The collector's windows as one window per (pod, signal), stamped in guest realtime:
+/// containers of a pod and destinations of a signal merged (counts and sums add, p50 is
+/// count-weighted, p99 and max are the largest; rates add). The pods' slots are kept between
+/// ticks, so a tick copies nothing: a pod's key is checked against the pod store and rebuilt
+/// only when its names changed, and its few signals are found by a short scan.
+#[derive(Default)]
+struct Merge {
+    pods: FxHashMap<String, PodSlot>,
+    /// Number of the current tick.
+    tick: u64,
+}
+
+impl Merge {
+    /// Merges one tick's windows (the previous tick's are dropped).
+    fn add(
+        &mut self,
+        windows: &[signal::SignalWindow],
+        pods: &PodStore,
+        now_i: Instant,
+        now_ns: i64,
+    ) {
+        self.tick += 1;
+        for w in windows {
+            let Owner::Pod { uid, .. } = &w.owner else {
+                continue; // slices are not pods
+            };
+            let at = now_ns - now_i.saturating_duration_since(w.at).as_nanos() as i64;
+            let slot = match self.pods.get_mut(uid.as_str()) {
+                Some(s) => s,
+                None => self.pods.entry(uid.clone()).or_insert_with(|| PodSlot {
+                    key: pod_key(uid, pods),
+                    signals: Vec::new(),
+                    tick: 0,
+                }),
+            };
+            if slot.tick != self.tick {
+                slot.tick = self.tick;
+                slot.signals.clear();
+                if !key_current(&slot.key, pods) {
+                    slot.key = pod_key(uid, pods);
+                }
+            }
+            let i = match slot.signals.iter().position(|(s, _)| *s == w.signal) {
+                Some(i) => i,
+                None => {
+                    let acc = Acc {
+                        at,
+                        ..Acc::default()
+                    };
+                    slot.signals.push((w.signal, acc));
+                    slot.signals.len() - 1
+                }
+            };
+            slot.signals[i].1.add(&w.value, at);
+        }
+    }
+
+    /// The windows of the last [`Merge::add`], borrowed.
+    fn windows(&self) -> impl Iterator<Item = WindowRef<'_>> {
+        let tick = self.tick;
+        self.pods
+            .values()
+            .filter(move |s| s.tick == tick)
+            .flat_map(|s| {
+                s.signals.iter().map(|(signal, a)| WindowRef {
+                    pod: &s.key,
+                    signal,
+                    at: a.at,
+                    count: a.count,
+                    p99: a.p99,
+                })
+            })
+    }
 }
 
 #[cfg(test)]
@@ -406,6 +467,23 @@ mod tests {
     use super::*;
     use crate::probes::unit::Labels;
     use std::time::Duration;
+
+    /// One tick of `ws` through `merge`, as owned windows.
+    fn merged(
+        merge: &mut Merge,
+        ws: &[signal::SignalWindow],
+        pods: &PodStore,
+        now_ns: i64,
+    ) -> Vec<SignalWindow> {
+        merge.add(ws, pods, Instant::now(), now_ns);
+        let tick = merge.tick;
+        merge
+            .pods
+            .values()
+            .filter(|s| s.tick == tick)
+            .flat_map(|s| s.signals.iter().map(|(sig, a)| a.window(&s.key, sig)))
+            .collect()
+    }
 
     fn window(
         uid: &str,
@@ -463,7 +541,8 @@ mod tests {
             },
         ];
         let pods = PodStore::default();
-        let out = pod_windows(&ws, &pods, Instant::now(), 1_000_000_000);
+        let mut merge = Merge::default();
+        let out = merged(&mut merge, &ws, &pods, 1_000_000_000);
         assert_eq!(out.len(), 3, "{out:?}");
         let rq = out
             .iter()
@@ -483,5 +562,51 @@ mod tests {
             .unwrap();
         assert_eq!((rt.count, rt.p99), (4, 4.0));
         assert!(rq.at <= 1_000_000_000 && rq.at > 1_000_000_000 - 1_000_000_000);
+    }
+
+    /// Slots live on between ticks: a tick holds only its own windows, and a pod the API
+    /// names later is renamed, with no copies of unchanged keys.
+    #[test]
+    fn the_merge_keeps_slots_between_ticks_and_follows_names() {
+        let lat = |count, p99: f64| WindowValue::Latency {
+            count,
+            sum_us: p99 * count as f64,
+            p50_us: p99,
+            p99_us: p99,
+            max_us: p99,
+        };
+        let pods = PodStore::default();
+        let mut merge = Merge::default();
+        let first = vec![
+            window("u1", "c1", "run_queue_wait", lat(30, 10.0)),
+            window("u1", "c1", "tcp_rtt", lat(30, 500.0)),
+            window("u2", "c2", "run_queue_wait", lat(30, 20.0)),
+        ];
+        assert_eq!(merged(&mut merge, &first, &pods, 1).len(), 3);
+        // the next tick: u1's RTT window and u2 are missing; nothing of the first tick is left
+        let second = vec![window("u1", "c1", "run_queue_wait", lat(10, 70.0))];
+        let out = merged(&mut merge, &second, &pods, 2);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!((out[0].count, out[0].p99), (10, 70.0));
+        assert_eq!(out[0].pod, PodKey::new("", "u1", "u1"));
+        // named by the API
+        pods.upsert(crate::pods::PodMeta {
+            uid: "u1".into(),
+            namespace: "ml".into(),
+            name: "vllm-0".into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            containers: Default::default(),
+            ips: vec![],
+            host_network: false,
+            deleted_at: None,
+        });
+        let out = merged(&mut merge, &second, &pods, 3);
+        assert_eq!(out[0].pod, PodKey::new("ml", "vllm-0", "u1"));
+        assert_eq!(merge.windows().count(), 1);
+        assert_eq!(
+            merge.windows().next().map(|w| w.pod.pod.as_str()),
+            Some("vllm-0")
+        );
     }
 }

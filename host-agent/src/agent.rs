@@ -54,7 +54,7 @@ pub struct Agent {
     host_id: String,
     /// Common phase of the pollers' timers: intervals that divide each other fire in the same
     /// wake-up (pcie, aer and vm each second, thunderbolt every other, host every fifth).
-    phase: tokio::time::Instant,
+    phase: crate::ticks::Phase,
     /// Poke senders by unit name (and [`DISCOVERY`]).
     pokes: HashMap<&'static str, mpsc::Sender<Poke>>,
     /// The built units and their poke receivers, taken by [`Agent::start`].
@@ -115,19 +115,17 @@ impl Agent {
             heartbeats: Heartbeats::default(),
             host_id,
             cfg,
-            phase: tokio::time::Instant::now(),
+            phase: crate::ticks::Phase::now(),
             pokes,
             pending: Mutex::new(pending),
             discovery_inbox: Mutex::new(Some(discovery_inbox)),
         }
     }
 
-    /// A poller's timer: first tick at once, then on the agent's common phase. A late tick is
-    /// skipped rather than shifting the phase (`Skip`), which keeps the timers coalesced.
-    pub fn ticker(&self, period_ms: u64) -> tokio::time::Interval {
-        let mut iv = tokio::time::interval_at(self.phase, Duration::from_millis(period_ms.max(1)));
-        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        iv
+    /// A poller's timer: first tick at once, then on the agent's common phase (see
+    /// [`crate::ticks`]). A late tick is skipped rather than shifting the phase.
+    pub fn ticker(&self, period_ms: u64) -> crate::ticks::Ticks {
+        crate::ticks::Ticks::new(self.phase, Duration::from_millis(period_ms.max(1)))
     }
 
     /// A poller's wake-ups: its timer (past its immediate first tick: the caller polled once

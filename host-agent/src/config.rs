@@ -203,7 +203,7 @@ mod tests {
     #[test]
     fn defaults_parse_from_empty() {
         let c = Config::parse("", Path::new("x.toml")).unwrap();
-        assert_eq!(c.pcie.poll_interval_ms, 1000);
+        assert_eq!(c.pcie.poll_interval_ms, 200);
         assert_eq!(c.bridge.sample_interval_ms, 200);
         assert_eq!(c.metrics_listen.port(), 9847);
     }

@@ -9,6 +9,7 @@
 //! trees. docs/host-architecture.md draws the whole.
 
 pub mod agent;
+pub mod attrs;
 pub mod config;
 pub mod discovery;
 pub mod doctor;
@@ -23,6 +24,7 @@ pub mod roots;
 pub mod rtnetlink;
 pub mod stream;
 pub mod sysfs;
+pub mod ticks;
 pub mod tracefs;
 pub mod uevent;
 pub mod watch;

@@ -171,3 +171,60 @@ async fn guest_exports_the_hosts_series_for_its_vm() {
         ) >= 1.0
     );
 }
+
+/// An event takes the host state with it: the host's series in the guest's scrape follow the
+/// event within a fraction of a second, long before the next state interval (a minute here),
+/// and a change with no event waits for that interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_state_follows_each_event_before_the_next_interval() {
+    let _logs = capture_logs();
+    let fx = Fixture::new(&["pve1"]);
+    let greg = Registry::new();
+    let hub = hub::serve(hub_config(fx.path()), &greg).await.unwrap();
+    let (hreg, width, _changes) = host_registry();
+    width.with_label_values(&["0000:0a:00.0", "100"]).set(4.0);
+    let mut cfg = fx.stream_config("pve1", hub.local_addr(), None);
+    cfg.guests[0].vmids = vec![100];
+    cfg.state_interval_ms = 60_000;
+    let h = stream::start(cfg, "pve1".into(), &hreg).unwrap();
+    let guest_width = || {
+        metric(
+            &greg,
+            "gpufeed_host_pcie_link_width",
+            &[("bdf", "0000:0a:00.0"), ("host", "pve1"), ("vmid", "100")],
+        )
+    };
+    // the state on connect
+    assert!(wait_for(Duration::from_secs(10), || guest_width() == 4.0).await);
+
+    // A change of the series alone waits for the state interval.
+    width.with_label_values(&["0000:0a:00.0", "100"]).set(1.0);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        guest_width(),
+        4.0,
+        "no event: the state waits for its interval"
+    );
+
+    // An event goes out: the state follows it.
+    let t0 = std::time::Instant::now();
+    h.push_raw(0, kmsg_lost_raw(1, 2));
+    assert!(
+        wait_for(Duration::from_secs(5), || guest_width() == 1.0).await,
+        "the state did not follow the event"
+    );
+    let lag = t0.elapsed();
+    assert!(lag < Duration::from_secs(2), "state followed after {lag:?}");
+    assert_eq!(hub.host_state("pve1").map(|s| s.is_empty()), Some(false));
+
+    // Several events in a burst: still one state at the end that has the last value.
+    width.with_label_values(&["0000:0a:00.0", "100"]).set(2.0);
+    for i in 0..20 {
+        h.push_raw(0, kmsg_lost_raw(10 + i, 11 + i));
+    }
+    assert!(
+        wait_for(Duration::from_secs(5), || guest_width() == 2.0).await,
+        "the state did not follow the burst"
+    );
+    h.shutdown().await;
+}

@@ -25,11 +25,13 @@ mod tests;
 pub mod window;
 
 use std::collections::{BTreeMap, HashMap};
+
+use rustc_hash::FxHashMap;
 use std::time::Duration;
 
 pub use detector::{DetectorConfig, SignalPolicy};
 pub use events::{EventKind, HostInput};
-pub use window::{PodKey, SignalWindow};
+pub use window::{PodKey, SignalWindow, WindowRef};
 
 use detector::{Detector, Verdict};
 use join::{JoinConfig, Joiner, NewJoin};
@@ -95,6 +97,8 @@ fn ns(d: Duration) -> i64 {
 
 struct SignalState {
     detector: Detector,
+    /// How this signal is read (from the configuration, looked up once).
+    policy: SignalPolicy,
     /// The spike of the episode in progress.
     episode: Option<u64>,
 }
@@ -102,7 +106,7 @@ struct SignalState {
 struct PodState {
     /// The pod's names as its latest window gave them (they can arrive after its UID).
     key: PodKey,
-    signals: HashMap<String, SignalState>,
+    signals: FxHashMap<String, SignalState>,
     last_window: i64,
 }
 
@@ -121,7 +125,7 @@ pub struct Correlator {
     cfg: Config,
     /// By UID: a pod is its UID. Its names may arrive after its first windows (the API
     /// watch answers later than the first tick); that renames it, and keeps its baselines.
-    pods: HashMap<String, PodState>,
+    pods: FxHashMap<String, PodState>,
     joiner: Joiner,
     counters: Counters,
 }
@@ -139,7 +143,7 @@ impl Correlator {
         });
         Correlator {
             cfg,
-            pods: HashMap::new(),
+            pods: FxHashMap::default(),
             joiner,
             counters: Counters::default(),
         }
@@ -152,41 +156,46 @@ impl Correlator {
     /// One tick of windows. A pod seen for the first time starts warming up.
     pub fn observe<'a>(&mut self, windows: impl IntoIterator<Item = &'a SignalWindow>, now: i64) {
         for w in windows {
-            self.observe_one(w);
+            self.observe_window(w.view());
         }
-        self.expire(now);
+        self.end_tick(now);
     }
 
-    fn observe_one(&mut self, w: &SignalWindow) {
-        let policy = self
-            .cfg
-            .signals
-            .get(&w.signal)
-            .copied()
-            .unwrap_or(SignalPolicy {
-                rate: false,
-                abs_floor: 0.0,
-            });
+    /// [`Correlator::observe`] one window at a time: each window of the tick, then
+    /// [`Correlator::end_tick`].
+    pub fn observe_window(&mut self, w: WindowRef<'_>) {
         let pod = match self.pods.get_mut(&w.pod.uid) {
             Some(p) => p,
             None => self.pods.entry(w.pod.uid.clone()).or_insert(PodState {
                 key: w.pod.clone(),
-                signals: HashMap::new(),
+                signals: FxHashMap::default(),
                 last_window: w.at,
             }),
         };
-        if pod.key != w.pod {
+        if pod.key != *w.pod {
             // Named (or renamed) by the API: same pod, same baselines and counters.
             pod.key = w.pod.clone();
         }
         pod.last_window = pod.last_window.max(w.at);
-        let st = match pod.signals.get_mut(&w.signal) {
-            Some(s) => s,
-            None => pod.signals.entry(w.signal.clone()).or_insert(SignalState {
-                detector: Detector::new(&self.cfg.detector),
-                episode: None,
-            }),
-        };
+        let st =
+            match pod.signals.get_mut(w.signal) {
+                Some(s) => s,
+                None => {
+                    pod.signals
+                        .entry(w.signal.to_string())
+                        .or_insert(SignalState {
+                            detector: Detector::new(&self.cfg.detector),
+                            policy: self.cfg.signals.get(w.signal).copied().unwrap_or(
+                                SignalPolicy {
+                                    rate: false,
+                                    abs_floor: 0.0,
+                                },
+                            ),
+                            episode: None,
+                        })
+                }
+            };
+        let policy = st.policy;
         let verdict = st
             .detector
             .observe(&self.cfg.detector, policy, w.at, w.count, w.p99);
@@ -199,12 +208,12 @@ impl Correlator {
             } => {
                 let (id, joins) =
                     self.joiner
-                        .add_spike(&w.pod, &w.signal, at, value, baseline.median);
+                        .add_spike(w.pod, w.signal, at, value, baseline.median);
                 st.episode = Some(id);
                 *self
                     .counters
                     .spikes
-                    .entry((w.pod.uid.clone(), w.signal.clone()))
+                    .entry((w.pod.uid.clone(), w.signal.to_string()))
                     .or_default() += 1;
                 self.count_joins(joins);
             }
@@ -215,6 +224,11 @@ impl Correlator {
             }
             Verdict::Ended => st.episode = None,
         }
+    }
+
+    /// The tick's windows are in: state of pods idle too long and old spikes and events go.
+    pub fn end_tick(&mut self, now: i64) {
+        self.expire(now);
     }
 
     /// A host event. `now` is only used to expire old state.

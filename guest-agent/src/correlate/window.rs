@@ -40,3 +40,26 @@ pub struct SignalWindow {
     pub p99: f64,
     pub max: f64,
 }
+
+/// A [`SignalWindow`] by reference, with what the detector reads: a caller that keeps its
+/// pods' keys hands them over without copying them into every window each tick.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowRef<'a> {
+    pub pod: &'a PodKey,
+    pub signal: &'a str,
+    pub at: i64,
+    pub count: u64,
+    pub p99: f64,
+}
+
+impl SignalWindow {
+    pub fn view(&self) -> WindowRef<'_> {
+        WindowRef {
+            pod: &self.pod,
+            signal: &self.signal,
+            at: self.at,
+            count: self.count,
+            p99: self.p99,
+        }
+    }
+}

@@ -180,6 +180,11 @@ impl PodStore {
         self.read().resolve(uid).cloned()
     }
 
+    /// `f` of the pod [`PodStore::get`] finds, without copying it (for per-tick readers).
+    pub fn with<R>(&self, uid: &str, f: impl FnOnce(&PodMeta) -> R) -> Option<R> {
+        self.read().resolve(uid).map(f)
+    }
+
     /// Insert or replace a pod (keyed by `meta.uid`). Replacing keeps the container ids of the
     /// previous version that are no longer reported (a restarted container's old cgroup may
     /// still produce samples), and a `deleted_at` already set.

@@ -3,6 +3,7 @@
 
 use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
 use super::vm_suffix;
+use crate::attrs::{read_short, AttrFiles};
 use crate::config::{range, Invalid};
 use crate::discovery::Link;
 use crate::metrics::{self, vmid_label};
@@ -31,27 +32,8 @@ pub struct PciePoller {
     watched: HashMap<String, Link>,
     /// Devices skipped on the last poll because they were runtime-suspended.
     pub suspended_skips: u64,
-    /// Directory handles of the devices polled.
-    dirs: DevDirs,
-}
-
-/// A short sysfs attribute, trimmed, in one `read(2)`: the files polled every interval are a
-/// few bytes, and `std::fs::read` also asks for the size (`statx`) and reads once more to see
-/// the end. Longer contents are read the ordinary way.
-fn read_short(path: &std::path::Path) -> std::io::Result<String> {
-    read_file(std::fs::File::open(path)?)
-}
-
-fn read_file(mut f: std::fs::File) -> std::io::Result<String> {
-    use std::io::Read;
-    let mut buf = [0u8; 64];
-    let n = f.read(&mut buf)?;
-    if n == buf.len() {
-        let mut rest = buf.to_vec();
-        f.read_to_end(&mut rest)?;
-        return Ok(String::from_utf8_lossy(&rest).trim().to_string());
-    }
-    Ok(String::from_utf8_lossy(&buf[..n]).trim().to_string())
+    /// Kept handles of the polled devices' directories and (on sysfs) attribute files.
+    dirs: AttrFiles,
 }
 
 /// Reads attribute `attr` (a path relative to the device's directory) of device `bdf`.
@@ -60,51 +42,6 @@ type ReadAttr<'a> = dyn FnMut(&str, &str) -> std::io::Result<String> + 'a;
 /// Attributes read by path under `roots`.
 fn by_path(roots: &Roots) -> impl FnMut(&str, &str) -> std::io::Result<String> + '_ {
     move |bdf, attr| read_short(&roots.pci_devices().join(bdf).join(attr))
-}
-
-/// Open handles of the polled devices' sysfs directories: a poll opens each attribute by its
-/// one name under its device (`openat`) instead of walking the whole sysfs path again, which
-/// was most of a poll's cost (see docs/benchmarks.md). A handle under which an attribute is
-/// not found (the device was removed, or replaced at the same address) is dropped and the
-/// directory opened again by its path.
-#[derive(Debug, Default)]
-struct DevDirs(HashMap<String, std::fs::File>);
-
-impl DevDirs {
-    fn read(&mut self, roots: &Roots, bdf: &str, attr: &str) -> std::io::Result<String> {
-        use nix::fcntl::{openat, OFlag};
-        use std::os::fd::{AsRawFd, FromRawFd};
-        let mut fresh = false;
-        loop {
-            let dir = match self.0.get(bdf) {
-                Some(d) => d,
-                None => {
-                    fresh = true;
-                    let d = std::fs::File::open(roots.pci_devices().join(bdf))?;
-                    self.0.entry(bdf.to_string()).or_insert(d)
-                }
-            };
-            let opened = openat(
-                Some(dir.as_raw_fd()),
-                attr,
-                OFlag::O_RDONLY | OFlag::O_CLOEXEC,
-                nix::sys::stat::Mode::empty(),
-            );
-            match opened {
-                // SAFETY: openat returned a new descriptor that nothing else owns.
-                Ok(fd) => return read_file(unsafe { std::fs::File::from_raw_fd(fd) }),
-                Err(nix::errno::Errno::ENOENT) if !fresh => {
-                    self.0.remove(bdf);
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-
-    /// Drops the handles of devices not in `keep`.
-    fn retain(&mut self, keep: &HashSet<&str>) {
-        self.0.retain(|bdf, _| keep.contains(bdf.as_str()));
-    }
 }
 
 /// True when `power/runtime_status` says the device sleeps (reading would wake it).
@@ -293,7 +230,8 @@ impl PciePoller {
     ) -> Option<LinkState> {
         let current = {
             let dirs = &mut self.dirs;
-            let mut read = |bdf: &str, attr: &str| dirs.read(roots, bdf, attr);
+            let mut read =
+                |bdf: &str, attr: &str| dirs.read(bdf, || roots.pci_devices().join(bdf), attr);
             if suspended_with(&mut read, &link.child) {
                 self.suspended_skips += 1;
                 return None;
@@ -444,7 +382,9 @@ impl Default for PcieConfig {
     fn default() -> Self {
         PcieConfig {
             enabled: true,
-            poll_interval_ms: 1000,
+            // A retrain shows in the guest within about 200 ms where the kernel has no
+            // pci:pcie_link_event (see docs/benchmarks.md for what this costs).
+            poll_interval_ms: 200,
             tracepoints: true,
         }
     }

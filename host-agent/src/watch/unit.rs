@@ -83,7 +83,7 @@ pub struct Inbox {
 /// ready, and the loop would spin). Asking for the next wake-up is the loop's heartbeat: a
 /// poller stuck in its poll stops asking, and the watchdog notices.
 pub struct Pokes {
-    timer: tokio::time::Interval,
+    timer: crate::ticks::Ticks,
     rx: mpsc::Receiver<Poke>,
     open: bool,
     beat: Arc<Beat>,
@@ -91,7 +91,7 @@ pub struct Pokes {
 
 impl Pokes {
     /// `timer` past its immediate first tick (the caller polled once already).
-    pub fn new(timer: tokio::time::Interval, rx: mpsc::Receiver<Poke>, beat: Arc<Beat>) -> Pokes {
+    pub fn new(timer: crate::ticks::Ticks, rx: mpsc::Receiver<Poke>, beat: Arc<Beat>) -> Pokes {
         Pokes {
             timer,
             rx,

@@ -13,7 +13,8 @@
 //!   [`Welcome`] or [`Reject`]. Afterwards the guest sends [`Ack`]s and [`ClockProbe`]s, the host
 //!   answers probes with [`ClockReply`].
 //!   Where the guest announced [`caps::HOST_STATE`] the host also sends [`Message::HostState`]
-//!   whenever its series for this guest changed (at most once per state interval).
+//!   when its series for this guest changed, looked at once per state interval and right
+//!   after events went out on the event stream (so the series an event changed follow it).
 //! * **Events** (unidirectional host → guest, opened after `Welcome`): [`EventFrame`]s in sequence
 //!   order, with [`SpoolLoss`] records in between where the host's spool had to drop events.
 //!

@@ -331,25 +331,44 @@ async fn stream(
     tracing::info!(guest = %label, boot_id, ?resume_from, cursor, "host stream: connected");
     let mut ev = conn.open_uni().await?;
 
+    // Set by the sender after each write of events: the host state is looked at again at
+    // once (the watcher that emitted an event updated its series first), so the host's
+    // series in the guest's scrape follow an event within milliseconds, not at the next
+    // state interval. At most one such look per EVENT_STATE_GAP, so a flood of events does
+    // not turn into a snapshot per batch.
+    let events_sent = tokio::sync::Notify::new();
     let control = async {
         let mut out = Vec::new();
-        // Host state: looked at every state interval, sent when it changed (StateSender).
+        // Host state: looked at every state interval, and after events; sent when it
+        // changed (StateSender).
         let mut states = StateSender::default();
         let mut state_tick =
             tokio::time::interval(Duration::from_millis(c.cfg.state_interval_ms.max(100)));
         state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let gap = EVENT_STATE_GAP.min(Duration::from_millis(c.cfg.state_interval_ms));
+        // When an event-driven look is due (None: no events since the last look).
+        let mut due: Option<tokio::time::Instant> = None;
+        let mut last_look: Option<tokio::time::Instant> = None;
         loop {
+            let wake = due.unwrap_or_else(tokio::time::Instant::now);
             // read_msg is cancel-safe: its only await is read_chunk, which consumes nothing
             // when dropped.
             let msg = tokio::select! {
                 m = read_msg(&mut ctl_recv, &mut dec) => m?,
+                _ = events_sent.notified(), if c.state.is_some() && due.is_none() => {
+                    let now = tokio::time::Instant::now();
+                    due = Some(last_look.map_or(now, |l| (l + gap).max(now)));
+                    continue;
+                }
+                _ = tokio::time::sleep_until(wake), if due.is_some() => {
+                    due = None;
+                    last_look = Some(tokio::time::Instant::now());
+                    send_state(c, g, &session, &mut states, &mut ctl_send, &mut out).await?;
+                    continue;
+                }
                 _ = state_tick.tick(), if c.state.is_some() => {
-                    let source = c.state.as_ref().expect("checked by the select guard");
-                    if let Some(m) = states.offer(&session, source(g.index, c.clock.now_ns())) {
-                        out.clear();
-                        encode(&m, &mut out)?;
-                        ctl_send.write_all(&out).await?;
-                    }
+                    last_look = Some(tokio::time::Instant::now());
+                    send_state(c, g, &session, &mut states, &mut ctl_send, &mut out).await?;
                     continue;
                 }
             };
@@ -385,6 +404,7 @@ async fn stream(
             }
             g.m.sent.inc_by(b.events);
             cursor = b.next_cursor;
+            events_sent.notify_one();
         }
         #[allow(unreachable_code)]
         Ok::<(), ConnError>(())
@@ -394,6 +414,30 @@ async fn stream(
         r = sender => Ok(Outcome::Streamed(r.err().unwrap_or(ConnError::ControlClosed))),
         _ = stop.changed() => Ok(Outcome::Stopped),
     }
+}
+
+/// Closest spacing of the host-state looks that follow events (see `events_sent` above).
+const EVENT_STATE_GAP: Duration = Duration::from_millis(20);
+
+/// Takes the host's series for guest `g` now and sends them on the control stream if they
+/// changed since the last state sent on this connection.
+async fn send_state(
+    c: &Common,
+    g: &Guest,
+    session: &HostConnection,
+    states: &mut StateSender,
+    ctl_send: &mut quinn::SendStream,
+    out: &mut Vec<u8>,
+) -> Result<(), ConnError> {
+    let Some(source) = c.state.as_ref() else {
+        return Ok(());
+    };
+    if let Some(m) = states.offer(session, source(g.index, c.clock.now_ns())) {
+        out.clear();
+        encode(&m, out)?;
+        ctl_send.write_all(out).await?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

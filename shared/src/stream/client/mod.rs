@@ -90,7 +90,11 @@ pub struct StreamConfig {
     /// Default 500.
     pub coalesce_us: u64,
     /// How often the host's series for a guest are looked at and, when changed, sent to it
-    /// (guests that take host state). Default 1000.
+    /// (guests that take host state). They are also looked at right after events go out (at
+    /// most every 20 ms), so the series that an event changed reach the guest with it; the
+    /// periodic look carries what moves without events (host load, byte counters). Default
+    /// 2000: a look gathers the host's whole registry, the largest part of an idle agent's
+    /// CPU time (see docs/benchmarks.md).
     pub state_interval_ms: u64,
     /// Guests to stream to. Default none (streaming off).
     pub guests: Vec<GuestEndpoint>,
@@ -114,7 +118,7 @@ impl Default for StreamConfig {
             keep_alive_ms: 1_000,
             batch_bytes: 64 * 1024,
             coalesce_us: 500,
-            state_interval_ms: 1000,
+            state_interval_ms: 2000,
             guests: Vec::new(),
         }
     }
