@@ -51,7 +51,15 @@ fn five_hundred_pods_created_and_deleted_return_to_baseline() {
         let c = counts(&agent);
         (c.0 >= base.0 + 500.0).then_some(c)
     })
-    .expect("agent saw 500 new pods");
+    .unwrap_or_else(|| {
+        let s = agent.scrape();
+        panic!(
+            "agent saw 500 new pods: baseline {base:?}, now {:?}; cgroups {:?}, ticks {:?}",
+            counts(&agent),
+            value(&s, "gpufeed_cgroups", &[]),
+            value(&s, "gpufeed_ticks_total", &[]),
+        )
+    });
     eprintln!(
         "baseline owners/entries/series {base:?}, with 500 pods {peak:?} ({:?} in)",
         t0.elapsed()

@@ -696,14 +696,26 @@ garbage line
     #[test]
     fn decode_cgroup() {
         let mut b = Vec::new();
-        // the last one is the activity epoch (bpf/cgroup_active.h)
-        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1, 7] {
+        // vram, h2d, d2h, launches, busy_ns, busy_since, busy_streams
+        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1] {
             b.extend_from_slice(&v.to_ne_bytes());
         }
+        // the sync-wait histogram (bpf/hist.h): two waits under 2^17 ns
+        // (bucket 7), one in the overflow slot, their exact sum
+        let mut buckets = [0u64; super::super::hist::SLOTS];
+        buckets[7] = 2;
+        buckets[super::super::hist::SLOTS - 1] = 1;
+        for v in buckets.iter().chain(&[40_000_000_000u64]) {
+            b.extend_from_slice(&v.to_ne_bytes());
+        }
+        // the activity epoch (bpf/cgroup_active.h)
+        b.extend_from_slice(&7u64.to_ne_bytes());
         let c = CudaCgroup::from_bytes(&b).unwrap();
         assert_eq!(c.vram_bytes, -4096);
         assert_eq!((c.h2d_bytes, c.d2h_bytes, c.launches), (10, 20, 3));
         assert_eq!(c.busy_ns, 7_000, "an interval still open is left out");
-        assert!(CudaCgroup::from_bytes(&b[..63]).is_none());
+        assert_eq!((c.sync_wait.count, c.sync_wait.sum_ns), (3, 40_000_000_000));
+        assert_eq!(c.sync_wait.buckets[7], 2);
+        assert!(CudaCgroup::from_bytes(&b[..b.len() - 1]).is_none());
     }
 }
