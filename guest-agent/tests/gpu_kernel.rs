@@ -587,7 +587,7 @@ fn cuda_busy_case(launches: bool) {
     wait_file(&out_a, "pod a's client");
     wait_file(&out_b, "pod b's client");
     for (pod, out, name) in [(&a, &out_a, "a"), (&b, &out_b, "b")] {
-        let (busy, sync) = busy_measured(out);
+        let (busy, sync) = measured(out);
         let cg = File::open(&pod.cgroup).unwrap();
         let got = probe.read(cg.as_fd()).expect("the pod has CUDA numbers");
         eprintln!(
@@ -770,7 +770,7 @@ fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
     a.wait_exit(pid_a, Duration::from_secs(10));
     b.wait_exit(pid_b, Duration::from_secs(10));
     let (calls, ioctl_ns) = measured(&out_a);
-    let (_, sync_ns) = busy_measured(&out_b);
+    let (_, sync_ns) = measured(&out_b);
     let id = |p: &Pod| std::fs::metadata(&p.cgroup).unwrap().ino();
     let (id_a, id_b) = (id(&a), id(&b));
     a.remove();

@@ -229,7 +229,7 @@ fn gpu_sync_waits_reach_the_correlator_as_a_latency_signal() {
         "the client's waits arrived: {} windows",
         mine.len()
     );
-    let (_, measured) = gpu::busy_measured(&out);
+    let (_, measured) = gpu::measured(&out);
     let (count, sum_us) = mine
         .iter()
         .fold((0, 0.0), |(n, s), w| (n + w.count, s + w.sum));

@@ -335,19 +335,12 @@ impl CudaProbe {
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         open.progs.cuda_cgroup_rmdir.set_autoload(has_rmdir);
         let skel = open.load().map_err(err(NAME, "load"))?;
-        let mut links = vec![skel
-            .progs
-            .cuda_exit
-            .attach()
-            .map_err(err(NAME, "attach sched_process_exit"))?];
+        let p = &skel.progs;
+        let mut progs = vec![(&p.cuda_exit, "sched_process_exit")];
         if has_rmdir {
-            links.push(
-                skel.progs
-                    .cuda_cgroup_rmdir
-                    .attach()
-                    .map_err(err(NAME, "attach cgroup_rmdir"))?,
-            );
+            progs.push((&p.cuda_cgroup_rmdir, "cgroup_rmdir"));
         }
+        let links = super::attach_all(NAME, progs)?;
         let skel: &'static skel::CudaSkel<'static> = Box::leak(Box::new(skel));
         Ok(Ok(CudaProbe {
             _links: links,

@@ -156,7 +156,7 @@ impl StandInCuda {
 
 /// The busy client (fixtures/cuda/cuda_busy.c) built in a test's directory:
 /// five phases of kernels waited for in each way the probes watch; it writes
-/// "BUSY_NS SYNC_NS" as it measured them.
+/// "BUSY_NS SYNC_NS" as it measured them (read with [`measured`]).
 pub struct BusyClient {
     bin: PathBuf,
 }
@@ -179,11 +179,6 @@ impl BusyClient {
             out.display()
         )
     }
-}
-
-/// (busy ns, ns inside the synchronisation calls) a busy client measured.
-pub fn busy_measured(out: &Path) -> (u64, u64) {
-    measured(out)
 }
 
 /// A running pod as the API lists it: one container `main` with id `cid`, on `node`.
