@@ -42,6 +42,7 @@
 #include "cgroup.h"
 #include "cgroup_active.h"
 #include "cgroup_drain.h"
+#include "cgroup_batch.h"
 #include "hist.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
@@ -77,6 +78,8 @@ struct {
 } cuda_cgroup SEC(".maps");
 
 CGROUP_DRAIN(cuda_cgroup, struct cuda_cgroup)
+/* a tick reads its active cgroups 256 at a time */
+CGROUP_BATCH(cuda_cgroup, struct cuda_cgroup, 256)
 
 #define KIND_DPTR 0    /* classic allocation: key is the device pointer */
 #define KIND_HANDLE 1  /* VMM allocation handle */

@@ -42,6 +42,7 @@
 #include "cgroup.h"
 #include "cgroup_active.h"
 #include "cgroup_drain.h"
+#include "cgroup_batch.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -117,6 +118,8 @@ struct {
 } gpu_cgroup SEC(".maps");
 
 CGROUP_DRAIN(gpu_cgroup, struct gpu_cgroup)
+/* a tick reads its active cgroups 256 at a time */
+CGROUP_BATCH(gpu_cgroup, struct gpu_cgroup, 256)
 
 /* [0] storage unavailable, [1] GPU fds learned at open, [2] GPU fds beyond
  * GPU_FD_BITS (not tracked), [3] calls that left a cgroup other than the one

@@ -39,6 +39,7 @@
 #include "cgroup.h"
 #include "cgroup_active.h"
 #include "cgroup_drain.h"
+#include "cgroup_batch.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -80,6 +81,8 @@ struct {
 } sched_hist SEC(".maps");
 
 CGROUP_DRAIN(sched_hist, struct sched_cgroup)
+/* a tick reads its active cgroups 512 at a time */
+CGROUP_BATCH(sched_hist, struct sched_cgroup, 512)
 
 /* Stats userspace exports as self-metrics: [0] negative deltas (cross-CPU clock
  * skew) that were dropped, [1] cgroup storage allocation failures. */

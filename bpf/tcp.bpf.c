@@ -31,6 +31,7 @@
 #include "cgroup.h"
 #include "cgroup_active.h"
 #include "cgroup_drain.h"
+#include "cgroup_batch.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -85,6 +86,8 @@ struct {
 } tcp_stats SEC(".maps");
 
 CGROUP_DRAIN(tcp_stats, struct tcp_cgroup)
+/* a tick reads its active cgroups 64 at a time (a value is 3.6 KiB) */
+CGROUP_BATCH(tcp_stats, struct tcp_cgroup, 64)
 
 /* [0] events lost because cgroup storage was unavailable (allocation failed or
  * the per-CPU storage lock was busy, e.g. a softirq interrupting a probe). */

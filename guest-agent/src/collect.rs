@@ -10,7 +10,6 @@
 use std::cell::RefCell;
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -189,47 +188,49 @@ impl Collector {
 
         // Live cgroups: those with activity, or all of them for a unit that cannot tell.
         let mut read = Vec::new();
+        let mut ids = Vec::new();
         // cgroups where a task ran, from a unit that sees every run: only with
         // one can a process list be left unread (see `TickContext::pod_pids`)
         let mut active: Option<HashSet<u64>> = None;
         for unit in &mut self.units {
             let marks_every_run = unit.marks_every_run();
-            let ids: Box<dyn Iterator<Item = u64>> = match unit.active_cgroups() {
-                Some(ids) => {
+            ids.clear();
+            match unit.active_cgroups() {
+                Some(marked) => {
                     if marks_every_run {
-                        active.get_or_insert_default().extend(&ids);
+                        active.get_or_insert_default().extend(&marked);
                     }
-                    Box::new(ids.into_iter())
+                    // one not in the tree yet (created after the refresh)
+                    // stays in the unit's set for the next tick
+                    ids.extend(marked.into_iter().filter(|id| {
+                        self.tree.cgroups.contains_key(id) && self.owners.contains_key(id)
+                    }));
                 }
-                None => Box::new(
+                None => ids.extend(
                     self.tree
                         .cgroups
                         .keys()
-                        .copied()
-                        .collect::<Vec<_>>()
-                        .into_iter(),
+                        .filter(|id| self.owners.contains_key(id)),
                 ),
-            };
-            for id in ids {
-                let (Some(cg), Some(owner)) = (self.tree.cgroups.get(&id), self.owners.get(&id))
-                else {
-                    // not in the tree yet (created after the refresh): it
-                    // stays in the unit's set for the next tick
-                    continue;
-                };
-                unit.read_cgroup(id, cg.dir.as_fd(), &mut read);
-                if read.is_empty() {
-                    continue;
-                }
-                let d = deltas.entry(owner.clone()).or_default();
-                for Delta {
+            }
+            unit.read_cgroups(&ids, &self.tree, &mut read);
+            for (
+                id,
+                Delta {
                     family,
                     labels,
                     value,
-                } in read.drain(..)
-                {
-                    add(d, (family, labels), value);
-                }
+                },
+            ) in read.drain(..)
+            {
+                let Some(owner) = self.owners.get(&id) else {
+                    continue;
+                };
+                add(
+                    deltas.entry(owner.clone()).or_default(),
+                    (family, labels),
+                    value,
+                );
             }
         }
 

@@ -21,15 +21,17 @@ use std::path::PathBuf;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
+use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::Drained;
 use super::hist::Hist;
 use super::lookout::Lookout;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
-    Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+    read_each, Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
+    Probe, Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
 use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use crate::cgroups::CgroupTree;
 use crate::collect::Owner;
 
 pub const NAME: &str = "cuda";
@@ -305,6 +307,8 @@ pub struct CudaProbe {
     _links: Vec<Link>,
     cgroups: MapHandle,
     drained: Drained,
+    /// None on a kernel without batch reads: one lookup per cgroup
+    batch: Option<BatchRead>,
     active: super::cgroup_maps::ActiveSet,
     stats: MapHandle,
     opts: CudaOptions,
@@ -334,6 +338,8 @@ impl CudaProbe {
         }
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         open.progs.cuda_cgroup_rmdir.set_autoload(has_rmdir);
+        let batched = cgroup_batch::supported();
+        open.progs.cuda_cgroup_batch_read.set_autoload(batched);
         let skel = open.load().map_err(err(NAME, "load"))?;
         let p = &skel.progs;
         let mut progs = vec![(&p.cuda_exit, "sched_process_exit")];
@@ -346,6 +352,15 @@ impl CudaProbe {
             _links: links,
             cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
             drained: Drained::new(handle(NAME, &skel.maps.cuda_cgroup_drained)?),
+            batch: match batched {
+                true => Some(BatchRead::new(
+                    NAME,
+                    &skel.progs.cuda_cgroup_batch_read,
+                    &skel.maps.cuda_cgroup_batch,
+                    std::mem::size_of::<skel::types::cuda_cgroup>(),
+                )?),
+                false => None,
+            },
             active: super::cgroup_maps::ActiveSet::new(
                 NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
@@ -456,6 +471,13 @@ impl CudaProbe {
         self.attached.len()
     }
 
+    /// A cgroup's reading: its deltas, and its VRAM now.
+    fn take_reading(&mut self, id: u64, now: CudaCgroup, out: &mut Vec<Delta>) {
+        self.vram.insert(id, now.vram_bytes);
+        let d = self.last.advance(id, now, CudaCgroup::delta_since);
+        push_deltas(d, self.opts.launches, out);
+    }
+
     /// One cgroup's numbers, if any of its processes called a probed function.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
         lookup_cgroup(&self.cgroups, cgroup_dir)
@@ -486,9 +508,20 @@ impl Probe for CudaProbe {
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(now) = self.read(dir) else { return };
-        self.vram.insert(id, now.vram_bytes);
-        let d = self.last.advance(id, now, CudaCgroup::delta_since);
-        push_deltas(d, self.opts.launches, out);
+        self.take_reading(id, now, out);
+    }
+
+    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
+        let Some(mut batch) = self.batch.take() else {
+            return read_each(self, ids, tree, out);
+        };
+        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
+            if let Some(now) = CudaCgroup::from_bytes(bytes) {
+                self.take_reading(id, now, d);
+            }
+        };
+        batch.deltas(NAME, ids, each, out);
+        self.batch = Some(batch);
     }
 
     /// A removed cgroup's last interval: its processes are gone (their exit

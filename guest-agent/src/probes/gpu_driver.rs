@@ -28,18 +28,20 @@ use std::time::{Duration, Instant};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
+use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::Drained;
 use super::cuda::{attach_uprobe, find_libs, reachable};
 use super::hist::{Hist, HIST_BYTES};
 use super::lookout::Lookout;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
-    Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+    read_each, Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
+    Probe, Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
 use super::{
     attach_all, decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus,
 };
+use crate::cgroups::CgroupTree;
 use crate::collect::Owner;
 
 pub const NAME: &str = "gpu_driver";
@@ -269,6 +271,8 @@ pub struct GpuDriverProbe {
     mode: Mode,
     cgroups: MapHandle,
     drained: Drained,
+    /// None on a kernel without batch reads: one lookup per cgroup
+    batch: Option<BatchRead>,
     active: super::cgroup_maps::ActiveSet,
     fds: MapHandle,
     stats: MapHandle,
@@ -426,6 +430,8 @@ impl GpuDriverProbe {
         }
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         p.gpu_cgroup_rmdir.set_autoload(has_rmdir);
+        let batched = cgroup_batch::supported();
+        p.gpu_cgroup_batch_read.set_autoload(batched);
         let skel = open.load().map_err(err(NAME, "load"))?;
         let skel: &'static skel::GpuDriverSkel<'static> = Box::leak(Box::new(skel));
         let p = &skel.progs;
@@ -477,6 +483,15 @@ impl GpuDriverProbe {
             mode,
             cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
             drained: Drained::new(handle(NAME, &skel.maps.gpu_cgroup_drained)?),
+            batch: match batched {
+                true => Some(BatchRead::new(
+                    NAME,
+                    &skel.progs.gpu_cgroup_batch_read,
+                    &skel.maps.gpu_cgroup_batch,
+                    std::mem::size_of::<skel::types::gpu_cgroup>(),
+                )?),
+                false => None,
+            },
             active: super::cgroup_maps::ActiveSet::new(
                 NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
@@ -503,6 +518,13 @@ impl GpuDriverProbe {
     /// Processes whose C library carries the uprobes now (uprobe mode).
     pub fn probed(&self) -> usize {
         self.probed.len()
+    }
+
+    /// A cgroup's reading: its deltas, and its busy time for the duty cycle.
+    fn take_reading(&mut self, id: u64, now: GpuDriverCgroup, out: &mut Vec<Delta>) {
+        let d = self.last.advance(id, now, GpuDriverCgroup::delta_since);
+        self.busy_read.push((id, d.busy_ns));
+        push_deltas(d, out);
     }
 
     /// One cgroup's driver time, if any task of it ever called a GPU ioctl.
@@ -663,9 +685,20 @@ impl Probe for GpuDriverProbe {
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(now) = self.read(dir) else { return };
-        let d = self.last.advance(id, now, GpuDriverCgroup::delta_since);
-        self.busy_read.push((id, d.busy_ns));
-        push_deltas(d, out);
+        self.take_reading(id, now, out);
+    }
+
+    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
+        let Some(mut batch) = self.batch.take() else {
+            return read_each(self, ids, tree, out);
+        };
+        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
+            if let Some(now) = GpuDriverCgroup::from_bytes(bytes) {
+                self.take_reading(id, now, d);
+            }
+        };
+        batch.deltas(NAME, ids, each, out);
+        self.batch = Some(batch);
     }
 
     /// A removed cgroup's last interval (its tasks left their last calls

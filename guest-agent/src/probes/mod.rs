@@ -9,6 +9,7 @@
 //! rest of the agent: the kernel keeps programs alive through their links and
 //! maps through the handles.
 
+pub mod cgroup_batch;
 pub mod cgroup_maps;
 pub mod cuda;
 pub mod gpu_driver;

@@ -11,14 +11,16 @@ use std::os::fd::BorrowedFd;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle};
 
+use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::{ActiveSet, Drained};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    Delta, FamilySpec, Kind, LastRead, LoadContext, Loaded, Probe, Scope, SelfSeries, UnitSpec,
-    UnitStats, Value,
+    read_each, Delta, FamilySpec, Kind, LastRead, LoadContext, Loaded, Probe, Scope, SelfSeries,
+    UnitSpec, UnitStats, Value,
 };
 use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use crate::cgroups::CgroupTree;
 
 pub const NAME: &str = "sched_latency";
 pub const FAMILY: &str = "ebpf_sched_latency_microseconds";
@@ -77,6 +79,8 @@ pub struct SchedProbe {
     stats: MapHandle,
     active: ActiveSet,
     drained: Drained,
+    /// None on a kernel without batch reads: one lookup per cgroup
+    batch: Option<BatchRead>,
     _links: Vec<Link>,
     last: LastRead<Hist>,
 }
@@ -124,7 +128,18 @@ impl SchedProbe {
         open.progs.sched_wakeup_new.set_autoload(!use_sched_info);
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         open.progs.sched_hist_rmdir.set_autoload(has_rmdir);
+        let batched = cgroup_batch::supported();
+        open.progs.sched_hist_batch_read.set_autoload(batched);
         let skel = open.load().map_err(err(NAME, "load"))?;
+        let batch = match batched {
+            true => Some(BatchRead::new(
+                NAME,
+                &skel.progs.sched_hist_batch_read,
+                &skel.maps.sched_hist_batch,
+                std::mem::size_of::<skel::types::sched_cgroup>(),
+            )?),
+            false => None,
+        };
         let mut links = vec![skel
             .progs
             .sched_switch
@@ -169,6 +184,7 @@ impl SchedProbe {
                 handle(NAME, &skel.maps.active_cgroups)?,
             )?,
             drained: Drained::new(handle(NAME, &skel.maps.sched_hist_drained)?),
+            batch,
             _links: links,
             last: LastRead::default(),
         }))
@@ -228,6 +244,19 @@ impl Probe for SchedProbe {
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(h) = self.read(dir) else { return };
         push_delta(&mut self.last, id, h, out);
+    }
+
+    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
+        let Some(batch) = self.batch.as_mut() else {
+            return read_each(self, ids, tree, out);
+        };
+        let last = &mut self.last;
+        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
+            if let Some(h) = hist_of(bytes) {
+                push_delta(last, id, h, d);
+            }
+        };
+        batch.deltas(NAME, ids, each, out);
     }
 
     fn active_cgroups(&mut self) -> Option<Vec<u64>> {

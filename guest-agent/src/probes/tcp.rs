@@ -11,17 +11,19 @@ use std::os::fd::BorrowedFd;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
+use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::{ActiveSet, Drained};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe, Scope,
-    UnitSpec, UnitStats, Value,
+    read_each, Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
+    Scope, UnitSpec, UnitStats, Value,
 };
 use super::{
     decode, err, handle, lookup_cgroup, percpu_sum, set_max_entries, KernelBtf, ProbeError,
     ProbeStatus,
 };
+use crate::cgroups::CgroupTree;
 use crate::dst::{DstTable, MAX_DST};
 
 pub const RTT: &str = "tcp_rtt";
@@ -128,6 +130,8 @@ pub struct TcpProbe {
     lost: MapHandle,
     active: ActiveSet,
     drained: Drained,
+    /// None on a kernel without batch reads: one lookup per cgroup
+    batch: Option<BatchRead>,
     _links: Vec<Link>,
     dst: DstTable,
     /// prefixes in `dst_cidrs` (also its size)
@@ -172,6 +176,8 @@ impl TcpProbe {
         open.progs.tcp_retransmit_synack.set_autoload(has_synack);
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         open.progs.tcp_stats_rmdir.set_autoload(has_rmdir);
+        let batched = cgroup_batch::supported();
+        open.progs.tcp_stats_batch_read.set_autoload(batched);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.rtt_every_ns = config.rtt_every.as_nanos().min(u64::MAX as u128) as u64;
         }
@@ -182,6 +188,15 @@ impl TcpProbe {
         // The table before the hooks: a socket is classified once, at its
         // first segment, and keeps that class for its lifetime, so one seen
         // before the table was filled would stay `other`.
+        let batch = match batched {
+            true => Some(BatchRead::new(
+                OBJ,
+                &skel.progs.tcp_stats_batch_read,
+                &skel.maps.tcp_stats_batch,
+                std::mem::size_of::<skel::types::tcp_cgroup>(),
+            )?),
+            false => None,
+        };
         let lpm_len = lpm.len();
         for (key, idx) in lpm {
             skel.maps
@@ -238,6 +253,7 @@ impl TcpProbe {
                     handle(OBJ, &skel.maps.active_cgroups)?,
                 )?,
                 drained: Drained::new(handle(OBJ, &skel.maps.tcp_stats_drained)?),
+                batch,
                 _links: links,
                 dst: dst.clone(),
                 dst_entries: lpm_len,
@@ -309,6 +325,19 @@ impl Probe for TcpProbe {
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
         let Some(t) = self.read(dir) else { return };
         push_deltas(&mut self.last, &self.dst, id, t, out);
+    }
+
+    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
+        let Some(batch) = self.batch.as_mut() else {
+            return read_each(self, ids, tree, out);
+        };
+        let (last, dst) = (&mut self.last, &self.dst);
+        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
+            if let Some(t) = TcpCgroup::decode(bytes) {
+                push_deltas(last, dst, id, t, d);
+            }
+        };
+        batch.deltas(OBJ, ids, each, out);
     }
 
     fn active_cgroups(&mut self) -> Option<Vec<u64>> {

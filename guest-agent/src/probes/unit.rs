@@ -9,7 +9,7 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 
 use super::hist::Hist;
 use super::signal::SignalSpec;
@@ -289,6 +289,14 @@ pub trait Probe: Send {
     /// read of that cgroup. Units keyed by cgroup storage implement it.
     fn read_cgroup(&mut self, _id: u64, _dir: BorrowedFd<'_>, _out: &mut Vec<Delta>) {}
 
+    /// Reads the entries of `ids` (cgroups of `tree`) and pushes (cgroup id,
+    /// what changed since its previous read). By default one
+    /// [`Probe::read_cgroup`] per cgroup; a unit that can read many cgroups
+    /// with one syscall (`cgroup_batch`) does that instead.
+    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
+        read_each(self, ids, tree, out)
+    }
+
     /// The cgroups whose entries this unit's programs changed since the
     /// previous call (`cgroup_maps::ActiveSet`), so that a tick reads those
     /// only; None when the unit cannot tell, and then every cgroup is read.
@@ -319,6 +327,23 @@ pub trait Probe: Send {
     }
 
     fn stats(&self) -> UnitStats;
+}
+
+/// [`Probe::read_cgroups`] one cgroup at a time, through its directory.
+pub fn read_each<P: Probe + ?Sized>(
+    unit: &mut P,
+    ids: &[u64],
+    tree: &CgroupTree,
+    out: &mut Vec<(u64, Delta)>,
+) {
+    let mut read = Vec::new();
+    for &id in ids {
+        let Some(cg) = tree.cgroups.get(&id) else {
+            continue;
+        };
+        unit.read_cgroup(id, cg.dir.as_fd(), &mut read);
+        out.extend(read.drain(..).map(|d| (id, d)));
+    }
 }
 
 /// What a unit needs from the command line; each unit reads its own part.
