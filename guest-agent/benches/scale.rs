@@ -12,7 +12,8 @@
 //! `SCALE_ROWS=250,100ms` runs only the rows whose name contains one of the
 //! comma-separated words (the node is still filled up to the last row run);
 //! `SCALE_PERF=<dir>` records each measured row's agent with `perf record -g`
-//! into `<dir>` during its CPU window (which then reads higher);
+//! into `<dir>` during its CPU window (which then reads higher;
+//! `SCALE_PERF_CALLGRAPH=dwarf` for call chains through Rust code);
 //! `SCALE_AGENT=<path>` measures another build of the agent binary.
 
 mod common;
@@ -179,11 +180,15 @@ fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: 
                 .collect();
             let data = Path::new(&dir).join(format!("{file}.data"));
             let secs = window.as_secs().to_string();
+            // SCALE_PERF_CALLGRAPH=dwarf: call chains through code built
+            // without frame pointers (larger files)
+            let graph = std::env::var("SCALE_PERF_CALLGRAPH").unwrap_or_else(|_| "fp".into());
             let status = Command::new("perf")
                 .args([
                     "record",
                     "-q",
-                    "-g",
+                    "--call-graph",
+                    &graph,
                     "-F",
                     "499",
                     "-p",

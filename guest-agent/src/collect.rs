@@ -13,6 +13,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rustc_hash::{FxHashMap, FxHashSet};
+
 use crate::cgroups::{CgroupTree, Changes, Died};
 use crate::pods::{classify_cgroup, CgroupClass, PodStore};
 use crate::probes::signal::{latency_window, rate_window, SignalKind, SignalSpec, SignalWindow};
@@ -80,7 +82,7 @@ pub struct SelfStats {
 /// What the exporter (and a correlator) reads.
 #[derive(Default)]
 pub struct Shared {
-    pub owners: HashMap<Owner, OwnerStats>,
+    pub owners: FxHashMap<Owner, OwnerStats>,
     pub stats: SelfStats,
     /// Gauge families as their units last set them.
     pub gauges: HashMap<&'static str, Vec<GaugeValue>>,
@@ -90,18 +92,24 @@ pub struct Shared {
 }
 
 /// One tick's deltas, merged per owner and series.
-type TickDeltas = HashMap<Owner, BTreeMap<(&'static str, Labels), Value>>;
+type TickDeltas = FxHashMap<Owner, BTreeMap<(&'static str, Labels), Value>>;
 
 pub struct Collector {
     tree: CgroupTree,
     units: Units,
     /// owner of every live cgroup, by cgroup id
-    owners: HashMap<u64, Owner>,
+    owners: FxHashMap<u64, Owner>,
     /// live cgroups per owner
-    live: HashMap<Owner, usize>,
+    live: FxHashMap<Owner, usize>,
+    /// whether owners' liveness may have changed since `retire` last ran
+    /// (cgroups came or went, owners were created, the pod store changed,
+    /// an owner is in its grace period)
+    retire_due: bool,
+    /// the pod store's version `retire` last saw
+    pods_seen: Option<u64>,
     /// owners of cgroups removed in the last few ticks, whose last numbers
     /// the units drain (see `Probe::read_removed`)
-    dying: HashMap<u64, Dying>,
+    dying: FxHashMap<u64, Dying>,
     /// drained deltas whose cgroup's owner is not known yet (the removal's
     /// event is read a tick later), with the ticks they waited
     unresolved: Vec<(u64, Delta, u32)>,
@@ -130,9 +138,11 @@ impl Collector {
         Collector {
             tree,
             units,
-            owners: HashMap::new(),
-            live: HashMap::new(),
-            dying: HashMap::new(),
+            owners: FxHashMap::default(),
+            live: FxHashMap::default(),
+            retire_due: true,
+            pods_seen: None,
+            dying: FxHashMap::default(),
             unresolved: Vec::new(),
             pids: RefCell::default(),
             ticks: 0,
@@ -159,7 +169,7 @@ impl Collector {
         let now = started;
         let changes = self.tree.refresh()?;
         self.follow(&changes);
-        let mut deltas = TickDeltas::new();
+        let mut deltas = TickDeltas::default();
 
         // Removed cgroups first: their last numbers, drained in the kernel at rmdir.
         let mut drained = Vec::new();
@@ -175,7 +185,7 @@ impl Collector {
                 .or_else(|| self.dying.get(&id).map(|d| &d.owner));
             match owner {
                 Some(o) => add(
-                    deltas.entry(o.clone()).or_default(),
+                    series_of(&mut deltas, o),
                     (delta.family, delta.labels),
                     delta.value,
                 ),
@@ -226,11 +236,7 @@ impl Collector {
                 let Some(owner) = self.owners.get(&id) else {
                     continue;
                 };
-                add(
-                    deltas.entry(owner.clone()).or_default(),
-                    (family, labels),
-                    value,
-                );
+                add(series_of(&mut deltas, owner), (family, labels), value);
             }
         }
 
@@ -274,12 +280,20 @@ impl Collector {
         deltas.retain(|owner, series| {
             !series.values().all(Value::is_zero) || shared.owners.contains_key(owner)
         });
+        let cgroups_changed = !changes.added.is_empty() || !changes.removed.is_empty();
         shared.windows = match previous_tick {
             Some(prev) => windows(&signals, &deltas, now, now.duration_since(prev)),
             None => Vec::new(),
         };
         for (owner, series) in deltas {
-            let o = shared.owners.entry(owner).or_default();
+            let o = match shared.owners.get_mut(&owner) {
+                Some(o) => o,
+                None => {
+                    // a new owner: its liveness is set by `retire`
+                    self.retire_due = true;
+                    shared.owners.entry(owner).or_default()
+                }
+            };
             for (key, value) in series {
                 add(&mut o.series, key, value);
             }
@@ -293,14 +307,21 @@ impl Collector {
             .flat_map(|u| u.families())
             .map(|f| (f.name, f.scope))
             .collect();
-        retire(
-            &mut shared.owners,
-            &self.live,
-            &self.pods,
-            &scopes,
-            self.grace,
-            now,
-        );
+        // Liveness changes only with cgroups, owners and the pod store, and
+        // an owner in its grace period waits for time: a steady node's tick
+        // does not look at every owner.
+        let pods_version = self.pods.version();
+        if self.retire_due || cgroups_changed || self.pods_seen != Some(pods_version) {
+            self.pods_seen = Some(pods_version);
+            self.retire_due = retire(
+                &mut shared.owners,
+                &self.live,
+                &self.pods,
+                &scopes,
+                self.grace,
+                now,
+            );
+        }
         self.pods.prune(self.grace);
         let (mut owners_pod, mut owners_slice) = (0, 0);
         for o in shared.owners.keys() {
@@ -418,16 +439,19 @@ impl Collector {
 ///   their label set.
 ///
 /// A pod that is gone or deleted takes all its owners' label sets with it.
+///
+/// Returns whether an owner is left in its grace period (so the next tick
+/// must look again).
 fn retire(
-    owners: &mut HashMap<Owner, OwnerStats>,
-    live: &HashMap<Owner, usize>,
+    owners: &mut FxHashMap<Owner, OwnerStats>,
+    live: &FxHashMap<Owner, usize>,
     pods: &PodStore,
     scopes: &HashMap<&'static str, Scope>,
     grace: Duration,
     now: Instant,
-) {
-    let deleted = |uid: &str| pods.get(uid).is_some_and(|m| m.deleted_at.is_some());
-    let live_pods: HashSet<&str> = live
+) -> bool {
+    let deleted = |uid: &str| pods.with(uid, |m| m.deleted_at.is_some()) == Some(true);
+    let live_pods: FxHashSet<&str> = live
         .iter()
         .filter_map(|(o, n)| match o {
             Owner::Pod { uid, .. } if *n > 0 && !deleted(uid) => Some(uid.as_str()),
@@ -506,6 +530,7 @@ fn retire(
             add(&mut into.series, key, value);
         }
     }
+    owners.values().any(|o| o.gone_since.is_some())
 }
 
 /// The signal windows of one tick's deltas (of owners that have series).
@@ -539,6 +564,17 @@ fn windows(
         }
     }
     out
+}
+
+/// The tick's series of `owner`, cloning the owner only the first time.
+fn series_of<'a>(
+    deltas: &'a mut TickDeltas,
+    owner: &Owner,
+) -> &'a mut BTreeMap<(&'static str, Labels), Value> {
+    if !deltas.contains_key(owner) {
+        deltas.insert(owner.clone(), BTreeMap::new());
+    }
+    deltas.get_mut(owner).expect("inserted above")
 }
 
 /// Adds a delta to the series `key`, creating it (a zero delta too: a series
@@ -879,14 +915,18 @@ mod tests {
             host_network: false,
             deleted_at: None,
         });
-        let mut owners = HashMap::from([
+        let mut owners = FxHashMap::from_iter([
             (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
             (new.clone(), counts(&[(EVENTS, 2)])),
             (init.clone(), counts(&[(EVENTS, 1)])),
         ]);
         // only the new container's cgroup lives; grace 0: the others expire now
-        let live = HashMap::from([(new.clone(), 1)]);
-        retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        let live = FxHashMap::from_iter([(new.clone(), 1)]);
+        let waiting = retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        assert!(
+            waiting,
+            "the container not restarted waits in its grace period"
+        );
         assert!(
             !owners.contains_key(&old),
             "the restarted container handed over"
@@ -901,7 +941,7 @@ mod tests {
 
         // without the API: only pod-scope families go to the pod level
         let pods = PodStore::default();
-        let mut owners = HashMap::from([
+        let mut owners = FxHashMap::from_iter([
             (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
             (new.clone(), counts(&[(EVENTS, 2)])),
         ]);
@@ -912,14 +952,15 @@ mod tests {
         assert_eq!(p[&(POD_SCOPE, Labels::new())], Value::Count(7));
 
         // the pod gone: every owner goes with its labels
-        retire(
+        let waiting = retire(
             &mut owners,
-            &HashMap::new(),
+            &FxHashMap::default(),
             &pods,
             &scopes,
             Duration::ZERO,
             now,
         );
         assert!(owners.is_empty());
+        assert!(!waiting, "nobody left to wait for");
     }
 }

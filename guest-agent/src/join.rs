@@ -382,6 +382,8 @@ impl Acc {
 /// One pod's merged windows.
 struct PodSlot {
     key: PodKey,
+    /// The pod store's version `key` was checked against.
+    names: u64,
     /// The pod's signals and what the tick `tick` merged into each.
     signals: Vec<(&'static str, Acc)>,
     tick: u64,
@@ -409,6 +411,8 @@ impl Merge {
         now_ns: i64,
     ) {
         self.tick += 1;
+        // a key is checked against the store only when the store changed
+        let version = pods.version();
         for w in windows {
             let Owner::Pod { uid, .. } = &w.owner else {
                 continue; // slices are not pods
@@ -418,6 +422,7 @@ impl Merge {
                 Some(s) => s,
                 None => self.pods.entry(uid.clone()).or_insert_with(|| PodSlot {
                     key: pod_key(uid, pods),
+                    names: version,
                     signals: Vec::new(),
                     tick: 0,
                 }),
@@ -425,8 +430,11 @@ impl Merge {
             if slot.tick != self.tick {
                 slot.tick = self.tick;
                 slot.signals.clear();
-                if !key_current(&slot.key, pods) {
-                    slot.key = pod_key(uid, pods);
+                if slot.names != version {
+                    slot.names = version;
+                    if !key_current(&slot.key, pods) {
+                        slot.key = pod_key(uid, pods);
+                    }
                 }
             }
             let i = match slot.signals.iter().position(|(s, _)| *s == w.signal) {

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -159,6 +159,9 @@ impl Inner {
 pub struct PodStore {
     inner: Arc<RwLock<Inner>>,
     synced: Arc<AtomicBool>,
+    /// Bumped by every change, so that readers keeping what they derived
+    /// from the store (names, labels) know when to look again.
+    version: Arc<AtomicU64>,
 }
 
 impl PodStore {
@@ -171,7 +174,16 @@ impl PodStore {
     }
 
     fn write(&self) -> RwLockWriteGuard<'_, Inner> {
-        self.inner.write().unwrap_or_else(|e| e.into_inner())
+        let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+        // bumped while the lock is held: a reader that saw the new version
+        // and then takes the lock sees the change
+        self.version.fetch_add(1, Ordering::AcqRel);
+        g
+    }
+
+    /// A number that changes whenever the store does.
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
     }
 
     /// Pod by UID as found in a cgroup path. For static pods the cgroup carries the kubelet's
@@ -238,14 +250,20 @@ impl PodStore {
     /// Drop entries deleted longer ago than `grace`; returns how many were dropped.
     pub fn prune(&self, grace: Duration) -> usize {
         let now = Instant::now();
+        let expired = |p: &PodMeta| {
+            p.deleted_at
+                .is_some_and(|d| now.saturating_duration_since(d) > grace)
+        };
+        // every tick calls this: a write (and a new version) only when
+        // something is due
+        if !self.read().pods.values().any(expired) {
+            return 0;
+        }
         let mut g = self.write();
         let expired: Vec<String> = g
             .pods
             .values()
-            .filter(|p| {
-                p.deleted_at
-                    .is_some_and(|d| now.saturating_duration_since(d) > grace)
-            })
+            .filter(|p| expired(p))
             .map(|p| p.uid.clone())
             .collect();
         for uid in &expired {

@@ -151,7 +151,7 @@ pub struct NodeFamily {
 pub struct TickContext<'a> {
     pub tree: &'a CgroupTree,
     /// Owner of every live (or just removed) cgroup, by cgroup id.
-    pub owners: &'a HashMap<u64, Owner>,
+    pub owners: &'a rustc_hash::FxHashMap<u64, Owner>,
     pub pods: &'a PodStore,
     /// Whether cgroups came or went since the previous tick.
     pub cgroups_changed: bool,
