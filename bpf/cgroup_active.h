@@ -4,8 +4,8 @@
  * that a tick reads the cgroups that had activity, not every cgroup that
  * exists.
  *
- * Userspace bumps `active_epoch[0]` at each tick, then takes the ids out of
- * the ring. A probe calls mark_active() with the `epoch` field of the
+ * Userspace bumps `active_epoch[0]` at each tick (through shared memory),
+ * then takes the ids out of the ring. A probe calls mark_active() with the `epoch` field of the
  * cgroup's storage value: only the cgroup's first event of an epoch writes
  * its id to the ring; the others cost one inlined array lookup and a compare.
  * If the ring is full, `active_epoch[1]` is set and the agent reads every
@@ -23,6 +23,7 @@
  * [1] non-zero when an insert failed since the agent last looked */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE); /* the agent reads and writes it without a syscall */
 	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);

@@ -73,6 +73,7 @@ struct {
  * batch read walks every bucket of the map) */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE); /* read by the agent without a syscall */
 	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);
@@ -91,6 +92,7 @@ struct {
  * looked (it then re-reads every list and looks at every process again) */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE); /* read by the agent without a syscall */
 	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, __u64);

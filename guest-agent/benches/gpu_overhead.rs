@@ -113,7 +113,7 @@ fn driver_time(dir: &Path) {
             let mut p = GpuDriverProbe::load(&devices, h, &btf)
                 .expect("gpu_driver loads")
                 .expect("the kernel has the hooks");
-            p.seed_new(&pids.iter().copied().collect(), None);
+            p.seed_new(&pids.iter().copied().collect::<HashSet<i32>>(), None);
             p
         })
     };

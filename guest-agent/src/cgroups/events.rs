@@ -13,7 +13,7 @@ use std::mem::MaybeUninit;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle};
 
-use crate::probes::cgroup_maps::{take_all, take_flag, ActiveSet};
+use crate::probes::cgroup_maps::{take_all, ActiveSet, MappedWords};
 use crate::probes::{attach_all, decode, err, handle, ProbeError};
 
 const OBJ: &str = "cgroup_events";
@@ -65,7 +65,7 @@ pub struct ProcessChanges {
 pub struct CgroupEvents {
     born: MapHandle,
     died: MapHandle,
-    overflow: MapHandle,
+    overflow: MappedWords,
     /// `procs_changed` and `maps_changed`; None when the kernel lacks a hook.
     procs: Option<(ActiveSet, ActiveSet)>,
     _links: Vec<Link>,
@@ -135,7 +135,7 @@ impl CgroupEvents {
         Ok(CgroupEvents {
             born: handle(OBJ, &skel.maps.born)?,
             died: handle(OBJ, &skel.maps.died)?,
-            overflow: handle(OBJ, &skel.maps.overflow)?,
+            overflow: MappedWords::new(OBJ, handle(OBJ, &skel.maps.overflow)?)?,
             procs,
             _links: links,
         })
@@ -158,10 +158,10 @@ impl CgroupEvents {
 
     /// Takes the events recorded since the previous call out of the maps.
     pub fn take(&self) -> Events {
-        let overflowed = take_flag(&self.overflow, 0);
+        let overflowed = self.overflow.take(0);
         // [1] counts what was recorded: cleared before the take, so that
         // whatever comes after the clear is taken now or next time
-        if !take_flag(&self.overflow, 1) {
+        if !self.overflow.take(1) {
             return Events {
                 overflowed,
                 ..Events::default()

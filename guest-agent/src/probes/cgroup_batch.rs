@@ -7,11 +7,12 @@
 //! instead of one `lookup_cgroup` each.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{MapCore, MapHandle};
+use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
 use super::unit::Delta;
 use super::{err, ProbeError};
@@ -20,8 +21,12 @@ mod skel {
     include!(concat!(env!("OUT_DIR"), "/cgroup_batch.skel.rs"));
 }
 
-/// Whether this kernel loads and runs the batch program: checked once, by
-/// loading `bpf/cgroup_batch.bpf.c` and reading the root cgroup with it.
+/// Whether this kernel loads and runs the batch program, and it sees the
+/// agent's cgroups: checked once, by loading `bpf/cgroup_batch.bpf.c`, giving
+/// the root of the cgroup2 mount a value through its directory and reading
+/// it back by id. The kernel finds a cgroup by id only inside the caller's
+/// cgroup namespace, so an agent in a container's own namespace, reading the
+/// node's hierarchy through a mount of it, reads cgroup by cgroup.
 pub fn supported() -> bool {
     static SUPPORTED: OnceLock<bool> = OnceLock::new();
     *SUPPORTED.get_or_init(|| match check() {
@@ -35,31 +40,51 @@ pub fn supported() -> bool {
 
 fn check() -> Result<(), ProbeError> {
     const NAME: &str = "cgroup_batch";
+    let io = |what: &'static str| {
+        move |source| ProbeError::Io {
+            probe: NAME,
+            what,
+            source,
+        }
+    };
+    let root = crate::cgroups::cgroup2_mount().map_err(io("finding the cgroup2 mount"))?;
+    let dir = std::fs::File::open(&root).map_err(io("opening the cgroup2 root"))?;
+    let id = dir
+        .metadata()
+        .map_err(io("reading the cgroup2 root"))?
+        .ino();
     let mut storage = std::mem::MaybeUninit::uninit();
     let open = skel::CgroupBatchSkelBuilder::default()
         .open(&mut storage)
         .map_err(err(NAME, "open"))?;
     let skel = open.load().map_err(err(NAME, "load"))?;
+    const MARK: u64 = 0x6770_7566_6565_6401;
+    skel.maps
+        .batch_check
+        .update(
+            &dir.as_raw_fd().to_ne_bytes(),
+            &MARK.to_ne_bytes(),
+            MapFlags::ANY,
+        )
+        .map_err(err(NAME, "giving the cgroup2 root a value"))?;
     let mut batch = BatchRead::new(
         NAME,
         &skel.progs.batch_check_batch_read,
         &skel.maps.batch_check_batch,
         8,
     )?;
-    // the root cgroup (id 1) exists and has no storage in this map
-    let mut found = 0;
+    let mut found = Vec::new();
     batch
-        .read(&[1], |_, _| found += 1)
-        .map_err(|source| ProbeError::Io {
-            probe: NAME,
-            what: "running the batch read",
-            source,
-        })?;
-    if found != 0 {
+        .read(&[id], |id, v| found.push((id, v.to_vec())))
+        .map_err(io("running the batch read"))?;
+    if found != [(id, MARK.to_ne_bytes().to_vec())] {
         return Err(ProbeError::Io {
             probe: NAME,
-            what: "checking the batch read",
-            source: std::io::Error::other("storage found where there is none"),
+            what: "reading the cgroup2 root by id",
+            source: std::io::Error::other(format!(
+                "{} (id {id}) not found: outside this process's cgroup namespace?",
+                root.display()
+            )),
         });
     }
     Ok(())
@@ -237,8 +262,6 @@ impl Drop for BatchRead {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use libbpf_rs::MapFlags;
-    use std::os::unix::fs::MetadataExt;
 
     /// A cgroup given a value through its directory (as programs would) is
     /// read back by id with the same bytes; one without a value, and one

@@ -2,6 +2,9 @@
 //! two maps a unit keyed by cgroup storage adds so that a tick reads only what
 //! changed and nothing is lost when a cgroup goes.
 
+use std::os::fd::{AsFd, AsRawFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use libbpf_rs::{MapCore, MapFlags, MapHandle, RingBuffer, RingBufferBuilder};
@@ -50,19 +53,86 @@ pub fn take_all(map: &MapHandle, batch: u32) -> Vec<(u64, Vec<u8>)> {
 /// Batch reads one [`take_all`] makes at most.
 const TAKE_ROUNDS: usize = 64;
 
-/// Whether the u64 flag at `index` of an array map is set; clears it.
-pub fn take_flag(map: &MapHandle, index: u32) -> bool {
-    let key = index.to_ne_bytes();
-    let set = map
-        .lookup(&key, MapFlags::ANY)
-        .ok()
-        .flatten()
-        .and_then(|v| id_of(&v))
-        .is_some_and(|v| v != 0);
-    if set {
-        let _ = map.update(&key, &0u64.to_ne_bytes(), MapFlags::ANY);
+/// A small BPF array of u64 words (`BPF_F_MMAPABLE`) mapped into the agent:
+/// epochs and flags the programs read and set, read and written here without
+/// a syscall (a tick used to spend two bpf() calls per unit on them).
+pub struct MappedWords {
+    _map: MapHandle,
+    words: NonNull<AtomicU64>,
+    count: usize,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value; the words are atomics, shared
+// with the kernel, so any thread may use them.
+unsafe impl Send for MappedWords {}
+unsafe impl Sync for MappedWords {}
+
+impl MappedWords {
+    pub fn new(probe: &'static str, map: MapHandle) -> Result<MappedWords, ProbeError> {
+        let fail = |what, source| ProbeError::Io {
+            probe,
+            what,
+            source,
+        };
+        let info = map
+            .info()
+            .map_err(|e| fail("reading a word array", std::io::Error::other(e.to_string())))?;
+        if info.info.value_size != 8 {
+            return Err(fail(
+                "reading a word array",
+                std::io::Error::other("values are not u64"),
+            ));
+        }
+        let count = info.info.max_entries as usize;
+        let len = (count * 8).max(1);
+        // SAFETY: maps the whole array read-write and shared; checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                map.as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(fail(
+                "mapping a word array",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(MappedWords {
+            _map: map,
+            words: NonNull::new(ptr.cast()).expect("mmap does not return NULL on success"),
+            count,
+            len,
+        })
     }
-    set
+
+    fn word(&self, index: usize) -> &AtomicU64 {
+        assert!(index < self.count, "word {index} of {}", self.count);
+        // SAFETY: in bounds (above), 8-aligned (page-aligned mapping of u64s),
+        // and the mapping lives as long as self.
+        unsafe { &*self.words.as_ptr().add(index) }
+    }
+
+    pub fn store(&self, index: usize, value: u64) {
+        self.word(index).store(value, Ordering::SeqCst);
+    }
+
+    /// Whether the word at `index` is set; clears it.
+    pub fn take(&self, index: usize) -> bool {
+        self.word(index).swap(0, Ordering::SeqCst) != 0
+    }
+}
+
+impl Drop for MappedWords {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `new` mapped, once.
+        unsafe { libc::munmap(self.words.as_ptr().cast(), self.len) };
+    }
 }
 
 /// `<storage>_drained`: removed cgroups' storage values as they were at rmdir.
@@ -96,7 +166,7 @@ impl Drained {
 /// `active_epoch` and the ring `active_cgroups`: the cgroups whose storage
 /// changed (and, with the same layout, the rings of `bpf/cgroup_events.bpf.c`).
 pub struct ActiveSet {
-    epoch_map: MapHandle,
+    epoch_map: MappedWords,
     /// Read through shared memory: taking the ids costs no syscall.
     ring: RingBuffer<'static>,
     _ring_map: MapHandle,
@@ -131,7 +201,7 @@ impl ActiveSet {
             .build()
             .map_err(err(probe, "reading the activity ring"))?;
         let mut s = ActiveSet {
-            epoch_map,
+            epoch_map: MappedWords::new(probe, epoch_map)?,
             ring,
             _ring_map: ring_map,
             taken,
@@ -144,13 +214,8 @@ impl ActiveSet {
 
     fn bump(&mut self) -> bool {
         self.epoch += 1;
-        self.epoch_map
-            .update(
-                &0u32.to_ne_bytes(),
-                &self.epoch.to_ne_bytes(),
-                MapFlags::ANY,
-            )
-            .is_ok()
+        self.epoch_map.store(0, self.epoch);
+        true
     }
 
     /// Starts a new epoch and returns the ids marked in the ones before (this
@@ -160,7 +225,7 @@ impl ActiveSet {
     pub fn take(&mut self) -> Option<Vec<u64>> {
         let bumped = self.bump();
         // [1]: a write to the ring failed since the last take
-        let overflowed = take_flag(&self.epoch_map, 1);
+        let overflowed = self.epoch_map.take(1);
         let consumed = self.ring.consume().is_ok();
         let mut now = std::mem::take(&mut *self.taken.lock().unwrap_or_else(|e| e.into_inner()));
         now.sort_unstable();

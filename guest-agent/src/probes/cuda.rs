@@ -319,6 +319,8 @@ pub struct CudaProbe {
     /// The others: maps is read again only when they may have mapped it.
     lookout: Lookout,
     last: LastRead<CudaCgroup>,
+    /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
+    pids_seen: Option<u64>,
     /// VRAM per cgroup at its last read.
     vram: HashMap<u64, i64>,
 }
@@ -373,6 +375,7 @@ impl CudaProbe {
             done: HashSet::new(),
             lookout: Lookout::default(),
             last: LastRead::default(),
+            pids_seen: None,
             vram: HashMap::new(),
         }))
     }
@@ -381,11 +384,24 @@ impl CudaProbe {
     /// map it (new ones, and those that may have mapped something since: see
     /// [`Lookout::look`] for `changed`), and attaches to every new library
     /// file. Returns the number of files newly attached.
-    pub fn scan(&mut self, tgids: &HashSet<i32>, changed: Option<&HashSet<i32>>) -> usize {
+    pub fn scan<S: std::hash::BuildHasher>(
+        &mut self,
+        tgids: &HashSet<i32, S>,
+        changed: Option<&HashSet<i32>>,
+    ) -> usize {
         self.done.retain(|t| tgids.contains(t));
         self.lookout.retain(tgids);
+        self.look_at(tgids.iter().copied(), changed)
+    }
+
+    /// [`CudaProbe::scan`] for some of the processes, forgetting none.
+    fn look_at(
+        &mut self,
+        tgids: impl Iterator<Item = i32>,
+        changed: Option<&HashSet<i32>>,
+    ) -> usize {
         let mut new = 0;
-        for &tgid in tgids {
+        for tgid in tgids {
             if self.done.contains(&tgid) || !self.lookout.look(tgid, changed) {
                 continue;
             }
@@ -548,8 +564,20 @@ impl Probe for CudaProbe {
     }
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
-        let pids: HashSet<i32> = ctx.pod_pids().into_values().flatten().collect();
-        self.scan(&pids, ctx.processes_changed());
+        let (generation, pids) = ctx.pod_pid_set();
+        let changed = ctx.processes_changed();
+        match changed {
+            // the same processes as last tick, all looked at: only those
+            // the kernel names need another look
+            Some(named) if self.pids_seen == Some(generation) => {
+                self.look_at(named.iter().copied().filter(|t| pids.contains(t)), changed);
+            }
+            _ => {
+                self.scan(&pids, changed);
+            }
+        }
+        self.pids_seen = Some(generation);
+        drop(pids);
         let mut per_owner: HashMap<&Owner, i64> = HashMap::new();
         for (id, bytes) in &self.vram {
             if let Some(owner) = ctx.owners.get(id) {

@@ -18,6 +18,7 @@ mod skel {
 }
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::BuildHasher;
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -285,6 +286,8 @@ pub struct GpuDriverProbe {
     probed: HashMap<i32, Vec<Link>>,
     _links: Vec<Link>,
     last: LastRead<GpuDriverCgroup>,
+    /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
+    pids_seen: Option<u64>,
     /// Busy time read this tick, per cgroup, for the duty cycle.
     busy_read: Vec<(u64, u64)>,
     duty: DutyWindow,
@@ -505,6 +508,7 @@ impl GpuDriverProbe {
             probed: HashMap::new(),
             _links: links,
             last: LastRead::default(),
+            pids_seen: None,
             busy_read: Vec::new(),
             duty: DutyWindow::new(Config::default().duty_window),
         }))
@@ -541,12 +545,25 @@ impl GpuDriverProbe {
     /// In uprobe mode a process is looked at again whenever it may have
     /// mapped something (see [`Lookout::look`] for `changed`), and one found
     /// holding a GPU file gets the uprobes on its C library.
-    pub fn seed_new(&mut self, tgids: &HashSet<i32>, changed: Option<&HashSet<i32>>) -> usize {
+    pub fn seed_new<S: BuildHasher>(
+        &mut self,
+        tgids: &HashSet<i32, S>,
+        changed: Option<&HashSet<i32>>,
+    ) -> usize {
         self.seeded.retain(|t| tgids.contains(t));
         self.lookout.retain(tgids);
         self.probed.retain(|t, _| tgids.contains(t));
+        self.look_at(tgids.iter().copied(), changed)
+    }
+
+    /// [`GpuDriverProbe::seed_new`] for some of the processes, forgetting none.
+    fn look_at(
+        &mut self,
+        tgids: impl Iterator<Item = i32>,
+        changed: Option<&HashSet<i32>>,
+    ) -> usize {
         let mut found = 0;
-        for &tgid in tgids {
+        for tgid in tgids {
             let new = self.seeded.insert(tgid);
             if self.mode != Mode::Uprobes {
                 if new {
@@ -721,8 +738,18 @@ impl Probe for GpuDriverProbe {
     }
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
-        let pids: HashSet<i32> = ctx.pod_pids().into_values().flatten().collect();
-        let seeded = self.seed_new(&pids, ctx.processes_changed());
+        let (generation, pids) = ctx.pod_pid_set();
+        let changed = ctx.processes_changed();
+        let seeded = match changed {
+            // the same processes as last tick, all looked at: only those
+            // the kernel names need another look
+            Some(named) if self.pids_seen == Some(generation) => {
+                self.look_at(named.iter().copied().filter(|t| pids.contains(t)), changed)
+            }
+            _ => self.seed_new(&pids, changed),
+        };
+        self.pids_seen = Some(generation);
+        drop(pids);
         if seeded > 0 {
             tracing::debug!(fds = seeded, "GPU fds seeded from /proc");
         }
@@ -731,6 +758,13 @@ impl Probe for GpuDriverProbe {
             if let Some(owner) = ctx.owners.get(&id) {
                 *busy.entry(owner.clone()).or_default() += ns;
             }
+        }
+        if busy.is_empty() && self.duty.is_empty() {
+            // no GPU time on the node: nothing to window
+            return TickOutput {
+                deltas: Vec::new(),
+                gauges: vec![(DUTY, Vec::new())],
+            };
         }
         let live: HashSet<&Owner> = ctx.owners.values().collect();
         TickOutput {
@@ -796,6 +830,11 @@ impl DutyWindow {
             last_tick: None,
             owners: HashMap::new(),
         }
+    }
+
+    /// Whether no owner has samples.
+    pub fn is_empty(&self) -> bool {
+        self.owners.is_empty()
     }
 
     /// Adds one tick's busy time per owner; returns every live owner's duty

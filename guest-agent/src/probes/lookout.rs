@@ -19,7 +19,7 @@ pub struct Lookout {
 
 impl Lookout {
     /// Forgets the processes no longer listed.
-    pub fn retain(&mut self, tgids: &HashSet<i32>) {
+    pub fn retain<S: std::hash::BuildHasher>(&mut self, tgids: &HashSet<i32, S>) {
         self.known.retain(|t, _| tgids.contains(t));
     }
 

@@ -11,6 +11,8 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd};
 
+use rustc_hash::FxHashSet;
+
 use super::hist::Hist;
 use super::signal::SignalSpec;
 use super::{KernelBtf, ProbeError, ProbeStatus};
@@ -176,6 +178,9 @@ const PIDS_ROTATION: u64 = 30;
 pub struct PidCache {
     by_cgroup: HashMap<u64, Vec<i32>>,
     by_pod: HashMap<String, Vec<i32>>,
+    /// every pod process, and a number that changes whenever that set may have
+    all: FxHashSet<i32>,
+    generation: u64,
     /// the tick `by_pod` was brought up to date in
     built: Option<u64>,
 }
@@ -209,6 +214,17 @@ impl TickContext<'_> {
     pub fn pod_pids(&self) -> HashMap<String, Vec<i32>> {
         self.refresh_pids();
         self.pids.borrow().by_pod.clone()
+    }
+
+    /// Every process of the pods' cgroups (the lists of
+    /// [`TickContext::pod_pids`] together), with a number that stays the same
+    /// as long as the set does: a unit that looked at every process of a
+    /// generation need only look at those the kernel names while it lasts.
+    pub fn pod_pid_set(&self) -> (u64, std::cell::Ref<'_, FxHashSet<i32>>) {
+        self.refresh_pids();
+        let cache = self.pids.borrow();
+        let generation = cache.generation;
+        (generation, std::cell::Ref::map(cache, |c| &c.all))
     }
 
     /// The cgroup of each process of the pods' cgroups: the lists of
@@ -269,6 +285,8 @@ impl TickContext<'_> {
                 }
             }
             cache.by_pod = by_pod;
+            cache.all = cache.by_pod.values().flatten().copied().collect();
+            cache.generation += 1;
         }
         cache.built = Some(self.tick);
     }
@@ -401,13 +419,13 @@ pub type Units = Vec<Box<dyn Probe>>;
 
 /// Remembers each cgroup's last absolute reading, to turn the next into a delta.
 pub struct LastRead<T> {
-    last: HashMap<u64, T>,
+    last: rustc_hash::FxHashMap<u64, T>,
 }
 
 impl<T> Default for LastRead<T> {
     fn default() -> Self {
         LastRead {
-            last: HashMap::new(),
+            last: Default::default(),
         }
     }
 }
@@ -419,12 +437,17 @@ impl<T> LastRead<T> {
     where
         T: Clone,
     {
-        let d = match self.last.get(&id) {
-            Some(prev) => delta(&now, prev),
-            None => now.clone(),
-        };
-        self.last.insert(id, now);
-        d
+        match self.last.get_mut(&id) {
+            Some(prev) => {
+                let d = delta(&now, prev);
+                *prev = now;
+                d
+            }
+            None => {
+                self.last.insert(id, now.clone());
+                now
+            }
+        }
     }
 
     pub fn forget(&mut self, id: u64) {
