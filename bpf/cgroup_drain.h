@@ -34,16 +34,32 @@
 		__type(value, value_type);                                              \
 	} storage##_drained SEC(".maps");                                               \
                                                                                         \
+	/* [0] set when an entry was added since the agent last looked: an       \
+	 * empty hash map's read still walks every bucket, so a tick without      \
+	 * removals reads this word (shared memory) instead */                    \
+	struct {                                                                        \
+		__uint(type, BPF_MAP_TYPE_ARRAY);                                       \
+		__uint(map_flags, BPF_F_MMAPABLE);                                      \
+		__uint(max_entries, 1);                                                 \
+		__type(key, __u32);                                                     \
+		__type(value, __u64);                                                   \
+	} storage##_drain_added SEC(".maps");                                           \
+                                                                                        \
 	SEC("tp_btf/cgroup_rmdir")                                                      \
 	int BPF_PROG(storage##_rmdir, struct cgroup *cgrp, const char *path)            \
 	{                                                                               \
 		value_type *v = bpf_cgrp_storage_get(&storage, cgrp, 0, 0);             \
-		__u64 id;                                                               \
+		__u64 id, *added;                                                       \
+		__u32 zero = 0;                                                         \
                                                                                         \
 		if (!v)                                                                 \
 			return 0;                                                       \
 		id = cgrp->kn->id;                                                      \
 		bpf_map_update_elem(&storage##_drained, &id, v, BPF_ANY);               \
+		/* after the entry: the agent clears the word, then reads the map */    \
+		added = bpf_map_lookup_elem(&storage##_drain_added, &zero);             \
+		if (added)                                                              \
+			__sync_fetch_and_add(added, 1);                                 \
 		return 0;                                                               \
 	}
 

@@ -75,6 +75,26 @@ struct {
 	__type(value, struct if_bytes[2]);
 } cg_bytes SEC(".maps");
 
+/* [0] set when a packet was counted in cg_bytes, [1] when a drop was counted,
+ * since the agent last looked (it clears them): an idle node's tick walks
+ * neither hash map (a walk visits every bucket, empty or not). Set only when
+ * clear, so packets mostly read the shared word. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, __u64);
+} tc_touched SEC(".maps");
+
+static __always_inline void touch(__u32 i)
+{
+	__u64 *t = bpf_map_lookup_elem(&tc_touched, &i);
+
+	if (t && !*t)
+		*t = 1;
+}
+
 static __always_inline void count_cgroup(__u64 cg, int dir, __u32 len)
 {
 	struct if_bytes *b = bpf_map_lookup_elem(&cg_bytes, &cg);
@@ -89,6 +109,7 @@ static __always_inline void count_cgroup(__u64 cg, int dir, __u32 len)
 	}
 	b[dir].bytes += len;
 	b[dir].packets += 1;
+	touch(0);
 }
 
 /* Inode of the host's network namespace (the node devices'), set by userspace
@@ -293,6 +314,7 @@ int BPF_PROG(kfree_skb, struct sk_buff *skb, void *location, enum skb_drop_reaso
 	v = bpf_map_lookup_elem(&drops, &k);
 	if (v) {
 		__sync_fetch_and_add(v, 1);
+		touch(1);
 		return 0;
 	}
 	if (bpf_map_update_elem(&drops, &k, &one, BPF_NOEXIST)) {
@@ -308,5 +330,6 @@ int BPF_PROG(kfree_skb, struct sk_buff *skb, void *location, enum skb_drop_reaso
 				*o += 1;
 		}
 	}
+	touch(1);
 	return 0;
 }

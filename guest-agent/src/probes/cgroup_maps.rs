@@ -138,11 +138,20 @@ impl Drop for MappedWords {
 /// `<storage>_drained`: removed cgroups' storage values as they were at rmdir.
 pub struct Drained {
     map: MapHandle,
+    /// `<storage>_drain_added`: set by the kernel when an entry was added
+    added: MappedWords,
 }
 
 impl Drained {
-    pub fn new(map: MapHandle) -> Drained {
-        Drained { map }
+    pub fn new(
+        probe: &'static str,
+        map: MapHandle,
+        added: MapHandle,
+    ) -> Result<Drained, ProbeError> {
+        Ok(Drained {
+            map,
+            added: MappedWords::new(probe, added)?,
+        })
     }
 
     /// Takes every entry out of the map and turns each into the deltas since
@@ -154,6 +163,11 @@ impl Drained {
         mut push: impl FnMut(u64, T, &mut Vec<Delta>),
         out: &mut Vec<(u64, Delta)>,
     ) {
+        // cleared before the map is read: an entry added after the clear
+        // sets it again, and is read now or next time
+        if !self.added.take(0) {
+            return;
+        }
         let mut deltas = Vec::new();
         for (id, bytes) in take_all(&self.map, DRAIN_BATCH) {
             let Some(v) = decode(&bytes) else { continue };

@@ -353,7 +353,11 @@ impl CudaProbe {
         Ok(Ok(CudaProbe {
             _links: links,
             cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
-            drained: Drained::new(handle(NAME, &skel.maps.cuda_cgroup_drained)?),
+            drained: Drained::new(
+                NAME,
+                handle(NAME, &skel.maps.cuda_cgroup_drained)?,
+                handle(NAME, &skel.maps.cuda_cgroup_drain_added)?,
+            )?,
             batch: match batched {
                 true => Some(BatchRead::new(
                     NAME,

@@ -485,7 +485,11 @@ impl GpuDriverProbe {
             skel,
             mode,
             cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
-            drained: Drained::new(handle(NAME, &skel.maps.gpu_cgroup_drained)?),
+            drained: Drained::new(
+                NAME,
+                handle(NAME, &skel.maps.gpu_cgroup_drained)?,
+                handle(NAME, &skel.maps.gpu_cgroup_drain_added)?,
+            )?,
             batch: match batched {
                 true => Some(BatchRead::new(
                     NAME,

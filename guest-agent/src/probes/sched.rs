@@ -183,7 +183,11 @@ impl SchedProbe {
                 handle(NAME, &skel.maps.active_epoch)?,
                 handle(NAME, &skel.maps.active_cgroups)?,
             )?,
-            drained: Drained::new(handle(NAME, &skel.maps.sched_hist_drained)?),
+            drained: Drained::new(
+                NAME,
+                handle(NAME, &skel.maps.sched_hist_drained)?,
+                handle(NAME, &skel.maps.sched_hist_drain_added)?,
+            )?,
             batch,
             _links: links,
             last: LastRead::default(),

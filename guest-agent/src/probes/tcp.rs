@@ -252,7 +252,11 @@ impl TcpProbe {
                     handle(OBJ, &skel.maps.active_epoch)?,
                     handle(OBJ, &skel.maps.active_cgroups)?,
                 )?,
-                drained: Drained::new(handle(OBJ, &skel.maps.tcp_stats_drained)?),
+                drained: Drained::new(
+                    OBJ,
+                    handle(OBJ, &skel.maps.tcp_stats_drained)?,
+                    handle(OBJ, &skel.maps.tcp_stats_drain_added)?,
+                )?,
                 batch,
                 _links: links,
                 dst: dst.clone(),

@@ -19,6 +19,7 @@ use libbpf_rs::btf::types::Enum;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, TcHook, TcHookBuilder};
 
+use crate::probes::cgroup_maps::MappedWords;
 use crate::probes::{
     decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError, ProbeStatus,
 };
@@ -86,6 +87,8 @@ pub struct TcProbe {
     if_bytes: MapHandle,
     cg_bytes: MapHandle,
     drops: Option<MapHandle>,
+    /// [0] cg_bytes counted a packet, [1] a drop was counted, since the last read
+    touched: MappedWords,
     overflow: MapHandle,
     _drop_link: Option<Link>,
     reasons: HashMap<u32, String>,
@@ -189,6 +192,7 @@ impl TcProbe {
             node_egress_prog: dup(&skel.progs.tc_node_egress)?,
             if_bytes: handle(OBJ, &skel.maps.if_bytes)?,
             cg_bytes: handle(OBJ, &skel.maps.cg_bytes)?,
+            touched: MappedWords::new(OBJ, handle(OBJ, &skel.maps.tc_touched)?)?,
             drops: if drops_up {
                 Some(handle(OBJ, &skel.maps.drops)?)
             } else {
@@ -341,7 +345,12 @@ impl TcProbe {
 
     /// Bytes per socket-owner cgroup counted on node devices: (cgroup id, sent
     /// as egress, received as ingress).
-    pub fn read_cgroups(&self) -> Vec<(u64, IfBytes)> {
+    /// None when no packet was counted since the previous read (the values
+    /// are as they were).
+    pub fn read_cgroups(&self) -> Option<Vec<(u64, IfBytes)>> {
+        if !self.touched.take(0) {
+            return None;
+        }
         let keys: Vec<Vec<u8>> = self.cg_bytes.keys().collect();
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
@@ -353,7 +362,7 @@ impl TcProbe {
             };
             out.push((id, sum_percpu(&cpus)));
         }
-        out
+        Some(out)
     }
 
     /// Forgets a cgroup's node-device counters (the cgroup is gone).
@@ -367,6 +376,9 @@ impl TcProbe {
         let Some(map) = &self.drops else {
             return Vec::new();
         };
+        if !self.touched.take(1) {
+            return Vec::new();
+        }
         let keys: Vec<Vec<u8>> = map.keys().collect();
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {

@@ -356,7 +356,7 @@ impl Probe for TcUnit {
             push_bytes(&mut out.deltas, &pi.uid, &b, &prev);
         }
         // hostNetwork pods: node-device bytes per socket-owner cgroup
-        let per_cgroup = self.probe.read_cgroups();
+        let per_cgroup = self.probe.read_cgroups().unwrap_or_default();
         let mut node_bytes = Vec::with_capacity(per_cgroup.len());
         for (id, b) in per_cgroup {
             let prev = self.last_cg.insert(id, b).unwrap_or_default();
