@@ -115,6 +115,11 @@ struct RunArgs {
     /// (one hook, exact) or stamps from the wakeup hooks.
     #[arg(long, value_enum, default_value = "auto")]
     sched_method: probes::sched::Method,
+    /// How a tick reads the active cgroups' kernel aggregates: `auto` (one
+    /// batch syscall per probe where the kernel allows it) or `each` (one
+    /// lookup per cgroup, the way older kernels are read).
+    #[arg(long, value_enum, default_value = "auto")]
+    cgroup_reads: probes::cgroup_batch::Reads,
     /// How tc programs attach to pod interfaces: tcx (6.6+), classic clsact, or auto.
     #[arg(long, value_enum, default_value = "auto")]
     tc_attach: probes::tc::AttachMode,
@@ -353,6 +358,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     }
 
     probes::route_libbpf_logs();
+    probes::cgroup_batch::choose(args.cgroup_reads);
     let btf = probes::KernelBtf::load();
     let config = ProbeConfig {
         sched: probes::sched::Config {

@@ -32,20 +32,115 @@ fn wait_ticks() {
 #[test]
 fn sched_latency_from_sched_info_agrees_with_schedstat() {
     let Some(_lock) = require_root() else { return };
-    sched_latency_case("sched-info");
+    sched_latency_case("sched-info", &[]);
 }
 
 #[test]
 fn sched_latency_from_wakeup_stamps_agrees_with_schedstat() {
     let Some(_lock) = require_root() else { return };
-    sched_latency_case("stamp");
+    // and the fallback read path: one lookup per cgroup, as on kernels
+    // without batch reads
+    sched_latency_case("stamp", &["--cgroup-reads", "each"]);
 }
 
 /// A pod with more CPU-bound tasks than its one CPU can serve against an idle
 /// pod; the busy pod's histogram sum against its tasks' schedstat run_delay.
-fn sched_latency_case(method: &str) {
+/// An agent in a cgroup namespace of its own (a container without
+/// `cgroupns: host`) still reads the node's whole hierarchy through its
+/// mount. Kernels that find a cgroup by id only inside the caller's
+/// namespace make the agent leave its batch reads out and read cgroup by
+/// cgroup; others (this project's 6.18 VMs) let the batch reads through.
+/// Either way the pod's numbers are the kernel's.
+#[test]
+fn an_agent_in_its_own_cgroup_namespace_counts_its_pods() {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::process::CommandExt;
+
+    let Some(_lock) = require_root() else { return };
     let sb = CgroupSandbox::new();
-    let agent = Agent::no_kube("200ms", "sched_latency", &["--sched-method", method]);
+    // the namespace's root: a cgroup of the sandbox, not the hierarchy's root
+    let home = sb.prefix.join("agent-home");
+    std::fs::create_dir(&home).unwrap();
+    let procs = std::ffi::CString::new(home.join("cgroup.procs").as_os_str().as_bytes()).unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
+    cmd.args([
+        "run",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--interval",
+        "200ms",
+        "--no-kube",
+        "--probes",
+        "sched_latency",
+    ])
+    .env("RUST_LOG", "info")
+    .env_remove("KUBECONFIG");
+    // SAFETY: between fork and exec only async-signal-safe calls (open,
+    // write, close, unshare) on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let wrote = libc::write(fd, b"0".as_ptr().cast(), 1);
+            libc::close(fd);
+            if wrote != 1 || libc::unshare(libc::CLONE_NEWCGROUP) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let agent = Agent::launch(cmd);
+    let batched = !agent
+        .log
+        .lock()
+        .unwrap()
+        .contains("batch reads of cgroup storage unavailable");
+    eprintln!(
+        "own cgroup namespace: batch reads {}",
+        if batched { "on" } else { "off" }
+    );
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let cpu = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        - 1;
+    // three spinning tasks on one CPU, created after the agent loaded: every
+    // wait of theirs is counted, so the pod's sum is their whole run_delay
+    for _ in 0..3 {
+        pod.spawn(&format!(
+            "exec taskset -c {cpu} sh -c 'while :; do :; done'"
+        ));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    pod.signal_all(libc::SIGSTOP);
+    wait_ticks();
+    let kernel_us = pod.run_delay_ns() as f64 / 1000.0;
+    let l = pod_labels(&pod);
+    let ours_us = value(&agent.scrape(), &format!("{SCHED}_sum"), &sel(&l))
+        .expect("the pod has a run-queue series");
+    eprintln!(
+        "own cgroup namespace: pod sum {ours_us:.0} us, schedstat run_delay {kernel_us:.0} us"
+    );
+    assert!(
+        kernel_us > 1_000_000.0,
+        "three tasks on one CPU for 2 s wait for seconds: {kernel_us} us"
+    );
+    let err = (ours_us - kernel_us).abs() / kernel_us;
+    assert!(
+        err < 0.10,
+        "histogram sum {ours_us} us vs schedstat {kernel_us} us: {:.1}% apart",
+        err * 100.0
+    );
+    pod.signal_all(libc::SIGCONT);
+}
+
+fn sched_latency_case(method: &str, extra: &[&str]) {
+    let sb = CgroupSandbox::new();
+    let mut args = vec!["--sched-method", method];
+    args.extend_from_slice(extra);
+    let agent = Agent::no_kube("200ms", "sched_latency", &args);
     assert!(
         agent
             .log
@@ -54,6 +149,16 @@ fn sched_latency_case(method: &str) {
             .contains(&method.replace('-', "_")),
         "agent uses the {method} source"
     );
+    if extra.contains(&"each") {
+        assert!(
+            agent
+                .log
+                .lock()
+                .unwrap()
+                .contains("reading cgroup by cgroup"),
+            "agent reads cgroup by cgroup"
+        );
+    }
     let mut busy = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     let mut idle = Pod::random(&sb, Layout::Systemd, "besteffort");
     let cpus = std::thread::available_parallelism()

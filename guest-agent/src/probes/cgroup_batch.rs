@@ -28,6 +28,9 @@ mod skel {
 /// cgroup namespace, so an agent in a container's own namespace, reading the
 /// node's hierarchy through a mount of it, reads cgroup by cgroup.
 pub fn supported() -> bool {
+    if CHOSEN.get() == Some(&Reads::Each) {
+        return false;
+    }
     static SUPPORTED: OnceLock<bool> = OnceLock::new();
     *SUPPORTED.get_or_init(|| match check() {
         Ok(()) => true,
@@ -36,6 +39,25 @@ pub fn supported() -> bool {
             false
         }
     })
+}
+
+/// `--cgroup-reads`: how a tick reads the active cgroups' storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Reads {
+    /// Batch reads where the kernel allows them, else one lookup per cgroup.
+    Auto,
+    /// One lookup per cgroup through its directory.
+    Each,
+}
+
+static CHOSEN: OnceLock<Reads> = OnceLock::new();
+
+/// Sets `--cgroup-reads` before any unit loads (later calls change nothing).
+pub fn choose(reads: Reads) {
+    let _ = CHOSEN.set(reads);
+    if reads == Reads::Each {
+        tracing::info!("reading cgroup by cgroup (--cgroup-reads each)");
+    }
 }
 
 fn check() -> Result<(), ProbeError> {
