@@ -8,12 +8,12 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
-use std::ptr::NonNull;
 use std::sync::OnceLock;
 
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
+use super::cgroup_maps::Mapped;
 use super::unit::Delta;
 use super::{err, ProbeError};
 
@@ -118,18 +118,12 @@ const HEADER: usize = 16;
 /// A unit's batch program and its slot array, mapped into this process.
 pub struct BatchRead {
     prog: OwnedFd,
-    _map: MapHandle,
-    mem: NonNull<u8>,
-    len: usize,
+    slots_mem: Mapped,
     /// bytes from one slot to the next (the array's value size, 8-aligned)
     stride: usize,
     slots: usize,
     value_size: usize,
 }
-
-// SAFETY: the mapping is owned by this value alone and only touched through
-// `&mut self`; nothing in it is tied to the thread that created it.
-unsafe impl Send for BatchRead {}
 
 impl BatchRead {
     /// Takes the loaded batch program and its slot array; `value_size` is the
@@ -169,43 +163,37 @@ impl BatchRead {
                 )),
             });
         }
-        let stride = slot_size.next_multiple_of(8);
-        let len = stride * slots;
-        // SAFETY: maps the whole array (mmapable, `len` bytes) read-write and
-        // shared; the result is checked before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                map.as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(ProbeError::Io {
-                probe,
-                what: "mapping the batch slots",
-                source: std::io::Error::last_os_error(),
-            });
-        }
         Ok(BatchRead {
             prog,
-            _map: map,
-            mem: NonNull::new(ptr.cast()).expect("mmap does not return NULL on success"),
-            len,
-            stride,
+            slots_mem: Mapped::new(probe, "mapping the batch slots", map)?,
+            stride: slot_size.next_multiple_of(8),
             slots,
             value_size,
         })
+    }
+
+    /// [`BatchRead::new`] when `batched` (the unit loaded its batch program,
+    /// see [`supported`]), else None: the unit reads cgroup by cgroup.
+    pub fn if_loaded<P: AsFd, M: AsFd>(
+        batched: bool,
+        probe: &'static str,
+        prog: &P,
+        map: &M,
+        value_size: usize,
+    ) -> Result<Option<BatchRead>, ProbeError>
+    where
+        for<'a> MapHandle: TryFrom<&'a M, Error = libbpf_rs::Error>,
+    {
+        batched
+            .then(|| BatchRead::new(probe, prog, map, value_size))
+            .transpose()
     }
 
     /// Reads the storage value of each cgroup in `ids` and calls `found(id,
     /// value bytes)` for those that have one; one BPF_PROG_RUN per `slots`
     /// ids. An id whose cgroup is gone, or has no value, is skipped.
     pub fn read(&mut self, ids: &[u64], mut found: impl FnMut(u64, &[u8])) -> std::io::Result<()> {
-        let base = self.mem.as_ptr();
+        let base = self.slots_mem.as_ptr();
         for chunk in ids.chunks(self.slots) {
             for (i, id) in chunk.iter().enumerate() {
                 // SAFETY: i < slots, so the slot's first 8 bytes lie in the mapping.
@@ -271,13 +259,6 @@ impl BatchRead {
             return Err(std::io::Error::from_raw_os_error(-rc));
         }
         Ok(())
-    }
-}
-
-impl Drop for BatchRead {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `new` mapped, once.
-        unsafe { libc::munmap(self.mem.as_ptr().cast(), self.len) };
     }
 }
 

@@ -53,40 +53,40 @@ pub fn take_all(map: &MapHandle, batch: u32) -> Vec<(u64, Vec<u8>)> {
 /// Batch reads one [`take_all`] makes at most.
 const TAKE_ROUNDS: usize = 64;
 
-/// A small BPF array of u64 words (`BPF_F_MMAPABLE`) mapped into the agent:
-/// epochs and flags the programs read and set, read and written here without
-/// a syscall (a tick used to spend two bpf() calls per unit on them).
-pub struct MappedWords {
+/// A BPF array map (`BPF_F_MMAPABLE`) mapped into the agent, read and
+/// written through shared memory: unmapped on drop, and the map's fd kept
+/// with it.
+pub struct Mapped {
     _map: MapHandle,
-    words: NonNull<AtomicU64>,
-    count: usize,
+    mem: NonNull<u8>,
     len: usize,
 }
 
-// SAFETY: the mapping is owned by this value; the words are atomics, shared
-// with the kernel, so any thread may use them.
-unsafe impl Send for MappedWords {}
-unsafe impl Sync for MappedWords {}
+// SAFETY: the mapping is owned by this value and outlives every pointer its
+// users derive from it; what is shared with the kernel is accessed through
+// volatile reads and writes or atomics.
+unsafe impl Send for Mapped {}
+unsafe impl Sync for Mapped {}
 
-impl MappedWords {
-    pub fn new(probe: &'static str, map: MapHandle) -> Result<MappedWords, ProbeError> {
-        let fail = |what, source| ProbeError::Io {
+impl Mapped {
+    /// Maps the whole of `map` read-write and shared.
+    pub fn new(
+        probe: &'static str,
+        what: &'static str,
+        map: MapHandle,
+    ) -> Result<Mapped, ProbeError> {
+        let io = |source| ProbeError::Io {
             probe,
             what,
             source,
         };
         let info = map
             .info()
-            .map_err(|e| fail("reading a word array", std::io::Error::other(e.to_string())))?;
-        if info.info.value_size != 8 {
-            return Err(fail(
-                "reading a word array",
-                std::io::Error::other("values are not u64"),
-            ));
-        }
-        let count = info.info.max_entries as usize;
-        let len = (count * 8).max(1);
-        // SAFETY: maps the whole array read-write and shared; checked below.
+            .map_err(|e| io(std::io::Error::other(e.to_string())))?;
+        let stride = (info.info.value_size as usize).next_multiple_of(8);
+        let len = (stride * info.info.max_entries as usize).max(1);
+        // SAFETY: maps `len` bytes of the array (its whole size), shared; the
+        // result is checked before use.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -98,24 +98,61 @@ impl MappedWords {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(fail(
-                "mapping a word array",
-                std::io::Error::last_os_error(),
-            ));
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        Ok(Mapped {
+            _map: map,
+            mem: NonNull::new(ptr.cast()).expect("mmap does not return NULL on success"),
+            len,
+        })
+    }
+
+    /// The first byte of the array (the whole array follows).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mem.as_ptr()
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `new` mapped, once.
+        unsafe { libc::munmap(self.mem.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A small BPF array of u64 words mapped into the agent: epochs and flags
+/// the programs read and set, read and written here without a syscall (a
+/// tick used to spend two bpf() calls per unit on them).
+pub struct MappedWords {
+    mem: Mapped,
+    count: usize,
+}
+
+impl MappedWords {
+    pub fn new(probe: &'static str, map: MapHandle) -> Result<MappedWords, ProbeError> {
+        let info = map.info().map_err(|e| ProbeError::Io {
+            probe,
+            what: "reading a word array",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        if info.info.value_size != 8 {
+            return Err(ProbeError::Io {
+                probe,
+                what: "reading a word array",
+                source: std::io::Error::other("values are not u64"),
+            });
         }
         Ok(MappedWords {
-            _map: map,
-            words: NonNull::new(ptr.cast()).expect("mmap does not return NULL on success"),
-            count,
-            len,
+            count: info.info.max_entries as usize,
+            mem: Mapped::new(probe, "mapping a word array", map)?,
         })
     }
 
     fn word(&self, index: usize) -> &AtomicU64 {
         assert!(index < self.count, "word {index} of {}", self.count);
-        // SAFETY: in bounds (above), 8-aligned (page-aligned mapping of u64s),
-        // and the mapping lives as long as self.
-        unsafe { &*self.words.as_ptr().add(index) }
+        // SAFETY: in bounds (above), 8-aligned (a page-aligned mapping of
+        // u64s), and the mapping lives as long as self.
+        unsafe { &*self.mem.as_ptr().cast::<AtomicU64>().add(index) }
     }
 
     pub fn store(&self, index: usize, value: u64) {
@@ -125,13 +162,6 @@ impl MappedWords {
     /// Whether the word at `index` is set; clears it.
     pub fn take(&self, index: usize) -> bool {
         self.word(index).swap(0, Ordering::SeqCst) != 0
-    }
-}
-
-impl Drop for MappedWords {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `new` mapped, once.
-        unsafe { libc::munmap(self.words.as_ptr().cast(), self.len) };
     }
 }
 

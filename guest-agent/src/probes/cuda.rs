@@ -358,15 +358,13 @@ impl CudaProbe {
                 handle(NAME, &skel.maps.cuda_cgroup_drained)?,
                 handle(NAME, &skel.maps.cuda_cgroup_drain_added)?,
             )?,
-            batch: match batched {
-                true => Some(BatchRead::new(
-                    NAME,
-                    &skel.progs.cuda_cgroup_batch_read,
-                    &skel.maps.cuda_cgroup_batch,
-                    std::mem::size_of::<skel::types::cuda_cgroup>(),
-                )?),
-                false => None,
-            },
+            batch: BatchRead::if_loaded(
+                batched,
+                NAME,
+                &skel.progs.cuda_cgroup_batch_read,
+                &skel.maps.cuda_cgroup_batch,
+                std::mem::size_of::<skel::types::cuda_cgroup>(),
+            )?,
             active: super::cgroup_maps::ActiveSet::new(
                 NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
@@ -568,20 +566,11 @@ impl Probe for CudaProbe {
     }
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
-        let (generation, pids) = ctx.pod_pid_set();
         let changed = ctx.processes_changed();
-        match changed {
-            // the same processes as last tick, all looked at: only those
-            // the kernel names need another look
-            Some(named) if self.pids_seen == Some(generation) => {
-                self.look_at(named.iter().copied().filter(|t| pids.contains(t)), changed);
-            }
-            _ => {
-                self.scan(&pids, changed);
-            }
-        }
-        self.pids_seen = Some(generation);
-        drop(pids);
+        match ctx.pod_pids_named(&mut self.pids_seen) {
+            Some(named) => self.look_at(named.into_iter(), changed),
+            None => self.scan(&ctx.pod_pid_set().1, changed),
+        };
         let mut per_owner: HashMap<&Owner, i64> = HashMap::new();
         for (id, bytes) in &self.vram {
             if let Some(owner) = ctx.owners.get(id) {

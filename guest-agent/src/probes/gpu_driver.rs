@@ -490,15 +490,13 @@ impl GpuDriverProbe {
                 handle(NAME, &skel.maps.gpu_cgroup_drained)?,
                 handle(NAME, &skel.maps.gpu_cgroup_drain_added)?,
             )?,
-            batch: match batched {
-                true => Some(BatchRead::new(
-                    NAME,
-                    &skel.progs.gpu_cgroup_batch_read,
-                    &skel.maps.gpu_cgroup_batch,
-                    std::mem::size_of::<skel::types::gpu_cgroup>(),
-                )?),
-                false => None,
-            },
+            batch: BatchRead::if_loaded(
+                batched,
+                NAME,
+                &skel.progs.gpu_cgroup_batch_read,
+                &skel.maps.gpu_cgroup_batch,
+                std::mem::size_of::<skel::types::gpu_cgroup>(),
+            )?,
             active: super::cgroup_maps::ActiveSet::new(
                 NAME,
                 handle(NAME, &skel.maps.active_epoch)?,
@@ -742,18 +740,11 @@ impl Probe for GpuDriverProbe {
     }
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
-        let (generation, pids) = ctx.pod_pid_set();
         let changed = ctx.processes_changed();
-        let seeded = match changed {
-            // the same processes as last tick, all looked at: only those
-            // the kernel names need another look
-            Some(named) if self.pids_seen == Some(generation) => {
-                self.look_at(named.iter().copied().filter(|t| pids.contains(t)), changed)
-            }
-            _ => self.seed_new(&pids, changed),
+        let seeded = match ctx.pod_pids_named(&mut self.pids_seen) {
+            Some(named) => self.look_at(named.into_iter(), changed),
+            None => self.seed_new(&ctx.pod_pid_set().1, changed),
         };
-        self.pids_seen = Some(generation);
-        drop(pids);
         if seeded > 0 {
             tracing::debug!(fds = seeded, "GPU fds seeded from /proc");
         }

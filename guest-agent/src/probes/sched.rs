@@ -131,15 +131,13 @@ impl SchedProbe {
         let batched = cgroup_batch::supported();
         open.progs.sched_hist_batch_read.set_autoload(batched);
         let skel = open.load().map_err(err(NAME, "load"))?;
-        let batch = match batched {
-            true => Some(BatchRead::new(
-                NAME,
-                &skel.progs.sched_hist_batch_read,
-                &skel.maps.sched_hist_batch,
-                std::mem::size_of::<skel::types::sched_cgroup>(),
-            )?),
-            false => None,
-        };
+        let batch = BatchRead::if_loaded(
+            batched,
+            NAME,
+            &skel.progs.sched_hist_batch_read,
+            &skel.maps.sched_hist_batch,
+            std::mem::size_of::<skel::types::sched_cgroup>(),
+        )?;
         let mut links = vec![skel
             .progs
             .sched_switch

@@ -188,15 +188,13 @@ impl TcpProbe {
         // The table before the hooks: a socket is classified once, at its
         // first segment, and keeps that class for its lifetime, so one seen
         // before the table was filled would stay `other`.
-        let batch = match batched {
-            true => Some(BatchRead::new(
-                OBJ,
-                &skel.progs.tcp_stats_batch_read,
-                &skel.maps.tcp_stats_batch,
-                std::mem::size_of::<skel::types::tcp_cgroup>(),
-            )?),
-            false => None,
-        };
+        let batch = BatchRead::if_loaded(
+            batched,
+            OBJ,
+            &skel.progs.tcp_stats_batch_read,
+            &skel.maps.tcp_stats_batch,
+            std::mem::size_of::<skel::types::tcp_cgroup>(),
+        )?;
         let lpm_len = lpm.len();
         for (key, idx) in lpm {
             skel.maps

@@ -227,6 +227,18 @@ impl TickContext<'_> {
         (generation, std::cell::Ref::map(cache, |c| &c.all))
     }
 
+    /// For a unit that looks at pod processes (and looked at every one of
+    /// generation `seen`): Some(the pod processes the kernel named since)
+    /// while the set of pod processes is the one of `seen`, None when it must
+    /// look at all of them again ([`TickContext::pod_pid_set`]). Sets `seen`
+    /// to the current generation.
+    pub fn pod_pids_named(&self, seen: &mut Option<u64>) -> Option<Vec<i32>> {
+        let (generation, pids) = self.pod_pid_set();
+        let steady = seen.replace(generation) == Some(generation);
+        let named = self.processes_changed().filter(|_| steady)?;
+        Some(named.iter().copied().filter(|t| pids.contains(t)).collect())
+    }
+
     /// The cgroup of each process of the pods' cgroups: the lists of
     /// [`TickContext::pod_pids`], read no more often.
     pub fn pod_pid_cgroups(&self) -> HashMap<u32, u64> {
