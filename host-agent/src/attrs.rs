@@ -8,8 +8,9 @@
 //!   `show` runs again), so a kept file always reads the current value. Three system calls a
 //!   read become one.
 //! * On any other filesystem (a recorded tree in the tests and the demo, where a change is
-//!   written as a new file renamed over the old) an open file would keep reading the old
-//!   contents, so each read opens the attribute again.
+//!   written as a new file renamed over the old, and a removal is a directory renamed away) an
+//!   open file or directory would keep reading the old contents, so each read opens the
+//!   attribute again by its whole path.
 //!
 //! A read that fails through kept handles (the device was removed, or replaced at the same
 //! address: sysfs answers `ENODEV` on the old files and `ENOENT` under the old directory) drops
@@ -32,7 +33,8 @@ struct Dev {
     dir: File,
     /// The directory is on sysfs: attribute files are kept open.
     sysfs: bool,
-    /// Open attribute files (sysfs only), by their name under `dir`.
+    /// Open attribute files (sysfs only: other filesystems are read by path), by their name
+    /// under `dir`.
     files: Vec<(String, File)>,
 }
 
@@ -62,6 +64,11 @@ impl AttrFiles {
                     })
                 }
             };
+            if !d.sysfs {
+                // by its path every time, as anything but a kept handle reads it: a directory
+                // renamed or replaced (a recorded tree's way of removing a device) is seen so
+                return read_short(&path().join(attr));
+            }
             match d.read(attr) {
                 Ok(s) => return Ok(s),
                 // Old handles: forget them and look again by the path.
@@ -76,6 +83,11 @@ impl AttrFiles {
     /// Drops the handles of devices not in `keep`.
     pub fn retain(&mut self, keep: &HashSet<&str>) {
         self.devs.retain(|dev, _| keep.contains(dev.as_str()));
+    }
+
+    /// Drops the handles of device `dev` (it was removed).
+    pub fn forget(&mut self, dev: &str) {
+        self.devs.remove(dev);
     }
 
     /// Number of attribute files held open (for tests).
@@ -99,9 +111,7 @@ impl Dev {
         // SAFETY: openat returned a new descriptor that nothing else owns.
         let f = unsafe { File::from_raw_fd(fd) };
         let text = read_at_start(&f)?;
-        if self.sysfs {
-            self.files.push((attr.to_string(), f));
-        }
+        self.files.push((attr.to_string(), f));
         Ok(text)
     }
 }

@@ -3,17 +3,18 @@
 
 use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
 use super::vm_suffix;
+use crate::attrs::AttrFiles;
 use crate::config::{range, Invalid};
 use crate::metrics::{self, vmid_label};
 use crate::roots::Roots;
-use crate::sysfs::{parse_aer_counters, read_attr, read_u64, AER_DEV_FILES, AER_ROOTPORT_FILES};
+use crate::sysfs::{parse_aer_counters, parse_u64, AER_DEV_FILES, AER_ROOTPORT_FILES};
 use crate::watch::{RecentKmsg, Topology};
 use gpufeed_shared::event::{
     AerCounter, AerDetail, AerRootPortTotal, AerSeverity, HostEvent, Source,
 };
 use prometheus::{IntCounterVec, Registry};
 use serde::Deserialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 #[derive(Debug, Default)]
@@ -22,6 +23,9 @@ pub struct AerPoller {
     totals: HashMap<(String, AerSeverity), u64>,
     /// Last text of each `aer_dev_*` file: an unchanged file (the usual case) is not parsed.
     texts: HashMap<(String, AerSeverity), String>,
+    /// The devices' directories and counter files, kept open: a poll is one `pread` per file
+    /// (it was a path walk, an open, reads and a close, and a `stat` of the directory).
+    files: AttrFiles,
 }
 
 /// True if any device of the topology has AER counter files.
@@ -56,22 +60,27 @@ impl AerPoller {
         if only.is_none() {
             // A device that left the topology and comes back is a new device.
             self.forget(|b| !topo.aer_devices.contains_key(b));
+            let watched: HashSet<&str> = topo.aer_devices.keys().map(String::as_str).collect();
+            self.files.retain(&watched);
         }
         for (bdf, (vmid, is_root)) in &topo.aer_devices {
             if only.is_some_and(|o| o != bdf) {
                 continue;
             }
-            let dir = roots.pci_devices().join(bdf);
-            if !dir.exists() {
-                // Removed (hot unplug, surprise removal, `remove`): when it is back its counters
-                // start again at zero in a new `pci_dev`, so its first read then is a baseline.
-                self.forget(|b| b == bdf);
-                continue;
-            }
+            let dir = || roots.pci_devices().join(bdf);
             let vm = vmid_label(*vmid);
+            let mut removed = false;
             for (file, sev) in AER_DEV_FILES {
-                let Some(text) = read_attr(&dir.join(file)) else {
-                    continue;
+                let text = match self.files.read(bdf, dir, file) {
+                    Ok(t) => t,
+                    // Removed (hot unplug, surprise removal, `remove`): when it is back its
+                    // counters start again at zero in a new `pci_dev`, so its first read then is
+                    // a baseline. Only a failed read asks whether the directory is still there.
+                    Err(_) if !dir().exists() => {
+                        removed = true;
+                        break;
+                    }
+                    Err(_) => continue,
                 };
                 match self.texts.get_mut(&(bdf.clone(), sev)) {
                     Some(t) if *t == text => continue, // no counter moved
@@ -133,9 +142,19 @@ impl AerPoller {
                     }
                 }
             }
+            if removed {
+                self.forget(|b| b == bdf);
+                self.files.forget(bdf);
+                continue;
+            }
             if *is_root {
                 for (file, sev) in AER_ROOTPORT_FILES {
-                    let Some(value) = read_u64(&dir.join(file)) else {
+                    let Some(value) = self
+                        .files
+                        .read(bdf, dir, file)
+                        .ok()
+                        .and_then(|t| parse_u64(&t))
+                    else {
                         continue;
                     };
                     let prev = self.totals.insert((bdf.clone(), sev), value);
