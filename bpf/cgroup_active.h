@@ -5,8 +5,8 @@
  * exists.
  *
  * Userspace bumps `active_epoch[0]` at each tick (through shared memory),
- * then takes the ids out of the ring. A probe calls mark_active() with the `epoch` field of the
- * cgroup's storage value: only the cgroup's first event of an epoch writes
+ * then takes the ids out of the ring. A probe calls mark_active() with the
+ * `epoch` field of the cgroup's storage value: only the cgroup's first event of an epoch writes
  * its id to the ring; the others cost one inlined array lookup and a compare.
  * If the ring is full, `active_epoch[1]` is set and the agent reads every
  * cgroup once.

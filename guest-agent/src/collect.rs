@@ -169,6 +169,7 @@ impl Collector {
         let now = started;
         let changes = self.tree.refresh()?;
         self.follow(&changes);
+        let cgroups_changed = !changes.added.is_empty() || !changes.removed.is_empty();
         let mut deltas = TickDeltas::default();
 
         // Removed cgroups first: their last numbers, drained in the kernel at rmdir.
@@ -244,7 +245,7 @@ impl Collector {
             tree: &self.tree,
             owners: &self.owners,
             pods: &self.pods,
-            cgroups_changed: !changes.added.is_empty() || !changes.removed.is_empty(),
+            cgroups_changed,
             processes: changes.processes.as_ref(),
             active: active.as_ref(),
             tick: self.ticks,
@@ -280,7 +281,6 @@ impl Collector {
         deltas.retain(|owner, series| {
             !series.values().all(Value::is_zero) || shared.owners.contains_key(owner)
         });
-        let cgroups_changed = !changes.added.is_empty() || !changes.removed.is_empty();
         shared.windows = match previous_tick {
             Some(prev) => windows(&signals, &deltas, now, now.duration_since(prev)),
             None => Vec::new(),

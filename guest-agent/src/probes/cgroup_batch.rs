@@ -24,9 +24,10 @@ mod skel {
 /// Whether this kernel loads and runs the batch program, and it sees the
 /// agent's cgroups: checked once, by loading `bpf/cgroup_batch.bpf.c`, giving
 /// the root of the cgroup2 mount a value through its directory and reading
-/// it back by id. The kernel finds a cgroup by id only inside the caller's
-/// cgroup namespace, so an agent in a container's own namespace, reading the
-/// node's hierarchy through a mount of it, reads cgroup by cgroup.
+/// it back by id. Kernels whose `cgroup_get_from_id` finds a cgroup only
+/// inside the caller's cgroup namespace fail this for an agent in a
+/// container's own namespace (reading the node's hierarchy through a mount
+/// of it), which then reads cgroup by cgroup.
 pub fn supported() -> bool {
     if CHOSEN.get() == Some(&Reads::Each) {
         return false;
@@ -200,15 +201,10 @@ impl BatchRead {
                 unsafe { base.add(i * self.stride).cast::<u64>().write_volatile(*id) };
             }
             self.run(chunk.len() as u32)?;
-            for i in 0..chunk.len() {
+            for (i, &id) in chunk.iter().enumerate() {
                 // SAFETY: as above; the kernel wrote the slot before the run returned.
                 let slot = unsafe { base.add(i * self.stride) };
-                let (id, hit) = unsafe {
-                    (
-                        slot.cast::<u64>().read_volatile(),
-                        slot.add(8).cast::<u64>().read_volatile(),
-                    )
-                };
+                let hit = unsafe { slot.add(8).cast::<u64>().read_volatile() };
                 if hit != 1 {
                     continue;
                 }

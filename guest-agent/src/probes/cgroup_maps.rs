@@ -256,18 +256,17 @@ impl ActiveSet {
         Ok(s)
     }
 
-    fn bump(&mut self) -> bool {
+    fn bump(&mut self) {
         self.epoch += 1;
         self.epoch_map.store(0, self.epoch);
-        true
     }
 
     /// Starts a new epoch and returns the ids marked in the ones before (this
     /// and the previous take's), or None when they cannot be trusted (the
-    /// ring overflowed, or the epoch could not be set): then the caller reads
+    /// ring overflowed, or could not be read): then the caller reads
     /// every cgroup (or process).
     pub fn take(&mut self) -> Option<Vec<u64>> {
-        let bumped = self.bump();
+        self.bump();
         // [1]: a write to the ring failed since the last take
         let overflowed = self.epoch_map.take(1);
         let consumed = self.ring.consume().is_ok();
@@ -278,7 +277,7 @@ impl ActiveSet {
         out.extend(now);
         out.sort_unstable();
         out.dedup();
-        (bumped && consumed && !overflowed).then_some(out)
+        (consumed && !overflowed).then_some(out)
     }
 }
 

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd};
 
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::hist::Hist;
 use super::signal::SignalSpec;
@@ -153,7 +153,7 @@ pub struct NodeFamily {
 pub struct TickContext<'a> {
     pub tree: &'a CgroupTree,
     /// Owner of every live (or just removed) cgroup, by cgroup id.
-    pub owners: &'a rustc_hash::FxHashMap<u64, Owner>,
+    pub owners: &'a FxHashMap<u64, Owner>,
     pub pods: &'a PodStore,
     /// Whether cgroups came or went since the previous tick.
     pub cgroups_changed: bool,
@@ -178,7 +178,7 @@ const PIDS_ROTATION: u64 = 30;
 pub struct PidCache {
     by_cgroup: HashMap<u64, Vec<i32>>,
     by_pod: HashMap<String, Vec<i32>>,
-    /// every pod process, and a number that changes whenever that set may have
+    /// every pod process, and a number bumped whenever that set is rebuilt
     all: FxHashSet<i32>,
     generation: u64,
     /// the tick `by_pod` was brought up to date in
