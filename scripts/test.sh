@@ -3,6 +3,8 @@
 # namespaces and qdiscs: run as root (they skip on an unprivileged machine
 # unless CI=true, where they fail instead).
 set -euo pipefail
+. "$(dirname "$0")/lib/as-root.sh"
+as_root "$@"
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export PATH="$HOME/.cargo/bin:/root/.cargo/bin:$PATH"

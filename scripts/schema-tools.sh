@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the upstream schema validators the manifest tests use, from the registries:
+# npm's @kubernetes-models/keda and @kubernetes-models/prometheus-operator (the projects'
+# published CRD schemas) with the TypeScript compiler, and PyPI's kubernetes-validate
+# (Kubernetes' own OpenAPI schemas), pinned in guest-agent/tests/schemas/.
+#
+#   scripts/schema-tools.sh [DIR]     (default: target/tmp/schema-tools, where the tests look)
+#
+# Idempotent: a DIR installed from the same pins is left as it is (the tests call this too,
+# so a fresh checkout installs on first use). Needs node/npm and python3 with venv.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+src="$repo/guest-agent/tests/schemas"
+dir=${1:-$repo/target/tmp/schema-tools}
+stamp=$(cat "$src/package.json" "$src/package-lock.json" "$src/requirements.txt" | sha256sum | cut -c1-16)
+
+# the validators themselves, beside the packages they import
+install_scripts() {
+  cp "$src/validate_crds.mjs" "$src/validate_core.py" "$dir/"
+}
+if [ -f "$dir/.installed" ] && [ "$(cat "$dir/.installed")" = "$stamp" ]; then
+  install_scripts
+  exit 0
+fi
+command -v npm >/dev/null || { echo "schema-tools: npm is needed (Debian: apt-get install npm)" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "schema-tools: python3 is needed" >&2; exit 1; }
+mkdir -p "$dir"
+rm -f "$dir/.installed"
+cp "$src/package.json" "$src/package-lock.json" "$dir/"
+(cd "$dir" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+[ -x "$dir/venv/bin/python" ] || python3 -m venv "$dir/venv"
+"$dir/venv/bin/pip" install --quiet --disable-pip-version-check -r "$src/requirements.txt"
+install_scripts
+echo "$stamp" >"$dir/.installed"
+echo "schema-tools: installed in $dir" >&2
