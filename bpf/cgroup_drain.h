@@ -11,6 +11,9 @@
  * a program on the cgroup_rmdir tracepoint that fills it; the agent reads and
  * deletes the entries each tick and adds them to the cgroup's owner.
  *
+ * With storage keyed by cgroup id (cgroup_storage.h) the entry is also deleted from
+ * the id map here: that map is bounded, and a removed cgroup's id never comes back.
+ *
  * At cgroup_rmdir the cgroup has no task left (the kernel refuses to remove a
  * populated cgroup), so its run-queue waits are complete; sockets the cgroup
  * created may outlive it, and what they count after the rmdir is not drained.
@@ -48,7 +51,7 @@
 	SEC("tp_btf/cgroup_rmdir")                                                      \
 	int BPF_PROG(storage##_rmdir, struct cgroup *cgrp, const char *path)            \
 	{                                                                               \
-		value_type *v = bpf_cgrp_storage_get(&storage, cgrp, 0, 0);             \
+		value_type *v = storage##_get(cgrp, false);                             \
 		__u64 id, *added;                                                       \
 		__u32 zero = 0;                                                         \
                                                                                         \
@@ -56,6 +59,8 @@
 			return 0;                                                       \
 		id = cgrp->kn->id;                                                      \
 		bpf_map_update_elem(&storage##_drained, &id, v, BPF_ANY);               \
+		if (cgroup_storage_by_id)                                               \
+			bpf_map_delete_elem(&storage##_by_id, &id);                     \
 		/* after the entry: the agent clears the word, then reads the map */    \
 		added = bpf_map_lookup_elem(&storage##_drain_added, &zero);             \
 		if (added)                                                              \

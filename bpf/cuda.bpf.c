@@ -41,9 +41,11 @@
 #include <bpf/bpf_tracing.h>
 #include "cgroup.h"
 #include "cgroup_active.h"
+#include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
 #include "hist.h"
+#include "cuda.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -70,12 +72,7 @@ struct cuda_cgroup {
 	__u64 epoch; /* see cgroup_active.h */
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_CGRP_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct cuda_cgroup);
-} cuda_cgroup SEC(".maps");
+CGROUP_STORAGE(cuda_cgroup, struct cuda_cgroup)
 
 CGROUP_DRAIN(cuda_cgroup, struct cuda_cgroup)
 /* a tick reads its active cgroups 256 at a time */
@@ -172,12 +169,11 @@ struct {
 	__type(value, struct event_rec);
 } cuda_events SEC(".maps");
 
-/* [0] cgroup storage unavailable, [1] object map full, [2] frees of unknown
- * pointers or handles (allocated before the probe was attached), [3] launches
- * whose stream could not be tracked (map full, stack unreadable). */
+/* Counters userspace exports as self-metrics, indexed by cuda.h's STAT_*
+ * (a launch's stream is not tracked when its map is full or the stack unreadable). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 4);
+	__uint(max_entries, STATS);
 	__type(key, __u32);
 	__type(value, __u64);
 } cuda_stats SEC(".maps");
@@ -195,9 +191,9 @@ static __always_inline struct cuda_cgroup *my_cgroup(void)
 	struct cgroup *cgrp = task_dfl_cgroup(bpf_get_current_task_btf());
 	struct cuda_cgroup *cg;
 
-	cg = bpf_cgrp_storage_get(&cuda_cgroup, cgrp, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	cg = cuda_cgroup_get(cgrp, true);
 	if (!cg)
-		bump(0);
+		bump(STAT_NO_STORAGE);
 	else
 		mark_active(cgrp, &cg->epoch);
 	return cg;
@@ -234,7 +230,7 @@ static __always_inline void remember(__u32 kind, __u64 id, struct obj *o)
 	struct obj_key k = {.tgid = tgid(), .kind = kind, .id = id};
 
 	if (bpf_map_update_elem(&cuda_objs, &k, o, BPF_ANY))
-		bump(1);
+		bump(STAT_OBJECTS_FULL);
 }
 
 static __always_inline int stash(__u32 call, __u64 out, __u64 out2, __u64 size)
@@ -340,7 +336,7 @@ static __always_inline int free_dptr(__u64 dptr)
 	__u64 size;
 
 	if (!o) {
-		bump(2);
+		bump(STAT_UNKNOWN_FREE);
 		return 0;
 	}
 	size = o->size;
@@ -386,7 +382,7 @@ int BPF_UPROBE(cu_mem_release, __u64 handle)
 	struct obj *h = find(KIND_HANDLE, handle, &k);
 
 	if (!h) {
-		bump(2);
+		bump(STAT_UNKNOWN_FREE);
 		return 0;
 	}
 	h->released = 1;
@@ -404,7 +400,7 @@ int BPF_UPROBE(cu_mem_map, __u64 ptr, __u64 size, __u64 offset, __u64 handle)
 	struct obj m = {.handle = handle, .span = size};
 
 	if (!h) {
-		bump(2);
+		bump(STAT_UNKNOWN_FREE);
 		return 0;
 	}
 	__sync_fetch_and_add(&h->mappings, 1);
@@ -425,7 +421,7 @@ int BPF_UPROBE(cu_mem_unmap, __u64 ptr, __u64 size)
 		__u64 handle, span;
 
 		if (!m) {
-			bump(2);
+			bump(STAT_UNKNOWN_FREE);
 			return 0;
 		}
 		handle = m->handle;
@@ -524,7 +520,7 @@ int BPF_UPROBE(cu_launch_kernel)
 	__sync_fetch_and_add(&cg->launches, 1);
 	if (bpf_probe_read_user(&k.stream, sizeof(k.stream),
 				(void *)(PT_REGS_SP(ctx) + LAUNCH_STREAM_SP))) {
-		bump(3);
+		bump(STAT_UNTRACKED_LAUNCH);
 		return 0;
 	}
 	last = bpf_map_lookup_elem(&cuda_streams, &k);
@@ -538,7 +534,7 @@ int BPF_UPROBE(cu_launch_kernel)
 		if (last)
 			*last = now;
 		else
-			bump(3);
+			bump(STAT_UNTRACKED_LAUNCH);
 		return 0;
 	}
 	work_open(cg, now);
@@ -697,7 +693,7 @@ int BPF_PROG(cuda_exit, struct task_struct *p)
 	if (p->signal->live.counter != 0)
 		return 0;
 	/* its outstanding work ends with it (the driver tears its context down) */
-	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(p), 0, 0);
+	cg = cuda_cgroup_get(task_dfl_cgroup(p), false);
 	if (cg && busy_estimate)
 		all_done(cg, c.tgid, bpf_ktime_get_ns());
 	pv = bpf_map_lookup_elem(&cuda_procs, &c.tgid);
@@ -711,13 +707,12 @@ int BPF_PROG(cuda_exit, struct task_struct *p)
 	bpf_for_each_map_elem(&cuda_objs, drop_objects, &c, 0);
 	if (!bytes)
 		return 0;
-	cg = bpf_cgrp_storage_get(&cuda_cgroup, task_dfl_cgroup(p), 0,
-				  BPF_LOCAL_STORAGE_GET_F_CREATE);
+	cg = cuda_cgroup_get(task_dfl_cgroup(p), true);
 	if (cg) {
 		__sync_fetch_and_add(&cg->vram_bytes, -bytes);
 		mark_active(task_dfl_cgroup(p), &cg->epoch);
 	} else {
-		bump(0);
+		bump(STAT_NO_STORAGE);
 	}
 	return 0;
 }

@@ -41,30 +41,15 @@
 #include "hist.h"
 #include "cgroup.h"
 #include "cgroup_active.h"
+#include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
-/* GPU fds tracked per process: fds >= this are counted in stats[2] and not
- * timed (device files are opened early, so they have small numbers). */
-#define GPU_FD_BITS 8192
+#include "gpu_driver.h"
+
 #define GPU_FD_WORDS (GPU_FD_BITS / 64)
-
-/* Path prefixes that name GPU device files; mirrored in probes/gpu_driver.rs. */
-#define MAX_PREFIXES 4
-#define PREFIX_LEN 64
-
-/* Request classes (the `cmd` label); mirrored in probes/gpu_driver.rs. */
-#define CMD_OTHER 0
-#define CMD_RM_CONTROL 1
-#define CMD_RM_ALLOC 2
-#define CMD_RM_FREE 3
-#define CMD_RM_MAP 4
-#define CMD_RM_UNMAP 5
-#define CMD_RM_VID_HEAP 6
-#define CMD_UVM 7
-#define CMD_SLOTS 8
 
 #define O_CLOEXEC 02000000
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
@@ -110,23 +95,17 @@ struct gpu_cgroup {
 	__u64 epoch;	  /* see cgroup_active.h */
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_CGRP_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct gpu_cgroup);
-} gpu_cgroup SEC(".maps");
+CGROUP_STORAGE(gpu_cgroup, struct gpu_cgroup)
 
 CGROUP_DRAIN(gpu_cgroup, struct gpu_cgroup)
 /* a tick reads its active cgroups 256 at a time */
 CGROUP_BATCH(gpu_cgroup, struct gpu_cgroup, 256)
 
-/* [0] storage unavailable, [1] GPU fds learned at open, [2] GPU fds beyond
- * GPU_FD_BITS (not tracked), [3] calls that left a cgroup other than the one
- * they entered in (timed, not counted as busy). */
+/* Counters userspace exports as self-metrics, indexed by gpu_driver.h's STAT_*
+ * (a call that left another cgroup than it entered in is timed, not counted as busy). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 4);
+	__uint(max_entries, STATS);
 	__type(key, __u32);
 	__type(value, __u64);
 } gpu_stats SEC(".maps");
@@ -198,10 +177,9 @@ static __always_inline int ioctl_enter(__u64 fd, __u32 cmd)
 	if (!fds || !fd_in(fds->open, fd))
 		return 0;
 	ts = bpf_task_storage_get(&thread_state, task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
-	cg = bpf_cgrp_storage_get(&gpu_cgroup, task_dfl_cgroup(task), 0,
-				  BPF_LOCAL_STORAGE_GET_F_CREATE);
+	cg = gpu_cgroup_get(task_dfl_cgroup(task), true);
 	if (!ts || !cg) {
-		bump(0);
+		bump(STAT_NO_STORAGE);
 		return 0;
 	}
 	/* Uprobe mode: a call still open on this thread lost its return (a
@@ -229,10 +207,9 @@ static __always_inline int ioctl_exit(struct task_struct *task, struct thread_st
 	start = ts->ioctl_start;
 	ts->ioctl_start = 0;
 	slot = ts->cmd_slot;
-	cg = bpf_cgrp_storage_get(&gpu_cgroup, task_dfl_cgroup(task), 0,
-				  BPF_LOCAL_STORAGE_GET_F_CREATE);
+	cg = gpu_cgroup_get(task_dfl_cgroup(task), true);
 	if (!cg) {
-		bump(0);
+		bump(STAT_NO_STORAGE);
 		return 0;
 	}
 	mark_active(task_dfl_cgroup(task), &cg->epoch);
@@ -242,7 +219,7 @@ static __always_inline int ioctl_exit(struct task_struct *task, struct thread_st
 	if (ts->cgroup_id != bpf_get_current_cgroup_id()) {
 		/* moved to another cgroup while inside the call: the entry
 		 * cgroup's counter cannot be reached from here */
-		bump(3);
+		bump(STAT_CGROUP_MOVED);
 		return 0;
 	}
 	/* Every task that leaves books the busy time up to now, not only the
@@ -325,7 +302,7 @@ static __always_inline int open_enter(const char *path, __u64 flags)
 	ts = bpf_task_storage_get(&thread_state, bpf_get_current_task_btf(), 0,
 				  BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!ts) {
-		bump(0);
+		bump(STAT_NO_STORAGE);
 		return 0;
 	}
 	ts->opening = 1 + !!(flags & O_CLOEXEC);
@@ -371,13 +348,13 @@ static __always_inline int learn_fd(struct task_struct *task, struct thread_stat
 	if (ret < 0)
 		return 0;
 	if (ret >= GPU_FD_BITS) {
-		bump(2);
+		bump(STAT_FD_UNTRACKED);
 		return 0;
 	}
 	fds = bpf_task_storage_get(&gpu_fds, task->group_leader, 0,
 				   BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!fds) {
-		bump(0);
+		bump(STAT_NO_STORAGE);
 		return 0;
 	}
 	bit = 1ULL << (ret % 64);
@@ -386,7 +363,7 @@ static __always_inline int learn_fd(struct task_struct *task, struct thread_stat
 		__sync_fetch_and_or(&fds->cloexec[ret / 64], bit);
 	else
 		__sync_fetch_and_and(&fds->cloexec[ret / 64], ~bit);
-	bump(1);
+	bump(STAT_FD_LEARNED);
 	return 0;
 }
 
@@ -583,7 +560,7 @@ int BPF_PROG(gpu_fork, struct task_struct *parent, struct task_struct *child)
 		return 0;
 	to = bpf_task_storage_get(&gpu_fds, child, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!to) {
-		bump(0);
+		bump(STAT_NO_STORAGE);
 		return 0;
 	}
 	for (__u32 w = 0; w < GPU_FD_WORDS; w++) {

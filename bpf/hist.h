@@ -52,15 +52,22 @@ static __always_inline __u32 hist_index(__u64 ns)
 	return idx;
 }
 
-static __always_inline void hist_record(struct hist *h, __u64 ns)
+/* `n` observations of `ns` at once: a weighted sample (tcp.bpf.c weighs each RTT sample by the
+ * socket's busy time). The count is still the sum of the buckets. */
+static __always_inline void hist_record_n(struct hist *h, __u64 ns, __u64 n)
 {
 	__u32 idx = hist_index(ns);
 
 	/* idx is bounded above; the explicit mask keeps older verifiers convinced */
 	if (idx > HIST_BUCKETS)
 		return;
-	__sync_fetch_and_add(&h->buckets[idx], 1);
-	__sync_fetch_and_add(&h->sum_ns, ns);
+	__sync_fetch_and_add(&h->buckets[idx], n);
+	__sync_fetch_and_add(&h->sum_ns, ns * n);
+}
+
+static __always_inline void hist_record(struct hist *h, __u64 ns)
+{
+	hist_record_n(h, ns, 1);
 }
 
 #endif

@@ -38,8 +38,10 @@
 #include "hist.h"
 #include "cgroup.h"
 #include "cgroup_active.h"
+#include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
+#include "sched.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -73,22 +75,16 @@ struct sched_cgroup {
 	__u64 epoch; /* see cgroup_active.h */
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_CGRP_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct sched_cgroup);
-} sched_hist SEC(".maps");
+CGROUP_STORAGE(sched_hist, struct sched_cgroup)
 
 CGROUP_DRAIN(sched_hist, struct sched_cgroup)
 /* a tick reads its active cgroups 512 at a time */
 CGROUP_BATCH(sched_hist, struct sched_cgroup, 512)
 
-/* Stats userspace exports as self-metrics: [0] negative deltas (cross-CPU clock
- * skew) that were dropped, [1] cgroup storage allocation failures. */
+/* Counters userspace exports as self-metrics, indexed by sched.h's STAT_*. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 2);
+	__uint(max_entries, STATS);
 	__type(key, __u32);
 	__type(value, __u64);
 } sched_stats SEC(".maps");
@@ -133,12 +129,12 @@ static __always_inline void record(struct task_struct *next, __u64 delta)
 	struct sched_cgroup *c;
 
 	if ((__s64)delta < 0) {
-		bump_stat(0);
+		bump_stat(STAT_NEGATIVE_DELTA);
 		return;
 	}
-	c = bpf_cgrp_storage_get(&sched_hist, cg, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	c = sched_hist_get(cg, true);
 	if (!c) {
-		bump_stat(1);
+		bump_stat(STAT_NO_STORAGE);
 		return;
 	}
 	hist_record(&c->hist, delta);
@@ -170,7 +166,7 @@ int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_s
 				return 0;
 			ending = rq->clock - queued;
 			if ((__s64)ending < 0) {
-				bump_stat(0);
+				bump_stat(STAT_NEGATIVE_DELTA);
 				ending = 0;
 			}
 		}
@@ -180,7 +176,7 @@ int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_s
 			seen = bpf_task_storage_get(&delay_seen, next, 0,
 						    BPF_LOCAL_STORAGE_GET_F_CREATE);
 			if (!seen) {
-				bump_stat(1);
+				bump_stat(STAT_NO_STORAGE);
 				return 0;
 			}
 			*seen = next->start_time >= started_ns ? 0 : run_delay;
@@ -189,7 +185,7 @@ int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_s
 		 * switch-in (a queued task moved to another CPU) */
 		delta = run_delay - *seen;
 		if ((__s64)delta < 0) {
-			bump_stat(0);
+			bump_stat(STAT_NEGATIVE_DELTA);
 			delta = 0;
 		}
 		*seen = run_delay + ending;

@@ -12,10 +12,16 @@
  *
  * RTT: at most one sample per socket per agent tick (rtt_every_ns), the
  * socket's smoothed RTT at its first received segment after the tick's time
- * has passed since its last sample. The mean over samples is then a time
- * average of each connection's srtt, as `ss -ti` sampled at a fixed rate would
- * give, not a segment average. A segment that brings neither a sample nor a
- * retransmit costs one socket-storage lookup.
+ * has passed since its last sample, weighted by the socket's busy time since
+ * that sample: one observation per millisecond with data queued or in flight
+ * (the kernel's own chronograph, `ss -ti`'s busy:), at least one. A pod's
+ * mean RTT is then the time average of its connections' srtt over the time
+ * they carried traffic: a busy upload weighs its whole duration, an idle
+ * control or keepalive connection next to nothing, yet a pod with only idle
+ * connections still has RTT. (One sample per socket and tick, unweighted,
+ * made an idle socket weigh as much as the busy one; one per segment
+ * over-weighted the ACK-dense phases such as slow start.) A segment that
+ * brings neither a sample nor a retransmit costs one socket-storage lookup.
  *
  * Retransmits are not counted per tracepoint hit: the tracepoint does not see
  * every segment the kernel adds to TcpRetransSegs. Instead each hook that
@@ -27,9 +33,11 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 #include "hist.h"
 #include "cgroup.h"
 #include "cgroup_active.h"
+#include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
 
@@ -58,11 +66,13 @@ struct sock_state {
 	__u32 dst_plus1;	  /* dst class index + 1 */
 	__u32 total_retrans_seen; /* tcp_sock.total_retrans already counted */
 	__u64 rtt_at;		  /* ktime ns of the socket's last RTT sample, 0 = none */
+	__u32 rtt_at_jiffies;	  /* jiffies (low 32 bits) at that sample */
+	__u32 busy_seen;	  /* the socket's busy time at that sample, jiffies */
 };
 
 /* Set by userspace before load: the agent's tick. A socket gives at most one
- * RTT sample per tick, so the mean follows the connection's time rather than
- * its segment count (slow start and bursts bring many ACKs per second). */
+ * RTT sample per tick, weighted by its busy time since the previous one (see
+ * the top of the file). */
 const volatile __u64 rtt_every_ns = 0;
 
 struct {
@@ -78,12 +88,7 @@ struct tcp_cgroup {
 	__u64 epoch; /* see cgroup_active.h */
 };
 
-struct {
-	__uint(type, BPF_MAP_TYPE_CGRP_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct tcp_cgroup);
-} tcp_stats SEC(".maps");
+CGROUP_STORAGE(tcp_stats, struct tcp_cgroup)
 
 CGROUP_DRAIN(tcp_stats, struct tcp_cgroup)
 /* a tick reads its active cgroups 64 at a time (a value is 3.6 KiB) */
@@ -163,12 +168,46 @@ static __always_inline struct tcp_cgroup *owner_stats(const struct sock *sk)
 
 	if (!cg)
 		return 0;
-	st = bpf_cgrp_storage_get(&tcp_stats, cg, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	st = tcp_stats_get(cg, true);
 	if (!st)
 		count_lost();
 	else
 		mark_active(cg, &st->epoch);
 	return st;
+}
+
+/* The socket's busy time in jiffies as tcp_info's tcpi_busy_time counts it: the
+ * three chronographs (busy, receive-window limited, send-buffer limited), each
+ * running while data is queued or unacknowledged, plus the one running now.
+ * Jiffies wrap: only differences of it are used. */
+static __always_inline __u32 busy_jiffies(struct tcp_sock *tp, __u32 now_jiffies)
+{
+	__u32 busy = tp->chrono_stat[0] + tp->chrono_stat[1] + tp->chrono_stat[2];
+
+	/* a 2-bit bitfield on older kernels, a byte on newer ones */
+	if (BPF_CORE_READ_BITFIELD(tp, chrono_type))
+		busy += now_jiffies - tp->chrono_start;
+	return busy;
+}
+
+/* Observations a sample stands for: the socket's busy milliseconds since its
+ * previous sample, rounded, at least one (and one for the first sample: a
+ * socket older than the agent brings no history). HZ is a build option BPF
+ * cannot read, so jiffies become time by the ratio of the two clocks over the
+ * same interval (the interval is a tick, at least 100 ms: tens of jiffies). */
+static __always_inline __u64 busy_weight(const struct sock_state *ss, __u64 now, __u32 now_jiffies,
+					 __u32 busy)
+{
+	__u32 elapsed = now_jiffies - ss->rtt_at_jiffies;
+	__u32 busy_delta = busy - ss->busy_seen;
+	__u64 ms;
+
+	if (!ss->rtt_at || !elapsed || now <= ss->rtt_at)
+		return 1;
+	if (busy_delta > elapsed) /* chronograph and jiffies read a tick apart */
+		busy_delta = elapsed;
+	ms = ((now - ss->rtt_at) / elapsed * busy_delta + 500000) / 1000000;
+	return ms ? ms : 1;
 }
 
 /* Adds the retransmits the socket counted since we last looked. */
@@ -212,8 +251,15 @@ int BPF_PROG(tcp_probe, struct sock *sk, const struct sk_buff *skb)
 		return 0;
 	cls = dst_of(ss);
 	if (sample) {
+		__u32 now_jiffies = (__u32)bpf_jiffies64(); /* tcp_jiffies32 */
+		__u32 busy = busy_jiffies(tp, now_jiffies);
+		__u64 weight = busy_weight(ss, now, now_jiffies, busy);
+
 		ss->rtt_at = now;
-		hist_record(&st->rtt[cls], (__u64)srtt * 125); /* (us << 3) * 1000 / 8 = ns */
+		ss->rtt_at_jiffies = now_jiffies;
+		ss->busy_seen = busy;
+		/* (us << 3) * 1000 / 8 = ns */
+		hist_record_n(&st->rtt[cls], (__u64)srtt * 125, weight);
 	}
 	sync_retrans(st, ss, tp, cls);
 	return 0;

@@ -14,7 +14,7 @@ use std::time::Instant;
 use common::thread_cpu_ns;
 
 use gpufeed_guest::correlate::events::Payload;
-use gpufeed_guest::correlate::{Config, Correlator, HostInput, PodKey, SignalWindow};
+use gpufeed_guest::correlate::{Config, Correlator, HostInput, PodKey, SignalShape, SignalWindow};
 use gpufeed_shared::event::{HostEvent, VmRunState, VmStateChange};
 
 const S: i64 = 1_000_000_000;
@@ -64,6 +64,11 @@ fn windows(rng: &mut fastrand::Rng, pods: &[PodKey], tick: i64) -> Vec<SignalWin
                 p50: p99 / 2.0,
                 p99,
                 max: p99 * 1.5,
+                shape: if rate {
+                    SignalShape::Rate
+                } else {
+                    SignalShape::Distribution
+                },
             });
         }
     }

@@ -21,7 +21,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::pingpong_us;
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 
 const ROUNDS: usize = 5;
 
@@ -127,7 +127,7 @@ fn main() {
         let open = empty::BenchEmptySkelBuilder::default()
             .open(&mut storage)
             .unwrap();
-        let mut skel = open.load().unwrap();
+        let mut skel = gpufeed_guest::probes::object::load("bench_empty", open).unwrap();
         libbpf_rs::skel::Skel::attach(&mut skel).unwrap();
         rows.push(measure("empty tp_btf programs", Some(b)));
     }
@@ -148,13 +148,27 @@ fn main() {
     // nothing but syscalls, so the difference between the two rows is what the GPU probes cost
     // a process that never touches a GPU (their hooks side by side: the gpu_overhead bench).
     const NO_GPU: &str = "sched_latency,tcp_rtt,tcp_retransmit,tc";
-    for (name, method, probes) in [
-        ("gpufeed-guest (sched, TCP, tc)", "auto", NO_GPU),
-        ("gpufeed-guest (all probes, GPU included)", "auto", "all"),
+    // The storage row is what a 6.1 kernel (no cgroup storage) runs: every per-cgroup value in
+    // a bounded hash keyed by cgroup id, one lookup more per event than cgroup-local storage.
+    for (name, method, probes, storage) in [
+        ("gpufeed-guest (sched, TCP, tc)", "auto", NO_GPU, "auto"),
+        (
+            "gpufeed-guest (all probes, GPU included)",
+            "auto",
+            "all",
+            "auto",
+        ),
         (
             "gpufeed-guest (stamp fallback; sched, TCP, tc)",
             "stamp",
             NO_GPU,
+            "auto",
+        ),
+        (
+            "gpufeed-guest (map by cgroup id, as on 6.1; sched, TCP, tc)",
+            "auto",
+            NO_GPU,
+            "by-id",
         ),
     ] {
         let mut agent = Killed(
@@ -168,6 +182,8 @@ fn main() {
                     method,
                     "--probes",
                     probes,
+                    "--cgroup-storage",
+                    storage,
                 ])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())

@@ -33,7 +33,7 @@ use gpufeed_guest::pods::{PodMeta, PodStore};
 use gpufeed_guest::probes::hist::Hist;
 use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
 use gpufeed_guest::probes::unit::{FamilySpec, GaugeValue, Kind, Labels, Scope, Value};
-use gpufeed_guest::probes::{cuda, gpu_driver, sched, tc, tcp, ProbeStatus};
+use gpufeed_guest::probes::{cuda, gpu_compute, gpu_driver, sched, tc, tcp, ProbeStatus};
 use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
 
 /// The families the loaded units declare, as they declare them.
@@ -45,8 +45,8 @@ static FAMILIES: [FamilySpec; 12] = [
     spec(tc::DROPS_FAMILY, Kind::Counter, Scope::Pod),
     spec(tc::BW_LIMIT_FAMILY, Kind::Gauge, Scope::Pod),
     spec(gpu_driver::IOCTL, Kind::Histogram, Scope::Container),
-    spec(gpu_driver::COMPUTE, Kind::SecondsCounter, Scope::Container),
-    spec(gpu_driver::DUTY, Kind::Gauge, Scope::Container),
+    spec(gpu_compute::COMPUTE, Kind::SecondsCounter, Scope::Container),
+    spec(gpu_compute::DUTY, Kind::Gauge, Scope::Container),
     spec(cuda::VRAM, Kind::Gauge, Scope::Container),
     spec(cuda::PCIE, Kind::Counter, Scope::Pod),
     spec(cuda::LAUNCHES, Kind::Counter, Scope::Container),
@@ -146,7 +146,7 @@ fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Shared {
             );
         }
         series.insert(
-            (gpu_driver::COMPUTE, Labels::new()),
+            (gpu_compute::COMPUTE, Labels::new()),
             Value::Count(rng.u64(..1 << 40)),
         );
         series.insert(
@@ -204,7 +204,7 @@ fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Shared {
             .or_default()
             .push(gauge(&container, Labels::new(), 8e9));
         s.gauges
-            .entry(gpu_driver::DUTY)
+            .entry(gpu_compute::DUTY)
             .or_default()
             .push(gauge(&container, Labels::new(), 0.5));
     }

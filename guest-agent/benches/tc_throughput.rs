@@ -16,7 +16,7 @@ use std::mem::MaybeUninit;
 use std::process::Command;
 use std::time::Duration;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 
 use common::*;
 
@@ -79,11 +79,10 @@ fn main() {
     let hif = pod.host_if.clone().unwrap();
     let ifindex = ifindex_of(&hif);
     let mut storage = MaybeUninit::uninit();
-    let skel = empty::BenchEmptySkelBuilder::default()
+    let open = empty::BenchEmptySkelBuilder::default()
         .open(&mut storage)
-        .unwrap()
-        .load()
         .unwrap();
+    let skel = gpufeed_guest::probes::object::load("bench_empty", open).unwrap();
 
     let (mut without, mut with, mut floor) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_packet = Vec::new();

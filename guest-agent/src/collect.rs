@@ -16,45 +16,15 @@ use std::time::{Duration, Instant};
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::cgroups::{CgroupTree, Changes, Died};
-use crate::pods::{classify_cgroup, CgroupClass, PodStore};
-use crate::probes::signal::{latency_window, rate_window, SignalKind, SignalSpec, SignalWindow};
+use crate::pods::{classify_cgroup, PodStore};
+use crate::probes::signal::{
+    latency_window, level_window, rate_window, SignalKind, SignalSpec, SignalWindow,
+};
 use crate::probes::unit::{
     Delta, FamilySpec, GaugeValue, Labels, PidCache, Scope, TickContext, UnitStats, Units, Value,
 };
 
-/// Who a cgroup's numbers belong to.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Owner {
-    Pod {
-        uid: String,
-        container_id: Option<String>,
-    },
-    Slice(String),
-    /// tc drops nobody could be found for (no socket, unknown device, unknown IPs)
-    Unattributed,
-}
-
-impl Owner {
-    pub fn of(class: CgroupClass) -> Owner {
-        match class {
-            CgroupClass::Pod {
-                uid, container_id, ..
-            } => Owner::Pod { uid, container_id },
-            CgroupClass::Slice(s) => Owner::Slice(s),
-        }
-    }
-
-    /// The owner at pod level: a pod's container dropped, anything else as is.
-    pub fn pod_level(&self) -> Owner {
-        match self {
-            Owner::Pod { uid, .. } => Owner::Pod {
-                uid: uid.clone(),
-                container_id: None,
-            },
-            other => other.clone(),
-        }
-    }
-}
+pub use crate::owner::Owner;
 
 /// Cumulative numbers of one owner since the agent first saw it.
 #[derive(Debug, Clone, Default)]
@@ -282,7 +252,7 @@ impl Collector {
             !series.values().all(Value::is_zero) || shared.owners.contains_key(owner)
         });
         shared.windows = match previous_tick {
-            Some(prev) => windows(&signals, &deltas, now, now.duration_since(prev)),
+            Some(prev) => windows(&signals, &deltas, &gauges, now, now.duration_since(prev)),
             None => Vec::new(),
         };
         for (owner, series) in deltas {
@@ -533,14 +503,30 @@ fn retire(
     owners.values().any(|o| o.gone_since.is_some())
 }
 
-/// The signal windows of one tick's deltas (of owners that have series).
+/// The signal windows of one tick's deltas (of owners that have series) and gauges.
 fn windows(
     signals: &[SignalSpec],
     deltas: &TickDeltas,
+    gauges: &[(&'static str, Vec<GaugeValue>)],
     at: Instant,
     window: Duration,
 ) -> Vec<SignalWindow> {
     let mut out = Vec::new();
+    for (family, values) in gauges {
+        for s in signals
+            .iter()
+            .filter(|s| s.kind == SignalKind::Level && s.family == *family)
+        {
+            out.extend(values.iter().map(|g| SignalWindow {
+                owner: g.owner.clone(),
+                signal: s.name,
+                labels: g.labels.clone(),
+                at,
+                window,
+                value: level_window(g.value),
+            }));
+        }
+    }
     for (owner, series) in deltas {
         for ((family, labels), value) in series {
             for s in signals.iter().filter(|s| s.family == *family) {
@@ -621,6 +607,42 @@ mod tests {
             scope: Scope::Container,
         },
     ];
+
+    /// A gauge family named by a level signal gives one window per value the unit set in
+    /// the tick (a throughput it sampled), a gauge family no signal names none.
+    #[test]
+    fn level_signals_are_windows_of_the_gauges_the_units_set() {
+        let pod = Owner::Pod {
+            uid: "u".into(),
+            container_id: None,
+        };
+        let signals = [SignalSpec {
+            name: "link",
+            family: "link_gauge",
+            kind: SignalKind::Level,
+        }];
+        let value = |v| GaugeValue {
+            owner: pod.clone(),
+            labels: Labels::from([("gpu", "0".to_string())]),
+            value: v,
+        };
+        let gauges = vec![
+            ("link_gauge", vec![value(5e9)]),
+            ("other_gauge", vec![value(1.0)]),
+        ];
+        let at = Instant::now();
+        let w = windows(
+            &signals,
+            &TickDeltas::default(),
+            &gauges,
+            at,
+            Duration::from_millis(100),
+        );
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert_eq!((w[0].owner.clone(), w[0].signal), (pod, "link"));
+        assert_eq!(w[0].labels, Labels::from([("gpu", "0".to_string())]));
+        assert_eq!(w[0].value, WindowValue::Level { value: 5e9 });
+    }
 
     /// A unit whose "kernel" is a map of cumulative counts per cgroup id the
     /// test sets, turned into deltas like a real unit does.

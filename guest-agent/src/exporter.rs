@@ -14,10 +14,12 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use gpufeed_shared::http::HttpLimits;
+use prometheus::proto::{MetricFamily, MetricType};
 use prometheus::{Encoder, Registry, TextEncoder};
 
 use crate::collect::{Owner, Shared};
+pub(crate) use crate::families::{counter, family, gauge};
 use crate::finops::PodLabels;
 use crate::pods::{PodMeta, PodStore};
 use crate::probes::unit::{FamilySpec, Kind, Labels};
@@ -176,6 +178,26 @@ impl AgentCollector {
                 })
                 .collect(),
         ));
+        out.push(family(
+            "gpufeed_probe_info",
+            "How each probe runs on this kernel (hook, storage, reads), or why it is down (reason)",
+            MetricType::GAUGE,
+            self.probes
+                .iter()
+                .map(|p| {
+                    let mut labels = Labels::from([("probe", p.name.to_string())]);
+                    for (k, v) in &p.how {
+                        if matches!(*k, "hook" | "storage" | "reads") {
+                            labels.insert(k, v.clone());
+                        }
+                    }
+                    if let Some(r) = &p.reason {
+                        labels.insert("reason", r.clone());
+                    }
+                    gauge(&labels, 1.0)
+                })
+                .collect(),
+        ));
         let maps = || stats.units.iter().flat_map(|u| u.maps.iter());
         out.push(family(
             "gpufeed_map_entries",
@@ -285,42 +307,6 @@ impl AgentCollector {
     }
 }
 
-fn label_pairs(l: &Labels) -> Vec<LabelPair> {
-    l.iter()
-        .map(|(k, v)| {
-            let mut p = LabelPair::default();
-            p.set_name(k.to_string());
-            p.set_value(v.clone());
-            p
-        })
-        .collect()
-}
-
-pub(crate) fn family(name: &str, help: &str, t: MetricType, metrics: Vec<Metric>) -> MetricFamily {
-    let mut f = MetricFamily::default();
-    f.set_name(name.to_string());
-    f.set_help(help.to_string());
-    f.set_field_type(t);
-    f.set_metric(metrics);
-    f
-}
-
-pub(crate) fn gauge(l: &Labels, v: f64) -> Metric {
-    let mut g = Gauge::default();
-    g.set_value(v);
-    let mut m = Metric::from_gauge(g);
-    m.set_label(label_pairs(l));
-    m
-}
-
-pub(crate) fn counter(l: &Labels, v: f64) -> Metric {
-    let mut c = Counter::default();
-    c.set_value(v);
-    let mut m = Metric::from_label(label_pairs(l));
-    m.set_counter(c);
-    m
-}
-
 /// What /metrics serves: the agent's series, written directly, and a registry's.
 #[derive(Clone)]
 pub struct Exposition {
@@ -374,14 +360,33 @@ pub fn render(registry: &Registry) -> String {
     String::from_utf8(buf).unwrap_or_default()
 }
 
-/// Serves /metrics and /healthz until the process ends.
+/// `/healthz`: 200 while the map-reading tick keeps up, 503 otherwise.
+pub fn health_router(healthy: Arc<dyn Fn() -> bool + Send + Sync>) -> axum::Router {
+    use axum::http::StatusCode;
+    axum::Router::new().route(
+        "/healthz",
+        axum::routing::get(move || {
+            let ok = healthy();
+            async move {
+                if ok {
+                    (StatusCode::OK, "ok\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "stalled\n")
+                }
+            }
+        }),
+    )
+}
+
+/// Serves /metrics and /healthz (and `more`) until the process ends, within the HTTP limits
+/// ([`gpufeed_shared::http`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: impl Into<Exposition>,
     healthy: Arc<dyn Fn() -> bool + Send + Sync>,
     more: axum::Router,
 ) -> std::io::Result<()> {
-    use axum::http::{header, StatusCode};
+    use axum::http::header;
     use axum::routing::get;
     let metrics: Exposition = metrics.into();
     let app = axum::Router::new()
@@ -403,79 +408,27 @@ pub async fn serve(
                 }
             }),
         )
-        .route(
-            "/healthz",
-            get(move || {
-                let ok = healthy();
-                async move {
-                    if ok {
-                        (StatusCode::OK, "ok\n")
-                    } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "stalled\n")
-                    }
-                }
-            }),
-        )
+        .merge(health_router(healthy))
         .merge(more);
-    serve_bounded(listener, app).await
+    gpufeed_shared::http::serve_bounded(listener, app, HttpLimits::default(), "metrics").await
 }
 
-/// How long a client may take to send a request's headers (a connection that stalls in them
-/// is closed). Applies to every request of a kept-alive connection, not to a response that
-/// takes long (event streams).
-const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
-/// Open HTTP connections at once, and from one IP address; beyond them a new connection is
-/// closed at once. Each costs some 10 KiB of buffers, so the caps bound the server's memory.
-const MAX_HTTP_CONNECTIONS: usize = 512;
-const MAX_HTTP_PER_ADDRESS: usize = 64;
-
-/// Serves `app` on `listener` with a header read timeout and connection caps: the node
-/// address is reachable from every pod, and `axum::serve` has neither.
-async fn serve_bounded(
+/// Serves the kubelet's probes (`/healthz`, `/readyz` in `probes`) on a listener of their own
+/// (`--health-listen`, loopback by default: the kubelet of a hostNetwork pod reaches it, pods
+/// on the pod network do not), with its own limits: a flood of the metrics port cannot make
+/// the kubelet restart the agent.
+pub async fn serve_health(
     listener: tokio::net::TcpListener,
-    app: axum::Router,
+    probes: axum::Router,
 ) -> std::io::Result<()> {
-    use gpufeed_shared::stream::hub::admission::{Admission, Decision, Limits, RateLimitedLog};
-    // Every connection holds its place for its lifetime (never `established`).
-    let admission = Admission::new(Limits {
-        max_handshakes: MAX_HTTP_CONNECTIONS,
-        max_per_address: MAX_HTTP_PER_ADDRESS,
-        retry_above: usize::MAX,
-    });
-    let refusals = RateLimitedLog::new(std::time::Duration::from_secs(10));
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(a) => a,
-            Err(e) => {
-                // Out of file descriptors or a connection reset before accept: not fatal.
-                tracing::warn!(error = %e, "metrics server: accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let ticket = match admission.decide(peer.ip(), true) {
-            Decision::Accept(t) => t,
-            Decision::Refuse(reason) => {
-                if let Some(unlogged) = refusals.note(reason, Instant::now()) {
-                    tracing::warn!(%peer, reason, unlogged, "metrics server: too many connections (limits: {MAX_HTTP_CONNECTIONS} in all, {MAX_HTTP_PER_ADDRESS} per address); closed");
-                }
-                continue;
-            }
-            Decision::Retry => continue,
-        };
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        tokio::spawn(async move {
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "metrics server: connection ended");
-            }
-            drop(ticket);
-        });
-    }
+    gpufeed_shared::http::serve_bounded(listener, probes, HEALTH_LIMITS, "health").await
 }
+
+/// The probe listener's caps: the kubelet opens one connection per probe.
+const HEALTH_LIMITS: HttpLimits = HttpLimits {
+    max_connections: 64,
+    max_per_address: 32,
+};
 
 pub fn bind_error(addr: SocketAddr, e: std::io::Error) -> anyhow::Error {
     anyhow::anyhow!(
@@ -487,9 +440,10 @@ pub fn bind_error(addr: SocketAddr, e: std::io::Error) -> anyhow::Error {
 mod tests {
     use super::*;
     use crate::collect::OwnerStats;
+    use crate::families::label_pairs;
     use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
     use crate::probes::unit::{GaugeValue, Scope, Value};
-    use prometheus::proto::{Bucket, Histogram};
+    use prometheus::proto::{Bucket, Histogram, Metric};
     use std::collections::BTreeMap;
 
     const UID: &str = "1b2c3d4e-5f60-4718-9a2b-3c4d5e6f7a8b";

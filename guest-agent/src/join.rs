@@ -1,6 +1,7 @@
 //! The join in the running agent: the probe units' signal windows and the hub's host events
-//! go into the [`Correlator`]; its series go to /metrics and its views to `/events`,
-//! `/api/state` and the page at `/`.
+//! go into the [`Correlator`] (and the incident page's [`Timeline`]); its series go to
+//! /metrics and its views to `/events`, `/api/state` and the page at `/` (served by
+//! [`crate::web`]).
 //!
 //! The correlator is sans-IO; this module owns the clocks and the plumbing:
 //! * every tick, the collector's windows (per owner, signal and label set) become one window
@@ -10,11 +11,14 @@
 //! * a pod the collector no longer has (its grace period ended) is forgotten;
 //! * host events arrive from the hub with the clock offset it measured at receipt; events of
 //!   a kind this guest cannot decode arrive as what their frames say, and are counted and
-//!   listed as `unknown`.
+//!   listed as `unknown`;
+//! * every tick, whether the GPU worked ([`gpu_busy`]), for the link changes a GPU's power
+//!   management makes.
 
 use std::collections::HashSet;
 
 use rustc_hash::{FxHashMap, FxHashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -22,13 +26,18 @@ use prometheus::core::{Collector as PromCollector, Desc};
 use prometheus::proto::MetricFamily;
 
 use crate::collect::{Owner, Shared};
-use crate::correlate::events::Payload;
+use crate::correlate::events::{self, Payload};
 use crate::correlate::export::EventView;
 #[cfg(test)]
 use crate::correlate::SignalWindow;
-use crate::correlate::{Config, Correlator, HostInput, PodKey, WindowRef};
+use crate::correlate::{
+    link_condition, Config, Correlator, GpuWindow, HostInput, PodKey, SignalShape, WindowRef,
+};
 use crate::hub::{Hub, ReceivedEvent, UnknownEvent};
-use crate::incident::{self, HostView, PageState};
+use crate::incident::profile::Target;
+use crate::incident::{
+    self, annotations, HostView, PageState, ProfileTemplate, Timeline, TimelineConfig, Unexplained,
+};
 use crate::pods::PodStore;
 use crate::probes::signal::{self, WindowValue};
 
@@ -54,11 +63,43 @@ pub struct Join {
     merge: Mutex<Merge>,
     /// (host, kind) of unknown kinds already logged: one line each, not one per event.
     unknown_logged: Mutex<HashSet<(String, u16)>>,
+    /// The incident page's pictures. Locked after `corr` where both are held.
+    timeline: Mutex<Timeline>,
+    /// `--profile-url`: links from affected pods and spikes to their profiles.
+    profile: std::sync::OnceLock<ProfileTemplate>,
+    /// A GPU probe that sees GPU work (driver time, CUDA) is up: its silence means idle.
+    gpu_probes: AtomicBool,
+}
+
+/// The probes whose signal windows are GPU work: time in the GPU driver (`gpu_driver`), CUDA
+/// synchronisation (`cuda`). NVML tells by its own gauge.
+pub const GPU_PROBES: &[(&str, &str)] = &[
+    (crate::probes::gpu_driver::NAME, "gpu_ioctl"),
+    (crate::probes::cuda::NAME, "gpu_sync_wait"),
+];
+
+/// Whether the GPU worked in the tick `shared` holds, from what the agent has: NVML's
+/// per-process SM utilisation (its gauge family exists while NVML is loaded), time in the GPU
+/// driver and CUDA synchronisation (windows of their signals, when `gpu_probes` are up). `None`
+/// when none of them is on: nothing here can tell. This is the one place that says what
+/// counts as GPU work; a better source plugs in here.
+pub fn gpu_busy(shared: &crate::collect::Shared, gpu_probes: bool) -> Option<bool> {
+    let nvml = shared.gauges.get(crate::probes::nvml::SM);
+    let nvml_busy = nvml.is_some_and(|g| g.iter().any(|v| v.value > 0.0));
+    let probe_busy = gpu_probes
+        && shared.windows.iter().any(|w| {
+            GPU_PROBES.iter().any(|(_, s)| *s == w.signal)
+                && matches!(w.value, WindowValue::Latency { count, .. } if count > 0)
+        });
+    (nvml.is_some() || gpu_probes).then_some(nvml_busy || probe_busy)
 }
 
 impl Join {
     pub fn new(cfg: Config, pods: PodStore, node: String, simulated: Vec<String>) -> Arc<Join> {
+        let timeline = Timeline::new(TimelineConfig::new(cfg.before, cfg.after));
         Arc::new(Join {
+            timeline: Mutex::new(timeline),
+            profile: std::sync::OnceLock::new(),
             corr: Mutex::new(Correlator::new(cfg)),
             pods,
             node,
@@ -67,11 +108,56 @@ impl Join {
             live: Mutex::new(HashSet::new()),
             merge: Mutex::new(Merge::default()),
             unknown_logged: Mutex::new(HashSet::new()),
+            gpu_probes: AtomicBool::new(false),
         })
+    }
+
+    /// Which probes came up at start: whether one of [`GPU_PROBES`] is among them.
+    pub fn set_probes_up<'a>(&self, up: impl IntoIterator<Item = &'a str>) {
+        let gpu = up
+            .into_iter()
+            .any(|n| GPU_PROBES.iter().any(|(p, _)| *p == n));
+        self.gpu_probes.store(gpu, Ordering::Relaxed);
     }
 
     fn corr(&self) -> std::sync::MutexGuard<'_, Correlator> {
         self.corr.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn timeline(&self) -> std::sync::MutexGuard<'_, Timeline> {
+        self.timeline.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Links to profiles (`--profile-url`) from now on; a second call changes nothing.
+    pub fn set_profile(&self, template: ProfileTemplate) {
+        let _ = self.profile.set(template);
+    }
+
+    /// The profile link for a pod's spike at `spike_ms`, when a template is set.
+    pub fn profile_url(&self, namespace: &str, pod: &str, spike_ms: i64) -> Option<String> {
+        let t = self.profile.get()?;
+        t.render(&Target::spike(namespace, pod, &self.node, spike_ms))
+    }
+
+    /// The host's PCIe links as its last state has them.
+    fn links_now(hub: Option<&Hub>, host: &str) -> Vec<incident::LinkView> {
+        hub.and_then(|h| h.host_state(host))
+            .map(|s| incident::links_of(&s))
+            .unwrap_or_default()
+    }
+
+    /// One host event into the page's timeline (after the correlator has it).
+    fn timeline_event(&self, input: &HostInput<'_>) {
+        let known = match input.payload {
+            Payload::Known(ev) => Some(ev),
+            Payload::UnknownKind { .. } => None,
+        };
+        // the picture's title: with the GPU's activity now (the correlator's own verdict on a
+        // speed change waits for the GPU's window after it; the event list carries that)
+        let gpu = self.corr().gpu_now();
+        let c = events::classify(input.payload, gpu);
+        self.timeline()
+            .host_event(input.host, input.guest_ns(), known, &c);
     }
 
     /// The hub whose host events and state this join reads; starts the event task. An event
@@ -133,6 +219,7 @@ impl Join {
             },
         };
         self.corr().host_event(input, realtime_ns());
+        self.timeline_event(&input);
     }
 
     /// One received host event.
@@ -148,6 +235,7 @@ impl Join {
             payload: Payload::Known(&ev.event),
         };
         self.corr().host_event(input, realtime_ns());
+        self.timeline_event(&input);
     }
 
     /// After a tick: the collector's windows into the correlator, gone pods forgotten.
@@ -171,11 +259,29 @@ impl Join {
             "signal windows into the correlator"
         );
         let mut corr = self.corr();
+        let mut timeline = self.timeline();
         for w in merge.windows() {
             tracing::trace!(pod = %w.pod.pod, signal = %w.signal, count = w.count, p99 = w.p99, "window");
-            corr.observe_window(w);
+            let seen = corr.observe_window(w);
+            timeline.window(&w, seen);
+        }
+        // the first tick has no window (nothing to divide by), and no GPU window either
+        if let Some(prev) = merge.last_tick_ns.replace(now_ns) {
+            corr.gpu_window(GpuWindow {
+                at: now_ns,
+                len: now_ns - prev,
+                busy: gpu_busy(shared, self.gpu_probes.load(Ordering::Relaxed)),
+            });
         }
         corr.end_tick(now_ns);
+        timeline.end_tick(now_ns, corr.spike_records());
+        if timeline.freeze_due(now_ns, corr.event_records()) {
+            let hub = self.hub.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let links = |host: &str| Self::links_now(hub.as_ref(), host);
+            let listed: Vec<_> = corr.event_records().collect();
+            timeline.freeze(now_ns, &listed, &links);
+        }
+        drop(timeline);
         let mut prev = self.live.lock().unwrap_or_else(|e| e.into_inner());
         prev.retain(|uid| {
             let here = live.contains(uid.as_str());
@@ -206,15 +312,22 @@ impl Join {
     /// `/api/state`.
     pub fn page_state(&self) -> PageState {
         let hub = self.hub.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let gpu = self.corr().gpu_now();
+        let links = |state: &gpufeed_shared::hoststate::HostState| {
+            let mut links = incident::links_of(state);
+            for l in &mut links {
+                l.condition =
+                    link_condition(l.speed_gts, l.width, l.max_speed_gts, l.max_width, gpu);
+            }
+            links
+        };
         let hosts = hub
+            .as_ref()
             .map(|h| {
                 h.hosts()
                     .into_iter()
                     .map(|(host, connected)| HostView {
-                        links: h
-                            .host_state(&host)
-                            .map(|s| incident::links_of(&s))
-                            .unwrap_or_default(),
+                        links: h.host_state(&host).map(|s| links(&s)).unwrap_or_default(),
                         simulated: self.simulated.contains(&host),
                         connected,
                         host,
@@ -222,53 +335,36 @@ impl Join {
                     .collect()
             })
             .unwrap_or_default();
+        let now = realtime_ns();
+        let corr = self.corr();
+        let unexplained = corr
+            .unexplained_spikes(now)
+            .into_iter()
+            .map(|spike| Unexplained {
+                profile_url: self.profile_url(&spike.namespace, &spike.pod, spike.time),
+                spike,
+            })
+            .collect();
+        let timeline = self.timeline();
+        let links = |host: &str| Self::links_now(hub.as_ref(), host);
+        let mut timelines = timeline.pictures(now, corr.event_records(), &links);
+        let strip = timeline.strip(now);
+        drop(timeline);
+        drop(corr);
+        for p in &mut timelines {
+            for t in &mut p.pods {
+                t.profile_url = self.profile_url(&t.namespace, &t.pod, p.time + t.lag_ms);
+            }
+        }
         PageState {
             node: self.node.clone(),
             hosts,
-            unexplained: self.corr().unexplained_spikes(realtime_ns()),
+            unexplained,
+            timelines,
+            strip,
+            profiles: self.profile.get().is_some(),
         }
     }
-}
-
-/// The page at `/` (one self-contained file: no framework, no external assets).
-const PAGE: &str = include_str!("web/index.html");
-
-/// `/`, `/events` and `/api/state`.
-pub fn router(join: Arc<Join>) -> axum::Router {
-    use axum::http::header;
-    use axum::routing::get;
-    let (j1, j2) = (join.clone(), join);
-    axum::Router::new()
-        .route(
-            "/",
-            get(|| async {
-                (
-                    [
-                        (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-                        // the page loads nothing from elsewhere; say so to the browser
-                        (
-                            header::CONTENT_SECURITY_POLICY,
-                            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
-                        ),
-                    ],
-                    PAGE,
-                )
-            }),
-        )
-        .route(
-            "/events",
-            get(move || {
-                let j = j1.clone();
-                async move { axum::Json(j.events()) }
-            }),
-        )
-        .route(
-            "/api/state",
-            get(move || {
-                let j = j2.clone();
-                async move { axum::Json(j.page_state()) }
-            }),
-        )
 }
 
 /// The correlation series for a registry.
@@ -279,10 +375,13 @@ pub struct JoinCollector {
 
 impl JoinCollector {
     pub fn new(join: Arc<Join>) -> JoinCollector {
-        let descs = [(
-            crate::correlate::export::LATENCY_SPIKES,
-            "Latency spikes detected per pod and signal",
-        )]
+        let descs = [
+            (
+                crate::correlate::export::LATENCY_SPIKES,
+                "Latency spikes detected per pod and signal",
+            ),
+            (annotations::HOST_EVENT_TIMESTAMP, annotations::HELP),
+        ]
         .into_iter()
         .filter_map(|(n, h)| Desc::new(n.into(), h.into(), vec![], Default::default()).ok())
         .collect();
@@ -296,7 +395,10 @@ impl PromCollector for JoinCollector {
     }
 
     fn collect(&self) -> Vec<MetricFamily> {
-        self.join.corr().metric_families(realtime_ns())
+        let corr = self.join.corr();
+        let mut families = corr.metric_families(realtime_ns());
+        families.push(annotations::family(corr.event_records()));
+        families
     }
 }
 
@@ -318,8 +420,8 @@ fn key_current(key: &PodKey, pods: &PodStore) -> bool {
 /// One (pod, signal) window while it is merged from the collector's windows.
 #[derive(Default)]
 struct Acc {
-    /// A rate signal: the parts' rates add up; otherwise a distribution.
-    rate: bool,
+    /// What the parts are: rates and levels add up; distributions merge.
+    shape: SignalShape,
     count: u64,
     sum: f64,
     /// Σ p50 × count (distribution) or Σ rate.
@@ -348,15 +450,26 @@ impl Acc {
             // A rate is its own quantiles (the correlator reads p99 for rate signals), and
             // the rates of the parts add up.
             WindowValue::Rate { count, per_second } => {
-                self.rate = true;
+                self.shape = SignalShape::Rate;
                 self.count += count;
-                self.sum += per_second;
-                self.p50 += per_second;
-                self.p99 += per_second;
-                self.max += per_second;
+                self.add_rate(per_second);
+            }
+            // A level too (the throughput of each of a pod's GPUs: the pod's GPUs move the
+            // sum), one reading per part.
+            WindowValue::Level { value } => {
+                self.shape = SignalShape::Level;
+                self.count += 1;
+                self.add_rate(value);
             }
         }
         self.at = self.at.max(at);
+    }
+
+    fn add_rate(&mut self, per_second: f64) {
+        self.sum += per_second;
+        self.p50 += per_second;
+        self.p99 += per_second;
+        self.max += per_second;
     }
 
     /// The merged window of `pod`'s `signal`.
@@ -368,13 +481,14 @@ impl Acc {
             at: self.at,
             count: self.count,
             sum: self.sum,
-            p50: if self.rate || self.count == 0 {
+            p50: if self.shape != SignalShape::Distribution || self.count == 0 {
                 self.p50
             } else {
                 self.p50 / self.count as f64
             },
             p99: self.p99,
             max: self.max,
+            shape: self.shape,
         }
     }
 }
@@ -399,6 +513,8 @@ struct Merge {
     pods: FxHashMap<String, PodSlot>,
     /// Number of the current tick.
     tick: u64,
+    /// Guest realtime of the previous tick (the GPU window's start).
+    last_tick_ns: Option<i64>,
 }
 
 impl Merge {
@@ -464,7 +580,9 @@ impl Merge {
                     signal,
                     at: a.at,
                     count: a.count,
+                    mean: a.sum / a.count as f64,
                     p99: a.p99,
+                    shape: a.shape,
                 })
             })
     }

@@ -12,11 +12,13 @@ use clap::{Parser, Subcommand};
 use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
 use gpufeed_guest::{
     certs, cgroups, collect, correlate, doctor, dst, exporter, finops, hub, ifaces, incident, join,
-    pods, privileges, probes, readiness,
+    pods, privileges, probes, readiness, web,
 };
 
 /// Default /metrics port: not used by any well-known exporter.
 pub const DEFAULT_METRICS_PORT: u16 = 9745;
+/// The probe listener's port (on loopback).
+pub const DEFAULT_HEALTH_PORT: u16 = 9746;
 
 #[derive(Parser)]
 #[command(
@@ -76,8 +78,8 @@ struct DoctorArgs {
     /// Only the checks of this node, not the running agent's.
     #[arg(long)]
     local: bool,
-    /// `--probes` and `--gpu-driver-hook` as given to `run` (they decide whether tracefs is
-    /// needed).
+    /// `--probes` and `--gpu-driver-hook` as given to `run` (they decide which capabilities
+    /// and whether tracefs are needed).
     #[arg(long, default_value = "all")]
     probes: String,
     #[arg(long, value_enum, default_value = "auto")]
@@ -99,6 +101,11 @@ struct RunArgs {
     /// Address for /metrics, /healthz and /readyz.
     #[arg(long, default_value_t = SocketAddr::from(([0, 0, 0, 0], DEFAULT_METRICS_PORT)), env = "GPUFEED_METRICS_LISTEN")]
     metrics_listen: SocketAddr,
+    /// Address for the kubelet's probes alone (/healthz, /readyz), with limits of its own.
+    /// Default 127.0.0.1:9746 (loopback: the kubelet of a hostNetwork pod reaches it, pods do
+    /// not), or an ephemeral loopback port when --metrics-listen has port 0.
+    #[arg(long, env = "GPUFEED_HEALTH_LISTEN")]
+    health_listen: Option<SocketAddr>,
     /// How often kernel maps are read (100ms .. 60s).
     #[arg(long, default_value = "1s", value_parser = parse_interval)]
     interval: Duration,
@@ -120,6 +127,10 @@ struct RunArgs {
     /// lookup per cgroup, the way older kernels are read).
     #[arg(long, value_enum, default_value = "auto")]
     cgroup_reads: probes::cgroup_batch::Reads,
+    /// Where the probes keep per-cgroup values: `auto` (cgroup-local storage where the
+    /// kernel loads it, else a hash map keyed by cgroup id, as on 6.1), `local` or `by-id`.
+    #[arg(long, value_enum, default_value = "auto")]
+    cgroup_storage: probes::cgroup_storage::StorageChoice,
     /// How tc programs attach to pod interfaces: tcx (6.6+), classic clsact, or auto.
     #[arg(long, value_enum, default_value = "auto")]
     tc_attach: probes::tc::AttachMode,
@@ -199,6 +210,11 @@ struct RunArgs {
     /// events are labelled simulated on /, /events and in the log. Repeatable.
     #[arg(long = "simulated-host", value_name = "HOST")]
     simulated_hosts: Vec<String>,
+    /// Link template for a pod's profiles around a spike (Parca, Pyroscope, ...), with
+    /// {namespace}, {pod}, {node}, {from_ms}, {to_ms}, {from_s}, {to_s}; shown on /, in
+    /// /events and /api/state. See docs/profiles.md.
+    #[arg(long, value_name = "URL", env = "GPUFEED_PROFILE_URL")]
+    profile_url: Option<incident::ProfileTemplate>,
     #[command(flatten)]
     finops: finops::FinopsArgs,
 }
@@ -251,30 +267,16 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
     let root = cgroups::cgroup2_mount().context("cannot find the cgroup v2 hierarchy")?;
     probes::route_libbpf_logs();
     let btf = probes::KernelBtf::load();
-    let config = ProbeConfig {
-        sched: probes::sched::Config {
-            method: probes::sched::Method::Auto,
-        },
-        tcp: probes::tcp::Config {
-            dst: dst::DstTable::defaults(),
-            rtt_every: interval,
-        },
-        tc: probes::tc::Config {
-            attach: probes::tc::AttachMode::Auto,
-            // pod veths only: their counters are the kernel's side of the bytes
-            node_devices: ifaces::NodeDevices::None,
-        },
-        gpu_driver: probes::gpu_driver::Config::default(),
-        cuda: probes::cuda::CudaOptions::default(),
-        nvml: probes::nvml::Config::default(),
-    };
+    // pod veths only: their counters are the kernel's side of the bytes
+    let config = ProbeConfig::defaults(interval);
     let lockdown = privileges::lockdown();
     let ctx = LoadContext {
         btf: &btf,
         config: &config,
         lockdown: lockdown.as_deref(),
     };
-    let (units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
+    let (mut units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
+    probes::gpu_compute::elect(&mut units, Duration::from_secs(30));
     for s in statuses.iter().filter(|s| !s.up) {
         println!(
             "{}: not loaded ({})",
@@ -315,6 +317,7 @@ fn nvml_capacity(library: &str) -> finops::CapacityInput {
         Ok(gpus) if !gpus.is_empty() => finops::CapacityInput {
             memory_bytes: Some(gpus.iter().map(|g| g.memory_total_bytes).sum()),
             link_bytes_per_second: Some(gpus.iter().map(|g| g.link_bytes_per_second).sum()),
+            gpus: u32::try_from(gpus.len()).ok(),
         },
         Ok(_) => finops::CapacityInput::default(),
         Err(e) => {
@@ -359,6 +362,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 
     probes::route_libbpf_logs();
     probes::cgroup_batch::choose(args.cgroup_reads);
+    probes::cgroup_storage::choose(args.cgroup_storage);
     let btf = probes::KernelBtf::load();
     let config = ProbeConfig {
         sched: probes::sched::Config {
@@ -378,7 +382,6 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                 driver_names: args.gpu_driver_name.clone(),
             },
             hook: args.gpu_driver_hook,
-            duty_window: args.gpu_duty_window,
         },
         cuda: probes::cuda::CudaOptions {
             library_prefix: args.cuda_library_prefix.clone(),
@@ -393,13 +396,27 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         config: &config,
         lockdown: lockdown.as_deref(),
     };
-    let (units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
+    let (mut units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
+    probes::gpu_compute::elect(&mut units, args.gpu_duty_window);
+    let probes_up: Vec<&'static str> = statuses.iter().filter(|s| s.up).map(|s| s.name).collect();
     for s in &statuses {
         match &s.reason {
             None => tracing::info!(probe = s.name, "probe attached"),
-            Some(r) => tracing::warn!(probe = s.name, "probe disabled: {r}"),
+            Some(r) => tracing::warn!(probe = s.name, "probe down, the others run: {r}"),
         }
     }
+    let probes_finding = doctor::probes::from_statuses(&statuses);
+    let probes_down: Vec<String> = statuses
+        .iter()
+        .filter(|s| !s.up)
+        .map(|s| {
+            format!(
+                "probe {} is down: {}",
+                s.name,
+                s.reason.as_deref().unwrap_or("")
+            )
+        })
+        .collect();
 
     let pods = pods::PodStore::default();
     let mut collector = collect::Collector::new(
@@ -433,12 +450,18 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         after: args.join_after,
         detector: correlate::DetectorConfig {
             k: args.spike_sensitivity,
+            window_secs: args.interval.as_secs_f64(),
             ..Default::default()
         },
         ..Default::default()
     };
     let node = node_name(args.node_name.clone());
     let joined = join::Join::new(join_cfg, pods.clone(), node, args.simulated_hosts.clone());
+    if let Some(t) = args.profile_url.clone() {
+        tracing::info!(template = %t, "profile links on the incident page");
+        joined.set_profile(t);
+    }
+    joined.set_probes_up(probes_up);
     registry.register(Box::new(join::JoinCollector::new(joined.clone())))?;
 
     // The tick runs on its own thread: it is all blocking syscalls.
@@ -499,13 +522,14 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                 cgroup_root: Some(cgroup_root.clone()),
                 node_devices: args.node_devices.clone(),
                 tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
+                probes: doctor::selected_probes(&args.probes),
                 ..Default::default()
             },
+            probes_finding,
             (!args.no_kube).then(|| pods.clone()),
             stream.clone(),
         )?;
-        let listener = tokio::net::TcpListener::bind(args.metrics_listen)
-            .await
+        let listener = gpufeed_shared::http::bind(args.metrics_listen)
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
         tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz, /doctor, /events, /api/state and the page at /");
         let stale_after = (args.interval * 3).as_millis() as u64 + 1000;
@@ -513,9 +537,19 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             let now = started.elapsed().as_millis() as u64;
             now.saturating_sub(last_tick_ms.load(Ordering::Relaxed)) <= stale_after
         });
-        let routes = join::router(joined).merge(readiness::router(stream, healthy.clone(), findings));
+        let health_listen = args.health_listen.unwrap_or_else(|| {
+            let port = if args.metrics_listen.port() == 0 { 0 } else { DEFAULT_HEALTH_PORT };
+            SocketAddr::from(([127, 0, 0, 1], port))
+        });
+        let health = gpufeed_shared::http::bind(health_listen)
+            .map_err(|e| anyhow::anyhow!("cannot listen on {health_listen} for the probes: {e} (choose another with --health-listen)"))?;
+        tracing::info!(addr = %health.local_addr()?, "serving the probes (/healthz, /readyz)");
+        let probes = exporter::health_router(healthy.clone())
+            .merge(readiness::readyz_router(stream.clone(), healthy.clone(), probes_down.clone()));
+        let routes = web::router(joined).merge(readiness::router(stream, healthy.clone(), findings, probes_down));
         tokio::select! {
             r = exporter::serve(listener, exporter::Exposition::new(registry, agent_series), healthy, routes) => r.context("metrics server"),
+            r = exporter::serve_health(health, probes) => r.context("probe server"),
             _ = shutdown_signal() => {
                 tracing::info!("shutting down");
                 Ok(())
@@ -530,6 +564,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
 fn doctor_loop(
     registry: &prometheus::Registry,
     inputs: doctor::Inputs,
+    probes: doctor::Finding,
     pods: Option<pods::PodStore>,
     stream: readiness::Stream,
 ) -> anyhow::Result<doctor::Latest> {
@@ -548,6 +583,7 @@ fn doctor_loop(
                     local_at = Some(Instant::now());
                 }
                 let mut all = local.clone();
+                all.push(probes.clone());
                 if let Some(p) = &pods {
                     all.push(doctor::pods::bandwidth_annotations(p));
                 }
@@ -584,9 +620,16 @@ fn doctor_cmd(args: DoctorArgs) -> anyhow::Result<()> {
         netns: args.netns,
         node_devices: args.node_devices,
         tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
+        probes: doctor::selected_probes(&args.probes),
         ..Default::default()
     };
     let mut findings = doctor::local(&inputs);
+    // what the agent will load here, by loading it (and letting it go again)
+    probes::route_libbpf_logs();
+    findings.push(doctor::probes::predict(
+        &args.probes,
+        &ProbeConfig::defaults(Duration::from_secs(1)),
+    ));
     if !args.local {
         let url = format!("{}/doctor", args.url.trim_end_matches('/'));
         match fetch_findings(&url) {

@@ -6,51 +6,16 @@
 //! the pods' metrics, says once why the stream is not up, fails readiness, and retries (the
 //! kubelet fills an optional Secret volume when the Secret appears): never a crash loop.
 
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use anyhow::Context;
 use axum::http::StatusCode;
 use axum::routing::get;
 
 use crate::doctor::Latest;
-use crate::hub::{self, Hub, HubConfig, HubError};
+pub use crate::host_stream::{Stream, StreamState};
+use crate::hub::{self, HubConfig, HubError};
 use crate::join::Join;
-
-/// Where the host stream stands.
-#[derive(Clone)]
-pub enum StreamState {
-    /// Not asked for (no `--quic-listen`).
-    Off,
-    /// Asked for, not started: why.
-    Waiting(String),
-    Up(Hub),
-}
-
-/// The host stream's state, shared by the starter, `/readyz` and the doctor.
-#[derive(Clone)]
-pub struct Stream(Arc<RwLock<StreamState>>);
-
-impl Stream {
-    pub fn new(state: StreamState) -> Stream {
-        Stream(Arc::new(RwLock::new(state)))
-    }
-
-    pub fn get(&self) -> StreamState {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    fn set(&self, s: StreamState) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = s;
-    }
-
-    /// Why the agent is not ready as far as the stream goes.
-    pub fn not_ready(&self) -> Option<String> {
-        match self.get() {
-            StreamState::Waiting(why) => Some(format!("host stream not started: {why}")),
-            StreamState::Off | StreamState::Up(_) => None,
-        }
-    }
-}
 
 /// What the stream-off line says (once, at start).
 pub const STREAM_OFF: &str =
@@ -115,34 +80,47 @@ async fn retry(cfg: HubConfig, registry: prometheus::Registry, joined: Arc<Join>
     }
 }
 
-/// `/readyz` and `/doctor`, merged into the metrics server's routes.
+/// `/readyz` and `/doctor`, merged into the metrics server's routes. A probe that the
+/// kernel refused does not make the agent unready (the others run and are served): `/readyz`
+/// names it and its reason below its answer.
 pub fn router(
     stream: Stream,
     healthy: Arc<dyn Fn() -> bool + Send + Sync>,
     findings: Latest,
+    probes_down: Vec<String>,
 ) -> axum::Router {
-    axum::Router::new()
-        .route(
-            "/readyz",
-            get(move || {
-                let answer = if !healthy() {
-                    Err("stalled: the map-reading tick is late".to_string())
-                } else {
-                    stream.not_ready().map_or(Ok(()), Err)
-                };
-                async move {
-                    match answer {
-                        Ok(()) => (StatusCode::OK, "ready\n".to_string()),
-                        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
-                    }
+    readyz_router(stream, healthy, probes_down).route(
+        "/doctor",
+        get(move || {
+            let f = findings.get();
+            async move { axum::Json(f) }
+        }),
+    )
+}
+
+/// `/readyz` alone (also served on the probe listener). A probe that the kernel refused does
+/// not make the agent unready: `/readyz` names it and its reason below its answer.
+pub fn readyz_router(
+    stream: Stream,
+    healthy: Arc<dyn Fn() -> bool + Send + Sync>,
+    probes_down: Vec<String>,
+) -> axum::Router {
+    let notes: String = probes_down.iter().map(|l| format!("{l}\n")).collect();
+    axum::Router::new().route(
+        "/readyz",
+        get(move || {
+            let answer = if !healthy() {
+                Err("stalled: the map-reading tick is late".to_string())
+            } else {
+                stream.not_ready().map_or(Ok(()), Err)
+            };
+            let notes = notes.clone();
+            async move {
+                match answer {
+                    Ok(()) => (StatusCode::OK, format!("ready\n{notes}")),
+                    Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n{notes}")),
                 }
-            }),
-        )
-        .route(
-            "/doctor",
-            get(move || {
-                let f = findings.get();
-                async move { axum::Json(f) }
-            }),
-        )
+            }
+        }),
+    )
 }

@@ -6,6 +6,7 @@
 //! never lowered.
 
 mod common;
+mod manifests;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -243,21 +244,36 @@ fn bandwidth_manager_wants_fq_on_the_node_devices() {
     assert_eq!(f.status, Status::Skip);
 }
 
-#[test]
-fn capabilities_of_a_process_that_dropped_some() {
-    let Some(_lock) = require_root() else { return };
-    let own = kernel::capabilities(Path::new("/proc/self"));
-    assert_eq!(own.status, Status::Pass, "{own:?}");
+/// Capability numbers (capabilities(7)) of the names Kubernetes takes in
+/// `securityContext.capabilities`, for those the manifests use.
+fn cap_number(name: &str) -> u32 {
+    match name {
+        "NET_ADMIN" => 12,
+        "SYS_PTRACE" => 19,
+        "SYS_ADMIN" => 21,
+        "PERFMON" => 38,
+        "BPF" => 39,
+        other => panic!("capability {other} is not in the test's table: add its number"),
+    }
+}
 
-    // Root exec'ing with NET_ADMIN, SYS_PTRACE and BPF out of its bounding set: its effective
-    // set lacks them. SYS_ADMIN, still there, stands in for BPF.
+/// A root `sleep` whose bounding set holds exactly `keep`: with nothing inheritable its
+/// effective set is then `keep`, what a container with `drop: [ALL]` and `add: keep` gets as
+/// uid 0. Returned once its `/proc/<pid>/status` shows exactly that set (after the exec).
+fn root_with_only(keep: &[u32]) -> (common::Proc, PathBuf) {
+    let last: u32 = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let drop: Vec<u32> = (0..=last).filter(|c| !keep.contains(c)).collect();
     let mut cmd = Command::new("sleep");
     cmd.arg("30");
     unsafe {
         use std::os::unix::process::CommandExt;
-        cmd.pre_exec(|| {
-            for cap in [12, 19, 39] {
-                if libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 {
+        cmd.pre_exec(move || {
+            for &cap in &drop {
+                if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
             }
@@ -266,15 +282,111 @@ fn capabilities_of_a_process_that_dropped_some() {
     }
     let child = common::Proc(cmd.spawn().unwrap());
     let proc_pid = PathBuf::from(format!("/proc/{}", child.0.id()));
-    let f = common::wait_for(std::time::Duration::from_secs(5), || {
-        let f = kernel::capabilities(&proc_pid);
-        (f.status == Status::Fail).then_some(f)
+    let want: u64 = keep.iter().map(|c| 1u64 << c).sum();
+    let eff = |p: &Path| {
+        let text = std::fs::read_to_string(p.join("status")).ok()?;
+        let line = text.lines().find(|l| l.starts_with("CapEff:"))?;
+        u64::from_str_radix(line["CapEff:".len()..].trim(), 16).ok()
+    };
+    common::wait_for(std::time::Duration::from_secs(10), || {
+        (eff(&proc_pid) == Some(want)).then_some(())
     })
-    .expect("the child's capabilities fail the check");
+    .unwrap_or_else(|| {
+        panic!(
+            "the child's CapEff never became {want:016x} (is CapInh empty?): {:?}",
+            eff(&proc_pid)
+        )
+    });
+    (child, proc_pid)
+}
+
+#[test]
+fn capabilities_of_a_process_that_dropped_some() {
+    let Some(_lock) = require_root() else { return };
+    let all = doctor::selected_probes("all");
+    let own = kernel::capabilities(Path::new("/proc/self"), &all);
+    assert_eq!(own.status, Status::Pass, "{own:?}");
+
+    // SYS_ADMIN and PERFMON, no BPF, NET_ADMIN or SYS_PTRACE: SYS_ADMIN stands in for BPF,
+    // NET_ADMIN is missing for the tc probe, SYS_PTRACE is not required.
+    let (_child, proc_pid) = root_with_only(&[21, 38]);
+    let f = kernel::capabilities(&proc_pid, &all);
+    assert_eq!(f.status, Status::Fail, "{f:?}");
     assert!(f.detail.contains("CAP_NET_ADMIN (tc programs"), "{f:?}");
-    assert!(f.detail.contains("CAP_SYS_PTRACE"), "{f:?}");
+    assert!(!f.detail.contains("CAP_SYS_PTRACE"), "not required: {f:?}");
     assert!(!f.detail.contains("CAP_BPF"), "SYS_ADMIN grants it: {f:?}");
     assert!(f.fix.as_deref().unwrap().contains("capabilities.add"));
+    // without the tc probe nothing is missing
+    let f = kernel::capabilities(&proc_pid, &doctor::selected_probes("sched_latency,tcp_rtt"));
+    assert_eq!(f.status, Status::Pass, "{f:?}");
+    let none = kernel::capabilities(&proc_pid, &doctor::selected_probes("none"));
+    assert_eq!(none.status, Status::Pass, "{none:?}");
+}
+
+/// The capabilities each shipped kustomization grants its DaemonSet (read from the manifests
+/// as `kubectl kustomize` builds them), held by a real process, against the probes its
+/// arguments select: every one passes, and says whether the GPU probes see pod processes
+/// (only where SYS_PTRACE is granted). Each capability the base grants is needed: without
+/// it the base fails, naming it.
+#[test]
+fn the_shipped_daemonsets_pass_the_capability_check() {
+    let Some(_lock) = require_root() else { return };
+    for what in [
+        "base",
+        "overlays/operator",
+        "overlays/stream",
+        "overlays/full",
+    ] {
+        let objs = manifests::kustomize(what);
+        let ds = manifests::object(&objs, "DaemonSet");
+        let c = &ds["spec"]["template"]["spec"]["containers"][0];
+        let caps = &c["securityContext"]["capabilities"];
+        let names = |list: &str| -> Vec<String> {
+            caps[list]
+                .as_sequence()
+                .unwrap_or_else(|| panic!("{what}: capabilities.{list}"))
+                .iter()
+                .map(|v| v.as_str().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(names("drop"), ["ALL"], "{what}");
+        let added = names("add");
+        let probes = c["args"]
+            .as_sequence()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.as_str()?.strip_prefix("--probes=").map(String::from))
+            .next_back()
+            .unwrap_or_else(|| "all".into());
+        let selected = doctor::selected_probes(&probes);
+        let numbers: Vec<u32> = added.iter().map(|n| cap_number(n)).collect();
+        let (_child, proc_pid) = root_with_only(&numbers);
+        let f = kernel::capabilities(&proc_pid, &selected);
+        assert_eq!(f.status, Status::Pass, "{what} grants {added:?}: {f:?}");
+        if selected.contains(&"cuda") {
+            let ptrace = added.iter().any(|n| n == "SYS_PTRACE");
+            let note = if ptrace {
+                "CAP_SYS_PTRACE: the cuda and gpu_driver probes see pod processes"
+            } else {
+                "no CAP_SYS_PTRACE: the cuda and gpu_driver probes see no pod process"
+            };
+            assert!(f.detail.contains(note), "{what}: {f:?}");
+        }
+        if what != "base" {
+            continue;
+        }
+        for gone in &added {
+            let fewer: Vec<u32> = added
+                .iter()
+                .filter(|n| *n != gone)
+                .map(|n| cap_number(n))
+                .collect();
+            let (_child, proc_pid) = root_with_only(&fewer);
+            let f = kernel::capabilities(&proc_pid, &selected);
+            assert_eq!(f.status, Status::Fail, "base without {gone}: {f:?}");
+            assert!(f.detail.contains(&format!("CAP_{gone} (")), "{f:?}");
+        }
+    }
 }
 
 #[test]

@@ -1,11 +1,12 @@
-//! GPU cost per tenant on the real kernel: two pods of two tenants (their labels served by the
-//! fake API server) use the stand-in GPU device and the stand-in libcuda.so.1; the agent's cost
-//! series follow the formula on the series it exported, tenant by tenant, and the tenants' costs
-//! plus the idle cost are the node's cost.
+//! GPU cost per tenant on the real kernel, from what the GPUs did: four pods of two tenants
+//! (their labels served by the fake API server) on a node with two GPUs, whose processes the
+//! stand-in NVML reports with per-process SM utilisation and memory. The pods make no driver
+//! call and no CUDA call (as a server that launches asynchronously and polls): compute time,
+//! duty cycle, each tenant's cost and the idle cost are checked against values computed here
+//! from what the stand-in's GPUs did (its truth file) and the memory the test gave them.
 
 mod common;
 
-use std::fs::File;
 use std::time::{Duration, Instant};
 
 use common::fake_kube::FakeKube;
@@ -15,73 +16,65 @@ use common::*;
 const NODE: &str = "gpu-node-finops";
 /// 3.6 an hour: 0.001 a second.
 const RATE_PER_S: f64 = 0.001;
-const MEMORY: f64 = (16 * MIB) as f64;
-/// Bytes per second: the stand-in's copies (7168 bytes) fit in one 100 ms interval (10 000).
-const LINK: f64 = 100_000.0;
-const INTERVAL: Duration = Duration::from_millis(100);
+const GIB: u64 = 1 << 30;
+/// The stand-in's GPUs: 80 GiB and 24 GiB.
+const MEMORY: f64 = (104 * GIB) as f64;
+const GPUS: f64 = 2.0;
+const INTERVAL: Duration = Duration::from_millis(200);
 const TENANT_KEY: &str = "team.example.com/tenant";
-
-/// The agent's settings for both pods' cost: 3.6 EUR an hour, 16 MiB of GPU memory.
-fn finops_flags() -> Vec<String> {
-    [
-        "--pod-label",
-        "tenant=team.example.com/tenant",
-        "--pod-label",
-        "app=app.kubernetes.io/name",
-        "--pod-label",
-        "model=model",
-        "--gpu-hourly-rate",
-        "3.6",
-        "--gpu-cost-currency",
-        "EUR",
-        "--gpu-memory-bytes",
-        "16MiB",
-        "--gpu-link-bytes-per-second",
-        "100000",
-    ]
-    .map(String::from)
-    .to_vec()
-}
+/// The default weights.
+const W_COMPUTE: f64 = 0.55;
+const W_VRAM: f64 = 0.35;
+/// Rounding of sums of costs around 1e-3 EUR.
+const EPS: f64 = 1e-12;
 
 fn sum_where(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> f64 {
     find(samples, name, want).iter().map(|s| s.value).sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cost_per_tenant_follows_the_formula_and_adds_up_to_the_node() {
+async fn cost_per_tenant_and_idle_follow_what_the_gpus_did() {
     let Some(_lock) = require_root() else { return };
-    let stand_ins = StandIns::new();
-    let (dir, dev, cuda) = (stand_ins.dir(), &stand_ins.dev, &stand_ins.cuda);
+    let scratch = tempfile::tempdir().unwrap();
+    let nvml = StandInNvml::new(scratch.path());
     let sb = CgroupSandbox::new();
+    let tenant = |t: &'static str, app: &'static str| -> Vec<(&'static str, &'static str)> {
+        vec![(TENANT_KEY, t), ("app.kubernetes.io/name", app)]
+    };
+    let (la, lb) = (tenant("team-a", "chat"), tenant("team-b", "embed"));
     let (pods, list) = labelled_pods(
         &sb,
         NODE,
         &[
-            (
-                "chat-0",
-                Layout::Cgroupfs,
-                &[
-                    (TENANT_KEY, "team-a"),
-                    ("app.kubernetes.io/name", "chat"),
-                    ("model", "llama"),
-                ],
-            ),
-            (
-                "embed-0",
-                Layout::Systemd,
-                &[(TENANT_KEY, "team-b"), ("app.kubernetes.io/name", "embed")],
-            ),
+            ("chat-0", Layout::Cgroupfs, &la),
+            ("chat-1", Layout::Systemd, &la),
+            ("embed-0", Layout::Cgroupfs, &lb),
+            ("embed-1", Layout::Systemd, &lb),
         ],
     );
-    let [mut a, mut b]: [Pod; 2] = pods.try_into().ok().unwrap();
+    let mut pods: Vec<Pod> = pods;
+    let pids: Vec<u32> = pods.iter_mut().map(|p| p.spawn("exec sleep 120")).collect();
     let kube = FakeKube::start(NODE, list, vec![]).await;
-    let mut args: Vec<String> = ["--interval", "100ms", "--node-name", NODE]
-        .map(String::from)
-        .to_vec();
-    args.extend(stand_ins.probe_flags());
-    args.extend(["--gpu-duty-window".into(), "2s".into()]);
-    args.extend(finops_flags());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let args = [
+        "--interval",
+        "200ms",
+        "--node-name",
+        NODE,
+        "--probes",
+        "nvml",
+        "--nvml-library",
+        nvml.path(),
+        "--gpu-duty-window",
+        "2s",
+        "--pod-label",
+        "tenant=team.example.com/tenant",
+        "--pod-label",
+        "app=app.kubernetes.io/name",
+        "--gpu-hourly-rate",
+        "3.6",
+        "--gpu-cost-currency",
+        "EUR",
+    ];
     let (agent, _kc) = agent_with_kube(&kube, &args).await;
     let info = |pod: &str| {
         value(
@@ -91,165 +84,190 @@ async fn cost_per_tenant_follows_the_formula_and_adds_up_to_the_node() {
         )
     };
     assert!(
-        wait_for(Duration::from_secs(15), || info("embed-0")
-            .and(info("chat-0")))
+        wait_for(Duration::from_secs(15), || [
+            "chat-0", "chat-1", "embed-0", "embed-1"
+        ]
+        .iter()
+        .all(|p| info(p).is_some())
+        .then_some(()))
         .is_some(),
-        "both pods known from the API"
+        "the pods known from the API"
     );
     let node_cost = |s: &[Sample]| value(s, "gpufeed_gpu_node_cost_total", &[("currency", "EUR")]);
     let first = Instant::now();
     let node_first = node_cost(&agent.scrape()).expect("the node's cost");
 
-    // Tenant a: driver time only, 10 calls held 100 ms each.
-    let (go, out) = (dir.join("go"), dir.join("hold.out"));
-    a.spawn(&dev.command(10, 1, &go, &out, ""));
-    wait_probed(&agent, 1);
-    File::create(&go).unwrap();
-    wait_file(&out, "the ioctl client");
-    let (_, measured_ns) = measured(&out);
-
-    // Tenant b: VRAM held for a known time, and copies; killed without freeing (its exit
-    // returns the bytes).
-    let pid = b.spawn(&cuda.host_command(1));
-    File::create(cuda.host_ctl.join("go0")).unwrap();
-    wait_file(&cuda.host_ctl.join("done0"), "cuda_app loaded the library");
-    assert!(
-        wait_for(Duration::from_secs(5), || {
-            value(&agent.scrape(), "gpufeed_cuda_libraries", &[]).filter(|v| *v == 1.0)
-        })
-        .is_some(),
-        "the agent attached to the library"
+    // The pods start on the GPUs: chat-0 at 90% of GPU 0, chat-1 at 40% of GPU 1, embed-0 at
+    // 10% of GPU 0, embed-1 holds memory on GPU 1 and computes nothing (an idle model).
+    let (util, gpu, mem) = (
+        [90u32, 40, 10, 0],
+        [0u32, 1, 0, 1],
+        [20 * GIB, 8 * GIB, 4 * GIB, 12 * GIB],
     );
-    let e = Expect { s: 1 };
-    let vram = || {
+    let names = ["chat-0", "chat-1", "embed-0", "embed-1"];
+    let procs = |busy: bool| -> Vec<(u32, u32, u64, u32)> {
+        (0..4)
+            .map(|i| (pids[i], gpu[i], mem[i], if busy { util[i] } else { 0 }))
+            .collect()
+    };
+    nvml.set_processes(&procs(true));
+    let with_memory = Instant::now();
+    // The node's cost at the first scrape that shows every pod's memory: the agent has booked
+    // the memory at least since the tick that node cost was counted to (however late a loaded
+    // machine ran that tick after the listing changed).
+    let node_seen = wait_for(Duration::from_secs(15), || {
+        let s = agent.scrape();
+        (0..4)
+            .all(|i| {
+                let l = [("namespace", "ml"), ("pod", names[i])];
+                sum_where(&s, "gpufeed_nvml_process_memory_bytes", &l) == mem[i] as f64
+            })
+            .then(|| node_cost(&s))
+            .flatten()
+    })
+    .expect("every pod's memory by NVML");
+
+    // Steady use for a full duty window: each pod's duty cycle on its GPU is its utilisation.
+    std::thread::sleep(Duration::from_secs(3));
+    let duty = |s: &[Sample], pod: &str, gpu: &str| {
         value(
-            &agent.scrape(),
-            "ebpf_gpu_vram_reserved_bytes",
-            &[("pod", "embed-0")],
+            s,
+            "ebpf_gpu_active_compute_duty_cycle",
+            &[("pod", pod), ("gpu", gpu)],
         )
     };
-    let t1 = Instant::now();
-    File::create(cuda.host_ctl.join("go1")).unwrap();
-    let held = wait_for(Duration::from_secs(10), || {
-        vram().filter(|v| *v == e.after_alloc() as f64)
+    let steady = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        (0..4)
+            .all(|i| {
+                let want = f64::from(util[i]) / 100.0;
+                duty(&s, names[i], &gpu[i].to_string())
+                    .is_some_and(|d| (d - want).abs() <= 0.12 * want + 0.02)
+            })
+            .then_some(s)
     });
-    assert!(held.is_some(), "VRAM after allocations; last {:?}", vram());
-    let t1_seen = Instant::now();
-    std::thread::sleep(Duration::from_secs(3));
-    let t2 = Instant::now();
-    // SAFETY: kill(2) on a child this test spawned and has not reaped.
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    b.wait_exit(pid, Duration::from_secs(10));
     assert!(
-        wait_for(Duration::from_secs(10), || vram().filter(|v| *v == 0.0)).is_some(),
-        "exit returns the VRAM"
+        steady.is_some(),
+        "duty cycles: {:?}",
+        find(&agent.scrape(), "ebpf_gpu_active_compute_duty_cycle", &[])
+            .iter()
+            .map(|x| (
+                x.label("pod").to_string(),
+                x.label("gpu").to_string(),
+                x.value
+            ))
+            .collect::<Vec<_>>()
     );
-    let t4 = Instant::now();
-    // every interval booked, then one scrape for all the numbers
-    std::thread::sleep(INTERVAL * 3);
+
+    // The pods stop computing and keep their memory; every sample read, every interval booked.
+    nvml.set_processes(&procs(false));
+    std::thread::sleep(Duration::from_millis(1500));
     let scrape_start = Instant::now();
     let s = agent.scrape();
     let scrape_end = Instant::now();
-
-    // The GPU series carry the configured labels; the info series too.
-    let a_labels = [
-        ("namespace", "ml"),
-        ("pod", "chat-0"),
-        ("container", "main"),
-        ("tenant", "team-a"),
-        ("app", "chat"),
-        ("model", "llama"),
-    ];
-    let compute_a = value(&s, "ebpf_gpu_compute_time_seconds_total", &a_labels)
-        .expect("tenant a's driver time, labelled");
-    assert!(
-        within_10_percent(compute_a, measured_ns as f64 / 1e9),
-        "driver time {compute_a} s vs measured {measured_ns} ns"
-    );
-    let b_labels = [
-        ("pod", "embed-0"),
-        ("tenant", "team-b"),
-        ("app", "embed"),
-        ("model", ""),
-    ];
-    assert_eq!(
-        value(&s, "ebpf_gpu_vram_reserved_bytes", &b_labels),
-        Some(0.0)
-    );
-    let pcie_b = sum_where(&s, "ebpf_gpu_pcie_bytes_total", &b_labels);
-    assert_eq!(pcie_b, (e.h2d() + e.d2h()) as f64, "copied bytes");
-    assert_eq!(
-        value(
-            &s,
-            "gpufeed_pod_info",
-            &[
-                ("pod", "chat-0"),
-                ("tenant", "team-a"),
-                ("app", "chat"),
-                ("model", "llama")
-            ]
-        ),
-        Some(1.0)
-    );
-
-    // Cost per tenant: each pod's line is labelled with its tenant.
-    let cost = |tenant: &str, pod: &str| {
-        let l = [
-            ("tenant", tenant),
-            ("namespace", "ml"),
-            ("pod", pod),
-            ("currency", "EUR"),
-        ];
-        value(&s, "gpufeed_gpu_cost_total", &l)
-            .unwrap_or_else(|| panic!("a cost line for {tenant} {pod}"))
-    };
-    let (cost_a, cost_b) = (cost("team-a", "chat-0"), cost("team-b", "embed-0"));
-    let tenant_total = |t: &str| sum_where(&s, "gpufeed_gpu_cost_total", &[("tenant", t)]);
-    assert_eq!(tenant_total("team-a"), cost_a);
-    assert_eq!(tenant_total("team-b"), cost_b);
-
-    // a: compute only, 0.55 × driver seconds × rate (an interval whose driver time read a
-    // little over its length counts as the whole interval: within 2%)
-    let want_a = RATE_PER_S * 0.55 * compute_a;
-    assert!(
-        (cost_a - want_a).abs() <= 0.02 * want_a,
-        "tenant a: {cost_a} vs 0.55 × {compute_a} s × rate = {want_a}"
-    );
-    // b: 0.10 × copied bytes ÷ link bandwidth, exact, plus 0.35 × VRAM-seconds ÷ memory,
-    // which lie between what the test saw held and the longest it can have been held
-    let pcie_part = RATE_PER_S * 0.10 * pcie_b / LINK;
-    let vram_s = |d: Duration| e.after_alloc() as f64 * d.as_secs_f64();
-    let low = RATE_PER_S * 0.35 * vram_s((t2 - t1_seen).saturating_sub(INTERVAL)) / MEMORY;
-    let high = RATE_PER_S * 0.35 * vram_s(t4 - t1 + INTERVAL) / MEMORY;
-    eprintln!(
-        "tenant a {cost_a} EUR ({compute_a} s of driver time); tenant b {cost_b} EUR \
-         (copies {pcie_part}, VRAM in {low}..{high})"
-    );
-    assert!(
-        cost_b - pcie_part >= low && cost_b - pcie_part <= high,
-        "tenant b: {cost_b} − copies {pcie_part} outside VRAM bounds {low}..{high}"
-    );
-
-    // The sum check: tenants plus idle are the node, and the node is the rate × time.
+    let node = node_cost(&s).unwrap();
     let idle = value(&s, "gpufeed_gpu_idle_cost_total", &[("currency", "EUR")]).unwrap();
-    let node = value(&s, "gpufeed_gpu_node_cost_total", &[("currency", "EUR")]).unwrap();
-    let tenants: f64 = find(&s, "gpufeed_gpu_cost_total", &[])
-        .iter()
-        .map(|x| x.value)
-        .sum();
-    assert!(
-        (tenants + idle - node).abs() <= 1e-9 * node,
-        "tenants {tenants} + idle {idle} vs node {node}"
-    );
-    // Between two scrapes the node's cost grows at the rate: each scrape shows the last
-    // booked tick, so the two can be off by up to a tick each, plus a late tick's delay.
+    // the node's price for the time the agent booked, seen from the first scrape
     let booked = (node - node_first) / RATE_PER_S;
-    let (shortest, longest) = (scrape_start - first, scrape_end - first);
     let slack = (INTERVAL * 3).as_secs_f64();
+    let (shortest, longest) = (scrape_start - first, scrape_end - first);
     assert!(
         booked >= shortest.as_secs_f64() - slack && booked <= longest.as_secs_f64() + slack,
         "node cost grew by {booked} s of rate between scrapes {shortest:?}..{longest:?} apart"
     );
-    assert!(idle > 0.0 && tenants > 0.0);
+    // memory was held from the stand-in's listing until the scrape: at most the booked time
+    // since the first scrape less what passed before the listing (and a tick), at least the
+    // booked time since the agent showed it
+    let tick = INTERVAL.as_secs_f64();
+    let held_max = booked - (with_memory - first).as_secs_f64() + 2.0 * tick;
+    let held_min = (node - node_seen) / RATE_PER_S;
+    assert!(held_min <= held_max, "memory held {held_min}..{held_max} s");
+
+    // What each pod computed, by the stand-in: its SM seconds. The agent books a process's
+    // first sample from its first read (up to one sample period less).
+    let period = NVML_SAMPLE_US as f64 / 1e6;
+    let truth: Vec<f64> = (0..4).map(|i| nvml.sm_seconds(&[pids[i]], None)).collect();
+    for i in 0..4 {
+        let g = gpu[i].to_string();
+        let got = sum_where(
+            &s,
+            "ebpf_gpu_compute_time_seconds_total",
+            &[("pod", names[i]), ("gpu", &g)],
+        );
+        let u = f64::from(util[i]) / 100.0;
+        eprintln!("{}: {got} SM-s booked, {} computed", names[i], truth[i]);
+        assert!(
+            got <= truth[i] + 1e-6 && got >= truth[i] - u * period - 1e-6,
+            "{}: booked {got} SM-s, the stand-in computed {}",
+            names[i],
+            truth[i]
+        );
+    }
+    assert!(truth[0] > 2.0, "chat-0 computed {}", truth[0]);
+    assert_eq!(truth[3], 0.0);
+
+    // Each pod's cost, computed here: compute time over the node's two GPUs, memory over the
+    // node's memory for the time it was held, at the rate × weights; no copies were made.
+    let want = |i: usize, held_s: f64| {
+        let compute = W_COMPUTE * truth[i] / GPUS;
+        let vram = W_VRAM * mem[i] as f64 / MEMORY * held_s;
+        RATE_PER_S * (compute + vram)
+    };
+    let cost = |pod: &str| {
+        let l = [("namespace", "ml"), ("pod", pod), ("currency", "EUR")];
+        value(&s, "gpufeed_gpu_cost_total", &l).unwrap_or_else(|| panic!("a cost line for {pod}"))
+    };
+    let mut tenants = [0.0f64; 2];
+    let mut want_tenants = [(0.0f64, 0.0f64); 2];
+    for i in 0..4 {
+        let c = cost(names[i]);
+        // low: the first sample's missing period, a period carried to the next interval (an
+        // interval whose samples add up to more than its GPU's time is charged the GPU and
+        // carries the rest: GPU 0 is full) and the least memory time; high: the most
+        let u = f64::from(util[i]) / 100.0;
+        // (both ends are reached where every tick ran on time: EPS for the float rounding)
+        let (lo, hi) = (
+            want(i, held_min) - RATE_PER_S * W_COMPUTE * 2.0 * u * period / GPUS - EPS,
+            want(i, held_max) + EPS,
+        );
+        eprintln!("{}: cost {c} EUR, computed here {lo}..{hi}", names[i]);
+        assert!(
+            c >= lo && c <= hi,
+            "{}: cost {c} not in {lo}..{hi}",
+            names[i]
+        );
+        tenants[i / 2] += c;
+        want_tenants[i / 2].0 += lo;
+        want_tenants[i / 2].1 += hi;
+    }
+    for (t, name) in ["team-a", "team-b"].iter().enumerate() {
+        let got = sum_where(&s, "gpufeed_gpu_cost_total", &[("tenant", name)]);
+        assert!(
+            (got - tenants[t]).abs() < 1e-12,
+            "{name}: {got} vs its pods {}",
+            tenants[t]
+        );
+        let (lo, hi) = want_tenants[t];
+        assert!(got >= lo && got <= hi, "{name}: {got} not in {lo}..{hi}");
+    }
+    // The idle cost, computed here: what no pod used of each dimension over the time the agent
+    // booked since it started (the node's cost ÷ rate).
+    let total = node / RATE_PER_S;
+    let sm: f64 = truth.iter().sum();
+    let mem_total: f64 = mem.iter().map(|m| *m as f64).sum();
+    let want_idle = |held_s: f64, sm_s: f64| {
+        RATE_PER_S
+            * (W_COMPUTE * (total - sm_s / GPUS)
+                + W_VRAM * (total - mem_total / MEMORY * held_s)
+                + 0.10 * total)
+    };
+    // the first samples' periods and what is carried, as above
+    let missing = W_COMPUTE * (0.9 + 0.4 + 0.1) * 2.0 * period / GPUS;
+    let (lo, hi) = (
+        want_idle(held_max, sm) - EPS,
+        want_idle(held_min, sm) + RATE_PER_S * missing + EPS,
+    );
+    eprintln!("idle {idle} EUR, computed here {lo}..{hi}; node {node} EUR");
+    assert!(idle >= lo && idle <= hi, "idle {idle} not in {lo}..{hi}");
     drop(agent);
 }

@@ -461,18 +461,20 @@ fn gpu_series_on_metrics() {
         within_10_percent(sum_us, measured_ns as f64 / 1e3),
         "sum {sum_us} us vs measured {measured_ns} ns"
     );
-    let busy_s = get("ebpf_gpu_compute_time_seconds_total", &[]).unwrap();
+    let busy_s = get("ebpf_gpu_driver_time_seconds_total", &[]).unwrap();
     assert!(
         within_10_percent(busy_s, measured_ns as f64 / 1e9),
-        "compute time {busy_s} s vs measured {measured_ns} ns"
+        "driver time {busy_s} s vs measured {measured_ns} ns"
     );
-    let duty = get("ebpf_gpu_active_compute_duty_cycle", &[]).expect("a duty cycle");
-    assert!(
-        duty > 0.0 && duty <= 1.0,
-        "duty cycle {duty} while just busy"
+    // with launches probed and no NVML, compute time is the launch estimate, not driver time
+    assert_eq!(
+        value(
+            &agent.scrape(),
+            "gpufeed_gpu_compute_source",
+            &[("source", "launch_estimate")]
+        ),
+        Some(1.0)
     );
-    // idle for longer than the window: the duty cycle falls to 0
-    wait_value("ebpf_gpu_active_compute_duty_cycle", &[], 0.0);
 
     // CUDA: the library is mapped once the client runs; the agent attaches
     // within an interval, then the client allocates and copies
@@ -525,6 +527,13 @@ fn gpu_series_on_metrics() {
         .is_some(),
         "busy estimate closed at exit"
     );
+    // ... and it is the container's compute time, with its duty cycle over the window
+    let busy = get("ebpf_gpu_busy_estimate_seconds_total", &[]);
+    assert_eq!(get("ebpf_gpu_compute_time_seconds_total", &[]), busy);
+    let duty = get("ebpf_gpu_active_compute_duty_cycle", &[]).expect("a duty cycle");
+    assert!(duty > 0.0 && duty <= 1.0, "duty cycle {duty} just after");
+    // idle for longer than the window: the duty cycle falls to 0
+    wait_value("ebpf_gpu_active_compute_duty_cycle", &[], 0.0);
 }
 
 /// The busy estimate: two pods keep the stand-in device busy for times their

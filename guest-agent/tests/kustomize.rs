@@ -281,10 +281,8 @@ fn overlays_add_exactly_their_parts() {
         c["readinessProbe"]["httpGet"]["path"].as_str(),
         Some("/readyz")
     );
-    assert_eq!(
-        c["readinessProbe"]["httpGet"]["port"].as_str(),
-        Some("metrics")
-    );
+    // On the probe listener (see talos_manifests.rs).
+    assert_eq!(c["readinessProbe"]["httpGet"]["port"].as_u64(), Some(9746));
     assert_eq!(
         c["livenessProbe"]["httpGet"]["path"].as_str(),
         Some("/healthz")
@@ -446,4 +444,58 @@ fn host_pids_and_ptrace_only_with_the_gpu_processes_component() {
     let mut with_ptrace = least.clone();
     with_ptrace.insert("SYS_PTRACE".into());
     assert_eq!(caps(&full), with_ptrace);
+}
+
+/// Every object of every shipped combination against its upstream schema: the core objects
+/// against Kubernetes' own (PyPI's kubernetes-validate, strict: no unknown field), the
+/// PodMonitor and PrometheusRule against the Prometheus Operator's published CRDs (npm's
+/// @kubernetes-models/prometheus-operator), both installed by scripts/schema-tools.sh. And the
+/// check can fail: one mistake in each kind is named.
+#[test]
+fn every_shipped_object_is_valid_against_its_upstream_schema() {
+    let mut objs: Vec<Value> = Vec::new();
+    for overlay in [
+        "base",
+        "overlays/operator",
+        "overlays/stream",
+        "overlays/full",
+    ] {
+        objs.extend(kustomize(overlay));
+    }
+    let (crs, core): (Vec<Value>, Vec<Value>) = objs.into_iter().partition(is_custom_resource);
+    assert_eq!(
+        kinds(&crs),
+        BTreeSet::from(["PodMonitor".to_string(), "PrometheusRule".to_string()])
+    );
+    let name = |o: &Value| {
+        format!(
+            "{} {}",
+            o["kind"].as_str().unwrap_or("?"),
+            o["metadata"]["name"].as_str().unwrap_or("?")
+        )
+    };
+    for (o, e) in core.iter().zip(core_errors(&core)) {
+        assert!(e.is_empty(), "{}: {e:?}", name(o));
+    }
+    for (o, e) in crs.iter().zip(crd_errors(&crs)) {
+        assert!(e.is_empty(), "{}: {e:?}", name(o));
+    }
+
+    let first = |objs: &[Value], kind: &str| {
+        objs.iter()
+            .find(|o| o["kind"].as_str() == Some(kind))
+            .unwrap()
+            .clone()
+    };
+    let mut ds = first(&core, "DaemonSet");
+    ds["spec"]["template"]["spec"]["hostPid"] = true.into();
+    let e = core_errors(&[ds]).remove(0);
+    assert!(e.iter().any(|m| m.contains("hostPid")), "{e:?}");
+    let mut pm = first(&crs, "PodMonitor");
+    pm["spec"]["podMetricsEndpoints"][0]["honorLabels"] = "true".into();
+    let mut pr = first(&crs, "PrometheusRule");
+    pr["spec"]["groups"][0]["rules"][0]["fro"] = "5m".into();
+    let e = crd_errors(&[pm, pr]);
+    assert!(e[0].iter().any(|m| m.contains("honorLabels")), "{e:?}");
+    assert!(e[1].iter().any(|m| m.contains("fro")), "{e:?}");
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::*;
 
-/// probe → (agent, kernel) from the selftest's table.
-fn rows(out: &str) -> HashMap<String, (f64, f64)> {
+/// probe → (agent, kernel, ±) from the selftest's table.
+fn rows(out: &str) -> HashMap<String, (f64, f64, f64)> {
     out.lines()
         .skip_while(|l| !l.starts_with("probe"))
         .skip(1)
@@ -19,7 +19,11 @@ fn rows(out: &str) -> HashMap<String, (f64, f64)> {
             let w: Vec<&str> = l.split_whitespace().collect();
             Some((
                 w.first()?.to_string(),
-                (w.get(1)?.parse().ok()?, w.get(2)?.parse().ok()?),
+                (
+                    w.get(1)?.parse().ok()?,
+                    w.get(2)?.parse().ok()?,
+                    w.get(4)?.parse().ok()?,
+                ),
             ))
         })
         .collect()
@@ -77,12 +81,13 @@ fn selftest_figures_agree_with_the_kernel_under_load() {
     );
     let r = rows(&text);
     let check = |probe: &str, tolerance: f64| {
-        let (agent, kernel) = *r.get(probe).unwrap_or_else(|| panic!("a {probe} row"));
+        let (agent, kernel, spread) = *r.get(probe).unwrap_or_else(|| panic!("a {probe} row"));
         assert!(kernel > 0.0, "{probe}: the kernel saw some ({kernel})");
         let ratio = agent / kernel;
+        // the agent's figure is known to ± spread (its ticks around the kernel's readings)
         assert!(
-            (ratio - 1.0).abs() < tolerance,
-            "{probe}: agent {agent} vs kernel {kernel} (ratio {ratio:.3})"
+            (agent - kernel).abs() <= tolerance * kernel + spread,
+            "{probe}: agent {agent} ± {spread} vs kernel {kernel} (ratio {ratio:.3})"
         );
     };
     check("sched_latency", 0.02);
@@ -90,7 +95,7 @@ fn selftest_figures_agree_with_the_kernel_under_load() {
     // The RTT row is indicative only: on this lossy link (RTO stalls, a
     // receiver whose srtt stays at the handshake's) it reads about twice ss's
     // mean (measured 1.1-2.1); RTT agreement with ss is held by
-    // guest_truth::rtt_mean_over_a_whole_upload_follows_time_like_ss.
+    // guest_truth::rtt_of_a_pod_weighs_its_connections_by_their_busy_time.
     check("tcp_rtt", 2.0);
     check("tc_bytes", 0.02);
     check("tc_drops", 0.10);

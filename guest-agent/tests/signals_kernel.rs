@@ -93,7 +93,9 @@ fn signal_windows(c: &Collector, signal: &str, uid: &str) -> Vec<Window> {
                 max: max_us,
                 length: w.window,
             },
-            WindowValue::Rate { .. } => panic!("{signal} is a latency signal"),
+            WindowValue::Rate { .. } | WindowValue::Level { .. } => {
+                panic!("{signal} is a latency signal")
+            }
         })
         .collect()
 }

@@ -296,14 +296,15 @@ fn daemonset_matches_the_binary() {
         "QUIC port as documented in --help"
     );
 
-    // Liveness: the tick; readiness also the hub, which this DaemonSet runs (/readyz).
+    // Liveness: the tick; readiness also the hub, which this DaemonSet runs (/readyz); both
+    // on the probe listener (loopback), where a flood of the metrics port cannot reach.
+    let health = flag(&args, "--health-listen").expect("the probe listener is set");
+    assert_eq!(health, "127.0.0.1:9746");
     for (probe, path) in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")] {
-        assert_eq!(c[probe]["httpGet"]["path"].as_str(), Some(path), "{probe}");
-        assert_eq!(
-            c[probe]["httpGet"]["port"].as_str(),
-            Some("metrics"),
-            "{probe}"
-        );
+        let get = &c[probe]["httpGet"];
+        assert_eq!(get["path"].as_str(), Some(path), "{probe}");
+        assert_eq!(get["host"].as_str(), Some("127.0.0.1"), "{probe}");
+        assert_eq!(get["port"].as_u64(), Some(port_of(health)), "{probe}");
     }
     let lim = &c["resources"]["limits"]["memory"];
     assert!(lim.is_string() && c["resources"]["requests"]["memory"].is_string());

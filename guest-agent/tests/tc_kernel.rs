@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::fake_kube::FakeKube;
 use common::*;
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{MapCore, MapFlags};
 
 const NODE: &str = "talos-gpu-worker-1";
@@ -267,6 +267,7 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     ));
     flooder.spawn("exec sleep 60");
     bystander.spawn("exec sleep 60");
+    let root0 = root_qdiscs_dropped();
     let agent = Agent::no_kube("300ms", "tc", &[]);
     wait_attached(&agent, 2.0);
     let d0 = qdisc_dropped(Some(&ns), "eth0");
@@ -293,10 +294,35 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
         find(&s, DROPS, &[("pod", &bystander.uid)]).is_empty(),
         "no drops for the bystander"
     );
+    // The flood's drops all went to the flooder (the equality above). Drops the machine's own
+    // traffic takes on its own devices meanwhile (a CI runner's uplink) have no pod and are
+    // rightly unattributed: they stay within what the root namespace's qdiscs counted.
+    let root1 = root_qdiscs_dropped();
+    let unattributed: Vec<String> = find(&s, DROPS, &[("pod", "")])
+        .iter()
+        .map(|x| format!("{:?} = {}", x.labels, x.value))
+        .collect();
+    let unattributed_total: f64 = find(&s, DROPS, &[("pod", "")])
+        .iter()
+        .map(|x| x.value)
+        .sum();
     assert!(
-        find(&s, DROPS, &[("pod", "")]).is_empty(),
-        "every drop attributed"
+        unattributed_total as u64 <= root1 - root0,
+        "unattributed drops beyond the root namespace's own ({}): {unattributed:?}",
+        root1 - root0
     );
+}
+
+/// Every qdisc's dropped counter in the root namespace, summed (an `mq` counts its children
+/// again: an upper bound, as the check above needs).
+fn root_qdiscs_dropped() -> u64 {
+    let out = sh("tc -s qdisc show");
+    let words: Vec<&str> = out.split_whitespace().collect();
+    words
+        .windows(2)
+        .filter(|w| w[0] == "(dropped")
+        .filter_map(|w| w[1].trim_end_matches(',').parse::<u64>().ok())
+        .sum()
 }
 
 fn foreign_program_case(attach: &str) {
@@ -324,7 +350,7 @@ fn foreign_program_case(attach: &str) {
     let open = foreign::TcForeignSkelBuilder::default()
         .open(&mut storage)
         .unwrap();
-    let skel = open.load().unwrap();
+    let skel = gpufeed_guest::probes::object::load("tc_foreign", open).unwrap();
     let _link;
     let _hook_guard;
     if attach == "tcx" {

@@ -106,7 +106,7 @@ impl HostEvent {
 /// How a link change is to be read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LinkChangeClass {
-    /// Only the speed changed (an idle GPU lowering its speed is normal).
+    /// Only the speed changed (an idle GPU lowering its speed is normal; under load it is not).
     SpeedOnly,
     /// Fewer lanes than before (a lost lane is not normal).
     WidthReduction,
@@ -159,7 +159,10 @@ pub struct PcieLinkChange {
     pub max_speed_mts: Option<u32>,
     pub max_width: u8,
     pub class: LinkChangeClass,
-    /// True if the new state is below max speed or max width.
+    /// True if the new state is degraded whatever the device does: below its maximum width,
+    /// or down. A speed below the maximum at full width is not flagged: GPUs lower their link
+    /// speed while idle (power management), so it is a degradation only under load, which the
+    /// guest knows (older hosts flagged any speed below the maximum; the guest reads the speeds).
     pub degraded: bool,
     pub source: Source,
 }

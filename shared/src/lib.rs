@@ -1,14 +1,20 @@
 //! Code shared by `gpufeed-host` and `gpufeed-guest`: the wire protocol (sans-IO),
 //! the host event types, configuration types, TLS helpers and the doctor's common checks;
 //! with the `stream` feature, the QUIC drivers of both ends of the event stream ([`stream`]);
-//! with the `cli` feature, the `certs` subcommand both agents offer.
+//! with the `cli` feature, the `certs` subcommand both agents offer; with the `http` feature,
+//! the bounded HTTP listener both agents serve on ([`http`]).
+#[cfg(feature = "stream")]
+pub mod admission;
 #[cfg(feature = "cli")]
 pub mod certs;
 pub mod clock;
 pub mod doctor;
 pub mod event;
 pub mod hoststate;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod proto;
+pub mod ratelog;
 #[cfg(feature = "stream")]
 pub mod stream;
 pub mod tls;

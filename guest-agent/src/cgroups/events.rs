@@ -10,11 +10,11 @@ mod skel {
 use std::collections::HashSet;
 use std::mem::MaybeUninit;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapHandle};
 
-use crate::probes::cgroup_maps::{take_all, ActiveSet, MappedWords};
-use crate::probes::{attach_all, decode, err, handle, ProbeError};
+use crate::ebpf::cgroup_maps::{take_all, ActiveSet, MappedWords};
+use crate::ebpf::{attach_all, decode, err, handle, ProbeError};
 
 const OBJ: &str = "cgroup_events";
 const BATCH: u32 = 256;
@@ -103,7 +103,7 @@ impl CgroupEvents {
         ] {
             prog.set_autoload(processes);
         }
-        let skel = open.load().map_err(err(OBJ, "load"))?;
+        let skel = crate::ebpf::object::load(OBJ, open)?;
         let p = &skel.progs;
         let mut progs = vec![
             (&p.cgroup_mkdir, "cgroup_mkdir"),

@@ -8,6 +8,10 @@
 //!   it is counted under the host's kind name and not joined.
 //! * `unknown`: a wire kind this guest cannot decode (a newer host). Counted and kept in the
 //!   recent list, never joined: a spike is not "explained" by something nobody can read.
+//! * `link_power_managed`: a PCIe link's speed changing at full width the way GPUs manage
+//!   power (down when idle, up when work starts). Counted and listed as what it is, never
+//!   joined. A speed drop below the maximum is a degradation only while the GPU works
+//!   ([`super::gpu`]): the caller says what the GPU did after the change.
 
 use gpufeed_shared::event::{
     AerSeverity, DeviceAction, HostEvent, LinkChangeClass, PcieLinkChange, ThunderboltDevice,
@@ -16,12 +20,18 @@ use gpufeed_shared::event::{
 use gpufeed_shared::event::{PciErrorRecovery, Stamped};
 use serde::Serialize;
 
+use super::gpu::Activity;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum EventKind {
     /// Speed or width fell below what the link had (and below its maximum).
     LinkDegraded,
-    /// Speed or width changed otherwise (restored, raised, a tunnel hop).
+    /// Speed or width changed otherwise (width restored, a tunnel hop, a speed change on a
+    /// link already short of lanes).
     LinkChanged,
+    /// Speed changed at full width as GPUs manage power: down while the GPU is idle (or
+    /// nothing can tell), up. Listed, never joined.
+    LinkPowerManaged,
     LinkDown,
     LinkUp,
     AerCorrectable,
@@ -43,6 +53,7 @@ impl EventKind {
         match self {
             EventKind::LinkDegraded => "link_degraded",
             EventKind::LinkChanged => "link_changed",
+            EventKind::LinkPowerManaged => "link_power_managed",
             EventKind::LinkDown => "link_down",
             EventKind::LinkUp => "link_up",
             EventKind::AerCorrectable => "aer_correctable",
@@ -59,7 +70,10 @@ impl EventKind {
 
     /// Whether spikes are joined to events of this kind.
     pub fn joins(&self) -> bool {
-        !matches!(self, EventKind::Context(_) | EventKind::Unknown)
+        !matches!(
+            self,
+            EventKind::Context(_) | EventKind::Unknown | EventKind::LinkPowerManaged
+        )
     }
 
     /// Whether events of this kind go into the recent list (/events).
@@ -120,7 +134,21 @@ pub struct Classified {
     pub summary: String,
 }
 
-pub fn classify(p: Payload<'_>) -> Classified {
+/// Whether `p` is a link change whose reading depends on what the GPU did after it: a speed
+/// drop below the maximum at full width (a degradation while the GPU works, power management
+/// while it idles).
+pub fn needs_gpu_activity(p: Payload<'_>) -> bool {
+    match p {
+        Payload::Known(HostEvent::PcieLinkChange(c)) => {
+            c.class == LinkChangeClass::SpeedOnly && full_width(c) && speed_fell_below_max(c)
+        }
+        _ => false,
+    }
+}
+
+/// Classifies `p`; `gpu` is what the GPU did over the time after the event (read only for a
+/// speed change at full width, see [`needs_gpu_activity`]).
+pub fn classify(p: Payload<'_>, gpu: Activity) -> Classified {
     let ev = match p {
         Payload::Known(ev) => ev,
         Payload::UnknownKind {
@@ -139,7 +167,10 @@ pub fn classify(p: Payload<'_>) -> Classified {
         }
     };
     let (kind, summary) = match ev {
-        HostEvent::PcieLinkChange(c) => (link_kind(c), link_summary(c)),
+        HostEvent::PcieLinkChange(c) => {
+            let kind = link_kind(c, gpu);
+            (kind, link_summary(c, kind, gpu))
+        }
         HostEvent::AerCounter(a) => (
             aer_kind(a.severity),
             format!(
@@ -227,27 +258,62 @@ fn recovery_kind(r: &PciErrorRecovery) -> EventKind {
     }
 }
 
-fn link_kind(c: &PcieLinkChange) -> EventKind {
+/// All the lanes the link can train (the host's `degraded` flag is not read: hosts before
+/// power-managed links were told apart set it for any speed below the maximum).
+fn full_width(c: &PcieLinkChange) -> bool {
+    c.max_width > 0 && c.new_width >= c.max_width
+}
+
+/// The speed fell, to below the link's maximum.
+fn speed_fell_below_max(c: &PcieLinkChange) -> bool {
+    let (Some(old), Some(new)) = (c.old_speed_mts, c.new_speed_mts) else {
+        return false;
+    };
+    new < old && c.max_speed_mts.is_some_and(|max| new < max)
+}
+
+fn link_kind(c: &PcieLinkChange, gpu: Activity) -> EventKind {
     match c.class {
         LinkChangeClass::LinkDown => EventKind::LinkDown,
         LinkChangeClass::LinkUp => EventKind::LinkUp,
         LinkChangeClass::WidthReduction => EventKind::LinkDegraded,
-        LinkChangeClass::SpeedOnly if c.degraded && c.new_speed_mts < c.old_speed_mts => {
+        LinkChangeClass::SpeedOnly if !full_width(c) => {
+            // lanes are missing already: a slower speed on top is a degradation
+            if speed_fell_below_max(c) {
+                EventKind::LinkDegraded
+            } else {
+                EventKind::LinkChanged
+            }
+        }
+        LinkChangeClass::SpeedOnly if speed_fell_below_max(c) && gpu == Activity::Busy => {
             EventKind::LinkDegraded
         }
-        LinkChangeClass::SpeedOnly
-        | LinkChangeClass::WidthIncrease
-        | LinkChangeClass::VirtualTunnelLink => EventKind::LinkChanged,
+        // at full width: down while the GPU idles (or nothing tells), or up as work starts
+        LinkChangeClass::SpeedOnly => EventKind::LinkPowerManaged,
+        LinkChangeClass::WidthIncrease | LinkChangeClass::VirtualTunnelLink => {
+            EventKind::LinkChanged
+        }
     }
 }
 
-fn link_summary(c: &PcieLinkChange) -> String {
+fn link_summary(c: &PcieLinkChange, kind: EventKind, gpu: Activity) -> String {
     let speed = |s: Option<u32>| match s {
         Some(mts) => format!("{:.1} GT/s", mts as f64 / 1000.0),
         None => "down".to_string(),
     };
+    let reading = match (c.class, kind) {
+        (LinkChangeClass::SpeedOnly, EventKind::LinkDegraded) if full_width(c) => {
+            "; below its maximum while the GPU works".to_string()
+        }
+        (_, EventKind::LinkPowerManaged) if speed_fell_below_max(c) => format!(
+            "; at full width, GPU {}: power management, not a cause",
+            gpu.as_str()
+        ),
+        (_, EventKind::LinkPowerManaged) => "; at full width: power management".to_string(),
+        _ => String::new(),
+    };
     format!(
-        "PCIe link {}: {} x{} → {} x{} ({})",
+        "PCIe link {}: {} x{} → {} x{} ({}){reading}",
         c.bdf,
         speed(c.old_speed_mts),
         c.old_width,
@@ -347,7 +413,13 @@ pub(crate) mod tests {
     }
 
     fn kind(ev: &HostEvent) -> &'static str {
-        classify(Payload::Known(ev)).kind.as_str()
+        classify(Payload::Known(ev), Activity::Unknown)
+            .kind
+            .as_str()
+    }
+
+    fn kind_with(ev: &HostEvent, gpu: Activity) -> &'static str {
+        classify(Payload::Known(ev), gpu).kind.as_str()
     }
 
     fn tb(action: DeviceAction, old: Option<(u32, u8)>, new: Option<(u32, u8)>) -> HostEvent {
@@ -386,12 +458,13 @@ pub(crate) mod tests {
             kind(&link(WidthReduction, (g16, 4), (Some(2500), 1))),
             "link_degraded"
         );
+        // short of lanes already: a slower speed is a degradation whatever the GPU does
         assert_eq!(
-            kind(&link(SpeedOnly, (g16, 4), (Some(2500), 4))),
+            kind(&link(SpeedOnly, (g16, 2), (Some(2500), 2))),
             "link_degraded"
         );
         assert_eq!(
-            kind(&link(SpeedOnly, (Some(2500), 4), (g16, 4))),
+            kind(&link(SpeedOnly, (Some(2500), 2), (g16, 2))),
             "link_changed"
         );
         assert_eq!(
@@ -404,16 +477,67 @@ pub(crate) mod tests {
             kind(&link(VirtualTunnelLink, (g16, 4), (Some(2500), 4))),
             "link_changed"
         );
-        let c = classify(Payload::Known(&link(
-            WidthReduction,
-            (g16, 4),
-            (Some(2500), 1),
-        )));
+        let c = classify(
+            Payload::Known(&link(WidthReduction, (g16, 4), (Some(2500), 1))),
+            Activity::Unknown,
+        );
         assert_eq!(c.host_kind, "pcie_link_change");
         assert_eq!(
             c.summary,
             "PCIe link 0000:09:00.0: 16.0 GT/s x4 → 2.5 GT/s x1 (width_reduction)"
         );
+    }
+
+    /// Speed changes at full width are power management unless the speed fell below the
+    /// maximum while the GPU kept working; width, link down and AER do not depend on it.
+    #[test]
+    fn speed_at_full_width_is_read_against_the_gpu() {
+        use LinkChangeClass::*;
+        let (g16, g2) = (Some(16000), Some(2500));
+        let drop = link(SpeedOnly, (g16, 4), (g2, 4));
+        assert!(needs_gpu_activity(Payload::Known(&drop)));
+        assert_eq!(kind_with(&drop, Activity::Busy), "link_degraded");
+        for gpu in [Activity::Idle, Activity::Unknown, Activity::NotYet] {
+            assert_eq!(kind_with(&drop, gpu), "link_power_managed", "{gpu:?}");
+        }
+        // up when work starts: power management whatever the GPU does
+        let rise = link(SpeedOnly, (g2, 4), (g16, 4));
+        assert!(!needs_gpu_activity(Payload::Known(&rise)));
+        for gpu in [Activity::Busy, Activity::Idle, Activity::Unknown] {
+            assert_eq!(kind_with(&rise, gpu), "link_power_managed", "{gpu:?}");
+        }
+        // a step between two speeds below the maximum, up or down
+        let step = link(SpeedOnly, (Some(8000), 4), (Some(5000), 4));
+        assert_eq!(kind_with(&step, Activity::Busy), "link_degraded");
+        assert_eq!(kind_with(&step, Activity::Idle), "link_power_managed");
+        // the rest does not ask the GPU
+        for ev in [
+            link(WidthReduction, (g16, 4), (g16, 2)),
+            link(LinkDown, (g16, 4), (None, 0)),
+            aer(AerSeverity::Correctable),
+        ] {
+            assert!(!needs_gpu_activity(Payload::Known(&ev)));
+            assert_eq!(
+                kind_with(&ev, Activity::Idle),
+                kind_with(&ev, Activity::Busy)
+            );
+        }
+        assert!(!EventKind::LinkPowerManaged.joins() && EventKind::LinkPowerManaged.listed());
+        let idle = classify(Payload::Known(&drop), Activity::Idle);
+        assert_eq!(
+            idle.summary,
+            "PCIe link 0000:09:00.0: 16.0 GT/s x4 → 2.5 GT/s x4 (speed_only); at full width, \
+             GPU idle: power management, not a cause"
+        );
+        let busy = classify(Payload::Known(&drop), Activity::Busy);
+        assert_eq!(
+            busy.summary,
+            "PCIe link 0000:09:00.0: 16.0 GT/s x4 → 2.5 GT/s x4 (speed_only); below its maximum \
+             while the GPU works"
+        );
+        assert!(classify(Payload::Known(&rise), Activity::Busy)
+            .summary
+            .ends_with("; at full width: power management"));
     }
 
     #[test]
@@ -489,14 +613,17 @@ pub(crate) mod tests {
 
     #[test]
     fn context_and_unknown_are_counted_but_never_joined() {
-        let c = classify(Payload::Known(&kmsg_link_down()));
+        let c = classify(Payload::Known(&kmsg_link_down()), Activity::Unknown);
         assert_eq!(c.kind.as_str(), "kmsg");
         assert!(!c.kind.joins() && !c.kind.listed());
-        let u = classify(Payload::UnknownKind {
-            kind: 99,
-            seq: 7,
-            payload_len: 12,
-        });
+        let u = classify(
+            Payload::UnknownKind {
+                kind: 99,
+                seq: 7,
+                payload_len: 12,
+            },
+            Activity::Unknown,
+        );
         assert_eq!(u.kind, EventKind::Unknown);
         assert_eq!(
             u.summary,

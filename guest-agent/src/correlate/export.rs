@@ -132,6 +132,17 @@ fn spike_view(s: &SpikeRecord, pending: bool) -> SpikeView {
 }
 
 impl Correlator {
+    /// The listed host events as the joiner keeps them, in arrival order (the incident page
+    /// draws each one's pods).
+    pub fn event_records(&self) -> impl Iterator<Item = &EventRecord> {
+        self.joiner.events()
+    }
+
+    /// The retained spikes in detection order (ascending ids), joined or not.
+    pub fn spike_records(&self) -> impl Iterator<Item = &SpikeRecord> {
+        self.joiner.spikes()
+    }
+
     /// Recent host events, newest first.
     pub fn recent_events(&self) -> Vec<EventView> {
         let mut v: Vec<&EventRecord> = self.joiner.events().collect();

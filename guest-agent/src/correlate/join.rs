@@ -87,6 +87,8 @@ pub struct JoinConfig {
     pub before: i64,
     pub after: i64,
     pub coalesce: i64,
+    /// `coalesce` for power-managed link changes.
+    pub power_coalesce: i64,
     pub retention: i64,
     pub max_spikes: usize,
     pub max_events: usize,
@@ -179,12 +181,20 @@ impl Joiner {
             return Vec::new();
         }
         let at = input.guest_ns();
+        let window = if c.kind == EventKind::LinkPowerManaged {
+            self.cfg.power_coalesce
+        } else {
+            self.cfg.coalesce
+        };
         if let Some(e) = self.events.iter_mut().find(|e| {
-            e.kind == c.kind
-                && e.host == input.host
-                && e.at.abs_diff(at) <= self.cfg.coalesce.unsigned_abs()
+            e.kind == c.kind && e.host == input.host && e.at.abs_diff(at) <= window.unsigned_abs()
         }) {
             e.count += 1;
+            // A power-managed entry stands for many changes of one link: it reads what the
+            // link did last (up or down, the GPU busy or idle), with the count.
+            if c.kind == EventKind::LinkPowerManaged {
+                e.summary = c.summary;
+            }
             return Vec::new();
         }
         let mut event = EventRecord {
@@ -218,24 +228,35 @@ impl Joiner {
     }
 
     /// Drops the oldest event that is not the latest of its kind (the impact gauge shows the
-    /// latest of each kind, however many newer events of other kinds came after it).
+    /// latest of each kind, however many newer events of other kinds came after it), one that
+    /// joins nothing (power-managed link changes, unknown kinds) first: they must not push
+    /// incidents out of the list.
     fn evict_event(&mut self) {
-        let victim = (0..self.events.len()).find(|&i| {
+        let superseded = |i: usize| {
             let e = &self.events[i];
             self.events
                 .iter()
                 .any(|o| o.kind == e.kind && (o.at, o.id) > (e.at, e.id))
-        });
+        };
+        let victim = (0..self.events.len())
+            .find(|&i| !self.events[i].kind.joins() && superseded(i))
+            .or_else(|| (0..self.events.len()).find(|&i| superseded(i)));
         // If every event is the latest of its kind (more kinds than room), drop the oldest.
         self.events.remove(victim.unwrap_or(0));
     }
 
-    /// A later window of the spike's episode: raises its value while within `after`.
-    pub fn episode_window(&mut self, spike: u64, at: i64, value: f64) {
+    /// A later window of the spike's episode: makes its value the worse of the two while
+    /// within `after` (the higher; the lower for a signal that `falls`, a dip).
+    pub fn episode_window(&mut self, spike: u64, at: i64, value: f64, falls: bool) {
         let Some(s) = find(&mut self.spikes, spike, |s| s.id) else {
             return;
         };
-        if at > s.at.saturating_add(self.cfg.after) || value <= s.value {
+        let worse = if falls {
+            value < s.value
+        } else {
+            value > s.value
+        };
+        if at > s.at.saturating_add(self.cfg.after) || !worse {
             return;
         }
         s.value = value;
@@ -302,6 +323,7 @@ fn find<T>(v: &mut VecDeque<T>, id: u64, key: impl Fn(&T) -> u64) -> Option<&mut
 mod tests {
     use super::super::events::tests::aer;
     use super::super::events::{classify, Payload};
+    use super::super::gpu::Activity;
     use super::*;
     use gpufeed_shared::event::AerSeverity;
 
@@ -312,6 +334,7 @@ mod tests {
             before: 2 * S,
             after: 5 * S,
             coalesce: S,
+            power_coalesce: 60 * S,
             retention: 900 * S,
             max_spikes: 100,
             max_events: 100,
@@ -327,7 +350,7 @@ mod tests {
             clock_offset_ns: 0,
             payload: Payload::Known(&ev),
         };
-        j.add_event(&input, classify(input.payload))
+        j.add_event(&input, classify(input.payload, Activity::Unknown))
     }
 
     #[test]
@@ -355,8 +378,8 @@ mod tests {
             .collect();
         let e = j.events().next().unwrap();
         assert_eq!((e.hits.len(), e.hits_dropped), (2, 1));
-        j.episode_window(ids[0], 103 * S, 40.0);
-        j.episode_window(ids[0], 107 * S, 90.0); // past `after`: not the effect's peak
+        j.episode_window(ids[0], 103 * S, 40.0, false);
+        j.episode_window(ids[0], 107 * S, 90.0, false); // past `after`: not the effect's peak
         let e = j.events().next().unwrap();
         assert_eq!(e.hits[0].value, 40.0);
         assert_eq!(magnitude(e.hits[0].value, e.hits[0].baseline), Some(20.0));

@@ -28,6 +28,10 @@ struct Sim {
     c: Correlator,
     /// Seconds since T0 of the next tick.
     t: i64,
+    /// What the GPU does in the coming ticks (recorded each tick); `None`: nothing recorded.
+    gpu: Option<Option<bool>>,
+    /// Observations in each window.
+    count: u64,
 }
 
 impl Sim {
@@ -35,6 +39,8 @@ impl Sim {
         Sim {
             c: Correlator::new(Config::default()),
             t: 1,
+            gpu: None,
+            count: 100,
         }
     }
 
@@ -47,21 +53,38 @@ impl Sim {
         let now = self.now();
         let windows: Vec<SignalWindow> = pods
             .iter()
-            .map(|(p, signal, v)| SignalWindow {
-                pod: (*p).clone(),
-                signal: signal.to_string(),
-                at: now,
-                count: 100,
-                sum: 0.0,
-                p50: 0.0,
-                p99: v.unwrap_or(if *signal == "run_queue_wait" {
+            .map(|(p, signal, v)| {
+                let p99 = v.unwrap_or(if *signal == "run_queue_wait" {
                     40.0 + (self.t % 5) as f64
                 } else {
                     0.0
-                }),
-                max: 0.0,
+                });
+                // the mean (what is tested) moves with the p99 (what is reported)
+                SignalWindow {
+                    pod: (*p).clone(),
+                    signal: signal.to_string(),
+                    at: now,
+                    count: self.count,
+                    sum: p99 * self.count as f64,
+                    p50: 0.0,
+                    p99,
+                    max: 0.0,
+                    // as the units declare them
+                    shape: match *signal {
+                        "gpu_link_throughput" => SignalShape::Level,
+                        "tcp_retransmit_rate" | "tc_drop_rate" => SignalShape::Rate,
+                        _ => SignalShape::Distribution,
+                    },
+                }
             })
             .collect();
+        if let Some(busy) = self.gpu {
+            self.c.gpu_window(GpuWindow {
+                at: now,
+                len: S,
+                busy,
+            });
+        }
         self.c.observe(&windows, now);
         self.t += 1;
     }
@@ -544,7 +567,7 @@ fn the_recent_list_is_bounded_and_keeps_the_latest_of_each_kind() {
     };
     let mut sim = Sim {
         c: Correlator::new(cfg),
-        t: 1,
+        ..Sim::new()
     };
     contention(&mut sim, &[&a], &a, |sim, t| {
         if t == 31 {
@@ -588,6 +611,7 @@ fn hostile_windows_and_times_do_not_panic() {
         p50: f64::NAN,
         p99,
         max: f64::INFINITY,
+        shape: SignalShape::Distribution,
     };
     for (i, v) in [f64::NAN, f64::INFINITY, -1.0, 1e308, 0.0]
         .iter()
@@ -643,4 +667,274 @@ fn a_pod_named_after_its_first_windows_keeps_its_baseline() {
     // The join in the agent hands the old key to forget_pod only when the UID is gone.
     sim.c.forget_pod(&unnamed);
     assert_eq!(sim.c.pods(), 0, "a pod is its UID");
+}
+
+/// The link of a GPU that manages its power: 2.5 GT/s at full width while idle, 16 GT/s once
+/// work starts, 2.5 again when it stops.
+fn speed(from: u32, to: u32) -> HostEvent {
+    link(LinkChangeClass::SpeedOnly, (Some(from), 4), (Some(to), 4))
+}
+
+/// A pod starts GPU work (its run-queue latency spikes as its feeder threads wake) and the idle
+/// link rises; it stops and the link falls back: nothing joins, and the list shows one
+/// power-managed entry. The same speed drop while the GPU keeps working is a degradation that
+/// joins the pod it hit.
+#[test]
+fn power_managed_speed_changes_join_nothing_and_a_drop_under_load_does() {
+    let a = pod("vllm-0");
+    let mut sim = Sim::new();
+    sim.gpu = Some(Some(false));
+    sim.quiet(&[&a], 30);
+    sim.gpu = Some(Some(true));
+    for i in 0..6 {
+        if i == 0 {
+            sim.event(&speed(2500, 16000), 30.2, 0.0, 0.0);
+        }
+        sim.tick(&[(&a, "run_queue_wait", Some(900.0))]);
+    }
+    sim.gpu = Some(Some(false));
+    sim.event(&speed(16000, 2500), 36.3, 0.0, 0.0);
+    sim.quiet(&[&a], 20);
+    assert_eq!(spikes_of(&sim, "vllm-0"), Some(1.0));
+    for kind in ["link_degraded", "link_changed", "link_power_managed"] {
+        assert_eq!(correlated(&sim, kind, "vllm-0"), None, "{kind}");
+    }
+    assert_eq!(
+        sim.value(
+            export::HOST_EVENTS,
+            &[("host", "pve1"), ("event", "link_power_managed")]
+        ),
+        Some(2.0)
+    );
+    // one entry for both, reading what the link did last
+    let evs = sim.c.recent_events();
+    assert_eq!(evs.len(), 1, "{evs:?}");
+    assert_eq!((evs[0].event, evs[0].count), ("link_power_managed", 2));
+    assert!(evs[0].affected.is_empty());
+    assert!(
+        evs[0].text.contains(
+            "16.0 GT/s x4 → 2.5 GT/s x4 (speed_only); at full width, GPU idle: power \
+                 management, not a cause (2 events)"
+        ),
+        "{}",
+        evs[0].text
+    );
+    let un = sim.c.unexplained_spikes(sim.now());
+    assert_eq!(un.len(), 1, "the pod's spike is the guest's own");
+
+    // Under load: the link drops and stays low while the GPU works; the pod suffers.
+    sim.gpu = Some(Some(true));
+    sim.quiet(&[&a], 15);
+    sim.event(&speed(2500, 16000), 70.5, 0.0, 0.0);
+    sim.quiet(&[&a], 20);
+    let t = sim.t;
+    for i in 0..6 {
+        if i == 1 {
+            sim.event(&speed(16000, 2500), (t as f64) - 0.5, 0.0, 0.0);
+        }
+        sim.tick(&[(&a, "run_queue_wait", Some(900.0))]);
+    }
+    sim.quiet(&[&a], 10);
+    assert_eq!(correlated(&sim, "link_degraded", "vllm-0"), Some(1.0));
+    let ev = &sim.c.recent_events()[0];
+    assert_eq!(ev.event, "link_degraded");
+    assert!(
+        ev.text.contains(
+            "16.0 GT/s x4 → 2.5 GT/s x4 (speed_only); below its maximum while the GPU works"
+        ),
+        "{}",
+        ev.text
+    );
+    assert_eq!(ev.affected.len(), 1);
+}
+
+/// The speed drop arrives before the GPU windows after it: it waits for them (counted only
+/// then), and is read with what is known once `lateness` has passed; a guest that cannot
+/// tell what its GPU does reads such drops as power management.
+#[test]
+fn a_speed_drop_waits_for_the_gpu_windows_after_it() {
+    let a = pod("vllm-0");
+    let mut sim = Sim::new();
+    sim.gpu = Some(Some(true));
+    sim.quiet(&[&a], 10);
+    sim.event(&speed(16000, 2500), 10.5, 0.0, 0.0);
+    let count =
+        |sim: &Sim, kind| sim.value(export::HOST_EVENTS, &[("host", "pve1"), ("event", kind)]);
+    assert_eq!(
+        count(&sim, "link_degraded"),
+        None,
+        "waits for [t − 1 s, t + 2 s]"
+    );
+    sim.quiet(&[&a], 2);
+    assert_eq!(count(&sim, "link_degraded"), None);
+    sim.quiet(&[&a], 1);
+    assert_eq!(count(&sim, "link_degraded"), Some(1.0));
+
+    // the agent's ticks stop reporting the GPU: read with what is known after lateness
+    sim.gpu = None;
+    sim.event(&speed(16000, 2500), 13.5, 0.0, 0.0);
+    sim.quiet(&[&a], 10);
+    assert_eq!(count(&sim, "link_power_managed"), None);
+    sim.quiet(&[&a], 3);
+    assert_eq!(count(&sim, "link_power_managed"), Some(1.0));
+    assert!(sim.c.recent_events()[0]
+        .text
+        .contains("GPU activity unknown"));
+
+    // nothing can tell: unknown at once
+    sim.gpu = Some(None);
+    sim.quiet(&[&a], 5);
+    sim.event(&speed(16000, 2500), 25.5, 0.0, 0.0);
+    sim.quiet(&[&a], 3);
+    assert_eq!(count(&sim, "link_power_managed"), Some(2.0));
+}
+
+/// An idle card's link changes speed many times a minute: one listed entry a minute with its
+/// count, and the flood pushes no incident out of the bounded list: power-managed entries go
+/// first (before, the oldest entry superseded by one of its kind went: the older AER).
+#[test]
+fn a_flood_of_power_managed_changes_is_one_entry_and_keeps_incidents_listed() {
+    let a = pod("vllm-0");
+    let mut sim = Sim {
+        c: Correlator::new(Config {
+            max_events: 3,
+            ..Config::default()
+        }),
+        ..Sim::new()
+    };
+    sim.gpu = Some(Some(false));
+    sim.quiet(&[&a], 5);
+    sim.event(&aer(AerSeverity::Correctable), 3.0, 0.0, 0.0);
+    sim.event(&aer(AerSeverity::Correctable), 5.0, 0.0, 0.0);
+    for i in 0..300 {
+        let at = 6.0 + i as f64 * 0.4;
+        while (sim.t as f64) < at {
+            sim.quiet(&[&a], 1);
+        }
+        let (from, to) = if i % 2 == 0 {
+            (2500, 16000)
+        } else {
+            (16000, 2500)
+        };
+        sim.event(&speed(from, to), at, 0.0, 0.0);
+    }
+    sim.quiet(&[&a], 5);
+    assert_eq!(
+        sim.value(
+            export::HOST_EVENTS,
+            &[("host", "pve1"), ("event", "link_power_managed")]
+        ),
+        Some(300.0)
+    );
+    let evs = sim.c.recent_events();
+    let kinds: Vec<(&str, u64)> = evs.iter().map(|e| (e.event, e.count)).collect();
+    // 120 s of changes: an entry from 6 s (the first minute's), one from 66.4 s; the older
+    // one went, not the older AER entry (a kind listed twice is what went before)
+    assert_eq!(kinds.len(), 3, "{kinds:?}");
+    assert_eq!(kinds.iter().filter(|k| k.0 == "aer_correctable").count(), 2);
+    assert_eq!(kinds[0].0, "link_power_managed", "{kinds:?}");
+    assert!((140..=160).contains(&kinds[0].1), "{kinds:?}");
+}
+
+/// The smallest pods that matter reach every signal's minimum count: one connection busy 1.5%
+/// of each second (15 busy ms: 15 RTT observations), one thread woken 12 times a second, one
+/// GPU process synchronising 6 times a second. Their spikes join the link event; with one
+/// observation fewer than the minimum, windows are not tested and nothing joins.
+#[test]
+fn the_spikes_of_a_pod_with_one_busy_connection_thread_or_gpu_process_join() {
+    let cases = [
+        ("tcp_rtt", 15, 2000.0, 10_000.0),
+        ("run_queue_wait", 12, 40.0, 900.0),
+        ("gpu_sync_wait", 6, 3000.0, 15_000.0),
+    ];
+    for (signal, small, quiet, hot) in cases {
+        let min = Config::default().signals[signal].min_count(1.0);
+        assert!(small >= min, "{signal}: {small} < {min}");
+        for (count, joins) in [(small, true), (min - 1, false)] {
+            let p = pod("srv-0");
+            let mut sim = Sim::new();
+            sim.count = count;
+            let noisy = |t: i64| quiet * (1.0 + 0.02 * (t % 5) as f64);
+            for t in 0..30 {
+                sim.tick(&[(&p, signal, Some(noisy(t)))]);
+            }
+            sim.event(&degraded(), 30.5, 0.0, 0.0);
+            for _ in 0..6 {
+                sim.tick(&[(&p, signal, Some(hot))]);
+            }
+            for t in 0..20 {
+                sim.tick(&[(&p, signal, Some(noisy(t)))]);
+            }
+            let joined = sim.value(
+                export::CORRELATED_SPIKES,
+                &[
+                    ("event", "link_degraded"),
+                    ("signal", signal),
+                    ("namespace", "ml"),
+                    ("pod", "srv-0"),
+                ],
+            );
+            assert_eq!(
+                joined,
+                joins.then_some(1.0),
+                "{signal} with {count} observations a window"
+            );
+        }
+    }
+}
+
+/// The GPU's side of a link event: pod A's GPU moves 8 GB/s over its link, pod B's 3 GB/s
+/// over another. The link of A's GPU loses lanes at T0+30.5 s and A's throughput falls to a
+/// quarter for five windows; B's stays. A's dip is a spike of `gpu_link_throughput` joined to
+/// the degradation, its impact the dip's depth (0.25); B shows the absence of one.
+#[test]
+fn a_link_degradation_joins_the_throughput_dip_it_caused() {
+    const LINK: &str = "gpu_link_throughput";
+    let (a, b) = (pod("vllm-0"), pod("vllm-1"));
+    let mut sim = Sim::new();
+    sim.count = 1; // one reading a tick, as the nvml unit gives
+    let tick = |sim: &mut Sim, a_bps: f64| {
+        let wobble = 1.0 + 0.01 * (sim.t % 3) as f64;
+        sim.tick(&[
+            (&a, LINK, Some(a_bps * wobble)),
+            (&b, LINK, Some(3e9 * wobble)),
+        ]);
+    };
+    for _ in 0..30 {
+        tick(&mut sim, 8e9);
+    }
+    sim.event(&degraded(), 30.5, 0.0, 0.0);
+    for _ in 0..5 {
+        tick(&mut sim, 2e9);
+    }
+    for _ in 0..10 {
+        tick(&mut sim, 8e9);
+    }
+    let of = |name: &str, p: &str| {
+        sim.value(
+            name,
+            &[
+                ("event", "link_degraded"),
+                ("signal", LINK),
+                ("namespace", "ml"),
+                ("pod", p),
+            ],
+        )
+    };
+    assert_eq!(of(export::CORRELATED_SPIKES, "vllm-0"), Some(1.0));
+    assert_eq!(of(export::CORRELATED_SPIKES, "vllm-1"), None);
+    let spikes = |p: &str| {
+        sim.value(
+            export::LATENCY_SPIKES,
+            &[("signal", LINK), ("namespace", "ml"), ("pod", p)],
+        )
+    };
+    assert_eq!((spikes("vllm-0"), spikes("vllm-1")), (Some(1.0), None));
+    // the lowest window (2 GB/s × 1.00..1.02) against the quiet median of 8 GB/s × 1.01
+    let impact = of(export::EVENT_IMPACT, "vllm-0").expect("an impact");
+    assert!((impact - 2.0 / 8.08).abs() < 0.005, "{impact}");
+    let ev = &sim.c.recent_events()[0];
+    assert_eq!(ev.event, "link_degraded");
+    let hit: Vec<_> = ev.affected.iter().map(|h| h.pod.as_str()).collect();
+    assert_eq!(hit, ["vllm-0"]);
 }

@@ -21,12 +21,27 @@ impl PodKey {
     }
 }
 
+/// What a signal's windows are, as the unit that made them declared it: how the detector
+/// reads a signal the configuration has no policy for (`Config::signals`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SignalShape {
+    /// Observations with a count, a sum and quantiles: the mean is tested for rises.
+    #[default]
+    Distribution,
+    /// Events per second: the rate is tested for rises; a window without events is a zero.
+    Rate,
+    /// A level read once a tick (a throughput): tested for falls, dips below its baseline.
+    Level,
+}
+
 /// One tick of one latency signal of one pod, summarised from the probe's delta.
 ///
 /// For a distribution signal (`run_queue_wait`, `tcp_rtt`) `count` is the number of
 /// observations and `p50`/`p99`/`max` are their quantiles. For a rate signal
 /// (`tcp_retransmit_rate`, `tc_drop_rate`) the unit reports the per-second rate of the window in
-/// `p50`, `p99` and `max` and the number of events in `count`. The detector tests `p99`.
+/// `p50`, `p99` and `max` and the number of events in `count`. The detector tests the mean
+/// (`sum / count`) of a distribution and the rate of a rate signal, and reports `p99`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SignalWindow {
     pub pod: PodKey,
@@ -39,6 +54,7 @@ pub struct SignalWindow {
     pub p50: f64,
     pub p99: f64,
     pub max: f64,
+    pub shape: SignalShape,
 }
 
 /// A [`SignalWindow`] by reference, with what the detector reads: a caller that keeps its
@@ -49,7 +65,10 @@ pub struct WindowRef<'a> {
     pub signal: &'a str,
     pub at: i64,
     pub count: u64,
+    /// `sum / count` of a distribution (what its detector tests).
+    pub mean: f64,
     pub p99: f64,
+    pub shape: SignalShape,
 }
 
 impl SignalWindow {
@@ -59,7 +78,9 @@ impl SignalWindow {
             signal: &self.signal,
             at: self.at,
             count: self.count,
+            mean: self.sum / self.count as f64,
             p99: self.p99,
+            shape: self.shape,
         }
     }
 }

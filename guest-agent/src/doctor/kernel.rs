@@ -4,12 +4,12 @@
 use std::path::Path;
 
 use gpufeed_shared::doctor::{
-    self as common, Capability, Finding, CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON, CAP_SYS_ADMIN,
-    CAP_SYS_PTRACE, CGROUP2_MAGIC, TRACEFS_MAGIC,
+    self as common, Capability, Finding, Status, CAP_BPF, CAP_NET_ADMIN, CAP_PERFMON,
+    CAP_SYS_ADMIN, CAP_SYS_PTRACE, CGROUP2_MAGIC, TRACEFS_MAGIC,
 };
 
-/// What the DaemonSet grants (talos/kubernetes/base/daemonset.yaml), each for what it is used.
-pub const NEEDED: &[Capability] = &[
+/// CAP_BPF and CAP_PERFMON: what every probe needs (CAP_SYS_ADMIN grants both).
+const TRACING: &[Capability] = &[
     Capability {
         number: CAP_BPF,
         name: "CAP_BPF",
@@ -22,28 +22,70 @@ pub const NEEDED: &[Capability] = &[
         used_for: "tracing programs and their kernel pointer reads",
         or: Some(CAP_SYS_ADMIN),
     },
-    Capability {
-        number: CAP_NET_ADMIN,
-        name: "CAP_NET_ADMIN",
-        used_for: "tc programs on veths and node devices",
-        or: None,
-    },
-    Capability {
-        number: CAP_SYS_PTRACE,
-        name: "CAP_SYS_PTRACE",
-        used_for: "pods' /proc/<pid>/ns/net, which maps veths to pods",
-        or: None,
-    },
 ];
 
-/// `capabilities`: the effective set of `proc_pid` holds [`NEEDED`].
-pub fn capabilities(proc_pid: &Path) -> Finding {
-    common::capabilities(
+/// What the tc probe needs besides.
+const TC: Capability = Capability {
+    number: CAP_NET_ADMIN,
+    name: "CAP_NET_ADMIN",
+    used_for: "tc programs on veths and node devices",
+    or: None,
+};
+
+/// The probes that read other processes' `/proc/<pid>/maps` and `fd/` (a ptrace-read access
+/// check): without CAP_SYS_PTRACE and the host PID namespace (components/gpu-processes) they
+/// load and see no pod process, and everything else works. Not required, so the base
+/// DaemonSet, which leaves them out on purpose, passes; the finding says what is missing.
+const POD_PROCESS_PROBES: &[&str] = &[crate::probes::cuda::NAME, crate::probes::gpu_driver::NAME];
+
+/// The capabilities the selected probes (by name) cannot load without, each for what it is
+/// used: what talos/kubernetes/base/daemonset.yaml grants for `--probes=all`.
+pub fn needed(probes: &[&str]) -> Vec<Capability> {
+    let mut out = Vec::new();
+    if !probes.is_empty() {
+        out.extend_from_slice(TRACING);
+    }
+    if probes.contains(&crate::probes::tc::NAME) {
+        out.push(TC);
+    }
+    out
+}
+
+/// `capabilities`: the effective set of `proc_pid` holds what the selected `probes` need
+/// ([`needed`]); where a probe that looks at pod processes is selected, the detail says
+/// whether it can (CAP_SYS_PTRACE).
+pub fn capabilities(proc_pid: &Path, probes: &[&str]) -> Finding {
+    if probes.is_empty() {
+        return Finding::pass("capabilities", "no probe selected: none needed");
+    }
+    let mut f = common::capabilities(
         proc_pid,
-        NEEDED,
+        &needed(probes),
         "add the missing ones to the container's securityContext.capabilities.add (the \
          DaemonSet of talos/kubernetes/base lists them) and run it as uid 0",
-    )
+    );
+    let gpu: Vec<&str> = POD_PROCESS_PROBES
+        .iter()
+        .copied()
+        .filter(|p| probes.contains(p))
+        .collect();
+    if f.status != Status::Pass || gpu.is_empty() {
+        return f;
+    }
+    let caps = std::fs::read_to_string(proc_pid.join("status"))
+        .ok()
+        .and_then(|t| common::effective_caps(&t))
+        .unwrap_or(0);
+    let probes = gpu.join(" and ");
+    if caps & (1 << CAP_SYS_PTRACE) != 0 {
+        f.detail += &format!("; CAP_SYS_PTRACE: the {probes} probes see pod processes");
+    } else {
+        f.detail += &format!(
+            "; no CAP_SYS_PTRACE: the {probes} probes see no pod process (not needed by the \
+             others; components/gpu-processes grants it with the host PID namespace)"
+        );
+    }
+    f
 }
 
 /// `btf`: the kernel's own BTF, which every CO-RE probe is relocated against.

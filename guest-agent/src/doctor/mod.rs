@@ -9,6 +9,7 @@
 pub mod kernel;
 pub mod network;
 pub mod pods;
+pub mod probes;
 pub mod stream;
 
 use std::path::PathBuf;
@@ -29,6 +30,15 @@ pub fn tracefs_wanted(probes: &str, hook: Hook) -> bool {
     // only the per-syscall tracepoints attach by tracefs ids; uprobes and the BTF
     // tracepoints need none
     gpu && hook == Hook::Syscalls
+}
+
+/// The probe names `--probes` selects ([`Inputs::probes`]); a spec the agent would refuse
+/// counts as all of them (the strictest reading).
+pub fn selected_probes(probes: &str) -> Vec<&'static str> {
+    crate::probes::select(probes).map_or_else(
+        |_| crate::probes::names(),
+        |sel| sel.into_iter().flat_map(|(_, names)| names).collect(),
+    )
 }
 
 /// How often the running agent re-evaluates its checks (all are cheap: a few file reads and
@@ -52,6 +62,8 @@ pub struct Inputs {
     /// Whether anything selected wants tracefs: the GPU driver probe with a hook other than
     /// the raw syscall tracepoints.
     pub tracefs_wanted: bool,
+    /// The selected probes ([`selected_probes`]): what the capabilities must cover.
+    pub probes: Vec<&'static str>,
 }
 
 impl Default for Inputs {
@@ -63,6 +75,7 @@ impl Default for Inputs {
             netns: None,
             node_devices: NodeDevices::Auto,
             tracefs_wanted: true,
+            probes: crate::probes::names(),
         }
     }
 }
@@ -70,7 +83,7 @@ impl Default for Inputs {
 /// The checks that need only this node (not the running agent's state), in report order.
 pub fn local(inputs: &Inputs) -> Vec<Finding> {
     let mut out = vec![
-        kernel::capabilities(&inputs.proc_pid),
+        kernel::capabilities(&inputs.proc_pid, &inputs.probes),
         kernel::btf(&inputs.sys),
         kernel::cgroup2(inputs.cgroup_root.as_deref()),
         if inputs.tracefs_wanted {

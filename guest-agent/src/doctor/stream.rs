@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use gpufeed_shared::doctor::Finding;
 
-use crate::readiness::{Stream, StreamState};
+use crate::host_stream::{Stream, StreamState};
 
 /// Host minus guest clock offset beyond which the check fails. NTP-synced machines agree
 /// within milliseconds; events are placed with the measured offset either way, but the host's

@@ -97,14 +97,17 @@ impl Weights {
     }
 }
 
-/// The GPU's size: what the shares divide by.
+/// The node's GPUs' size: what the shares divide by.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GpuCapacity {
-    /// Total memory of the GPU (bytes).
+    /// Total memory of the node's GPUs (bytes).
     pub memory_bytes: u64,
-    /// Host link bandwidth, one direction (bytes/s): PCIe generation × width, as NVML reports
-    /// it for the link's current state.
+    /// Host link bandwidth of the node's GPUs together, one direction (bytes/s): PCIe
+    /// generation × width at their maxima, as NVML reports them.
     pub link_bytes_per_second: u64,
+    /// How many GPUs the node has (NVML's count; 1 without NVML): each is an equal part of
+    /// the node's compute.
+    pub gpus: u32,
 }
 
 /// Capacities as far as a source knows them: configuration, or the GPU itself (NVML fills one
@@ -114,6 +117,8 @@ pub struct GpuCapacity {
 pub struct CapacityInput {
     pub memory_bytes: Option<u64>,
     pub link_bytes_per_second: Option<u64>,
+    /// Only NVML says (no setting).
+    pub gpus: Option<u32>,
 }
 
 impl CapacityInput {
@@ -125,6 +130,7 @@ impl CapacityInput {
             link_bytes_per_second: self
                 .link_bytes_per_second
                 .or(fallback.link_bytes_per_second),
+            gpus: self.gpus.or(fallback.gpus),
         }
     }
 
@@ -138,6 +144,7 @@ impl CapacityInput {
             link_bytes_per_second: self
                 .link_bytes_per_second
                 .ok_or(ConfigError::MissingCapacity(LINK_FLAG))?,
+            gpus: self.gpus.unwrap_or(1).max(1),
         })
     }
 
@@ -294,6 +301,7 @@ impl FinopsArgs {
             capacity: CapacityInput {
                 memory_bytes: self.gpu_memory_bytes,
                 link_bytes_per_second: self.gpu_link_bytes_per_second,
+                gpus: None,
             },
             mps_sustain: self.mps_sustain,
         }
@@ -338,6 +346,7 @@ mod tests {
             capacity: CapacityInput {
                 memory_bytes: Some(80 << 30),
                 link_bytes_per_second: Some(32_000_000_000),
+                gpus: None,
             },
             ..Settings::default()
         };
@@ -404,6 +413,7 @@ mod tests {
         let nvml = CapacityInput {
             memory_bytes: Some(24 << 30),
             link_bytes_per_second: Some(16_000_000_000),
+            gpus: Some(2),
         };
         let mut s = Settings {
             hourly_rate: Some(1.0),
@@ -415,7 +425,8 @@ mod tests {
             cap,
             GpuCapacity {
                 memory_bytes: 20 << 30,
-                link_bytes_per_second: 16_000_000_000
+                link_bytes_per_second: 16_000_000_000,
+                gpus: 2,
             }
         );
     }

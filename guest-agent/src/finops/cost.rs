@@ -3,35 +3,51 @@
 //!
 //! For an interval of `dt` seconds and an hourly node rate `R`, the node costs
 //! `C = R × dt / 3600`. Each pod's cost is `C × (w_compute × c + w_vram × v + w_pcie × e)` with
-//! its shares of the GPU in that interval:
+//! its shares of the node's GPUs in that interval:
 //!
-//! * `c` = driver time in the interval ÷ `dt`, at most 1 per pod;
-//! * `v` = VRAM held at the end of the interval ÷ the GPU's memory;
+//! * `c` = the mean over the node's `N` GPUs of the pod's compute time on each ÷ `dt` (at most
+//!   1 per GPU): a pod computing all the time on one of two GPUs has half the node's compute;
+//!   compute time whose GPU the source does not know counts as on one GPU;
+//! * `v` = VRAM held at the end of the interval ÷ the GPUs' memory;
 //! * `e` = bytes copied over PCIe in the interval ÷ (link bandwidth × `dt`).
 //!
-//! A GPU cannot be more than whole, so where the pods' shares of one dimension add up to more
-//! than 1 (more VRAM reported than configured, copies faster than the configured link) they are
-//! scaled down together to add up to exactly 1. What the pods leave of each dimension is the
-//! idle cost, `C − Σ pod costs`: with weights that sum to 1 the pods' costs plus the idle cost
-//! are the node's cost, interval by interval, hence over any period.
+//! A GPU cannot be more than whole, so where the pods' shares of one GPU's compute, or of the
+//! node's memory or link, add up to more than 1 they are scaled down together to add up to
+//! exactly 1. What the pods leave of each dimension is the idle cost, `C − Σ pod costs`: with
+//! weights that sum to 1 the pods' costs plus the idle cost are the node's cost, interval by
+//! interval, hence over any period.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::config::{GpuCapacity, Weights};
 
+/// Compute time per GPU (NVML's index; `None`: the source does not say which).
+pub type PerGpu = BTreeMap<Option<u32>, f64>;
+
 /// One pod's usage in one interval.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Usage {
-    /// Driver time added in the interval (s).
-    pub compute_seconds: f64,
+    /// Compute time added in the interval (s), per GPU.
+    pub compute_seconds: PerGpu,
     /// VRAM held at the end of the interval (bytes).
     pub vram_bytes: f64,
     /// Bytes copied between host and GPU in the interval.
     pub pcie_bytes: f64,
 }
 
-/// What the model needs: the node's price, the weights and the GPU's size.
+impl Usage {
+    /// Usage whose compute time is on a GPU the source does not name.
+    pub fn unplaced(compute_seconds: f64, vram_bytes: f64, pcie_bytes: f64) -> Usage {
+        Usage {
+            compute_seconds: PerGpu::from([(None, compute_seconds)]),
+            vram_bytes,
+            pcie_bytes,
+        }
+    }
+}
+
+/// What the model needs: the node's price, the weights and the GPUs' size.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     /// Price of the node per hour, in the configured currency.
@@ -44,8 +60,8 @@ pub struct CostModel {
 #[derive(Debug, Clone, PartialEq)]
 pub struct IntervalCost<K> {
     pub pods: BTreeMap<K, f64>,
-    /// Driver seconds each pod was charged for (its compute share × `dt`).
-    pub compute_seconds: BTreeMap<K, f64>,
+    /// Compute seconds each pod was charged for per GPU (its share of that GPU × `dt`).
+    pub compute_seconds: BTreeMap<K, PerGpu>,
     /// What no pod used.
     pub idle: f64,
     /// The node's cost for the interval: `pods` + `idle`.
@@ -57,28 +73,52 @@ impl CostModel {
     pub fn interval<K: Ord + Clone>(&self, dt: Duration, usage: &[(K, Usage)]) -> IntervalCost<K> {
         let secs = dt.as_secs_f64();
         let node = self.hourly_rate * secs / 3600.0;
+        let mut compute_seconds: BTreeMap<K, PerGpu> = usage
+            .iter()
+            .map(|(k, _)| (k.clone(), PerGpu::new()))
+            .collect();
         if secs <= 0.0 || usage.is_empty() {
             return IntervalCost {
                 pods: usage.iter().map(|(k, _)| (k.clone(), 0.0)).collect(),
-                compute_seconds: usage.iter().map(|(k, _)| (k.clone(), 0.0)).collect(),
+                compute_seconds,
                 idle: node,
                 node,
             };
         }
         let link = self.capacity.link_bytes_per_second as f64 * secs;
         let memory = self.capacity.memory_bytes as f64;
-        let compute = shares(usage, |u| u.compute_seconds / secs, 1.0);
+        let gpus = f64::from(self.capacity.gpus.max(1));
+        // each GPU's compute shared out on its own, then a GPU is 1/N of the node's compute
+        let keys: BTreeSet<Option<u32>> = usage
+            .iter()
+            .flat_map(|(_, u)| u.compute_seconds.keys().copied())
+            .collect();
+        let mut compute = vec![0.0; usage.len()];
+        for key in keys {
+            let of_gpu = |u: &Usage| u.compute_seconds.get(&key).copied().unwrap_or(0.0) / secs;
+            for (i, s) in shares(usage, of_gpu, 1.0).into_iter().enumerate() {
+                compute[i] += s / gpus;
+                if s > 0.0 {
+                    let charged = compute_seconds.entry(usage[i].0.clone()).or_default();
+                    *charged.entry(key).or_default() += s * secs;
+                }
+            }
+        }
+        // more GPUs named than the node has (a GPU not in NVML's count) cannot make it more
+        // than whole
+        let total: f64 = compute.iter().sum();
+        if total > 1.0 {
+            compute.iter_mut().for_each(|c| *c /= total);
+        }
         let vram = shares(usage, |u| u.vram_bytes / memory, f64::INFINITY);
         let pcie = shares(usage, |u| u.pcie_bytes / link, f64::INFINITY);
         let w = self.weights;
         let mut pods = BTreeMap::new();
-        let mut compute_seconds = BTreeMap::new();
         let mut used = 0.0;
         for (i, (k, _)) in usage.iter().enumerate() {
             let c = node * (w.compute * compute[i] + w.vram * vram[i] + w.pcie * pcie[i]);
             used += c;
             *pods.entry(k.clone()).or_insert(0.0) += c;
-            *compute_seconds.entry(k.clone()).or_insert(0.0) += compute[i] * secs;
         }
         IntervalCost {
             pods,
@@ -141,19 +181,20 @@ impl<K: Ord + Clone> Ledger<K> {
     }
 }
 
-/// Driver time left uncharged is carried into the next intervals for at most this long.
+/// Compute time left uncharged is carried into the next intervals for at most this long.
 pub const MAX_CARRY: Duration = Duration::from_secs(30);
 
-/// Books intervals into a [`Ledger`], carrying driver time an interval could not hold into
-/// the next ones. The probe books a driver call's time when the call returns, so a 100 ms call
-/// that ends just after a tick puts up to twice the tick's length into one interval and none
-/// into the one before: without the carry, the cap at one GPU would drop that time. Time
-/// beyond [`MAX_CARRY`] (tasks of a pod truly in the driver at once for long) is dropped.
+/// Books intervals into a [`Ledger`], carrying compute time an interval could not hold into
+/// the next ones. Sources book time late: the driver probe books a call's time when the call
+/// returns (a 100 ms call that ends just after a tick puts up to twice the tick's length into
+/// one interval and none into the one before), an NVML sample is booked when it is read.
+/// Without the carry, the cap at one GPU would drop that time. Time beyond [`MAX_CARRY`]
+/// (tasks of a pod truly in the driver at once for long) is dropped.
 #[derive(Debug, Clone)]
 pub struct Meter<K> {
     pub model: CostModel,
     pub ledger: Ledger<K>,
-    carry: BTreeMap<K, f64>,
+    carry: BTreeMap<K, PerGpu>,
 }
 
 impl<K: Ord + Clone> Meter<K> {
@@ -168,7 +209,9 @@ impl<K: Ord + Clone> Meter<K> {
     /// Books one interval; pods not in `usage` lose their lines and carry.
     pub fn book(&mut self, dt: Duration, mut usage: Vec<(K, Usage)>) -> IntervalCost<K> {
         for (k, u) in &mut usage {
-            u.compute_seconds += self.carry.remove(k).unwrap_or(0.0);
+            for (gpu, s) in self.carry.remove(k).unwrap_or_default() {
+                *u.compute_seconds.entry(gpu).or_default() += s;
+            }
         }
         // what is left belongs to pods that are gone
         self.carry.clear();
@@ -176,10 +219,13 @@ impl<K: Ord + Clone> Meter<K> {
         self.ledger.add(&cost);
         let max = MAX_CARRY.as_secs_f64();
         for (k, u) in &usage {
-            let charged = cost.compute_seconds.get(k).copied().unwrap_or(0.0);
-            let left = u.compute_seconds - charged;
-            if left.is_finite() && left > 0.0 {
-                self.carry.insert(k.clone(), left.min(max));
+            let charged = cost.compute_seconds.get(k);
+            for (gpu, s) in &u.compute_seconds {
+                let left = s - charged.and_then(|c| c.get(gpu)).copied().unwrap_or(0.0);
+                if left.is_finite() && left > 1e-12 {
+                    let carry = self.carry.entry(k.clone()).or_default();
+                    carry.insert(*gpu, left.min(max));
+                }
             }
         }
         self.ledger
@@ -203,6 +249,7 @@ mod tests {
             capacity: GpuCapacity {
                 memory_bytes: 80 * GIB,
                 link_bytes_per_second: 32_000_000_000,
+                gpus: 1,
             },
         }
     }
@@ -216,22 +263,8 @@ mod tests {
         let m = model();
         // 10 s; pod a: 5 s of driver time, 20 GiB, 80 GB copied; pod b: 1 s, 40 GiB, nothing
         let usage = [
-            (
-                "a",
-                Usage {
-                    compute_seconds: 5.0,
-                    vram_bytes: (20 * GIB) as f64,
-                    pcie_bytes: 80e9,
-                },
-            ),
-            (
-                "b",
-                Usage {
-                    compute_seconds: 1.0,
-                    vram_bytes: (40 * GIB) as f64,
-                    pcie_bytes: 0.0,
-                },
-            ),
+            ("a", Usage::unplaced(5.0, (20 * GIB) as f64, 80e9)),
+            ("b", Usage::unplaced(1.0, (40 * GIB) as f64, 0.0)),
         ];
         let c = m.interval(Duration::from_secs(10), &usage);
         // node: 3.6 × 10 / 3600 = 0.01
@@ -254,12 +287,8 @@ mod tests {
             vram: 0.0,
             pcie: 0.0,
         };
-        let u = Usage {
-            compute_seconds: 0.25,
-            vram_bytes: (80 * GIB) as f64,
-            pcie_bytes: 1e12,
-        };
-        let c = m.interval(Duration::from_secs(1), &[(1u32, u)]);
+        let u = Usage::unplaced(0.25, (80 * GIB) as f64, 1e12);
+        let c = m.interval(Duration::from_secs(1), &[(1u32, u.clone())]);
         // only compute counts: 7.2 / 3600 × 0.25
         assert!(close(c.pods[&1], 0.0005), "{}", c.pods[&1]);
         assert!(close(c.idle, 0.0015));
@@ -270,12 +299,8 @@ mod tests {
         let m = model();
         // three pods each in the driver all the time (1 s each in 1 s), together 120 GiB of an
         // 80 GiB GPU, and copies at twice the link
-        let u = Usage {
-            compute_seconds: 2.0, // two containers busy at once: still one pod-second
-            vram_bytes: (40 * GIB) as f64,
-            pcie_bytes: 64e9 / 3.0,
-        };
-        let usage = [("a", u), ("b", u), ("c", u)];
+        let u = Usage::unplaced(2.0, (40 * GIB) as f64, 64e9 / 3.0);
+        let usage = [("a", u.clone()), ("b", u.clone()), ("c", u)];
         let c = m.interval(Duration::from_secs(1), &usage);
         for k in ["a", "b", "c"] {
             assert!(close(c.pods[k], c.node / 3.0), "{k}: {}", c.pods[k]);
@@ -296,11 +321,7 @@ mod tests {
     #[test]
     fn hostile_numbers_cost_nothing_rather_than_poison_the_totals() {
         let m = model();
-        let bad = Usage {
-            compute_seconds: f64::NAN,
-            vram_bytes: -5.0,
-            pcie_bytes: f64::INFINITY,
-        };
+        let bad = Usage::unplaced(f64::NAN, -5.0, f64::INFINITY);
         let c = m.interval(Duration::from_secs(1), &[("a", bad)]);
         assert_eq!(c.pods["a"], 0.0);
         assert!(close(c.idle, c.node));
@@ -315,10 +336,7 @@ mod tests {
             pcie: 0.0,
         };
         let mut meter = Meter::new(m);
-        let u = |s: f64| Usage {
-            compute_seconds: s,
-            ..Usage::default()
-        };
+        let u = |s: f64| Usage::unplaced(s, 0.0, 0.0);
         // a pod busy all along whose 100 ms calls are booked in bursts: 0.2 s, 0, 0.2 s, 0
         for s in [0.2, 0.0, 0.2, 0.0, 0.1] {
             meter.book(Duration::from_millis(100), vec![("a", u(s))]);
@@ -345,6 +363,41 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_pod_on_one_of_two_gpus_at_full_use_is_half_the_node() {
+        let mut m = model();
+        m.capacity.gpus = 2;
+        m.weights = Weights {
+            compute: 1.0,
+            vram: 0.0,
+            pcie: 0.0,
+        };
+        let on = |gpu: u32, s: f64| Usage {
+            compute_seconds: PerGpu::from([(Some(gpu), s)]),
+            ..Usage::default()
+        };
+        // 1 s: a computes all of it on GPU 0; b and c share GPU 1 at 30% and 20%
+        let usage = [("a", on(0, 1.0)), ("b", on(1, 0.3)), ("c", on(1, 0.2))];
+        let c = m.interval(Duration::from_secs(1), &usage);
+        assert!(close(c.pods["a"], c.node * 0.5), "{c:?}");
+        assert!(close(c.pods["b"], c.node * 0.15), "{c:?}");
+        assert!(close(c.pods["c"], c.node * 0.10), "{c:?}");
+        assert!(close(c.idle, c.node * 0.25), "{c:?}");
+        // two pods reporting more than GPU 1 can do share it out; GPU 0's user keeps its half
+        let usage = [("a", on(0, 1.0)), ("b", on(1, 0.9)), ("c", on(1, 0.9))];
+        let c = m.interval(Duration::from_secs(1), &usage);
+        assert!(close(c.pods["b"], c.node * 0.25), "{c:?}");
+        assert!(close(c.pods["a"], c.node * 0.5), "{c:?}");
+        assert!(c.idle.abs() < 1e-15);
+        // a pod on both GPUs at full use is the whole node
+        let both = Usage {
+            compute_seconds: PerGpu::from([(Some(0), 1.0), (Some(1), 1.0)]),
+            ..Usage::default()
+        };
+        let c = m.interval(Duration::from_secs(1), &[("a", both)]);
+        assert!(close(c.pods["a"], c.node));
+    }
+
     /// An hour of one-second intervals with a varying mix: the pods plus idle are the node's
     /// cost, and the node's cost is the rate.
     #[test]
@@ -356,19 +409,15 @@ mod tests {
             let usage = [
                 (
                     "a",
-                    Usage {
-                        compute_seconds: (t / 600.0).sin().abs(),
-                        vram_bytes: (30 * GIB) as f64,
-                        pcie_bytes: 1e9 * f64::from(s % 7),
-                    },
+                    Usage::unplaced(
+                        (t / 600.0).sin().abs(),
+                        (30 * GIB) as f64,
+                        1e9 * f64::from(s % 7),
+                    ),
                 ),
                 (
                     "b",
-                    Usage {
-                        compute_seconds: if s % 2 == 0 { 0.9 } else { 0.0 },
-                        vram_bytes: (60 * GIB) as f64, // together over the GPU's 80
-                        pcie_bytes: 40e9,
-                    },
+                    Usage::unplaced(if s % 2 == 0 { 0.9 } else { 0.0 }, (60 * GIB) as f64, 40e9),
                 ),
             ];
             ledger.add(&m.interval(Duration::from_secs(1), &usage));

@@ -1,9 +1,11 @@
 //! GPU FinOps: the per-pod GPU series turned into cost per tenant and into advice.
 //!
 //! After every map-reading tick [`FinOps::tick`] reads the GPU probes' running totals from the
-//! collector's shared state (driver time, driver call time, PCIe bytes, VRAM, duty cycle),
-//! sums them per pod, and feeds the differences to two sans-IO parts: the cost model
-//! ([`cost`]) and the MPS advisor ([`mps`]). Its Prometheus collector exports
+//! collector's shared state (compute time per GPU, duty cycle, VRAM, PCIe bytes, and the time
+//! threads waited for the GPU in driver calls and CUDA synchronisation), sums them per pod,
+//! and feeds the differences to two sans-IO parts: the cost model ([`cost`]) and the MPS
+//! advisor ([`mps`]). VRAM is NVML's per-process memory where the node has NVML (it sees
+//! every allocation, the CUDA context's included), else what the CUDA uprobes saw allocated. Its Prometheus collector exports
 //! `gpufeed_gpu_cost_total`, `gpufeed_gpu_idle_cost_total`, `gpufeed_gpu_node_cost_total`,
 //! `gpufeed_mps_recommended_active_thread_percentage` and `gpufeed_pod_info`. docs/finops.md
 //! is the reader's side.
@@ -21,10 +23,12 @@ use prometheus::core::{Collector as PromCollector, Desc};
 use prometheus::proto::{MetricFamily, MetricType};
 
 use crate::collect::{Owner, Shared};
-use crate::exporter::{counter, family, gauge};
+use crate::families::{counter, family, gauge};
 use crate::pods::{PodMeta, PodStore};
-use crate::probes::cuda::{PCIE, VRAM};
-use crate::probes::gpu_driver::{COMPUTE, DUTY, IOCTL};
+use crate::probes::cuda::{PCIE, SYNC_WAIT, VRAM};
+use crate::probes::gpu_compute::{COMPUTE, DUTY};
+use crate::probes::gpu_driver::IOCTL;
+use crate::probes::nvml::MEMORY as NVML_MEMORY;
 use crate::probes::unit::{Labels, Value};
 
 pub use config::{CapacityInput, ConfigError, FinopsArgs, FinopsConfig, GpuCapacity, Settings};
@@ -37,15 +41,17 @@ pub const MPS: &str = "gpufeed_mps_recommended_active_thread_percentage";
 pub const POD_INFO: &str = "gpufeed_pod_info";
 
 /// A pod's GPU running totals at one tick, summed over its containers.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct PodTotals {
-    /// Driver time (one task or more inside a driver call), ns.
-    busy_ns: u64,
+    /// Compute time per GPU (`None`: the source does not say which), ns.
+    compute_ns: BTreeMap<Option<u32>, u64>,
     /// Driver call time summed over calls (overlapping calls each count), ns.
     call_ns: u64,
+    /// Time blocked in CUDA synchronisation, summed over calls, ns.
+    sync_ns: u64,
     pcie_bytes: u64,
     vram_bytes: f64,
-    /// The highest of its containers' duty cycles.
+    /// The duty cycle of its busiest GPU (its containers' on that GPU summed).
     duty: Option<f64>,
 }
 
@@ -119,11 +125,19 @@ impl FinOps {
         let dt = now.saturating_duration_since(last);
         let mut usage = Vec::with_capacity(totals.len());
         let mut samples = Vec::with_capacity(totals.len());
+        let none = PodTotals::default();
         for (uid, t) in &totals {
             // a pod first seen now had all of its totals in this interval; a total that went
             // down (an owner retired) added nothing
-            let p = st.previous.get(uid).copied().unwrap_or_default();
-            let busy = secs(t.busy_ns.saturating_sub(p.busy_ns));
+            let p = st.previous.get(uid).unwrap_or(&none);
+            let compute = t
+                .compute_ns
+                .iter()
+                .map(|(gpu, ns)| {
+                    let before = p.compute_ns.get(gpu).copied().unwrap_or(0);
+                    (*gpu, secs(ns.saturating_sub(before)))
+                })
+                .collect();
             let meta = self.0.pods.get(uid);
             let name = pod_name(uid, meta.as_ref());
             usage.push((
@@ -133,14 +147,20 @@ impl FinOps {
                     pod: name.1.clone(),
                 },
                 cost::Usage {
-                    compute_seconds: busy,
+                    compute_seconds: compute,
                     vram_bytes: t.vram_bytes,
                     pcie_bytes: t.pcie_bytes.saturating_sub(p.pcie_bytes) as f64,
                 },
             ));
             if let Some(duty) = t.duty {
                 let calls = secs(t.call_ns.saturating_sub(p.call_ns));
-                samples.push((name, mps::Sample::of_tick(duty, calls, busy, dt)));
+                let syncs = secs(t.sync_ns.saturating_sub(p.sync_ns));
+                let sample = mps::Sample {
+                    duty,
+                    waiting_seconds: calls.max(syncs),
+                    seconds: dt.as_secs_f64(),
+                };
+                samples.push((name, sample));
             }
         }
         if let Some(meter) = &mut st.meter {
@@ -259,36 +279,55 @@ fn pod_totals(shared: &Shared) -> HashMap<String, PodTotals> {
         let Owner::Pod { uid, .. } = owner else {
             continue;
         };
-        for ((family, _), value) in &o.series {
+        for ((family, labels), value) in &o.series {
             let t = match *family {
-                COMPUTE | IOCTL | PCIE => out.entry(uid.clone()).or_default(),
+                COMPUTE | IOCTL | PCIE | SYNC_WAIT => out.entry(uid.clone()).or_default(),
                 _ => continue,
             };
             match (*family, value) {
-                (COMPUTE, Value::Count(ns)) => t.busy_ns += ns,
+                (COMPUTE, Value::Count(ns)) => {
+                    *t.compute_ns.entry(gpu_of(labels)).or_default() += ns;
+                }
                 (IOCTL, Value::Hist(h)) => t.call_ns += h.sum_ns,
+                (SYNC_WAIT, Value::Hist(h)) => t.sync_ns += h.sum_ns,
                 (PCIE, Value::Count(b)) => t.pcie_bytes += b,
                 _ => {}
             }
         }
     }
+    // NVML sees every process's memory; the uprobes only the allocations made after they
+    // attached
+    let vram = if shared.gauges.contains_key(NVML_MEMORY) {
+        NVML_MEMORY
+    } else {
+        VRAM
+    };
+    let mut duty: HashMap<(&str, Option<u32>), f64> = HashMap::new();
     for (family, values) in &shared.gauges {
-        if *family != VRAM && *family != DUTY {
+        if *family != vram && *family != DUTY {
             continue;
         }
         for g in values {
             let Owner::Pod { uid, .. } = &g.owner else {
                 continue;
             };
-            let t = out.entry(uid.clone()).or_default();
-            if *family == VRAM {
-                t.vram_bytes += g.value;
+            if *family == vram {
+                out.entry(uid.clone()).or_default().vram_bytes += g.value;
             } else {
-                t.duty = Some(t.duty.unwrap_or(0.0).max(g.value));
+                *duty.entry((uid.as_str(), gpu_of(&g.labels))).or_default() += g.value;
             }
         }
     }
+    for ((uid, _), d) in duty {
+        let t = out.entry(uid.to_string()).or_default();
+        t.duty = Some(t.duty.unwrap_or(0.0).max(d.min(1.0)));
+    }
     out
+}
+
+/// The `gpu` label of a compute series (NVML's index), if it has one.
+fn gpu_of(labels: &Labels) -> Option<u32> {
+    labels.get("gpu").and_then(|g| g.parse().ok())
 }
 
 #[cfg(test)]
@@ -382,6 +421,7 @@ mod tests {
             capacity: CapacityInput {
                 memory_bytes: Some(1000),
                 link_bytes_per_second: Some(100),
+                gpus: None,
             },
             ..Settings::default()
         }
@@ -460,10 +500,50 @@ mod tests {
     fn totals_sum_containers_and_take_the_busiest_duty() {
         let t = pod_totals(&shared([3, 4], 9, 7.0));
         assert_eq!(t.len(), 1);
-        let a = t["a"];
-        assert_eq!((a.busy_ns, a.call_ns, a.pcie_bytes), (7, 14, 9));
+        let a = &t["a"];
+        assert_eq!(a.compute_ns, BTreeMap::from([(None, 7)]));
+        assert_eq!((a.call_ns, a.pcie_bytes), (14, 9));
         assert_eq!(a.vram_bytes, 7.0);
-        assert_eq!(a.duty, Some(0.4));
+        // both containers' duty is on the one GPU the source does not name: summed
+        assert!((a.duty.unwrap() - 0.6).abs() < 1e-12, "{:?}", a.duty);
+    }
+
+    #[test]
+    fn nvml_memory_and_per_gpu_compute_when_the_node_has_nvml() {
+        let mut s = shared([0, 0], 0, 7.0);
+        let gpu = |i: &str| Labels::from([("gpu", i.to_string())]);
+        let o = s.owners.get_mut(&pod("a", "c1")).unwrap();
+        o.series.clear();
+        o.series.insert((COMPUTE, gpu("0")), Value::Count(5));
+        o.series.insert((COMPUTE, gpu("1")), Value::Count(6));
+        let duty = |c: &str, g: &str, value| GaugeValue {
+            owner: pod("a", c),
+            labels: gpu(g),
+            value,
+        };
+        s.gauges.insert(
+            DUTY,
+            vec![
+                duty("c0", "0", 0.3),
+                duty("c1", "0", 0.4),
+                duty("c1", "1", 0.5),
+            ],
+        );
+        let mem = |c: &str, value| GaugeValue {
+            owner: pod("a", c),
+            labels: Labels::new(),
+            value,
+        };
+        s.gauges
+            .insert(NVML_MEMORY, vec![mem("c0", 1000.0), mem("c1", 24.0)]);
+        let a = &pod_totals(&s)["a"];
+        assert_eq!(
+            a.compute_ns,
+            BTreeMap::from([(None, 0), (Some(0), 5), (Some(1), 6)])
+        );
+        assert_eq!(a.vram_bytes, 1024.0, "NVML's memory, not the uprobes' 7");
+        // GPU 0: 0.3 + 0.4 of the pod's containers; GPU 1: 0.5
+        assert!((a.duty.unwrap() - 0.7).abs() < 1e-12, "{:?}", a.duty);
     }
 
     #[test]

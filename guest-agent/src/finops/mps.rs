@@ -3,9 +3,10 @@
 //!
 //! * Every sample of the last `sustain` below `low_duty` (15%): the pod needs a small slice:
 //!   twice its peak duty cycle in the period, rounded up to a multiple of 10, at least 10.
-//! * Every sample of the last `sustain` above `high_duty` (80%) and the pod's tasks queueing in
-//!   the driver (on average more than `queueing` of them inside it while any is): the whole
-//!   GPU, 100.
+//! * Every sample of the last `sustain` above `high_duty` (80%) and the pod's threads queueing
+//!   for the GPU (on average more than `queueing` of them waiting, in driver calls or in CUDA
+//!   synchronisation): no slice, the whole GPU, 100; such a pod needs more replicas (the KEDA
+//!   scaler's job), not a share of one GPU.
 //! * Otherwise the previous advice holds (hysteresis: advice that flips with every burst cannot
 //!   be applied, since an MPS client's percentage is fixed when it starts). Before the first
 //!   decision the advice is 100, CUDA's default.
@@ -19,7 +20,7 @@ pub struct MpsConfig {
     pub sustain: Duration,
     pub low_duty: f64,
     pub high_duty: f64,
-    /// Mean number of the pod's tasks inside the driver while any is, above which they queue.
+    /// Mean number of the pod's threads waiting for the GPU above which they queue.
     pub queueing: f64,
 }
 
@@ -37,39 +38,14 @@ impl Default for MpsConfig {
 /// One pod's observation at one tick.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
-    /// Duty cycle, 0..1.
+    /// Duty cycle, 0..1 (its busiest GPU).
     pub duty: f64,
-    /// Time the pod's tasks spent in driver calls, summed over the tasks (overlaps count once
-    /// per task), since the previous sample.
-    pub call_seconds: f64,
-    /// Time at least one of them was in a driver call, since the previous sample.
-    pub busy_seconds: f64,
-}
-
-impl Sample {
-    /// A tick's sample from the GPU series: the duty cycle gauge, and the driver call time and
-    /// driver (busy) time added in the tick of length `dt`.
-    ///
-    /// The probe books a busy interval when the pod's last task leaves the driver (an interval
-    /// still open is not readable consistently). Tasks whose calls overlap without a break
-    /// therefore add call time but no busy time, and the duty cycle does not see them until
-    /// they pause. A tick in which calls returned while the interval stayed open had a task
-    /// inside the driver throughout (up to the tick in which the interval began): it counts
-    /// as busy for its whole length.
-    pub fn of_tick(duty: f64, call_seconds: f64, busy_seconds: f64, dt: Duration) -> Sample {
-        if call_seconds > 0.0 && busy_seconds == 0.0 {
-            return Sample {
-                duty: 1.0,
-                call_seconds,
-                busy_seconds: dt.as_secs_f64(),
-            };
-        }
-        Sample {
-            duty,
-            call_seconds,
-            busy_seconds,
-        }
-    }
+    /// Time the pod's threads spent waiting for the GPU in the tick, summed over the threads
+    /// (two threads waiting for a second: 2 s): the larger of their time in driver calls and
+    /// their time blocked in CUDA synchronisation, each a lower bound.
+    pub waiting_seconds: f64,
+    /// The tick's length.
+    pub seconds: f64,
 }
 
 /// The percentage CUDA's default gives a client: the whole GPU.
@@ -138,13 +114,13 @@ fn decide(cfg: &MpsConfig, now: Instant, samples: &VecDeque<(Instant, Sample)>) 
     }
     // the oldest sample only marks the start; its duty belongs to the time before
     let period = samples.iter().skip(1).map(|(_, s)| s);
-    let (mut peak, mut low, mut high, mut calls, mut busy) = (0.0f64, true, true, 0.0, 0.0);
+    let (mut peak, mut low, mut high, mut waiting, mut length) = (0.0f64, true, true, 0.0, 0.0);
     for s in period {
         peak = peak.max(s.duty);
         low &= s.duty < cfg.low_duty;
         high &= s.duty > cfg.high_duty;
-        calls += s.call_seconds;
-        busy += s.busy_seconds;
+        waiting += s.waiting_seconds;
+        length += s.seconds;
     }
     if low {
         let pct = (peak * 200.0).ceil() as u32;
@@ -154,7 +130,7 @@ fn decide(cfg: &MpsConfig, now: Instant, samples: &VecDeque<(Instant, Sample)>) 
                 .clamp(MIN_SLICE, WHOLE_GPU),
         );
     }
-    if high && busy > 0.0 && calls / busy > cfg.queueing {
+    if high && length > 0.0 && waiting / length > cfg.queueing {
         return Some(WHOLE_GPU);
     }
     None
@@ -171,11 +147,12 @@ mod tests {
         }
     }
 
-    fn s(duty: f64, calls: f64, busy: f64) -> Sample {
+    /// A one-second tick with `waiting` thread-seconds of waiting.
+    fn s(duty: f64, waiting: f64) -> Sample {
         Sample {
             duty,
-            call_seconds: calls,
-            busy_seconds: busy,
+            waiting_seconds: waiting,
+            seconds: 1.0,
         }
     }
 
@@ -200,18 +177,18 @@ mod tests {
     fn a_quiet_pod_gets_a_small_slice_after_the_sustain_period() {
         let mut a = MpsAdvisor::new(cfg());
         let mut t = Instant::now();
-        a.observe(t, [("quiet", s(0.05, 0.05, 0.05))]);
-        run(&mut a, &mut t, 59, &[("quiet", s(0.05, 0.05, 0.05))]);
+        a.observe(t, [("quiet", s(0.05, 0.05))]);
+        run(&mut a, &mut t, 59, &[("quiet", s(0.05, 0.05))]);
         assert_eq!(advice(&a, "quiet"), Some(100), "not sustained yet");
-        run(&mut a, &mut t, 1, &[("quiet", s(0.05, 0.05, 0.05))]);
+        run(&mut a, &mut t, 1, &[("quiet", s(0.05, 0.05))]);
         // peak 5% → 10% (twice, rounded up to 10, at least 10)
         assert_eq!(advice(&a, "quiet"), Some(10));
         // a slightly busier quiet pod: peak 14% → 28 → 30
         let mut b = MpsAdvisor::new(cfg());
-        b.observe(t, [("q", s(0.02, 0.0, 0.0))]);
-        run(&mut b, &mut t, 30, &[("q", s(0.02, 0.0, 0.0))]);
-        run(&mut b, &mut t, 1, &[("q", s(0.14, 0.0, 0.0))]);
-        run(&mut b, &mut t, 30, &[("q", s(0.02, 0.0, 0.0))]);
+        b.observe(t, [("q", s(0.02, 0.0))]);
+        run(&mut b, &mut t, 30, &[("q", s(0.02, 0.0))]);
+        run(&mut b, &mut t, 1, &[("q", s(0.14, 0.0))]);
+        run(&mut b, &mut t, 30, &[("q", s(0.02, 0.0))]);
         assert_eq!(advice(&b, "q"), Some(30));
     }
 
@@ -219,24 +196,24 @@ mod tests {
     fn a_busy_queueing_pod_gets_the_whole_gpu_and_advice_holds_in_between() {
         let mut a = MpsAdvisor::new(cfg());
         let mut t = Instant::now();
-        a.observe(t, [("p", s(0.05, 0.0, 0.0))]);
-        run(&mut a, &mut t, 60, &[("p", s(0.05, 0.05, 0.05))]);
+        a.observe(t, [("p", s(0.05, 0.0))]);
+        run(&mut a, &mut t, 60, &[("p", s(0.05, 0.05))]);
         assert_eq!(advice(&a, "p"), Some(10));
         // medium use: no rule holds, the advice stays
-        run(&mut a, &mut t, 120, &[("p", s(0.5, 0.5, 0.5))]);
+        run(&mut a, &mut t, 120, &[("p", s(0.5, 0.5))]);
         assert_eq!(advice(&a, "p"), Some(10));
-        // busy without queueing (one task at a time): still no change
-        run(&mut a, &mut t, 120, &[("p", s(0.95, 0.95, 0.95))]);
+        // busy without queueing (one thread waiting at a time): still no change
+        run(&mut a, &mut t, 120, &[("p", s(0.95, 0.95))]);
         assert_eq!(advice(&a, "p"), Some(10));
-        // a moment of medium use, then busy with two tasks in the driver at once: the whole
+        // a moment of medium use, then busy with two threads waiting at once: the whole
         // GPU, once that is sustained
-        run(&mut a, &mut t, 1, &[("p", s(0.5, 0.5, 0.5))]);
-        run(&mut a, &mut t, 59, &[("p", s(0.95, 1.9, 0.95))]);
+        run(&mut a, &mut t, 1, &[("p", s(0.5, 0.5))]);
+        run(&mut a, &mut t, 59, &[("p", s(0.95, 1.9))]);
         assert_eq!(advice(&a, "p"), Some(10), "59 s is not 60");
-        run(&mut a, &mut t, 1, &[("p", s(0.95, 1.9, 0.95))]);
+        run(&mut a, &mut t, 1, &[("p", s(0.95, 1.9))]);
         assert_eq!(advice(&a, "p"), Some(100));
         // one burst below 80% breaks the run
-        run(&mut a, &mut t, 1, &[("p", s(0.05, 0.0, 0.0))]);
+        run(&mut a, &mut t, 1, &[("p", s(0.05, 0.0))]);
         assert_eq!(advice(&a, "p"), Some(100), "held");
     }
 
@@ -244,46 +221,21 @@ mod tests {
     fn one_busy_sample_in_the_period_prevents_a_small_slice() {
         let mut a = MpsAdvisor::new(cfg());
         let mut t = Instant::now();
-        a.observe(t, [("p", s(0.0, 0.0, 0.0))]);
-        run(&mut a, &mut t, 30, &[("p", s(0.0, 0.0, 0.0))]);
-        run(&mut a, &mut t, 1, &[("p", s(0.5, 0.5, 0.5))]);
-        run(&mut a, &mut t, 59, &[("p", s(0.0, 0.0, 0.0))]);
+        a.observe(t, [("p", s(0.0, 0.0))]);
+        run(&mut a, &mut t, 30, &[("p", s(0.0, 0.0))]);
+        run(&mut a, &mut t, 1, &[("p", s(0.5, 0.5))]);
+        run(&mut a, &mut t, 59, &[("p", s(0.0, 0.0))]);
         assert_eq!(advice(&a, "p"), Some(100));
-        run(&mut a, &mut t, 1, &[("p", s(0.0, 0.0, 0.0))]);
+        run(&mut a, &mut t, 1, &[("p", s(0.0, 0.0))]);
         assert_eq!(advice(&a, "p"), Some(10), "the burst left the period");
-    }
-
-    #[test]
-    fn calls_inside_a_busy_interval_still_open_count_as_busy_throughout() {
-        let dt = Duration::from_millis(200);
-        // two tasks queued back to back: 0.4 s of calls in 0.2 s, the interval never closes
-        let s = Sample::of_tick(0.0, 0.4, 0.0, dt);
-        assert_eq!((s.duty, s.busy_seconds), (1.0, 0.2));
-        // an idle tick, and a tick whose interval closed, are as measured
-        assert_eq!(Sample::of_tick(0.0, 0.0, 0.0, dt).duty, 0.0);
-        assert_eq!(Sample::of_tick(0.5, 0.1, 0.1, dt).duty, 0.5);
-        let mut a = MpsAdvisor::new(cfg());
-        let mut t = Instant::now();
-        run(
-            &mut a,
-            &mut t,
-            61,
-            &[("q", Sample::of_tick(0.0, 2.0, 0.0, Duration::from_secs(1)))],
-        );
-        assert_eq!(advice(&a, "q"), Some(100));
     }
 
     #[test]
     fn pods_without_a_sample_are_forgotten() {
         let mut a = MpsAdvisor::new(cfg());
         let mut t = Instant::now();
-        run(
-            &mut a,
-            &mut t,
-            2,
-            &[("a", s(0.1, 0.0, 0.0)), ("b", s(0.1, 0.0, 0.0))],
-        );
-        run(&mut a, &mut t, 1, &[("a", s(0.1, 0.0, 0.0))]);
+        run(&mut a, &mut t, 2, &[("a", s(0.1, 0.0)), ("b", s(0.1, 0.0))]);
+        run(&mut a, &mut t, 1, &[("a", s(0.1, 0.0))]);
         assert_eq!(a.advice().count(), 1);
         assert_eq!(advice(&a, "b"), None);
     }

@@ -10,7 +10,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::sync::OnceLock;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
 use super::cgroup_maps::Mapped;
@@ -80,7 +80,7 @@ fn check() -> Result<(), ProbeError> {
     let open = skel::CgroupBatchSkelBuilder::default()
         .open(&mut storage)
         .map_err(err(NAME, "open"))?;
-    let skel = open.load().map_err(err(NAME, "load"))?;
+    let skel = crate::probes::object::load(NAME, open)?;
     const MARK: u64 = 0x6770_7566_6565_6401;
     skel.maps
         .batch_check
@@ -292,7 +292,7 @@ mod tests {
         let open = skel::CgroupBatchSkelBuilder::default()
             .open(&mut storage)
             .unwrap();
-        let skel = open.load().unwrap();
+        let skel = crate::probes::object::load("sched_latency", open).unwrap();
         let values = MapHandle::try_from(&skel.maps.batch_check).unwrap();
         let mut ids = Vec::new();
         for i in 0..3u64 {

@@ -18,21 +18,28 @@ use std::os::fd::BorrowedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
 use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::Drained;
+use super::cgroup_storage::{self, CgroupValues, Storage};
+use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::hist::Hist;
 use super::lookout::Lookout;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    read_each, Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
-    Probe, Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+    self, read_each, Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded,
+    MapFill, Probe, Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use super::{decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
 use crate::cgroups::CgroupTree;
-use crate::collect::Owner;
+use crate::owner::Owner;
+
+/// The counters of bpf/cuda.h, generated from it by build.rs.
+mod limits {
+    include!(concat!(env!("OUT_DIR"), "/cuda.consts.rs"));
+}
 
 pub const NAME: &str = "cuda";
 pub const VRAM: &str = "ebpf_gpu_vram_reserved_bytes";
@@ -43,40 +50,56 @@ pub const SYNC_WAIT: &str = "ebpf_gpu_sync_wait_microseconds";
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
+    reports: &[NAME],
     load: load_unit,
 };
 
+const VRAM_FAMILY: FamilySpec = FamilySpec {
+    name: VRAM,
+    help: "GPU memory the container's processes hold through the CUDA driver API (allocations and VMM physical allocations)",
+    kind: Kind::Gauge,
+    scope: Scope::Container,
+};
+const PCIE_FAMILY: FamilySpec = FamilySpec {
+    name: PCIE,
+    help: "Bytes copied between host and GPU by the pod through the CUDA driver API, by direction (h2d, d2h)",
+    kind: Kind::Counter,
+    scope: Scope::Pod,
+};
+const LAUNCHES_FAMILY: FamilySpec = FamilySpec {
+    name: LAUNCHES,
+    help: "CUDA kernel launches (cuLaunchKernel; counted only with --cuda-launches)",
+    kind: Kind::Counter,
+    scope: Scope::Container,
+};
+const BUSY_FAMILY: FamilySpec = FamilySpec {
+    name: BUSY,
+    help: "Wall time during which a stream of the container's processes had launched work not yet seen complete by a synchronisation or query (an upper bound of GPU busy time; only with --cuda-launches)",
+    kind: Kind::SecondsCounter,
+    scope: Scope::Container,
+};
+const SYNC_WAIT_FAMILY: FamilySpec = FamilySpec {
+    name: SYNC_WAIT,
+    help: "Time a thread of the container blocked in cuStreamSynchronize, cuCtxSynchronize or cuEventSynchronize (waiting for the GPU)",
+    kind: Kind::Histogram,
+    scope: Scope::Container,
+};
 static FAMILIES: [FamilySpec; 5] = [
-    FamilySpec {
-        name: VRAM,
-        help: "GPU memory the container's processes hold through the CUDA driver API (allocations and VMM physical allocations)",
-        kind: Kind::Gauge,
-        scope: Scope::Container,
-    },
-    FamilySpec {
-        name: PCIE,
-        help: "Bytes copied between host and GPU by the pod through the CUDA driver API, by direction (h2d, d2h)",
-        kind: Kind::Counter,
-        scope: Scope::Pod,
-    },
-    FamilySpec {
-        name: LAUNCHES,
-        help: "CUDA kernel launches (cuLaunchKernel; counted only with --cuda-launches)",
-        kind: Kind::Counter,
-        scope: Scope::Container,
-    },
-    FamilySpec {
-        name: BUSY,
-        help: "Wall time during which a stream of the container's processes had launched work not yet seen complete by a synchronisation or query (an upper bound of GPU busy time; only with --cuda-launches)",
-        kind: Kind::SecondsCounter,
-        scope: Scope::Container,
-    },
-    FamilySpec {
-        name: SYNC_WAIT,
-        help: "Time a thread of the container blocked in cuStreamSynchronize, cuCtxSynchronize or cuEventSynchronize (waiting for the GPU)",
-        kind: Kind::Histogram,
-        scope: Scope::Container,
-    },
+    VRAM_FAMILY,
+    PCIE_FAMILY,
+    LAUNCHES_FAMILY,
+    BUSY_FAMILY,
+    SYNC_WAIT_FAMILY,
+];
+/// When the busy estimate is the node's compute time (launches probed, no NVML).
+static FAMILIES_COMPUTE: [FamilySpec; 7] = [
+    VRAM_FAMILY,
+    PCIE_FAMILY,
+    LAUNCHES_FAMILY,
+    BUSY_FAMILY,
+    SYNC_WAIT_FAMILY,
+    gpu_compute::COMPUTE_FAMILY,
+    gpu_compute::DUTY_FAMILY,
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
@@ -305,7 +328,7 @@ pub struct CudaProbe {
     // the skeleton is leaked once (one probe per agent).
     skel: &'static skel::CudaSkel<'static>,
     _links: Vec<Link>,
-    cgroups: MapHandle,
+    cgroups: CgroupValues,
     drained: Drained,
     /// None on a kernel without batch reads: one lookup per cgroup
     batch: Option<BatchRead>,
@@ -323,6 +346,10 @@ pub struct CudaProbe {
     pids_seen: Option<u64>,
     /// VRAM per cgroup at its last read.
     vram: HashMap<u64, i64>,
+    /// Set when the busy estimate is the node's compute time.
+    compute: Option<ComputeSeries>,
+    /// how it runs here (`gpufeed_probe_info`)
+    status: ProbeStatus,
 }
 
 impl CudaProbe {
@@ -330,19 +357,44 @@ impl CudaProbe {
         opts: CudaOptions,
         btf: &KernelBtf,
     ) -> Result<Result<CudaProbe, ProbeStatus>, ProbeError> {
-        let storage: &'static mut MaybeUninit<OpenObject> =
-            Box::leak(Box::new(MaybeUninit::uninit()));
+        let chosen = cgroup_storage::load_first(NAME, |storage| {
+            CudaProbe::load_with(opts.clone(), btf, storage)
+        })?;
+        let mut probe = chosen.loaded;
+        probe.status = unit::status_of(
+            NAME,
+            "uprobe libcuda.so.1 (per library file)",
+            probe.cgroups.storage(),
+            probe.batch.is_some(),
+            chosen.fell_back,
+        );
+        Ok(Ok(probe))
+    }
+
+    fn load_with(
+        opts: CudaOptions,
+        btf: &KernelBtf,
+        storage: Storage,
+    ) -> Result<CudaProbe, ProbeError> {
+        let mem: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
         let mut open = skel::CudaSkelBuilder::default()
-            .open(storage)
+            .open(mem)
             .map_err(err(NAME, "open"))?;
+        storage.configure(
+            NAME,
+            &mut open.maps.cuda_cgroup,
+            &mut open.maps.cuda_cgroup_by_id,
+            &mut open.maps.cuda_cgroup_zero,
+        )?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.busy_estimate = opts.launches;
+            ro.cgroup_storage_by_id = storage.by_id();
         }
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         open.progs.cuda_cgroup_rmdir.set_autoload(has_rmdir);
-        let batched = cgroup_batch::supported();
+        let batched = !storage.by_id() && cgroup_batch::supported();
         open.progs.cuda_cgroup_batch_read.set_autoload(batched);
-        let skel = open.load().map_err(err(NAME, "load"))?;
+        let skel = crate::probes::object::load(NAME, open)?;
         let p = &skel.progs;
         let mut progs = vec![(&p.cuda_exit, "sched_process_exit")];
         if has_rmdir {
@@ -350,9 +402,14 @@ impl CudaProbe {
         }
         let links = super::attach_all(NAME, progs)?;
         let skel: &'static skel::CudaSkel<'static> = Box::leak(Box::new(skel));
-        Ok(Ok(CudaProbe {
+        let values = if storage.by_id() {
+            handle(NAME, &skel.maps.cuda_cgroup_by_id)?
+        } else {
+            handle(NAME, &skel.maps.cuda_cgroup)?
+        };
+        Ok(CudaProbe {
             _links: links,
-            cgroups: handle(NAME, &skel.maps.cuda_cgroup)?,
+            cgroups: CgroupValues::new(values, storage),
             drained: Drained::new(
                 NAME,
                 handle(NAME, &skel.maps.cuda_cgroup_drained)?,
@@ -379,7 +436,9 @@ impl CudaProbe {
             last: LastRead::default(),
             pids_seen: None,
             vram: HashMap::new(),
-        }))
+            compute: None,
+            status: ProbeStatus::up(NAME),
+        })
     }
 
     /// Looks for the driver library in the processes `tgids` not yet known to
@@ -493,27 +552,51 @@ impl CudaProbe {
     fn take_reading(&mut self, id: u64, now: CudaCgroup, out: &mut Vec<Delta>) {
         self.vram.insert(id, now.vram_bytes);
         let d = self.last.advance(id, now, CudaCgroup::delta_since);
-        push_deltas(d, self.opts.launches, out);
+        push_deltas(id, d, self.opts.launches, self.compute.as_mut(), out);
+    }
+
+    /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
+    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
+        self.cgroups
+            .get_by_dir(cgroup_dir)
+            .and_then(|b| CudaCgroup::from_bytes(&b))
     }
 
     /// One cgroup's numbers, if any of its processes called a probed function.
-    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
-        lookup_cgroup(&self.cgroups, cgroup_dir)
-            .ok()
-            .flatten()
+    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
+        self.cgroups
+            .get(id, cgroup_dir)
             .and_then(|b| CudaCgroup::from_bytes(&b))
     }
 
     /// (cgroup storage unavailable, object map full, frees of unknown
     /// objects, launches whose stream was not tracked)
-    pub fn kernel_stats(&self) -> [u64; 4] {
-        [0, 1, 2, 3].map(|i| percpu_sum(&self.stats, i))
+    pub fn kernel_stats(&self) -> [u64; limits::STATS] {
+        [
+            limits::STAT_NO_STORAGE,
+            limits::STAT_OBJECTS_FULL,
+            limits::STAT_UNKNOWN_FREE,
+            limits::STAT_UNTRACKED_LAUNCH,
+        ]
+        .map(|i| percpu_sum(&self.stats, i as u32))
     }
 }
 
 impl Probe for CudaProbe {
     fn families(&self) -> &'static [FamilySpec] {
-        &FAMILIES
+        match self.compute {
+            Some(_) => &FAMILIES_COMPUTE,
+            None => &FAMILIES,
+        }
+    }
+
+    /// The busy estimate needs the launch probes.
+    fn compute_source(&self) -> Option<ComputeSource> {
+        self.opts.launches.then_some(ComputeSource::LaunchEstimate)
+    }
+
+    fn publish_compute(&mut self, series: ComputeSeries) {
+        self.compute = Some(series);
     }
 
     fn signals(&self) -> Vec<SignalSpec> {
@@ -525,7 +608,9 @@ impl Probe for CudaProbe {
     }
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(now) = self.read(dir) else { return };
+        let Some(now) = self.read_id(id, dir) else {
+            return;
+        };
         self.take_reading(id, now, out);
     }
 
@@ -547,9 +632,10 @@ impl Probe for CudaProbe {
     /// read is still owed to the pod.
     fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
         let (drained, last, vram) = (&self.drained, &mut self.last, &mut self.vram);
-        let launches = self.opts.launches;
+        let (launches, compute) = (self.opts.launches, &mut self.compute);
         let push = |id, now, d: &mut Vec<Delta>| {
-            push_deltas(last.advance(id, now, CudaCgroup::delta_since), launches, d);
+            let delta = last.advance(id, now, CudaCgroup::delta_since);
+            push_deltas(id, delta, launches, compute.as_mut(), d);
             last.forget(id);
             vram.remove(&id);
         };
@@ -563,6 +649,11 @@ impl Probe for CudaProbe {
     fn forget_cgroup(&mut self, id: u64) {
         self.last.forget(id);
         self.vram.remove(&id);
+        self.cgroups.forget(id);
+    }
+
+    fn how(&self) -> Vec<(&'static str, String)> {
+        self.status.how.clone()
     }
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
@@ -577,9 +668,10 @@ impl Probe for CudaProbe {
                 *per_owner.entry(owner).or_default() += bytes;
             }
         }
+        let duty = self.compute.as_mut().map(|c| c.duty_gauges(ctx));
         TickOutput {
             deltas: Vec::new(),
-            gauges: vec![(
+            gauges: std::iter::once((
                 VRAM,
                 per_owner
                     .into_iter()
@@ -591,7 +683,9 @@ impl Probe for CudaProbe {
                         value: bytes.max(0) as f64,
                     })
                     .collect(),
-            )],
+            ))
+            .chain(duty)
+            .collect(),
         }
     }
 
@@ -630,13 +724,23 @@ impl Probe for CudaProbe {
                     value: unknown as f64,
                 },
             ],
-            node: Vec::new(),
+            node: self.compute.iter().map(ComputeSeries::info).collect(),
         }
     }
 }
 
-/// The deltas of one cgroup's interval `d`.
-fn push_deltas(d: CudaCgroup, launches: bool, out: &mut Vec<Delta>) {
+/// The deltas of cgroup `id`'s interval `d`; its busy estimate is also the compute time when
+/// this unit publishes it.
+fn push_deltas(
+    id: u64,
+    d: CudaCgroup,
+    launches: bool,
+    compute: Option<&mut ComputeSeries>,
+    out: &mut Vec<Delta>,
+) {
+    if let Some(c) = compute {
+        out.push(c.cgroup_delta(id, Labels::new(), d.busy_ns));
+    }
     for (direction, bytes) in [("h2d", d.h2d_bytes), ("d2h", d.d2h_bytes)] {
         out.push(Delta {
             family: PCIE,

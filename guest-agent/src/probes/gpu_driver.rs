@@ -17,41 +17,40 @@ mod skel {
     include!(concat!(env!("OUT_DIR"), "/gpu_driver.skel.rs"));
 }
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
 use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::Drained;
+use super::cgroup_storage::{self, CgroupValues, Storage};
 use super::cuda::{attach_uprobe, find_libs, reachable};
+use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::hist::{Hist, HIST_BYTES};
 use super::lookout::Lookout;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    read_each, Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
+    self, read_each, Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
     Probe, Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::{
-    attach_all, decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus,
-};
+use super::{attach_all, decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
 use crate::cgroups::CgroupTree;
-use crate::collect::Owner;
 
 pub const NAME: &str = "gpu_driver";
 pub const IOCTL: &str = "ebpf_gpu_ioctl_latency_microseconds";
-pub const COMPUTE: &str = "ebpf_gpu_compute_time_seconds_total";
-pub const DUTY: &str = "ebpf_gpu_active_compute_duty_cycle";
+/// Driver time: the compute time of the node's last-resort source (see `gpu_compute`).
+pub const DRIVER_TIME: &str = "ebpf_gpu_driver_time_seconds_total";
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
+    reports: &[NAME],
     load: load_unit,
 };
 
@@ -78,8 +77,6 @@ pub enum Hook {
 pub struct Config {
     pub devices: GpuDevices,
     pub hook: Hook,
-    /// The window the duty cycle is the busy share of.
-    pub duty_window: Duration,
 }
 
 impl Default for Config {
@@ -87,38 +84,34 @@ impl Default for Config {
         Config {
             devices: GpuDevices::default(),
             hook: Hook::Auto,
-            duty_window: Duration::from_secs(30),
         }
     }
 }
 
-static FAMILIES: [FamilySpec; 3] = [
-    FamilySpec {
-        name: IOCTL,
-        help: "Time in ioctl() on GPU device files (the driver), by request class",
-        kind: Kind::Histogram,
-        scope: Scope::Container,
-    },
-    FamilySpec {
-        name: COMPUTE,
-        help: "Wall time during which at least one task of the container was inside a GPU driver ioctl",
-        kind: Kind::SecondsCounter,
-        scope: Scope::Container,
-    },
-    FamilySpec {
-        name: DUTY,
-        help: "Share of the last window (--gpu-duty-window) with a task of the container inside a GPU driver ioctl",
-        kind: Kind::Gauge,
-        scope: Scope::Container,
-    },
+const IOCTL_FAMILY: FamilySpec = FamilySpec {
+    name: IOCTL,
+    help: "Time in ioctl() on GPU device files (the driver), by request class",
+    kind: Kind::Histogram,
+    scope: Scope::Container,
+};
+const DRIVER_TIME_FAMILY: FamilySpec = FamilySpec {
+    name: DRIVER_TIME,
+    help: "Wall time during which at least one task of the container was inside a GPU driver ioctl",
+    kind: Kind::SecondsCounter,
+    scope: Scope::Container,
+};
+static FAMILIES: [FamilySpec; 2] = [IOCTL_FAMILY, DRIVER_TIME_FAMILY];
+/// When driver time is the node's compute time (no better source).
+static FAMILIES_COMPUTE: [FamilySpec; 4] = [
+    IOCTL_FAMILY,
+    DRIVER_TIME_FAMILY,
+    gpu_compute::COMPUTE_FAMILY,
+    gpu_compute::DUTY_FAMILY,
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
     let cfg = &ctx.config.gpu_driver;
-    let loaded = GpuDriverProbe::load(&cfg.devices, cfg.hook, ctx.btf)?.map(|mut p| {
-        p.duty = DutyWindow::new(cfg.duty_window);
-        p
-    });
+    let loaded = GpuDriverProbe::load(&cfg.devices, cfg.hook, ctx.btf)?;
     Ok(Loaded::single(NAME, loaded))
 }
 
@@ -126,15 +119,21 @@ fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, P
 /// process that maps none is linked statically and has them in its executable.
 const LIBC_NAMES: [&str; 3] = ["libc.so", "libc-", "ld-musl-"];
 
-/// Mirrors of the constants in bpf/gpu_driver.bpf.c.
-const GPU_FD_BITS: usize = 8192;
+/// The limits and request classes of bpf/gpu_driver.h, generated from it by build.rs.
+mod limits {
+    #![allow(dead_code)] // every define of the header, used or not
+    include!(concat!(env!("OUT_DIR"), "/gpu_driver.consts.rs"));
+}
+use limits::{
+    CMD_SLOTS, GPU_FD_BITS, MAX_PREFIXES, PREFIX_LEN, STATS, STAT_CGROUP_MOVED, STAT_FD_LEARNED,
+    STAT_FD_UNTRACKED, STAT_NO_STORAGE,
+};
 const GPU_FD_WORDS: usize = GPU_FD_BITS / 64;
-const MAX_PREFIXES: usize = 4;
-const PREFIX_LEN: usize = 64;
+/// The kernel's (the BPF side has its own copy: vmlinux.h carries no macros).
 const O_CLOEXEC: u32 = 0o2000000;
 
 /// The `cmd` label of each request class, in the kernel's slot order.
-pub const CMD_CLASSES: [&str; 8] = [
+pub const CMD_CLASSES: [&str; CMD_SLOTS] = [
     "other",
     "rm_control",
     "rm_alloc",
@@ -247,8 +246,22 @@ impl GpuDriverCgroup {
     }
 }
 
-/// The deltas of one cgroup's interval `d`.
-fn push_deltas(d: GpuDriverCgroup, out: &mut Vec<Delta>) {
+/// The deltas of cgroup `id`'s interval `d`; its driver time is also the compute time when
+/// this unit publishes it. A cgroup whose calls returned while it stayed inside the driver
+/// (calls overlapping without a break: no busy interval closed) computed throughout.
+fn push_deltas(
+    id: u64,
+    d: GpuDriverCgroup,
+    compute: Option<&mut ComputeSeries>,
+    out: &mut Vec<Delta>,
+) {
+    let returned = d.ioctl.iter().any(|h| !h.is_empty());
+    if let Some(c) = compute {
+        if returned && d.busy_ns == 0 {
+            c.busy_throughout(id);
+        }
+        out.push(c.cgroup_delta(id, Labels::new(), d.busy_ns));
+    }
     for (class, h) in CMD_CLASSES.iter().zip(d.ioctl) {
         if !h.is_empty() {
             out.push(Delta {
@@ -259,7 +272,7 @@ fn push_deltas(d: GpuDriverCgroup, out: &mut Vec<Delta>) {
         }
     }
     out.push(Delta {
-        family: COMPUTE,
+        family: DRIVER_TIME,
         labels: Labels::new(),
         value: Value::Count(d.busy_ns),
     });
@@ -270,7 +283,7 @@ pub struct GpuDriverProbe {
     // lives as long as the agent (one probe per agent; tests load a few).
     skel: &'static skel::GpuDriverSkel<'static>,
     mode: Mode,
-    cgroups: MapHandle,
+    cgroups: CgroupValues,
     drained: Drained,
     /// None on a kernel without batch reads: one lookup per cgroup
     batch: Option<BatchRead>,
@@ -288,9 +301,10 @@ pub struct GpuDriverProbe {
     last: LastRead<GpuDriverCgroup>,
     /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
     pids_seen: Option<u64>,
-    /// Busy time read this tick, per cgroup, for the duty cycle.
-    busy_read: Vec<(u64, u64)>,
-    duty: DutyWindow,
+    /// Set when driver time is the node's compute time.
+    compute: Option<ComputeSeries>,
+    /// how it runs here (`gpufeed_probe_info`)
+    status: ProbeStatus,
 }
 
 /// The hooks a loaded probe uses.
@@ -302,6 +316,15 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The hooks of this mode, for `gpufeed_probe_info{hook}`.
+    pub fn hooks(self) -> &'static str {
+        match self {
+            Mode::Uprobes => "uprobe libc ioctl/close/dup (per GPU process)",
+            Mode::Syscalls => "tracepoint syscalls:sys_{enter,exit}_ioctl,openat,close",
+            Mode::RawSyscalls => "tp_btf/sys_enter,sys_exit",
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Mode::Uprobes => "uprobes",
@@ -385,12 +408,39 @@ impl GpuDriverProbe {
             .map(|t| char_majors(&t, &devices.driver_names))
             .unwrap_or_default();
 
-        let storage: &'static mut MaybeUninit<OpenObject> =
-            Box::leak(Box::new(MaybeUninit::uninit()));
+        let chosen = cgroup_storage::load_first(NAME, |storage| {
+            GpuDriverProbe::load_with(devices, mode, btf, majors.clone(), storage)
+        })?;
+        let mut probe = chosen.loaded;
+        probe.status = unit::status_of(
+            NAME,
+            mode.hooks(),
+            probe.cgroups.storage(),
+            probe.batch.is_some(),
+            chosen.fell_back,
+        );
+        Ok(Ok(probe))
+    }
+
+    fn load_with(
+        devices: &GpuDevices,
+        mode: Mode,
+        btf: &KernelBtf,
+        majors: Vec<u32>,
+        storage: Storage,
+    ) -> Result<GpuDriverProbe, ProbeError> {
+        let mem: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
         let mut open = skel::GpuDriverSkelBuilder::default()
-            .open(storage)
+            .open(mem)
             .map_err(err(NAME, "open"))?;
+        storage.configure(
+            NAME,
+            &mut open.maps.gpu_cgroup,
+            &mut open.maps.gpu_cgroup_by_id,
+            &mut open.maps.gpu_cgroup_zero,
+        )?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+            ro.cgroup_storage_by_id = storage.by_id();
             ro.n_prefixes = devices.path_prefixes.len() as u32;
             for (i, p) in devices.path_prefixes.iter().enumerate() {
                 ro.prefix_len[i] = p.len() as u32;
@@ -433,9 +483,9 @@ impl GpuDriverProbe {
         }
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         p.gpu_cgroup_rmdir.set_autoload(has_rmdir);
-        let batched = cgroup_batch::supported();
+        let batched = !storage.by_id() && cgroup_batch::supported();
         p.gpu_cgroup_batch_read.set_autoload(batched);
-        let skel = open.load().map_err(err(NAME, "load"))?;
+        let skel = crate::probes::object::load(NAME, open)?;
         let skel: &'static skel::GpuDriverSkel<'static> = Box::leak(Box::new(skel));
         let p = &skel.progs;
         let mut progs = vec![
@@ -481,10 +531,15 @@ impl GpuDriverProbe {
             prefixes = ?devices.path_prefixes,
             "GPU driver time"
         );
-        Ok(Ok(GpuDriverProbe {
+        let values = if storage.by_id() {
+            handle(NAME, &skel.maps.gpu_cgroup_by_id)?
+        } else {
+            handle(NAME, &skel.maps.gpu_cgroup)?
+        };
+        Ok(GpuDriverProbe {
             skel,
             mode,
-            cgroups: handle(NAME, &skel.maps.gpu_cgroup)?,
+            cgroups: CgroupValues::new(values, storage),
             drained: Drained::new(
                 NAME,
                 handle(NAME, &skel.maps.gpu_cgroup_drained)?,
@@ -511,9 +566,9 @@ impl GpuDriverProbe {
             _links: links,
             last: LastRead::default(),
             pids_seen: None,
-            busy_read: Vec::new(),
-            duty: DutyWindow::new(Config::default().duty_window),
-        }))
+            compute: None,
+            status: ProbeStatus::up(NAME),
+        })
     }
 
     /// The hooks in use.
@@ -526,18 +581,23 @@ impl GpuDriverProbe {
         self.probed.len()
     }
 
-    /// A cgroup's reading: its deltas, and its busy time for the duty cycle.
+    /// A cgroup's reading: its deltas.
     fn take_reading(&mut self, id: u64, now: GpuDriverCgroup, out: &mut Vec<Delta>) {
         let d = self.last.advance(id, now, GpuDriverCgroup::delta_since);
-        self.busy_read.push((id, d.busy_ns));
-        push_deltas(d, out);
+        push_deltas(id, d, self.compute.as_mut(), out);
+    }
+
+    /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
+    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
+        self.cgroups
+            .get_by_dir(cgroup_dir)
+            .and_then(|b| GpuDriverCgroup::from_bytes(&b))
     }
 
     /// One cgroup's driver time, if any task of it ever called a GPU ioctl.
-    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
-        lookup_cgroup(&self.cgroups, cgroup_dir)
-            .ok()
-            .flatten()
+    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
+        self.cgroups
+            .get(id, cgroup_dir)
             .and_then(|b| GpuDriverCgroup::from_bytes(&b))
     }
 
@@ -684,14 +744,31 @@ impl GpuDriverProbe {
 
     /// (storage unavailable, fds learned at open, fds beyond the tracked
     /// range, calls that changed cgroup)
-    pub fn kernel_stats(&self) -> [u64; 4] {
-        [0, 1, 2, 3].map(|i| percpu_sum(&self.stats, i))
+    pub fn kernel_stats(&self) -> [u64; STATS] {
+        [
+            STAT_NO_STORAGE,
+            STAT_FD_LEARNED,
+            STAT_FD_UNTRACKED,
+            STAT_CGROUP_MOVED,
+        ]
+        .map(|i| percpu_sum(&self.stats, i as u32))
     }
 }
 
 impl Probe for GpuDriverProbe {
     fn families(&self) -> &'static [FamilySpec] {
-        &FAMILIES
+        match self.compute {
+            Some(_) => &FAMILIES_COMPUTE,
+            None => &FAMILIES,
+        }
+    }
+
+    fn compute_source(&self) -> Option<ComputeSource> {
+        Some(ComputeSource::DriverTime)
+    }
+
+    fn publish_compute(&mut self, series: ComputeSeries) {
+        self.compute = Some(series);
     }
 
     fn signals(&self) -> Vec<SignalSpec> {
@@ -703,7 +780,9 @@ impl Probe for GpuDriverProbe {
     }
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(now) = self.read(dir) else { return };
+        let Some(now) = self.read_id(id, dir) else {
+            return;
+        };
         self.take_reading(id, now, out);
     }
 
@@ -723,9 +802,10 @@ impl Probe for GpuDriverProbe {
     /// A removed cgroup's last interval (its tasks left their last calls
     /// before it could be removed).
     fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
-        let (drained, last) = (&self.drained, &mut self.last);
+        let (drained, last, compute) = (&self.drained, &mut self.last, &mut self.compute);
         let push = |id, now, d: &mut Vec<Delta>| {
-            push_deltas(last.advance(id, now, GpuDriverCgroup::delta_since), d);
+            let delta = last.advance(id, now, GpuDriverCgroup::delta_since);
+            push_deltas(id, delta, compute.as_mut(), d);
             last.forget(id);
         };
         drained.deltas(GpuDriverCgroup::from_bytes, push, out);
@@ -737,6 +817,11 @@ impl Probe for GpuDriverProbe {
 
     fn forget_cgroup(&mut self, id: u64) {
         self.last.forget(id);
+        self.cgroups.forget(id);
+    }
+
+    fn how(&self) -> Vec<(&'static str, String)> {
+        self.status.how.clone()
     }
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
@@ -748,23 +833,13 @@ impl Probe for GpuDriverProbe {
         if seeded > 0 {
             tracing::debug!(fds = seeded, "GPU fds seeded from /proc");
         }
-        let mut busy: HashMap<Owner, u64> = HashMap::new();
-        for (id, ns) in self.busy_read.drain(..) {
-            if let Some(owner) = ctx.owners.get(&id) {
-                *busy.entry(owner.clone()).or_default() += ns;
-            }
-        }
-        if busy.is_empty() && self.duty.is_empty() {
-            // no GPU time on the node: nothing to window
-            return TickOutput {
-                deltas: Vec::new(),
-                gauges: vec![(DUTY, Vec::new())],
-            };
-        }
-        let live: HashSet<&Owner> = ctx.owners.values().collect();
         TickOutput {
             deltas: Vec::new(),
-            gauges: vec![(DUTY, self.duty.record(Instant::now(), busy, &live))],
+            gauges: self
+                .compute
+                .iter_mut()
+                .map(|c| c.duty_gauges(ctx))
+                .collect(),
         }
     }
 
@@ -803,84 +878,8 @@ impl Probe for GpuDriverProbe {
                     value: moved as f64,
                 },
             ],
-            node: Vec::new(),
+            node: self.compute.iter().map(ComputeSeries::info).collect(),
         }
-    }
-}
-
-/// Busy time per owner over a sliding window: the duty cycle is the busy
-/// nanoseconds added since the oldest sample in the window over the time
-/// since that sample.
-pub struct DutyWindow {
-    window: Duration,
-    last_tick: Option<Instant>,
-    /// Per owner: (when, cumulative busy ns) samples, oldest first.
-    owners: HashMap<Owner, VecDeque<(Instant, u64)>>,
-}
-
-impl DutyWindow {
-    pub fn new(window: Duration) -> DutyWindow {
-        DutyWindow {
-            window,
-            last_tick: None,
-            owners: HashMap::new(),
-        }
-    }
-
-    /// Whether no owner has samples.
-    pub fn is_empty(&self) -> bool {
-        self.owners.is_empty()
-    }
-
-    /// Adds one tick's busy time per owner; returns every live owner's duty
-    /// cycle (0..=1). An owner first seen now had its busy time since the
-    /// previous tick (its cgroup had no entry before); at the first tick the
-    /// time before is unknown, so that tick is only the baseline.
-    pub fn record(
-        &mut self,
-        now: Instant,
-        busy: HashMap<Owner, u64>,
-        live: &HashSet<&Owner>,
-    ) -> Vec<GaugeValue> {
-        let prev_tick = self.last_tick.replace(now);
-        self.owners.retain(|o, _| live.contains(o));
-        for (owner, ns) in busy {
-            if !live.contains(&owner) {
-                continue;
-            }
-            let samples = self.owners.entry(owner).or_insert_with(|| {
-                let mut v = VecDeque::new();
-                if let Some(t) = prev_tick {
-                    v.push_back((t, 0));
-                }
-                v
-            });
-            let total = samples.back().map(|s| s.1).unwrap_or(0) + ns;
-            samples.push_back((now, total));
-        }
-        let mut out = Vec::new();
-        for (owner, samples) in &mut self.owners {
-            if samples.back().is_some_and(|s| s.0 != now) {
-                let total = samples.back().map(|s| s.1).unwrap_or(0);
-                samples.push_back((now, total));
-            }
-            while samples.len() > 2 && now.duration_since(samples[1].0) >= self.window {
-                samples.pop_front();
-            }
-            let (Some(first), Some(last)) = (samples.front(), samples.back()) else {
-                continue;
-            };
-            let elapsed = last.0.duration_since(first.0).as_nanos() as f64;
-            if elapsed <= 0.0 {
-                continue;
-            }
-            out.push(GaugeValue {
-                owner: owner.clone(),
-                labels: Labels::new(),
-                value: ((last.1 - first.1) as f64 / elapsed).clamp(0.0, 1.0),
-            });
-        }
-        out
     }
 }
 
@@ -926,54 +925,6 @@ Block devices:
   7 loop
 195 nvidia-frontend
 ";
-
-    fn pod(n: u8) -> Owner {
-        Owner::Pod {
-            uid: format!("uid-{n}"),
-            container_id: Some(format!("c{n}")),
-        }
-    }
-
-    #[test]
-    fn duty_cycle_is_the_busy_share_of_the_window() {
-        let t0 = Instant::now();
-        let s = Duration::from_secs(1);
-        let (a, b) = (pod(1), pod(2));
-        let live_ab = HashSet::from([&a, &b]);
-        let mut w = DutyWindow::new(Duration::from_secs(4));
-        // first tick: baseline only
-        let g = w.record(
-            t0,
-            HashMap::from([(a.clone(), 5 * 1_000_000_000)]),
-            &live_ab,
-        );
-        assert!(g.is_empty(), "no window yet: {g:?}");
-        let value = |g: &[GaugeValue], o: &Owner| g.iter().find(|v| &v.owner == o).map(|v| v.value);
-        // a is busy half of every second; b appears busy the whole first second
-        let half = 500_000_000;
-        let g = w.record(
-            t0 + s,
-            HashMap::from([(a.clone(), half), (b.clone(), 1_000_000_000)]),
-            &live_ab,
-        );
-        assert_eq!(value(&g, &a), Some(0.5));
-        assert_eq!(value(&g, &b), Some(1.0));
-        for i in 2..=10 {
-            let g = w.record(t0 + i * s, HashMap::from([(a.clone(), half)]), &live_ab);
-            assert_eq!(value(&g, &a), Some(0.5), "tick {i}");
-            let b_now = value(&g, &b).unwrap();
-            // b's busy second leaves the 4 s window after 4 more ticks
-            let want = if i <= 4 { 1.0 / i as f64 } else { 0.0 };
-            assert!(
-                (b_now - want).abs() < 1e-9,
-                "tick {i}: b {b_now} want {want}"
-            );
-        }
-        // a gone: its series goes
-        let g = w.record(t0 + 11 * s, HashMap::new(), &HashSet::from([&b]));
-        assert_eq!(value(&g, &a), None);
-        assert_eq!(value(&g, &b), Some(0.0));
-    }
 
     #[test]
     fn majors_from_proc_devices() {

@@ -63,18 +63,20 @@ impl Hist {
         self.count == 0
     }
 
-    /// `self - earlier`, per field. The kernel's counters only grow while the
-    /// cgroup lives, so a field that went backwards means a new storage
-    /// instance: then the whole current value is the delta.
+    /// `self - earlier`, per field. The kernel's counts only grow while the
+    /// cgroup lives, so a bucket that went backwards means a new storage
+    /// instance: then the whole current value is the delta. The sum may wrap
+    /// (a weighted histogram adds value × weight): with buckets that only
+    /// grew, its difference is taken modulo 2^64.
     pub fn delta_since(&self, earlier: &Hist) -> Hist {
-        if self.count < earlier.count || self.sum_ns < earlier.sum_ns {
+        if (0..SLOTS).any(|i| self.buckets[i] < earlier.buckets[i]) {
             return self.clone();
         }
         let mut d = Hist::default();
         for i in 0..SLOTS {
-            d.buckets[i] = self.buckets[i].saturating_sub(earlier.buckets[i]);
+            d.buckets[i] = self.buckets[i] - earlier.buckets[i];
         }
-        d.sum_ns = self.sum_ns - earlier.sum_ns;
+        d.sum_ns = self.sum_ns.wrapping_sub(earlier.sum_ns);
         d.count = self.count - earlier.count;
         d
     }
@@ -166,6 +168,15 @@ mod tests {
         assert_eq!(d.buckets[3], 0);
         // a reset (new storage) yields the whole new value
         assert_eq!(h.delta_since(&later), h);
+        // a sum that wrapped while the buckets grew is still a difference
+        let mut wrapped = later.clone();
+        wrapped.buckets[4] += 1;
+        wrapped.count += 1;
+        wrapped.sum_ns = 10;
+        let mut high = later.clone();
+        high.sum_ns = u64::MAX - 5;
+        let d = wrapped.delta_since(&high);
+        assert_eq!((d.count, d.buckets[4], d.sum_ns), (1, 1, 16));
         let c = later.cumulative();
         assert_eq!(c[BUCKETS - 1], later.buckets[..BUCKETS].iter().sum::<u64>());
     }

@@ -8,19 +8,26 @@ pub(crate) mod skel {
 use std::mem::MaybeUninit;
 use std::os::fd::BorrowedFd;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapHandle};
 
 use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::{ActiveSet, Drained};
+use super::cgroup_storage::{self, CgroupValues, Storage};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     read_each, Delta, FamilySpec, Kind, LastRead, LoadContext, Loaded, Probe, Scope, SelfSeries,
     UnitSpec, UnitStats, Value,
 };
-use super::{decode, err, handle, lookup_cgroup, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use super::{decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
 use crate::cgroups::CgroupTree;
+
+/// The counters of bpf/sched.h, generated from it by build.rs.
+mod counters {
+    #![allow(dead_code)] // STATS sizes the kernel's array
+    include!(concat!(env!("OUT_DIR"), "/sched.consts.rs"));
+}
 
 pub const NAME: &str = "sched_latency";
 pub const FAMILY: &str = "ebpf_sched_latency_microseconds";
@@ -33,6 +40,7 @@ const _: () = assert!(std::mem::size_of::<skel::types::hist>() == HIST_BYTES);
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
+    reports: &[NAME],
     load: load_unit,
 };
 
@@ -52,8 +60,8 @@ static FAMILIES: [FamilySpec; 1] = [FamilySpec {
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
     Ok(match SchedProbe::load(ctx.btf, ctx.config.sched.method)? {
         Ok(p) => Loaded {
+            statuses: vec![p.status.clone()],
             unit: Some(Box::new(p)),
-            statuses: vec![ProbeStatus::up(NAME)],
         },
         Err(st) => Loaded {
             unit: None,
@@ -75,7 +83,7 @@ pub enum Method {
 }
 
 pub struct SchedProbe {
-    hist: MapHandle,
+    hist: CgroupValues,
     stats: MapHandle,
     active: ActiveSet,
     drained: Drained,
@@ -83,6 +91,8 @@ pub struct SchedProbe {
     batch: Option<BatchRead>,
     _links: Vec<Link>,
     last: LastRead<Hist>,
+    /// how it runs here (`gpufeed_probe_info`)
+    status: ProbeStatus,
 }
 
 impl SchedProbe {
@@ -115,22 +125,52 @@ impl SchedProbe {
                 format!("kernel has no BTF tracepoint {missing}"),
             )));
         }
-        let mut storage = MaybeUninit::uninit();
+        let chosen = cgroup_storage::load_first(NAME, |storage| {
+            SchedProbe::load_with(btf, use_sched_info, storage)
+        })?;
+        let method = if use_sched_info {
+            "sched_info"
+        } else {
+            "stamp"
+        };
+        tracing::info!(
+            method,
+            storage = chosen.storage.name(),
+            "run-queue latency source"
+        );
+        let mut probe = chosen.loaded;
+        probe.status = probe_status(&probe, method, chosen.fell_back);
+        Ok(Ok(probe))
+    }
+
+    fn load_with(
+        btf: &KernelBtf,
+        use_sched_info: bool,
+        storage: Storage,
+    ) -> Result<SchedProbe, ProbeError> {
+        let mut mem = MaybeUninit::uninit();
         let mut open = skel::SchedSkelBuilder::default()
-            .open(&mut storage)
+            .open(&mut mem)
             .map_err(err(NAME, "open"))?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.use_sched_info = use_sched_info;
+            ro.cgroup_storage_by_id = storage.by_id();
             // tasks created from now on have all their run_delay counted
             ro.started_ns = monotonic_ns();
         }
+        storage.configure(
+            NAME,
+            &mut open.maps.sched_hist,
+            &mut open.maps.sched_hist_by_id,
+            &mut open.maps.sched_hist_zero,
+        )?;
         open.progs.sched_wakeup.set_autoload(!use_sched_info);
         open.progs.sched_wakeup_new.set_autoload(!use_sched_info);
         let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         open.progs.sched_hist_rmdir.set_autoload(has_rmdir);
-        let batched = cgroup_batch::supported();
+        let batched = !storage.by_id() && cgroup_batch::supported();
         open.progs.sched_hist_batch_read.set_autoload(batched);
-        let skel = open.load().map_err(err(NAME, "load"))?;
+        let skel = crate::probes::object::load(NAME, open)?;
         let batch = BatchRead::if_loaded(
             batched,
             NAME,
@@ -165,16 +205,13 @@ impl SchedProbe {
                     .map_err(err(NAME, "attach sched_wakeup_new"))?,
             );
         }
-        tracing::info!(
-            method = if use_sched_info {
-                "sched_info"
-            } else {
-                "stamp"
-            },
-            "run-queue latency source"
-        );
-        Ok(Ok(SchedProbe {
-            hist: handle(NAME, &skel.maps.sched_hist)?,
+        let values = if storage.by_id() {
+            handle(NAME, &skel.maps.sched_hist_by_id)?
+        } else {
+            handle(NAME, &skel.maps.sched_hist)?
+        };
+        Ok(SchedProbe {
+            hist: CgroupValues::new(values, storage),
             stats: handle(NAME, &skel.maps.sched_stats)?,
             active: ActiveSet::new(
                 NAME,
@@ -189,16 +226,29 @@ impl SchedProbe {
             batch,
             _links: links,
             last: LastRead::default(),
-        }))
+            status: ProbeStatus::up(NAME),
+        })
+    }
+
+    /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
+    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<Hist> {
+        self.hist.get_by_dir(cgroup_dir).and_then(|b| hist_of(&b))
     }
 
     /// The cumulative histogram of one cgroup, if it has one.
-    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<Hist> {
-        lookup_cgroup(&self.hist, cgroup_dir)
-            .ok()
-            .flatten()
-            .and_then(|b| hist_of(&b))
+    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<Hist> {
+        self.hist.get(id, cgroup_dir).and_then(|b| hist_of(&b))
     }
+}
+
+/// How the probe runs: its hooks, where its values live and how a tick reads them.
+fn probe_status(p: &SchedProbe, method: &str, fell_back: Option<String>) -> ProbeStatus {
+    let hook = if method == "sched_info" {
+        "tp_btf/sched_switch (sched_info)"
+    } else {
+        "tp_btf/sched_switch,sched_wakeup,sched_wakeup_new (stamps)"
+    };
+    super::unit::status_of(NAME, hook, p.hist.storage(), p.batch.is_some(), fell_back)
 }
 
 /// The delta of a cgroup's cumulative histogram `h` since its previous reading.
@@ -244,7 +294,9 @@ impl Probe for SchedProbe {
     }
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(h) = self.read(dir) else { return };
+        let Some(h) = self.read_id(id, dir) else {
+            return;
+        };
         push_delta(&mut self.last, id, h, out);
     }
 
@@ -282,6 +334,7 @@ impl Probe for SchedProbe {
 
     fn forget_cgroup(&mut self, id: u64) {
         self.last.forget(id);
+        self.hist.forget(id);
     }
 
     fn stats(&self) -> UnitStats {
@@ -292,12 +345,15 @@ impl Probe for SchedProbe {
                 entries: self.last.len(),
                 capacity: None,
             }],
-            storage_failures: Some((NAME, percpu_sum(&self.stats, 1))),
+            storage_failures: Some((
+                NAME,
+                percpu_sum(&self.stats, counters::STAT_NO_STORAGE as u32),
+            )),
             series: vec![SelfSeries {
                 name: "gpufeed_sched_negative_deltas_total",
                 help: "Run-queue waits dropped because the clock went backwards across CPUs",
                 kind: Kind::Counter,
-                value: percpu_sum(&self.stats, 0) as f64,
+                value: percpu_sum(&self.stats, counters::STAT_NEGATIVE_DELTA as u32) as f64,
             }],
             node: Vec::new(),
         }

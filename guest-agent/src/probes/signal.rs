@@ -3,13 +3,14 @@
 //! A unit names which of its families are signals. After each tick the
 //! collector turns that tick's deltas of those families into one window per
 //! (owner, signal, labels): for a histogram the count, sum and quantiles
-//! estimated from the bucket delta of the tick, for a counter its rate.
+//! estimated from the bucket delta of the tick, for a counter its rate; and a
+//! gauge family's values as the unit set them in the tick into a level.
 
 use std::time::{Duration, Instant};
 
 use super::hist::{Hist, BUCKETS, MIN_SHIFT};
 use super::unit::Labels;
-use crate::collect::Owner;
+use crate::owner::Owner;
 
 /// What kind of window a signal gives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +19,9 @@ pub enum SignalKind {
     Latency,
     /// A counter: its rate per second.
     Rate,
+    /// A gauge the unit sets each tick (a throughput it samples), one reading a window,
+    /// whose trouble is a fall below its baseline (the correlator reads it for dips).
+    Level,
 }
 
 /// A signal a unit declares.
@@ -57,6 +61,10 @@ pub enum WindowValue {
     Rate {
         count: u64,
         per_second: f64,
+    },
+    /// A level the unit read in the tick (of a [`SignalKind::Level`] signal).
+    Level {
+        value: f64,
     },
 }
 
@@ -124,6 +132,11 @@ pub fn latency_window(h: &Hist) -> Option<WindowValue> {
         p99_us: us(quantile_ns(h, 0.99)?.min(max)),
         max_us: us(max),
     })
+}
+
+/// The window of one gauge value: one observation, its value as the rate.
+pub fn level_window(value: f64) -> WindowValue {
+    WindowValue::Level { value }
 }
 
 /// The window of one counter delta over `window`.

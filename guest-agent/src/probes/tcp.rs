@@ -8,21 +8,19 @@ pub(crate) mod skel {
 use std::mem::MaybeUninit;
 use std::os::fd::BorrowedFd;
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
 use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::{ActiveSet, Drained};
+use super::cgroup_storage::{self, CgroupValues, Storage};
 use super::hist::{Hist, HIST_BYTES};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    read_each, Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill, Probe,
-    Scope, UnitSpec, UnitStats, Value,
+    self, read_each, Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
+    Probe, Scope, UnitSpec, UnitStats, Value,
 };
-use super::{
-    decode, err, handle, lookup_cgroup, percpu_sum, set_max_entries, KernelBtf, ProbeError,
-    ProbeStatus,
-};
+use super::{decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError, ProbeStatus};
 use crate::cgroups::CgroupTree;
 use crate::dst::{DstTable, MAX_DST};
 
@@ -41,12 +39,14 @@ const _: () = assert!(std::mem::size_of::<skel::types::dst_key>() == 20);
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[RTT, RETRANS],
+    reports: &[RTT, RETRANS],
     load: load_unit,
 };
 
 /// The unit's part of the command line: the named destinations (`--dst`)
 /// and the agent's tick (`--interval`), which is also the shortest time
-/// between two RTT samples of one socket.
+/// between two RTT samples of one socket (each weighted by the socket's busy
+/// time since the previous: see `bpf/tcp.bpf.c`).
 #[derive(Debug, Clone)]
 pub struct Config {
     pub dst: DstTable,
@@ -56,7 +56,7 @@ pub struct Config {
 static FAMILIES: [FamilySpec; 2] = [
     FamilySpec {
         name: RTT_FAMILY,
-        help: "TCP smoothed RTT, at most one sample per socket per interval, attributed to the socket's owner",
+        help: "TCP smoothed RTT of the socket owner's connections, weighted by their busy time: one observation per millisecond a socket had data queued or in flight (at least one per socket sampled), each socket sampled at most once per interval",
         kind: Kind::Histogram,
         scope: Scope::Container,
     },
@@ -125,8 +125,17 @@ impl TcpCgroup {
     }
 }
 
+/// Which of the object's hooks this kernel has.
+#[derive(Clone, Copy)]
+struct Hooks {
+    rtt: bool,
+    retrans: bool,
+    synack: bool,
+    rmdir: bool,
+}
+
 pub struct TcpProbe {
-    stats: MapHandle,
+    stats: CgroupValues,
     lost: MapHandle,
     active: ActiveSet,
     drained: Drained,
@@ -141,12 +150,18 @@ pub struct TcpProbe {
 
 impl TcpProbe {
     /// Loads the object with whichever of its two hooks the kernel has; the
+    /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
+    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {
+        self.stats
+            .get_by_dir(cgroup_dir)
+            .and_then(|b| TcpCgroup::decode(&b))
+    }
+
     /// statuses say which are up. `Ok((None, ..))` when neither is.
     pub fn load(
         btf: &KernelBtf,
         config: &Config,
     ) -> Result<(Option<TcpProbe>, Vec<ProbeStatus>), ProbeError> {
-        let dst = &config.dst;
         let has_rtt = btf.has_tracepoint("tcp_probe");
         let has_retrans =
             btf.has_tracepoint("tcp_retransmit_skb") && btf.has_tracepoint("tcp_destroy_sock");
@@ -166,25 +181,73 @@ impl TcpProbe {
         if !has_rtt && !has_retrans {
             return Ok((None, statuses));
         }
-        let mut storage = MaybeUninit::uninit();
+        let hooks = Hooks {
+            rtt: has_rtt,
+            retrans: has_retrans,
+            synack: has_synack,
+            rmdir: btf.has_tracepoint("cgroup_rmdir"),
+        };
+        let chosen =
+            cgroup_storage::load_first(OBJ, |storage| TcpProbe::load_with(config, hooks, storage))?;
+        let probe = chosen.loaded;
+        let how = |st: ProbeStatus, hook: &str| {
+            if !st.up {
+                return st;
+            }
+            let mut with = unit::status_of(
+                st.name,
+                hook,
+                probe.stats.storage(),
+                probe.batch.is_some(),
+                chosen.fell_back.clone(),
+            );
+            with.reason = st.reason;
+            with
+        };
+        let mut statuses = statuses.into_iter();
+        let statuses = vec![
+            how(statuses.next().expect("rtt status"), "tp_btf/tcp_probe"),
+            how(
+                statuses.next().expect("retransmit status"),
+                "tp_btf/tcp_retransmit_skb,tcp_destroy_sock",
+            ),
+        ];
+        Ok((Some(probe), statuses))
+    }
+
+    fn load_with(config: &Config, hooks: Hooks, storage: Storage) -> Result<TcpProbe, ProbeError> {
+        let dst = &config.dst;
+        let Hooks {
+            rtt: has_rtt,
+            retrans: has_retrans,
+            synack: has_synack,
+            rmdir: has_rmdir,
+        } = hooks;
+        let mut mem = MaybeUninit::uninit();
         let mut open = skel::TcpSkelBuilder::default()
-            .open(&mut storage)
+            .open(&mut mem)
             .map_err(err(OBJ, "open"))?;
+        storage.configure(
+            OBJ,
+            &mut open.maps.tcp_stats,
+            &mut open.maps.tcp_stats_by_id,
+            &mut open.maps.tcp_stats_zero,
+        )?;
         open.progs.tcp_probe.set_autoload(has_rtt);
         open.progs.tcp_retransmit_skb.set_autoload(has_retrans);
         open.progs.tcp_destroy_sock.set_autoload(has_retrans);
         open.progs.tcp_retransmit_synack.set_autoload(has_synack);
-        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
         open.progs.tcp_stats_rmdir.set_autoload(has_rmdir);
-        let batched = cgroup_batch::supported();
+        let batched = !storage.by_id() && cgroup_batch::supported();
         open.progs.tcp_stats_batch_read.set_autoload(batched);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+            ro.cgroup_storage_by_id = storage.by_id();
             ro.rtt_every_ns = config.rtt_every.as_nanos().min(u64::MAX as u128) as u64;
         }
         let lpm = dst.lpm_entries();
         // exactly the prefixes --dst names (an LPM trie needs at least one slot)
         set_max_entries(OBJ, &mut open.maps.dst_cidrs, lpm.len().max(1) as u32)?;
-        let skel = open.load().map_err(err(OBJ, "load"))?;
+        let skel = crate::probes::object::load(OBJ, open)?;
         // The table before the hooks: a socket is classified once, at its
         // first segment, and keeps that class for its lifetime, so one seen
         // before the table was filled would stay `other`.
@@ -241,34 +304,35 @@ impl TcpProbe {
                     .map_err(err(OBJ, "attach cgroup_rmdir"))?,
             );
         }
-        Ok((
-            Some(TcpProbe {
-                stats: handle(OBJ, &skel.maps.tcp_stats)?,
-                lost: handle(OBJ, &skel.maps.tcp_lost)?,
-                active: ActiveSet::new(
-                    OBJ,
-                    handle(OBJ, &skel.maps.active_epoch)?,
-                    handle(OBJ, &skel.maps.active_cgroups)?,
-                )?,
-                drained: Drained::new(
-                    OBJ,
-                    handle(OBJ, &skel.maps.tcp_stats_drained)?,
-                    handle(OBJ, &skel.maps.tcp_stats_drain_added)?,
-                )?,
-                batch,
-                _links: links,
-                dst: dst.clone(),
-                dst_entries: lpm_len,
-                last: LastRead::default(),
-            }),
-            statuses,
-        ))
+        let values = if storage.by_id() {
+            handle(OBJ, &skel.maps.tcp_stats_by_id)?
+        } else {
+            handle(OBJ, &skel.maps.tcp_stats)?
+        };
+        Ok(TcpProbe {
+            stats: CgroupValues::new(values, storage),
+            lost: handle(OBJ, &skel.maps.tcp_lost)?,
+            active: ActiveSet::new(
+                OBJ,
+                handle(OBJ, &skel.maps.active_epoch)?,
+                handle(OBJ, &skel.maps.active_cgroups)?,
+            )?,
+            drained: Drained::new(
+                OBJ,
+                handle(OBJ, &skel.maps.tcp_stats_drained)?,
+                handle(OBJ, &skel.maps.tcp_stats_drain_added)?,
+            )?,
+            batch,
+            _links: links,
+            dst: dst.clone(),
+            dst_entries: lpm_len,
+            last: LastRead::default(),
+        })
     }
 
-    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {
-        lookup_cgroup(&self.stats, cgroup_dir)
-            .ok()
-            .flatten()
+    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {
+        self.stats
+            .get(id, cgroup_dir)
             .and_then(|b| TcpCgroup::decode(&b))
     }
 }
@@ -325,7 +389,9 @@ impl Probe for TcpProbe {
     }
 
     fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(t) = self.read(dir) else { return };
+        let Some(t) = self.read_id(id, dir) else {
+            return;
+        };
         push_deltas(&mut self.last, &self.dst, id, t, out);
     }
 
@@ -357,6 +423,7 @@ impl Probe for TcpProbe {
 
     fn forget_cgroup(&mut self, id: u64) {
         self.last.forget(id);
+        self.stats.forget(id);
     }
 
     fn stats(&self) -> UnitStats {

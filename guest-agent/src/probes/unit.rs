@@ -13,11 +13,12 @@ use std::os::fd::{AsFd, BorrowedFd};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+use super::gpu_compute::{ComputeSeries, ComputeSource};
 use super::hist::Hist;
 use super::signal::SignalSpec;
 use super::{KernelBtf, ProbeError, ProbeStatus};
 use crate::cgroups::{CgroupTree, ProcessChanges};
-use crate::collect::Owner;
+use crate::owner::Owner;
 use crate::pods::PodStore;
 
 /// Label names and values of a series, in a fixed (sorted) order. Units use it
@@ -309,11 +310,26 @@ pub trait Probe: Send {
     /// The families this unit's deltas and gauges belong to.
     fn families(&self) -> &'static [FamilySpec];
 
+    /// How the probe runs on this kernel (`hook`, `storage`, `reads`; see
+    /// `gpufeed_probe_info`), for units loaded through [`Loaded::single`].
+    fn how(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+
     /// Latency and rate signals a correlator can read per tick and owner
     /// (see `collect::Shared::windows`).
     fn signals(&self) -> Vec<SignalSpec> {
         Vec::new()
     }
+
+    /// The GPU compute-time source this unit can be, if any (`gpu_compute`).
+    fn compute_source(&self) -> Option<ComputeSource> {
+        None
+    }
+
+    /// This unit's source was elected the node's (`gpu_compute::elect`, after loading):
+    /// from now on it exports the compute time and duty cycle through `series`.
+    fn publish_compute(&mut self, _series: ComputeSeries) {}
 
     /// Reads one cgroup's entry and pushes what changed since the previous
     /// read of that cgroup. Units keyed by cgroup storage implement it.
@@ -386,6 +402,29 @@ pub struct ProbeConfig {
     pub nvml: super::nvml::Config,
 }
 
+impl ProbeConfig {
+    /// Every unit's defaults, ticking every `interval`, counting pod interfaces only (no
+    /// node devices): what `selftest` and the doctor's load check use.
+    pub fn defaults(interval: std::time::Duration) -> ProbeConfig {
+        ProbeConfig {
+            sched: super::sched::Config {
+                method: super::sched::Method::Auto,
+            },
+            tcp: super::tcp::Config {
+                dst: crate::dst::DstTable::defaults(),
+                rtt_every: interval,
+            },
+            tc: super::tc::Config {
+                attach: super::tc::AttachMode::Auto,
+                node_devices: crate::ifaces::NodeDevices::None,
+            },
+            gpu_driver: super::gpu_driver::Config::default(),
+            cuda: super::cuda::CudaOptions::default(),
+            nvml: super::nvml::Config::default(),
+        }
+    }
+}
+
 /// What loading gets: the kernel's BTF, the configuration, and the kernel's
 /// lockdown mode (`None` when off or unreadable).
 pub struct LoadContext<'a> {
@@ -406,8 +445,11 @@ impl Loaded {
     pub fn single<P: Probe + 'static>(name: &'static str, r: Result<P, ProbeStatus>) -> Loaded {
         match r {
             Ok(p) => Loaded {
+                statuses: vec![ProbeStatus {
+                    how: p.how(),
+                    ..ProbeStatus::up(name)
+                }],
                 unit: Some(Box::new(p)),
-                statuses: vec![ProbeStatus::up(name)],
             },
             Err(st) => Loaded {
                 unit: None,
@@ -422,8 +464,22 @@ impl Loaded {
 pub struct UnitSpec {
     /// `--probes` names that select it.
     pub names: &'static [&'static str],
+    /// The probes its statuses name (`gpufeed_probe_up{probe}`): a unit the kernel refuses
+    /// is reported down under these (those selected, where they are `--probes` names too).
+    pub reports: &'static [&'static str],
     /// Loads the unit for the selected subset of `names`.
     pub load: fn(&LoadContext<'_>, &[&'static str]) -> Result<Loaded, ProbeError>,
+}
+
+impl UnitSpec {
+    /// The probes a refused load of this unit reports down, for the `selected` names.
+    pub fn reported(&self, selected: &[&'static str]) -> Vec<&'static str> {
+        self.reports
+            .iter()
+            .copied()
+            .filter(|r| selected.contains(r) || !self.names.contains(r))
+            .collect()
+    }
 }
 
 /// The loaded units, in registry order.
@@ -473,5 +529,24 @@ impl<T> LastRead<T> {
 
     pub fn is_empty(&self) -> bool {
         self.last.is_empty()
+    }
+}
+
+/// The status of a unit that keeps values per cgroup: its hook, where the values live
+/// (and why not in the preferred storage, when it fell back), how a tick reads them.
+pub fn status_of(
+    name: &'static str,
+    hook: &str,
+    storage: super::cgroup_storage::Storage,
+    batched: bool,
+    fell_back: Option<String>,
+) -> ProbeStatus {
+    let st = ProbeStatus::up(name)
+        .with("hook", hook)
+        .with("storage", storage.name())
+        .with("reads", if batched { "batch" } else { "each" });
+    match fell_back {
+        Some(why) => st.with("fallback", why),
+        None => st,
     }
 }

@@ -145,11 +145,17 @@ impl StandInCuda {
 
     /// The client with scale `s` on the host's root.
     pub fn host_command(&self, s: u64) -> String {
+        self.host_command_in(&self.host_ctl, s)
+    }
+
+    /// [`StandInCuda::host_command`] with its own control directory `ctl` (for several
+    /// clients at once).
+    pub fn host_command_in(&self, ctl: &Path, s: u64) -> String {
         format!(
             "LD_LIBRARY_PATH={} exec {} {} {s}",
             self.lib_dir.display(),
             self.app.display(),
-            self.host_ctl.display()
+            ctl.display()
         )
     }
 }
@@ -279,4 +285,115 @@ pub fn wait_probed(agent: &Agent, n: usize) {
         value(&agent.scrape(), "gpufeed_gpu_ioctl_processes_probed", &[]).filter(|v| *v >= n as f64)
     });
     assert!(probed.is_some(), "the agent probed {n} GPU processes");
+}
+
+/// The NVML stand-in (fixtures/nvml/fake_nvml.c) built in `dir`: two GPUs (80 GiB gen 4 x16,
+/// 24 GiB gen 3 x8), the processes the test writes, utilisation sampled every
+/// [`NVML_SAMPLE_US`], and what the GPUs did written to a truth file.
+#[derive(Clone)]
+pub struct StandInNvml {
+    pub lib: PathBuf,
+    procs: PathBuf,
+    truth: PathBuf,
+    link: PathBuf,
+}
+
+/// The stand-in's sample period.
+pub const NVML_SAMPLE_US: u64 = 100_000;
+
+/// One line of the stand-in's truth file: a sample period in which a process computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TruthPeriod {
+    pub gpu: u32,
+    pub pid: u32,
+    pub sm_percent: u32,
+    pub period_us: u64,
+    pub timestamp_us: u64,
+}
+
+impl StandInNvml {
+    pub fn new(dir: &Path) -> StandInNvml {
+        let n = StandInNvml {
+            lib: dir.join("libnvidia-ml.so.1"),
+            procs: dir.join("nvml-procs"),
+            truth: dir.join("nvml-truth"),
+            link: dir.join("nvml-link"),
+        };
+        std::fs::write(&n.procs, "").unwrap();
+        let define = |name: &str, p: &Path| format!("-D{name}=\"{}\"", p.display());
+        compile_c(
+            "nvml/fake_nvml.c",
+            &n.lib,
+            &[
+                "-shared",
+                "-fPIC",
+                "-Wl,-soname,libnvidia-ml.so.1",
+                &define("STANDIN_PROCS", &n.procs),
+                &define("STANDIN_TRUTH", &n.truth),
+                &define("STANDIN_LINK", &n.link),
+                &format!("-DSAMPLE_US={NVML_SAMPLE_US}ULL"),
+            ],
+        );
+        n
+    }
+
+    pub fn path(&self) -> &str {
+        self.lib.to_str().unwrap()
+    }
+
+    /// The processes on the GPUs from now on: (pid, GPU, memory bytes, SM percent).
+    pub fn set_processes(&self, procs: &[(u32, u32, u64, u32)]) {
+        let text: String = procs
+            .iter()
+            .map(|(pid, gpu, mem, sm)| format!("{pid} {gpu} {mem} {sm}\n"))
+            .collect();
+        // written whole, then renamed: the library never reads half a file
+        let tmp = self.procs.with_extension("tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(tmp, &self.procs).unwrap();
+    }
+
+    /// Each GPU's link from now on: (GPU, generation, width, TX KiB/s, RX KiB/s).
+    pub fn set_links(&self, links: &[(u32, u32, u32, u32, u32)]) {
+        let text: String = links
+            .iter()
+            .map(|(g, gen, w, tx, rx)| format!("{g} {gen} {w} {tx} {rx}\n"))
+            .collect();
+        let tmp = self.link.with_extension("tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(tmp, &self.link).unwrap();
+    }
+
+    /// Every sample period the stand-in simulated so far.
+    pub fn truth(&self) -> Vec<TruthPeriod> {
+        let text = std::fs::read_to_string(&self.truth).unwrap_or_default();
+        text.lines()
+            .map(|l| {
+                let f: Vec<u64> = l.split_whitespace().map(|v| v.parse().unwrap()).collect();
+                TruthPeriod {
+                    gpu: f[0] as u32,
+                    pid: f[1] as u32,
+                    sm_percent: f[2] as u32,
+                    period_us: f[3],
+                    timestamp_us: f[4],
+                }
+            })
+            .collect()
+    }
+
+    /// What the GPUs computed for all processes, in SM seconds.
+    pub fn sm_seconds_all(&self) -> f64 {
+        let pids: Vec<u32> = self.truth().iter().map(|t| t.pid).collect();
+        self.sm_seconds(&pids, None)
+    }
+
+    /// What the GPUs computed for the processes `pids` on GPU `gpu` (None: any), in SM
+    /// seconds: each simulated period's utilisation × its length.
+    pub fn sm_seconds(&self, pids: &[u32], gpu: Option<u32>) -> f64 {
+        self.truth()
+            .iter()
+            .filter(|t| pids.contains(&t.pid) && gpu.is_none_or(|g| g == t.gpu))
+            .map(|t| f64::from(t.sm_percent) / 100.0 * t.period_us as f64 / 1e6)
+            .sum()
+    }
 }

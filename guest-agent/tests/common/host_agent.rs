@@ -59,6 +59,12 @@ pub struct HostAgent {
 /// `demo(&["tree", ...])`), and the host agent on it streaming to `127.0.0.1:quic`; returns
 /// once it serves /metrics.
 pub fn start_host(dir: &Path, quic: u16, iv: HostIntervals) -> HostAgent {
+    start_host_with(dir, quic, iv, "enabled = false\n")
+}
+
+/// [`start_host`] with `bridge` as the body of the config's `[bridge]` section (the default
+/// reads no bridge: this machine's own are not the test's).
+pub fn start_host_with(dir: &Path, quic: u16, iv: HostIntervals, bridge: &str) -> HostAgent {
     let guest = Path::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
     let out = Command::new(guest)
         .args(["certs", "init", "--out"])
@@ -85,8 +91,7 @@ devices = ["{GPU}"]
 [pcie]
 {poll}
 [bridge]
-enabled = false
-
+{bridge}
 [host]
 enabled = false
 
@@ -104,6 +109,7 @@ name = "guest"
 endpoint = "127.0.0.1:{quic}"
 "#,
         root = dir.join("root").display(),
+        bridge = bridge,
         poll = line("poll_interval_ms", iv.pcie_poll_ms),
         state = line("state_interval_ms", iv.state_ms),
         ca = certs.join("hosts").join(HOST).join("tls/ca.pem").display(),
@@ -134,4 +140,29 @@ endpoint = "127.0.0.1:{quic}"
     wait_for(Duration::from_secs(30), || http_get(metrics, "/metrics"))
         .unwrap_or_else(|| panic!("host agent did not serve /metrics; config:\n{cfg}"));
     h
+}
+
+/// The guest agent (`--no-kube`, `interval`, `probes`) accepting the stream of the host agent
+/// that [`start_host`] started in `dir` (its certificates) on `127.0.0.1:quic`, with `extra`
+/// flags; returns once the stream is connected and the host's link state is in its scrape.
+pub fn guest_of_host(
+    dir: &Path,
+    quic: u16,
+    interval: &str,
+    probes: &str,
+    extra: &[&str],
+) -> super::Agent {
+    let tls = dir.join("certs/guest");
+    let listen = format!("127.0.0.1:{quic}");
+    let mut args = vec!["--quic-listen", &listen, "--tls-dir", tls.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let agent = super::Agent::no_kube(interval, probes, &args);
+    wait_for(Duration::from_secs(30), || {
+        let s = agent.scrape();
+        (super::value(&s, "gpufeed_stream_connected", &[("host", HOST)]) == Some(1.0)
+            && super::value(&s, "gpufeed_host_pcie_link_width", &[("bdf", GPU)]) == Some(4.0))
+        .then_some(())
+    })
+    .expect("stream connected and host state received");
+    agent
 }

@@ -6,6 +6,7 @@
 //! when the test fails. Traffic only flows between namespaces the test created.
 #![allow(dead_code)]
 
+pub mod chromium;
 pub mod fake_kube;
 pub mod gpu;
 pub mod host_agent;
@@ -156,6 +157,31 @@ pub fn remove_cgroup_tree(dir: &Path) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A thread's `schedstat` (`/proc/<pid>/task/<tid>/schedstat`): the kernel's own accounting.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Schedstat {
+    /// Time on a CPU, ns.
+    pub run_ns: u64,
+    /// Time runnable but waiting for a CPU, ns.
+    pub run_delay_ns: u64,
+    /// Times it was switched in.
+    pub runs: u64,
+}
+
+/// The schedstat of the thread whose `/proc` task directory is `task`; `None` if it is gone.
+pub fn schedstat(task: &Path) -> Option<Schedstat> {
+    let text = std::fs::read_to_string(task.join("schedstat")).ok()?;
+    let f: Vec<u64> = text
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    (f.len() == 3).then(|| Schedstat {
+        run_ns: f[0],
+        run_delay_ns: f[1],
+        runs: f[2],
+    })
 }
 
 /// A pod: a container cgroup in one of kubelet's layouts, optionally with its own
@@ -315,13 +341,7 @@ impl Pod {
                 continue;
             };
             for t in tasks.flatten() {
-                if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-                    total += s
-                        .split_whitespace()
-                        .nth(1)
-                        .and_then(|v| v.parse::<u64>().ok())
-                        .unwrap_or(0);
-                }
+                total += schedstat(&t.path()).map_or(0, |s| s.run_delay_ns);
             }
         }
         total
@@ -940,4 +960,22 @@ impl Drop for ShOnDrop {
     fn drop(&mut self) {
         sh_quiet(&self.0);
     }
+}
+
+/// `gpufeed-guest explain --since SINCE` against the agent at `addr`: its exit status and text.
+pub fn explain(addr: SocketAddr, since: &str) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args([
+            "explain",
+            "--since",
+            since,
+            "--url",
+            &format!("http://{addr}"),
+        ])
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
 }

@@ -82,3 +82,75 @@ pub fn talos_documents() -> Vec<(String, Value)> {
 pub fn prometheus_rule() -> Value {
     object(&kustomize("overlays/operator"), "PrometheusRule").clone()
 }
+
+/// The Kubernetes release whose own schema the core objects are checked against.
+pub const KUBERNETES_VERSION: &str = "1.32.0";
+
+/// The upstream schema validators (`scripts/schema-tools.sh`: npm's @kubernetes-models CRD
+/// packages, PyPI's kubernetes-validate), installed once under the target directory and
+/// reused by every test binary after (the install holds a lock: binaries run side by side).
+pub fn schema_tools() -> PathBuf {
+    use std::os::fd::AsRawFd;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("schema-tools");
+    std::fs::create_dir_all(&dir).unwrap();
+    let lock = std::fs::File::create(dir.with_extension("lock")).unwrap();
+    // SAFETY: flock on a file this function opened and keeps open until it returns.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let o = Command::new("bash")
+        .arg(repo().join("scripts/schema-tools.sh"))
+        .arg(&dir)
+        .output()
+        .expect("bash");
+    assert!(
+        o.status.success(),
+        "scripts/schema-tools.sh (npm and PyPI packages of the upstream schemas): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    dir
+}
+
+/// Runs a validator that takes a JSON array of objects in a file and answers, on stdout, the
+/// list of problems of each.
+fn run_validator(mut cmd: Command, objs: &[Value]) -> Vec<Vec<String>> {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    let json: Vec<serde_json::Value> = objs
+        .iter()
+        .map(|o| serde_json::to_value(o).unwrap())
+        .collect();
+    std::fs::write(file.path(), serde_json::to_string(&json).unwrap()).unwrap();
+    let o = cmd.arg(file.path()).output().expect("the validator runs");
+    assert!(
+        o.status.success(),
+        "validator failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+/// What is wrong with each custom resource (ScaledObject, PodMonitor, PrometheusRule) by its
+/// project's published CRD schema: types, formats, required fields, unknown fields.
+pub fn crd_errors(objs: &[Value]) -> Vec<Vec<String>> {
+    let tools = schema_tools();
+    let mut cmd = Command::new("node");
+    cmd.arg(tools.join("validate_crds.mjs"));
+    run_validator(cmd, objs)
+}
+
+/// What is wrong with each core object by Kubernetes' own schema of [`KUBERNETES_VERSION`],
+/// strict: an unknown field is an error.
+pub fn core_errors(objs: &[Value]) -> Vec<Vec<String>> {
+    let tools = schema_tools();
+    let mut cmd = Command::new(tools.join("venv/bin/python"));
+    cmd.arg(tools.join("validate_core.py"))
+        .arg(KUBERNETES_VERSION);
+    run_validator(cmd, objs)
+}
+
+/// Whether an object is a custom resource of one of the CRD packages.
+pub fn is_custom_resource(obj: &Value) -> bool {
+    matches!(
+        obj["apiVersion"].as_str(),
+        Some("keda.sh/v1alpha1" | "monitoring.coreos.com/v1")
+    )
+}

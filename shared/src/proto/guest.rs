@@ -1,11 +1,18 @@
 //! The guest end of one connection as a sans-IO state machine: the `Hello` deadline, the
-//! handshake, de-duplication of the event stream, when to acknowledge and when to probe the
-//! host's clock. Time comes in as arguments (`now_mono_ns` is `CLOCK_MONOTONIC`,
+//! handshake, de-duplication of the event stream, journal before acknowledgement, when to
+//! acknowledge and when to probe the host's clock.
+//!
+//! Events are accepted in two steps: [`GuestConnection::handle_event`] accounts what a read
+//! of the event stream brought into a [`Staged`] batch without touching the de-duplication
+//! table; the driver journals the batch, and only [`GuestConnection::commit`] moves the
+//! watermark (and so what an ack can carry). A batch the journal refused is never committed:
+//! the connection closes and the host sends the events again. Time comes in as arguments (`now_mono_ns` is `CLOCK_MONOTONIC`,
 //! `now_realtime_ns` the guest's `CLOCK_REALTIME`), messages come in decoded and go out as
 //! [`Message`]s; the hub's QUIC driver only moves them.
 
 use super::{AckPolicy, Dedup, EventVerdict, Message, ProtocolError, ServerAction, ServerSession};
-use super::{EventFrame, SpoolLoss};
+use super::{EventFrame, SpoolLoss, StreamCheck};
+use crate::event::HostEvent;
 
 /// Timing of the guest end. [`GuestTiming::default`] is what the hub ships with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,16 +44,40 @@ impl Default for GuestTiming {
     }
 }
 
-/// What one message of the event stream amounts to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Accounted {
-    /// A new event: deliver it. `gap` events before it were neither received nor reported lost
-    /// (count them as lost).
-    Deliver { frame: EventFrame, gap: u64 },
-    /// Seen before (a retransmission): drop it.
-    Duplicate,
-    /// The host's spool dropped events; `newly_lost` of them were not accounted before.
-    Lost { loss: SpoolLoss, newly_lost: u64 },
+/// An event a batch delivers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delivery {
+    pub frame: EventFrame,
+    /// The decoded event; `None` for a kind this build does not know (a newer host's): it is
+    /// delivered (listed, counted) undecoded, never dropped silently.
+    pub event: Option<HostEvent>,
+}
+
+/// What one or more messages of the event stream amount to, not yet accepted (see the module
+/// docs).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Staged {
+    /// The watermark after this batch (`None`: unchanged).
+    watermark: Option<u64>,
+    /// Accounted messages (for the ack policy).
+    progress: u64,
+    /// New events, in order.
+    pub deliveries: Vec<Delivery>,
+    /// The host's loss reports, with how many of each were newly lost.
+    pub losses: Vec<(SpoolLoss, u64)>,
+    /// Gaps without a loss report: `(seq after the gap, events missing)`, counted as lost.
+    pub gaps: Vec<(u64, u64)>,
+    /// Retransmissions dropped.
+    pub duplicates: u64,
+    /// Messages refused alone (a number out of range): their reasons.
+    pub refused: Vec<&'static str>,
+}
+
+impl Staged {
+    /// Events this batch counts as lost (reported by the host or missing without a report).
+    pub fn lost(&self) -> u64 {
+        self.losses.iter().map(|(_, n)| n).sum::<u64>() + self.gaps.iter().map(|g| g.1).sum::<u64>()
+    }
 }
 
 /// Guest end of one connection. `host` is the identity proven by the client certificate.
@@ -120,25 +151,45 @@ impl GuestConnection {
         Ok(action)
     }
 
-    /// Accounts one message of the event stream against `dedup`.
+    /// Accounts one message of the event stream into `staged`, against `dedup` as it was when
+    /// the batch started plus what the batch accounted so far (nothing is applied to `dedup`
+    /// before [`commit`](Self::commit)).
     pub fn handle_event(
         &mut self,
         msg: Message,
-        dedup: &mut Dedup,
-    ) -> Result<Accounted, ProtocolError> {
-        self.session.check_event_stream(&msg)?;
+        staged: &mut Staged,
+        dedup: &Dedup,
+    ) -> Result<(), ProtocolError> {
+        if let StreamCheck::Refuse(reason) = self.session.check_event_stream(&msg)? {
+            staged.refused.push(reason);
+            return Ok(());
+        }
         // check_event_stream refuses messages before the handshake.
         let boot = self.boot.unwrap_or_default();
-        let host = self.session.host();
-        let out = match msg {
-            Message::Event(frame) => match dedup.on_event(host, boot, frame.seq) {
-                EventVerdict::Duplicate => return Ok(Accounted::Duplicate),
-                EventVerdict::Deliver { gap } => Accounted::Deliver { frame, gap },
+        let w = staged
+            .watermark
+            .or_else(|| dedup.watermark(self.session.host(), boot));
+        match msg {
+            Message::Event(frame) => match Dedup::verdict(w, frame.seq) {
+                (EventVerdict::Duplicate, _) => staged.duplicates += 1,
+                (EventVerdict::Deliver { gap }, w) => {
+                    if gap > 0 {
+                        staged.gaps.push((frame.seq, gap));
+                    }
+                    staged.watermark = Some(w);
+                    let event = postcard::from_bytes::<HostEvent>(&frame.payload)
+                        .ok()
+                        .filter(|e| e.kind() == frame.kind);
+                    staged.deliveries.push(Delivery { frame, event });
+                }
             },
             Message::SpoolLoss(loss) => {
-                let newly_lost = dedup.on_loss(host, boot, &loss);
-                Accounted::Lost { loss, newly_lost }
+                let (newly_lost, w) = Dedup::loss_verdict(w, &loss);
+                staged.watermark = w.or(staged.watermark);
+                staged.losses.push((loss, newly_lost));
             }
+            // A horizon moves nothing.
+            Message::Horizon(_) => return Ok(()),
             // Refused by check_event_stream.
             m => {
                 return Err(ProtocolError::Unexpected {
@@ -146,9 +197,18 @@ impl GuestConnection {
                     state: "on the event stream",
                 })
             }
-        };
-        self.acks.on_progress(1);
-        Ok(out)
+        }
+        staged.progress += 1;
+        Ok(())
+    }
+
+    /// The batch is journaled (or there is no journal): it is accepted, and acknowledgements
+    /// may carry it from now on.
+    pub fn commit(&mut self, staged: &Staged, dedup: &mut Dedup) {
+        if let (Some(w), Some(boot)) = (staged.watermark, self.boot) {
+            dedup.seed(self.session.host(), boot, w);
+        }
+        self.acks.on_progress(staged.progress);
     }
 
     /// The next message to send on the control stream now (an ack, then a clock probe); call
@@ -254,50 +314,54 @@ mod tests {
         );
     }
 
+    /// Stages `msgs` as one batch and commits it.
+    fn feed(g: &mut GuestConnection, msgs: Vec<Message>, dedup: &mut Dedup) -> Staged {
+        let mut st = Staged::default();
+        for m in msgs {
+            g.handle_event(m, &mut st, dedup).unwrap();
+        }
+        g.commit(&st, dedup);
+        st
+    }
+
+    fn seqs(st: &Staged) -> Vec<u64> {
+        st.deliveries.iter().map(|d| d.frame.seq).collect()
+    }
+
     #[test]
     fn dedup_gap_and_loss_accounting() {
         let mut dedup = Dedup::new();
         let mut g = connected(&dedup, 9, 0);
-        assert!(matches!(
-            g.handle_event(ev(0), &mut dedup).unwrap(),
-            Accounted::Deliver { gap: 0, ref frame } if frame.seq == 0
-        ));
-        assert!(matches!(
-            g.handle_event(ev(3), &mut dedup).unwrap(),
-            Accounted::Deliver { gap: 2, .. }
-        ));
         let loss = SpoolLoss {
             dropped: 3,
             first_seq: 4,
             last_seq: 6,
         };
-        assert_eq!(
-            g.handle_event(Message::SpoolLoss(loss.clone()), &mut dedup)
-                .unwrap(),
-            Accounted::Lost {
-                loss,
-                newly_lost: 3
-            }
+        let st = feed(
+            &mut g,
+            vec![ev(0), ev(3), Message::SpoolLoss(loss.clone())],
+            &mut dedup,
         );
+        assert_eq!(seqs(&st), vec![0, 3]);
+        assert_eq!(st.gaps, vec![(3, 2)]);
+        assert_eq!(st.losses, vec![(loss, 3)]);
+        assert_eq!(st.lost(), 5);
+        // The test's payloads are no events of this build: delivered undecoded.
+        assert_eq!(st.deliveries[0].event, None);
         // Sequence must go forward on one stream.
+        let mut st = Staged::default();
         assert_eq!(
-            g.handle_event(ev(6), &mut dedup).unwrap_err().reason(),
+            g.handle_event(ev(6), &mut st, &dedup).unwrap_err().reason(),
             "seq_backwards"
         );
         // A second connection of the same sequence space re-sends: duplicates.
         let mut g2 = connected(&dedup, 9, 0);
-        assert_eq!(
-            g2.handle_event(ev(3), &mut dedup).unwrap(),
-            Accounted::Duplicate
-        );
-        assert!(matches!(
-            g2.handle_event(ev(7), &mut dedup).unwrap(),
-            Accounted::Deliver { gap: 0, .. }
-        ));
+        let st = feed(&mut g2, vec![ev(3), ev(7)], &mut dedup);
+        assert_eq!((st.duplicates, seqs(&st)), (1, vec![7]));
         assert_eq!(dedup.watermark("pve1", 9), Some(7));
         // Control messages do not belong on the event stream.
         assert_eq!(
-            g2.handle_event(Message::Ack(Ack { up_to: 1 }), &mut dedup)
+            g2.handle_event(Message::Ack(Ack { up_to: 1 }), &mut st.clone(), &dedup)
                 .unwrap_err()
                 .reason(),
             "unexpected_message"
@@ -305,11 +369,81 @@ mod tests {
     }
 
     #[test]
-    fn events_before_the_handshake_are_refused() {
+    fn nothing_is_accepted_before_the_commit() {
         let mut dedup = Dedup::new();
+        let mut g = connected(&dedup, 9, 0);
+        let mut st = Staged::default();
+        for s in 0..5 {
+            g.handle_event(ev(s), &mut st, &dedup).unwrap();
+        }
+        // Within the batch the staged watermark counts: a repeat is a duplicate.
+        g.handle_event(ev(4), &mut st, &dedup).unwrap_err();
+        assert_eq!(seqs(&st), vec![0, 1, 2, 3, 4]);
+        // The journal refused it: no watermark, no ack.
+        assert_eq!(dedup.watermark("pve1", 9), None);
+        assert!(!matches!(
+            g.poll_transmit(&dedup, 100 * MS, 0),
+            Some(Message::Ack(_))
+        ));
+        // A new connection gets the events again, and they count once.
+        let mut g2 = connected(&dedup, 9, 0);
+        let st = feed(&mut g2, (0..5).map(ev).collect(), &mut dedup);
+        assert_eq!((seqs(&st).len(), st.duplicates), (5, 0));
+        assert_eq!(dedup.resume_from("pve1", 9), Some(5));
+    }
+
+    #[test]
+    fn numbers_out_of_range_cost_only_themselves() {
+        let mut dedup = Dedup::new();
+        let mut g = connected(&dedup, 9, 0);
+        let horizon = |below| Message::Horizon(super::super::Horizon { below });
+        let st = feed(
+            &mut g,
+            vec![
+                ev(0),
+                // damaged: beyond anything a sequence space holds
+                ev(1 << 63),
+                ev(1),
+                horizon(10),
+                ev(2),
+                // beyond what the host says it handed out
+                ev(50),
+                ev(3),
+                // a horizon may not go back
+                horizon(5),
+                ev(9),
+                horizon(20),
+                ev(15),
+            ],
+            &mut dedup,
+        );
+        assert_eq!(seqs(&st), vec![0, 1, 2, 3, 9, 15]);
+        assert_eq!(
+            st.refused,
+            vec!["seq_out_of_range", "seq_beyond_horizon", "horizon_invalid"]
+        );
+        assert_eq!(st.gaps, vec![(9, 5), (15, 5)]);
+        let loss = |first_seq, last_seq| {
+            Message::SpoolLoss(SpoolLoss {
+                dropped: 1,
+                first_seq,
+                last_seq,
+            })
+        };
+        let st = feed(&mut g, vec![loss(16, 1 << 62), loss(30, 16)], &mut dedup);
+        assert_eq!(st.lost(), 0);
+        assert_eq!(st.refused, vec!["seq_out_of_range", "seq_out_of_range"]);
+        assert_eq!(dedup.watermark("pve1", 9), Some(15));
+    }
+
+    #[test]
+    fn events_before_the_handshake_are_refused() {
+        let dedup = Dedup::new();
         let mut g = GuestConnection::new("pve1", timing(), 0);
         assert_eq!(
-            g.handle_event(ev(0), &mut dedup).unwrap_err().reason(),
+            g.handle_event(ev(0), &mut Staged::default(), &dedup)
+                .unwrap_err()
+                .reason(),
             "unexpected_message"
         );
         assert_eq!(dedup.watermark("pve1", 0), None);
@@ -326,15 +460,13 @@ mod tests {
         ));
         assert_eq!(g.poll_transmit(&dedup, 0, 500), None);
         // Three events: an ack by count (the interval has not passed since the last ack).
-        for s in 0..3 {
-            g.handle_event(ev(s), &mut dedup).unwrap();
-        }
+        feed(&mut g, (0..3).map(ev).collect(), &mut dedup);
         assert_eq!(
             g.poll_transmit(&dedup, 5 * MS, 0),
             Some(Message::Ack(Ack { up_to: 2 }))
         );
         // One more: acknowledged only once the interval has passed.
-        g.handle_event(ev(3), &mut dedup).unwrap();
+        feed(&mut g, vec![ev(3)], &mut dedup);
         assert_eq!(g.poll_transmit(&dedup, 9 * MS, 0), None);
         assert_eq!(
             g.poll_transmit(&dedup, 25 * MS, 0),

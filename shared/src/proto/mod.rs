@@ -27,6 +27,7 @@ mod codec;
 mod fit;
 mod guest;
 mod host;
+pub mod ledger;
 mod session;
 
 pub use codec::{
@@ -34,11 +35,12 @@ pub use codec::{
     HEADER_LEN,
 };
 pub use fit::{encode_event, KMSG_CONTEXT_MAX_BYTES};
-pub use guest::{Accounted, GuestConnection, GuestTiming};
-pub use host::{HostConnection, HostOutput, StateSender};
+pub use guest::{Delivery, GuestConnection, GuestTiming, Staged};
+pub use host::{HostConnection, HostOutput, StatePacing, StateSender};
+pub use ledger::{Ledger, SeqError, MAX_SEQ};
 pub use session::{
     AckPolicy, ClientAction, ClientSession, Dedup, EventVerdict, ProtocolError, ServerAction,
-    ServerSession,
+    ServerSession, StreamCheck,
 };
 
 use serde::{Deserialize, Serialize};
@@ -63,8 +65,12 @@ pub mod caps {
     /// The guest takes [`super::Message::HostState`] on the control stream (a host sends it
     /// only to guests that announce this bit, so older guests never see the message).
     pub const HOST_STATE: u64 = 1 << 2;
+    /// The guest takes [`super::Message::Horizon`] on the event stream: the host says below
+    /// which number everything it sends lies, so that a damaged or hostile number is refused
+    /// alone instead of counted as a gap.
+    pub const SEQ_HORIZON: u64 = 1 << 3;
     /// Everything this build implements.
-    pub const ALL: u64 = CLOCK_PROBE | SPOOL_LOSS | HOST_STATE;
+    pub const ALL: u64 = CLOCK_PROBE | SPOOL_LOSS | HOST_STATE | SEQ_HORIZON;
 }
 
 /// Every message of the protocol. Which stream may carry which variant is checked by the
@@ -82,6 +88,10 @@ pub enum Message {
     /// Host → guest on the control stream, after `Welcome`: the host's own series that concern
     /// this guest, replacing the previous state whole (see [`crate::hoststate`]).
     HostState(crate::hoststate::HostState),
+    /// Host → guest on the event stream, to guests that announce [`caps::SEQ_HORIZON`]:
+    /// every number handed out so far is below `below` (appended last: the variants before
+    /// keep their postcard tags).
+    Horizon(Horizon),
 }
 
 impl Message {
@@ -97,6 +107,7 @@ impl Message {
             Message::ClockProbe(_) => "clock_probe",
             Message::ClockReply(_) => "clock_reply",
             Message::HostState(_) => "host_state",
+            Message::Horizon(_) => "horizon",
         }
     }
 }
@@ -150,6 +161,13 @@ pub struct SpoolLoss {
     pub dropped: u64,
     pub first_seq: u64,
     pub last_seq: u64,
+}
+
+/// Host → guest: the host has handed out only numbers below `below` (never decreasing on one
+/// connection). An event or loss report at or beyond it is refused by the guest, alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Horizon {
+    pub below: u64,
 }
 
 /// Guest → host: every sequence number `<= up_to` of the current `(host, boot)` is either

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use super::{
     caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Message, Reject, SpoolLoss, Welcome,
-    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    MAX_SEQ, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use crate::clock::ClockSample;
 
@@ -201,10 +201,15 @@ impl Dedup {
         (&mut m.0, new)
     }
 
-    /// Seeds a watermark (from persisted state); never lowers one.
-    pub fn seed(&mut self, host: &str, boot: u64, up_to: u64) {
+    /// Seeds a watermark (from persisted state, or a committed batch); never lowers one. A
+    /// number at or beyond [`MAX_SEQ`] is no watermark and is ignored (returns false).
+    pub fn seed(&mut self, host: &str, boot: u64, up_to: u64) -> bool {
+        if up_to >= MAX_SEQ {
+            return false;
+        }
         let (w, _) = self.mark(host, boot, up_to);
         *w = (*w).max(up_to);
+        true
     }
 
     /// The `Welcome.resume_from` for `(host, boot)`.
@@ -212,37 +217,49 @@ impl Dedup {
         self.watermark(host, boot).map(|w| w.saturating_add(1))
     }
 
-    /// Accounts an event.
-    pub fn on_event(&mut self, host: &str, boot: u64, seq: u64) -> EventVerdict {
-        match self.mark(host, boot, seq) {
-            (_, true) => EventVerdict::Deliver { gap: 0 },
-            (w, false) if seq <= *w => EventVerdict::Duplicate,
-            (w, false) => {
-                let gap = seq - *w - 1;
-                *w = seq;
-                EventVerdict::Deliver { gap }
+    /// What an event numbered `seq` is against watermark `w` (`None`: nothing accounted yet),
+    /// and the watermark after it.
+    pub fn verdict(w: Option<u64>, seq: u64) -> (EventVerdict, u64) {
+        match w {
+            None => (EventVerdict::Deliver { gap: 0 }, seq),
+            Some(w) if seq <= w => (EventVerdict::Duplicate, w),
+            Some(w) => (EventVerdict::Deliver { gap: seq - w - 1 }, seq),
+        }
+    }
+
+    /// How many events of a spool loss report were not accounted before against watermark
+    /// `w`, and the watermark after it.
+    pub fn loss_verdict(w: Option<u64>, loss: &SpoolLoss) -> (u64, Option<u64>) {
+        if loss.last_seq < loss.first_seq {
+            return (0, w);
+        }
+        let span = loss.last_seq - loss.first_seq + 1;
+        match w {
+            None => (loss.dropped.min(span), Some(loss.last_seq)),
+            Some(w) if loss.last_seq <= w => (0, Some(w)),
+            Some(w) => {
+                let fresh = loss.last_seq - loss.first_seq.max(w + 1) + 1;
+                // `dropped` may be less than the span if acknowledged events sat in between.
+                (fresh.min(loss.dropped).min(span), Some(loss.last_seq))
             }
         }
+    }
+
+    /// Accounts an event.
+    pub fn on_event(&mut self, host: &str, boot: u64, seq: u64) -> EventVerdict {
+        let (v, w) = Self::verdict(self.watermark(host, boot), seq);
+        self.seed(host, boot, w);
+        v
     }
 
     /// Accounts a spool loss report; returns how many of the dropped events were not already
     /// accounted (received, or reported lost before).
     pub fn on_loss(&mut self, host: &str, boot: u64, loss: &SpoolLoss) -> u64 {
-        if loss.last_seq < loss.first_seq {
-            return 0;
+        let (n, w) = Self::loss_verdict(self.watermark(host, boot), loss);
+        if let Some(w) = w {
+            self.seed(host, boot, w);
         }
-        let span = loss.last_seq - loss.first_seq + 1;
-        match self.mark(host, boot, loss.last_seq) {
-            (_, true) => loss.dropped.min(span),
-            (w, false) if loss.last_seq <= *w => 0,
-            (w, false) => {
-                let from = loss.first_seq.max(*w + 1);
-                let fresh = loss.last_seq - from + 1;
-                *w = loss.last_seq;
-                // `dropped` may be less than the span if acknowledged events sat in between.
-                fresh.min(loss.dropped).min(span)
-            }
-        }
+        n
     }
 
     /// All watermarks, for persistence.
@@ -283,6 +300,8 @@ pub struct ServerSession {
     next_probe: u32,
     outstanding: Vec<(u32, i64)>,
     last_seq: Option<u64>,
+    /// The host's last [`super::Horizon`] on this connection.
+    horizon: Option<u64>,
 }
 
 impl ServerSession {
@@ -293,6 +312,7 @@ impl ServerSession {
             next_probe: 0,
             outstanding: Vec::new(),
             last_seq: None,
+            horizon: None,
         }
     }
 
@@ -397,12 +417,28 @@ impl ServerSession {
         })
     }
 
-    /// Checks a message of the event stream; only events and loss reports are allowed there,
-    /// in increasing sequence order.
-    pub fn check_event_stream(&mut self, msg: &Message) -> Result<(), ProtocolError> {
+    /// Checks a message of the event stream; only events, loss reports and horizons are
+    /// allowed there, numbers in increasing order. A number that cannot be right (at or
+    /// beyond [`MAX_SEQ`], or beyond the host's own [`super::Horizon`]) is refused alone:
+    /// [`StreamCheck::Refuse`], the stream goes on. A number going backwards is a protocol
+    /// error.
+    pub fn check_event_stream(&mut self, msg: &Message) -> Result<StreamCheck, ProtocolError> {
+        if !matches!(self.state, ServerState::Streaming { .. }) {
+            return Err(ProtocolError::Unexpected {
+                got: msg.name(),
+                state: "before the handshake",
+            });
+        }
         let (lo, hi) = match msg {
             Message::Event(EventFrame { seq, .. }) => (*seq, *seq),
             Message::SpoolLoss(l) => (l.first_seq, l.last_seq),
+            Message::Horizon(h) => {
+                if h.below > MAX_SEQ || self.horizon.is_some_and(|p| h.below < p) {
+                    return Ok(StreamCheck::Refuse("horizon_invalid"));
+                }
+                self.horizon = Some(h.below);
+                return Ok(StreamCheck::Accept);
+            }
             m => {
                 return Err(ProtocolError::Unexpected {
                     got: m.name(),
@@ -410,11 +446,11 @@ impl ServerSession {
                 })
             }
         };
-        if !matches!(self.state, ServerState::Streaming { .. }) {
-            return Err(ProtocolError::Unexpected {
-                got: msg.name(),
-                state: "before the handshake",
-            });
+        if hi >= MAX_SEQ || lo > hi {
+            return Ok(StreamCheck::Refuse("seq_out_of_range"));
+        }
+        if self.horizon.is_some_and(|h| hi >= h) {
+            return Ok(StreamCheck::Refuse("seq_beyond_horizon"));
         }
         if let Some(prev) = self.last_seq {
             if lo <= prev {
@@ -422,8 +458,17 @@ impl ServerSession {
             }
         }
         self.last_seq = Some(hi);
-        Ok(())
+        Ok(StreamCheck::Accept)
     }
+}
+
+/// What [`ServerSession::check_event_stream`] makes of a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamCheck {
+    /// In order and in range: account it.
+    Accept,
+    /// Refused alone, for this reason (a `gpufeed_stream_frames_rejected_total` reason).
+    Refuse(&'static str),
 }
 
 /// When the guest acknowledges: after `every_events` new events or `interval_ns`, whichever

@@ -6,8 +6,8 @@ use std::net::IpAddr;
 
 use super::loader::DropKey;
 use super::Direction;
-use crate::collect::Owner;
 use crate::ifaces::PodIface;
+use crate::owner::Owner;
 
 /// What attribution looks at besides the drop record.
 pub struct Known<'a> {

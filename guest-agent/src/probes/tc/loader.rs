@@ -16,7 +16,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
 use libbpf_rs::btf::types::Enum;
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, TcHook, TcHookBuilder};
 
 use crate::probes::cgroup_maps::MappedWords;
@@ -76,14 +76,22 @@ pub struct DropKey {
 
 enum Attachment {
     Tcx(Vec<OwnedFd>),
-    Clsact(Vec<TcHook>),
+    Clsact(Vec<ClsactHook>),
 }
+
+/// A clsact filter libbpf attached. libbpf's hook struct carries a `const char *` (the
+/// name of a qdisc to create, which this probe leaves NULL), so it is not `Send` by itself.
+struct ClsactHook(TcHook);
+
+// SAFETY: the hook's only pointer is libbpf's optional qdisc name, always NULL here; the
+// rest is plain data (ifindex, attach point, handle, priority), owned by this value.
+unsafe impl Send for ClsactHook {}
 
 pub struct TcProbe {
     ingress_prog: OwnedFd,
     egress_prog: OwnedFd,
-    node_ingress_prog: OwnedFd,
-    node_egress_prog: OwnedFd,
+    /// [ingress, egress] for node devices; None on a kernel without bpf_rdonly_cast
+    node_progs: Option<[OwnedFd; 2]>,
     if_bytes: MapHandle,
     cg_bytes: MapHandle,
     drops: Option<MapHandle>,
@@ -119,7 +127,33 @@ pub fn tc_drop_reasons(btf: &KernelBtf) -> HashMap<u32, String> {
             }
         }
     }
+    // 7.x: the qdiscs' own reasons in a subsystem of drop reasons (enum qdisc_drop_reason,
+    // values SKB_DROP_REASON_SUBSYS_QDISC << 16 | n): tbf's overlimit drops arrive as these
+    if let Some(e) = btf
+        .btf()
+        .and_then(|b| b.type_by_name::<Enum<'_>>("qdisc_drop_reason"))
+    {
+        for m in e.iter() {
+            let Some(name) = m.name.and_then(|n| n.to_str()) else {
+                continue;
+            };
+            let sub = name.strip_prefix("QDISC_DROP_");
+            if sub.is_some_and(|s| s != "UNSPEC" && s != "MAX") && m.value as u32 >> 16 != 0 {
+                out.insert(m.value as u32, name.to_ascii_lowercase());
+            }
+        }
+    }
     out
+}
+
+/// `SKB_DROP_REASON_MAX` of the running kernel, from its BTF.
+fn core_reason_max(btf: &KernelBtf) -> Option<u32> {
+    let e = btf.btf()?.type_by_name::<Enum<'_>>("skb_drop_reason")?;
+    let max = e
+        .iter()
+        .find(|m| m.name.and_then(|n| n.to_str()) == Some("SKB_DROP_REASON_MAX"))
+        .map(|m| m.value as u32);
+    max
 }
 
 impl TcProbe {
@@ -141,14 +175,19 @@ impl TcProbe {
         // exactly the reasons this kernel has (at least one slot)
         set_max_entries(OBJ, &mut open.maps.tc_reasons, reasons.len().max(1) as u32)?;
         open.progs.kfree_skb.set_autoload(drops_up);
+        // hostNetwork pods' bytes on node devices need bpf_rdonly_cast (6.2)
+        let node_devices = btf.has_kfunc("bpf_rdonly_cast");
+        open.progs.tc_node_ingress.set_autoload(node_devices);
+        open.progs.tc_node_egress.set_autoload(node_devices);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.read_addrs = read_addrs;
+            ro.core_reason_max = core_reason_max(btf).unwrap_or(0);
             // node devices count only sockets of this (the host's) namespace
             ro.host_netns_ino = std::fs::metadata("/proc/self/ns/net")
                 .map(|m| std::os::unix::fs::MetadataExt::ino(&m) as u32)
                 .unwrap_or(0);
         }
-        let skel = open.load().map_err(err(OBJ, "load"))?;
+        let skel = crate::probes::object::load(OBJ, open)?;
         let drop_link = if drops_up {
             for r in reasons.keys() {
                 skel.maps
@@ -172,10 +211,33 @@ impl TcProbe {
                 source: e,
             })
         };
+        let attach = match mode {
+            AttachMode::Auto if btf.has_tcx() => AttachMode::Tcx,
+            AttachMode::Auto => AttachMode::Clsact,
+            m => m,
+        };
+        let bytes_hook = match attach {
+            AttachMode::Tcx => "tcx on pod veths",
+            _ => "tc clsact on pod veths",
+        };
         let statuses = vec![
-            ProbeStatus::up(BYTES),
+            ProbeStatus::up(BYTES)
+                .with("hook", bytes_hook)
+                .with("storage", "per-interface per-CPU hash")
+                .with("reads", "each")
+                .with(
+                    "node_devices",
+                    if node_devices {
+                        "per socket owner"
+                    } else {
+                        "off (no bpf_rdonly_cast)"
+                    },
+                ),
             if drops_up {
                 ProbeStatus::up(DROPS)
+                    .with("hook", "tp_btf/kfree_skb")
+                    .with("storage", "hash, drained each tick")
+                    .with("reads", "drain")
             } else if has_kfree {
                 ProbeStatus::down(
                     DROPS,
@@ -188,8 +250,14 @@ impl TcProbe {
         let probe = TcProbe {
             ingress_prog: dup(&skel.progs.tc_host_ingress)?,
             egress_prog: dup(&skel.progs.tc_host_egress)?,
-            node_ingress_prog: dup(&skel.progs.tc_node_ingress)?,
-            node_egress_prog: dup(&skel.progs.tc_node_egress)?,
+            node_progs: if node_devices {
+                Some([
+                    dup(&skel.progs.tc_node_ingress)?,
+                    dup(&skel.progs.tc_node_egress)?,
+                ])
+            } else {
+                None
+            },
             if_bytes: handle(OBJ, &skel.maps.if_bytes)?,
             cg_bytes: handle(OBJ, &skel.maps.cg_bytes)?,
             touched: MappedWords::new(OBJ, handle(OBJ, &skel.maps.tc_touched)?)?,
@@ -201,16 +269,7 @@ impl TcProbe {
             overflow: handle(OBJ, &skel.maps.drop_overflow)?,
             _drop_link: drop_link,
             reasons,
-            mode: match mode {
-                AttachMode::Auto => {
-                    if btf.has_tcx() {
-                        AttachMode::Tcx
-                    } else {
-                        AttachMode::Clsact
-                    }
-                }
-                m => m,
-            },
+            mode: attach,
             attached: HashMap::new(),
         };
         Ok((probe, statuses))
@@ -225,7 +284,8 @@ impl TcProbe {
         self.reasons
             .get(&reason)
             .cloned()
-            .unwrap_or_else(|| format!("reason_{reason}"))
+            // a value the kernel never defined (see core_reason_max in bpf/tc.bpf.c)
+            .unwrap_or_else(|| format!("unnamed_{reason}"))
     }
 
     /// Starts counting a host-side pod interface: creates its counter entry,
@@ -263,10 +323,12 @@ impl TcProbe {
         if self.attached.contains_key(&ifindex) {
             return Ok(());
         }
-        let progs = [
-            self.node_ingress_prog.try_clone()?,
-            self.node_egress_prog.try_clone()?,
-        ];
+        let Some([ingress, egress]) = &self.node_progs else {
+            return Err(io::Error::other(
+                "this kernel has no bpf_rdonly_cast (6.2): hostNetwork pods' bytes are not counted",
+            ));
+        };
+        let progs = [ingress.try_clone()?, egress.try_clone()?];
         self.attach_progs(ifindex, progs)
     }
 
@@ -289,7 +351,7 @@ impl TcProbe {
                     // creating clsact fails with EEXIST when it is there already: fine
                     let _ = h.create();
                     h.attach().map_err(io::Error::other)?;
-                    hooks.push(h);
+                    hooks.push(ClsactHook(h));
                 }
                 Attachment::Clsact(hooks)
             }
@@ -326,7 +388,7 @@ impl TcProbe {
             Some(Attachment::Tcx(_links)) => {} // closing the link fds detaches
             Some(Attachment::Clsact(mut hooks)) => {
                 for h in &mut hooks {
-                    let _ = h.detach(); // fails harmlessly if the interface is gone
+                    let _ = h.0.detach(); // fails harmlessly if the interface is gone
                 }
             }
             None => {}

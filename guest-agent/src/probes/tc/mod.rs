@@ -21,16 +21,19 @@ use super::unit::{
 };
 use super::ProbeError;
 use crate::bandwidth;
-use crate::collect::Owner;
 use crate::ifaces::{self, NodeDevices, PodIface};
+use crate::owner::Owner;
 use crate::pods::PodStore;
 
 pub const BYTES_FAMILY: &str = "ebpf_tc_bytes_total";
 pub const DROPS_FAMILY: &str = "ebpf_tc_dropped_packets_total";
 pub const BW_LIMIT_FAMILY: &str = "gpufeed_bandwidth_limit_bits_per_second";
 
+pub const NAME: &str = "tc";
+
 pub const UNIT: UnitSpec = UnitSpec {
-    names: &["tc"],
+    names: &[NAME],
+    reports: &[loader::BYTES, loader::DROPS],
     load: load_unit,
 };
 

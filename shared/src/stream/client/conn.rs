@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use super::{Common, Guest};
 use crate::clock::monotonic_ns;
-use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message, StateSender};
+use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message, StatePacing};
 use crate::tls;
 
 /// Why a connection attempt or an established connection ended.
@@ -62,6 +62,19 @@ pub enum ConnError {
     ControlClosed,
     #[error("unexpected {0:?} from the connection state")]
     Unexpected(HostOutput),
+}
+
+impl ConnError {
+    /// The guest refused the connection before its handshake (it is busy).
+    pub fn refused(&self) -> bool {
+        matches!(
+            self,
+            ConnError::Handshake {
+                source: quinn::ConnectionError::ConnectionClosed(c),
+                ..
+            } if c.error_code == quinn::TransportErrorCode::CONNECTION_REFUSED
+        )
+    }
 }
 
 /// Application close codes.
@@ -119,6 +132,10 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
     );
     let mut last_error = String::new();
     let mut lost_at: Option<std::time::Instant> = None;
+    // A guest whose journal cannot be written closes every connection at once: one line per
+    // reconnect would be several a second.
+    let lost_log = crate::ratelog::RateLimitedLog::new(Duration::from_secs(10));
+    let mut refused_until: Option<std::time::Instant> = None;
     loop {
         if *stop.borrow() {
             return;
@@ -139,8 +156,19 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
             Ok(Outcome::Streamed(e)) => {
                 backoff.reset();
                 lost_at = Some(std::time::Instant::now());
-                tracing::warn!(guest = %label, error = %e, "host stream: connection to guest lost; reconnecting");
+                if let Some(unlogged) = lost_log.note("lost", std::time::Instant::now()) {
+                    tracing::warn!(guest = %label, error = %e, unlogged, "host stream: connection to guest lost; reconnecting");
+                }
                 last_error.clear();
+            }
+            Err(e) if e.refused() => {
+                // The guest is busy (all its handshake places taken, a flood): it refuses
+                // before any state, so trying again soon costs it nothing, and a grown
+                // backoff would outlast the flood.
+                refused_until = Some(std::time::Instant::now() + FAST_RECONNECT_FOR);
+                if let Some(unlogged) = lost_log.note("refused", std::time::Instant::now()) {
+                    tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %e, unlogged, "host stream: guest refused the connection (busy); retrying within {FAST_RECONNECT_MAX:?}");
+                }
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -153,7 +181,7 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
             }
         }
         let mut delay = backoff.next_delay();
-        if fast {
+        if fast || refused_until.is_some_and(|t| std::time::Instant::now() < t) {
             delay = delay.min(FAST_RECONNECT_MAX);
         }
         tokio::select! {
@@ -290,26 +318,28 @@ async fn stream(
         c.cfg.connect_timeout_ms.saturating_mul(1_000_000),
         monotonic_ns(),
     );
+    if c.state.is_some() {
+        // The state interval bounds how often the whole registry is gathered; the looks after
+        // events at most every EVENT_STATE_GAP (a flood of events is not a snapshot per batch).
+        let interval = Duration::from_millis(c.cfg.state_interval_ms.max(100));
+        session = session.with_state_pacing(StatePacing {
+            interval_ns: interval.as_nanos() as u64,
+            after_events_gap_ns: EVENT_STATE_GAP.min(interval).as_nanos() as u64,
+        });
+    }
     let (mut ctl_send, mut ctl_recv) = conn.open_bi().await?;
     let mut buf = Vec::new();
     transmit(&mut session, &mut ctl_send, &mut buf).await?;
     let mut dec = FrameDecoder::default();
     let resume_from = loop {
-        let wait = session
-            .poll_timeout()
-            .map_or(0, |d| d.saturating_sub(monotonic_ns()));
-        let msg = match tokio::time::timeout(
-            Duration::from_nanos(wait),
-            read_msg(&mut ctl_recv, &mut dec),
-        )
-        .await
-        {
-            Ok(m) => m?,
-            Err(_) => {
-                session.handle_timeout(monotonic_ns())?;
-                continue;
-            }
-        };
+        let msg =
+            match tokio::time::timeout(until(&session), read_msg(&mut ctl_recv, &mut dec)).await {
+                Ok(m) => m?,
+                Err(_) => {
+                    session.handle_timeout(monotonic_ns())?;
+                    continue;
+                }
+            };
         match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
             Some(HostOutput::Start { resume_from }) => break resume_from,
             Some(HostOutput::Rejected(reason)) => {
@@ -322,63 +352,66 @@ async fn stream(
     };
     g.m.connects_ok.inc();
     g.m.connected.set(1);
-    let mut cursor = {
+    let cursor = {
         let mut s = g.spool();
-        let cur = s.start_cursor(resume_from)?;
-        g.update_gauges(&s);
-        cur
+        let cur = s.start_cursor(resume_from);
+        g.update_gauges(&mut s);
+        cur?
     };
+    session.start(cursor, monotonic_ns());
     tracing::info!(guest = %label, boot_id, ?resume_from, cursor, "host stream: connected");
     let mut ev = conn.open_uni().await?;
 
-    // Set by the sender after each write of events: the host state is looked at again at
-    // once (the watcher that emitted an event updated its series first), so the host's
-    // series in the guest's scrape follow an event within milliseconds, not at the next
-    // state interval. At most one such look per EVENT_STATE_GAP, so a flood of events does
-    // not turn into a snapshot per batch.
-    let events_sent = tokio::sync::Notify::new();
+    // Both halves drive the one connection state; neither holds it across an await (a mutex
+    // only because the task's future must be Send; it is never contended).
+    let session = std::sync::Mutex::new(session);
+    let session = || {
+        session
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    // The sender wakes the control half when it planned a look at the host state.
+    let replan = tokio::sync::Notify::new();
     let control = async {
         let mut out = Vec::new();
-        // Host state: looked at every state interval, and after events; sent when it
-        // changed (StateSender).
-        let mut states = StateSender::default();
-        let mut state_tick =
-            tokio::time::interval(Duration::from_millis(c.cfg.state_interval_ms.max(100)));
-        state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let gap = EVENT_STATE_GAP.min(Duration::from_millis(c.cfg.state_interval_ms));
-        // When an event-driven look is due (None: no events since the last look).
-        let mut due: Option<tokio::time::Instant> = None;
-        let mut last_look: Option<tokio::time::Instant> = None;
         loop {
-            let wake = due.unwrap_or_else(tokio::time::Instant::now);
+            let wait = until(&session());
             // read_msg is cancel-safe: its only await is read_chunk, which consumes nothing
             // when dropped.
             let msg = tokio::select! {
                 m = read_msg(&mut ctl_recv, &mut dec) => m?,
-                _ = events_sent.notified(), if c.state.is_some() && due.is_none() => {
-                    let now = tokio::time::Instant::now();
-                    due = Some(last_look.map_or(now, |l| (l + gap).max(now)));
+                _ = tokio::time::sleep(wait) => {
+                    let look = session().poll_state(monotonic_ns());
+                    if let (true, Some(source)) = (look, c.state.as_ref()) {
+                        let state = source(g.index, c.clock.now_ns());
+                        // Bound first: the borrow must end before the write's await.
+                        let offered = session().offer_state(state);
+                        if let Some(m) = offered {
+                            out.clear();
+                            encode(&m, &mut out)?;
+                            ctl_send.write_all(&out).await?;
+                        }
+                    }
                     continue;
                 }
-                _ = tokio::time::sleep_until(wake), if due.is_some() => {
-                    due = None;
-                    last_look = Some(tokio::time::Instant::now());
-                    send_state(c, g, &session, &mut states, &mut ctl_send, &mut out).await?;
-                    continue;
-                }
-                _ = state_tick.tick(), if c.state.is_some() => {
-                    last_look = Some(tokio::time::Instant::now());
-                    send_state(c, g, &session, &mut states, &mut ctl_send, &mut out).await?;
-                    continue;
-                }
+                _ = replan.notified() => continue,
             };
-            match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
+            let output = session().handle_control(msg, monotonic_ns(), c.clock.now_ns())?;
+            match output {
                 Some(HostOutput::Acked(up_to)) => {
                     let mut s = g.spool();
                     s.ack(up_to)?;
-                    g.update_gauges(&s);
+                    g.update_gauges(&mut s);
                 }
-                None => transmit(&mut session, &mut ctl_send, &mut out).await?,
+                None => {
+                    out.clear();
+                    while let Some(m) = session().poll_transmit() {
+                        encode(&m, &mut out)?;
+                    }
+                    if !out.is_empty() {
+                        ctl_send.write_all(&out).await?;
+                    }
+                }
                 Some(other) => return Err(ConnError::Unexpected(other)),
             }
         }
@@ -386,7 +419,9 @@ async fn stream(
         Ok::<(), ConnError>(())
     };
     let sender = async {
+        let mut bytes = Vec::new();
         loop {
+            let cursor = session().cursor().unwrap_or_default();
             let b = {
                 let mut s = g.spool();
                 s.read_batch(cursor, c.cfg.batch_bytes)?
@@ -398,13 +433,20 @@ async fn stream(
                 }
                 continue;
             }
-            ev.write_all(&b.bytes).await?;
+            bytes.clear();
+            if let Some(h) = session().horizon_for(b.horizon) {
+                encode(&h, &mut bytes)?;
+            }
+            bytes.extend_from_slice(&b.bytes);
+            ev.write_all(&bytes).await?;
             if let Some(l) = &b.loss {
-                tracing::warn!(guest = %label, dropped = l.dropped, first = l.first_seq, last = l.last_seq, "host stream: reported spool loss to guest");
+                if let Some(unlogged) = g.loss_log.note("reported", std::time::Instant::now()) {
+                    tracing::warn!(guest = %label, dropped = l.dropped, first = l.first_seq, last = l.last_seq, unlogged, "host stream: reported spool loss to guest");
+                }
             }
             g.m.sent.inc_by(b.events);
-            cursor = b.next_cursor;
-            events_sent.notify_one();
+            session().sent(b.next_cursor, b.events, monotonic_ns());
+            replan.notify_one();
         }
         #[allow(unreachable_code)]
         Ok::<(), ConnError>(())
@@ -416,29 +458,17 @@ async fn stream(
     }
 }
 
-/// Closest spacing of the host-state looks that follow events (see `events_sent` above).
-const EVENT_STATE_GAP: Duration = Duration::from_millis(20);
-
-/// Takes the host's series for guest `g` now and sends them on the control stream if they
-/// changed since the last state sent on this connection.
-async fn send_state(
-    c: &Common,
-    g: &Guest,
-    session: &HostConnection,
-    states: &mut StateSender,
-    ctl_send: &mut quinn::SendStream,
-    out: &mut Vec<u8>,
-) -> Result<(), ConnError> {
-    let Some(source) = c.state.as_ref() else {
-        return Ok(());
-    };
-    if let Some(m) = states.offer(session, source(g.index, c.clock.now_ns())) {
-        out.clear();
-        encode(&m, out)?;
-        ctl_send.write_all(out).await?;
-    }
-    Ok(())
+/// How long until the connection has something due (an hour when nothing is).
+fn until(session: &HostConnection) -> Duration {
+    session
+        .poll_timeout()
+        .map_or(Duration::from_secs(3600), |d| {
+            Duration::from_nanos(d.saturating_sub(monotonic_ns()))
+        })
 }
+
+/// Closest spacing of the host-state looks that follow events.
+const EVENT_STATE_GAP: Duration = Duration::from_millis(20);
 
 #[cfg(test)]
 mod tests {

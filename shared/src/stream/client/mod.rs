@@ -17,6 +17,7 @@
 //! (counted by the agent's bus subscriber, see [`StreamHandle::bus_lagged`]).
 
 pub mod conn;
+pub mod meta;
 pub mod spool;
 
 use std::path::PathBuf;
@@ -313,6 +314,10 @@ pub(crate) struct Guest {
     spool: Mutex<Spool>,
     notify: Notify,
     m: GuestMetrics,
+    /// "spool full" warnings (one per batch otherwise, while the spool overflows).
+    full_log: crate::ratelog::RateLimitedLog,
+    /// "reported spool loss" warnings (one per loss report otherwise).
+    loss_log: crate::ratelog::RateLimitedLog,
 }
 
 impl Guest {
@@ -324,7 +329,10 @@ impl Guest {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn update_gauges(&self, s: &Spool) {
+    /// Brings the metrics up to date with the spool; every drop, whatever its cause, reaches
+    /// `gpufeed_host_stream_events_dropped_total` here (call after every change).
+    fn update_gauges(&self, s: &mut Spool) {
+        self.m.dropped.inc_by(s.take_dropped());
         self.m.spool_events.set(s.pending() as i64);
         self.m.spool_disk.set(s.disk_bytes() as i64);
         if let Some(a) = s.acked() {
@@ -437,8 +445,10 @@ pub fn start_with_state(
             spool: Mutex::new(spool),
             notify: Notify::new(),
             m,
+            full_log: crate::ratelog::RateLimitedLog::new(Duration::from_secs(10)),
+            loss_log: crate::ratelog::RateLimitedLog::new(Duration::from_secs(10)),
         });
-        guest.update_gauges(&guest.spool());
+        guest.update_gauges(&mut guest.spool());
         guests.push(guest);
     }
     let (stop, _) = watch::channel(false);
@@ -493,11 +503,12 @@ fn push_encoded(g: &Guest, evs: &[Arc<EncodedEvent>]) {
         Err(e) => tracing::debug!(guest = %g.cfg.label(), error = %e, "spool write still failing"),
     }
     if dropped > 0 {
-        tracing::warn!(guest = %g.cfg.label(), dropped, total = s.dropped_total(), "spool full: dropped the oldest events");
-        g.m.dropped.inc_by(dropped);
+        if let Some(unlogged) = g.full_log.note("spool_full", std::time::Instant::now()) {
+            tracing::warn!(guest = %g.cfg.label(), dropped, total = s.dropped_total(), unlogged, "spool full: dropped the oldest events");
+        }
     }
     g.m.spooled.inc_by(evs.len() as u64);
-    g.update_gauges(&s);
+    g.update_gauges(&mut s);
     drop(s);
     g.notify.notify_one();
 }
@@ -672,12 +683,13 @@ impl StreamHandle {
         }
         for g in self.spools.guests.iter() {
             let mut s = g.spool();
-            match s.flush(Duration::ZERO) {
-                Ok(d) => g.m.dropped.inc_by(d),
-                Err(e) => {
-                    tracing::error!(guest = %g.cfg.label(), error = %e, "spool flush at shutdown failed")
-                }
+            // The ledger is written even where the frames cannot be: a restart finds the
+            // events that only memory held missing and reports them as lost.
+            if let Err(e) = s.flush(Duration::ZERO) {
+                let unwritten = s.unwritten();
+                tracing::error!(guest = %g.cfg.label(), error = %e, unwritten, "spool flush at shutdown failed: the events only in memory are lost with this process, and reported to the guest as lost at the next start");
             }
+            g.update_gauges(&mut s);
         }
     }
 }

@@ -1,30 +1,35 @@
 //! Bounded spool of one guest: every event waits here, as its encoded wire frame, until the
-//! guest acknowledges it.
+//! guest acknowledges it. Which numbers were handed out, acknowledged or dropped, where a
+//! connection resumes and what it sends next are decided by the sans-IO [`Ledger`]; this
+//! module keeps the frames and the ledger's file.
 //!
 //! * **Memory** holds the newest `memory_events` events, at most `memory_bytes` of them (their
 //!   encoded size; the newest event is always kept), shared with the other guests' spools
-//!   (each [`EncodedEvent`] is encoded once; the per-guest frame is written when sent). Without a spool directory that is the
-//!   whole spool: when it is full, the oldest frame is dropped.
+//!   (each [`EncodedEvent`] is encoded once; the per-guest frame is written when sent). Without
+//!   a spool directory that is the whole spool: when it is full, the oldest frame is dropped.
 //! * **Disk** (with a spool directory): every frame is also appended to segment files
-//!   `seg-<first seq>.gfs` (the frames exactly as on the wire, contiguous sequence numbers), so
-//!   memory is only a cache and a restarted (or killed) agent resumes from disk. When the files
-//!   exceed `disk_max_bytes`, the oldest segment is dropped. Writes go to the page cache (no
-//!   fsync): they survive a crash of the agent, not of the machine.
-//! * `spool.meta` keeps the sequence space (`boot_id`), the next sequence number, the
-//!   acknowledged watermark and the dropped ranges not yet acknowledged.
+//!   `seg-<boot id>-<first seq>.gfs` (the frames exactly as on the wire, contiguous sequence
+//!   numbers), so memory is only a cache and a restarted (or killed) agent resumes from disk.
+//!   When the files exceed `disk_max_bytes`, the oldest segment is dropped. Writes go to the
+//!   page cache (no fsync): they survive a crash of the agent, not of the machine.
+//! * `spool.meta` ([`super::meta`]) keeps the ledger. It is written in place at every flush
+//!   that changed it (so it never falls behind the numbers handed out, also on a full disk:
+//!   writing it needs no new blocks) and synced at most every `meta_interval`, and before
+//!   segment files are deleted.
 //!
-//! Dropped events are counted and their ranges are reported to the guest as
-//! [`SpoolLoss`] before the events that follow them, until the guest acknowledges past them.
+//! Dropped events are counted and their ranges are reported to the guest as [`SpoolLoss`]
+//! before the events that follow them, until the guest acknowledges past them.
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use std::sync::Arc;
-
-use crate::proto::{encode, EncodedEvent, Message, SpoolLoss, HEADER_LEN};
+use super::meta::{self, Format, MetaFile, MetaRead};
+use crate::proto::ledger::{longest_increasing, Next, Resume};
+use crate::proto::{encode, EncodedEvent, Ledger, Message, SeqError, SpoolLoss, HEADER_LEN};
 
 /// Size limits of a spool.
 #[derive(Debug, Clone, Copy)]
@@ -45,6 +50,8 @@ pub enum SpoolError {
     },
     #[error("spool: event does not fit in a frame: {0}")]
     Encode(#[from] crate::proto::EncodeError),
+    #[error("spool: {0}")]
+    Seq(#[from] SeqError),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SpoolError + '_ {
@@ -67,6 +74,8 @@ pub struct Batch {
     pub next_cursor: u64,
     /// Host realtime of the last event in the batch.
     pub last_realtime_ns: Option<i64>,
+    /// Every number in the batch is below this (the ledger's `next_seq` when it was read).
+    pub horizon: u64,
 }
 
 /// A segment file: frames of increasing sequence numbers in `first..end`. Written segments are
@@ -81,6 +90,7 @@ struct Segment {
 
 struct Disk {
     dir: PathBuf,
+    meta: MetaFile,
     /// Only whole frames that were written: a failed write is cut back off the file.
     segments: VecDeque<Segment>,
     /// The last segment, open for appending; `None` after a write error or a gap, so that the
@@ -102,33 +112,58 @@ struct Disk {
 
 /// The spool of one guest.
 pub struct Spool {
-    boot_id: u64,
-    next_seq: u64,
-    acked: Option<u64>,
-    losses: Vec<(u64, u64)>,
-    dropped_total: u64,
+    ledger: Ledger,
     mem: VecDeque<(u64, Arc<EncodedEvent>)>,
     /// [`EncodedEvent::heap_bytes`] of `mem`.
     mem_bytes: usize,
     limits: SpoolLimits,
     disk: Option<Disk>,
+    /// The ledger changed since it was last written.
     meta_dirty: bool,
-    meta_written: Instant,
+    /// When the state file was last synced.
+    meta_synced: Instant,
+    /// Drops not yet taken by [`Spool::take_dropped`].
+    dropped_untaken: u64,
+    /// The ledger's `dropped_total` when last looked at.
+    dropped_seen: u64,
 }
 
 const META: &str = "spool.meta";
+/// The smallest event frame: length prefix, tag, and one byte each for the number, both
+/// timestamps, the kind and the payload length.
+const MIN_FRAME_BYTES: u64 = HEADER_LEN as u64 + 6;
 /// How long [`Spool::push`] waits after a failed disk write before trying again.
 const WRITE_RETRY: Duration = Duration::from_millis(100);
+
+fn segment_name(boot: u64, first: u64) -> String {
+    format!("seg-{boot:016x}-{first:020}.gfs")
+}
+
+/// `(boot, first)` of a segment file name; the boot is absent in the older naming
+/// (`seg-<first>.gfs`, one sequence space per directory).
+fn parse_segment_name(name: &str) -> Option<(Option<u64>, u64)> {
+    let body = name.strip_prefix("seg-")?.strip_suffix(".gfs")?;
+    match body.split_once('-') {
+        Some((boot, first)) => Some((
+            Some(u64::from_str_radix(boot, 16).ok()?),
+            first.parse().ok()?,
+        )),
+        None => Some((None, body.parse().ok()?)),
+    }
+}
+
+/// A segment file found in a spool directory.
+struct Found {
+    boot: Option<u64>,
+    first: u64,
+    path: PathBuf,
+}
 
 impl Spool {
     /// A memory-only spool with a fresh sequence space.
     pub fn memory(limits: SpoolLimits) -> Self {
         Spool {
-            boot_id: fresh_boot_id(),
-            next_seq: 0,
-            acked: None,
-            losses: Vec::new(),
-            dropped_total: 0,
+            ledger: Ledger::new(fresh_boot_id()),
             mem: VecDeque::new(),
             mem_bytes: 0,
             limits: SpoolLimits {
@@ -137,11 +172,17 @@ impl Spool {
             },
             disk: None,
             meta_dirty: false,
-            meta_written: Instant::now(),
+            meta_synced: Instant::now(),
+            dropped_untaken: 0,
+            dropped_seen: 0,
         }
     }
 
     /// Opens (or creates) the spool in `dir`, recovering what a previous run left there.
+    ///
+    /// A state file that cannot be read (both slots damaged) does not cost the events on disk:
+    /// the sequence space is recovered from the segment files (their names carry it, their
+    /// frames the numbers), and the guest's `resume_from` says what it still needs.
     pub fn open(dir: &Path, limits: SpoolLimits) -> Result<Self, SpoolError> {
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
         let mut s = Spool::memory(limits);
@@ -150,99 +191,146 @@ impl Spool {
             .segment_bytes
             .clamp(1024, (s.limits.disk_max_bytes / 4).max(1024));
         let meta_path = dir.join(META);
-        let meta = std::fs::read_to_string(&meta_path).ok();
-        let mut disk = Disk {
-            dir: dir.to_owned(),
-            segments: VecDeque::new(),
-            active: None,
-            total_bytes: 0,
-            cache: None,
-            end: 0,
-            scratch: Vec::new(),
-            failing: false,
-            retry_at: None,
-        };
-        // Runs of sequence numbers found on disk, in order.
-        let mut present: Vec<(u64, u64)> = Vec::new();
-        let mut names: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        let mut found: Vec<Found> = std::fs::read_dir(dir)
             .map_err(io_err(dir))?
             .flatten()
             .filter_map(|e| {
-                let n = e.file_name().into_string().ok()?;
-                let first = n.strip_prefix("seg-")?.strip_suffix(".gfs")?.parse().ok()?;
-                Some((first, e.path()))
+                let (boot, first) = parse_segment_name(e.file_name().to_str()?)?;
+                Some(Found {
+                    boot,
+                    first,
+                    path: e.path(),
+                })
             })
             .collect();
-        names.sort();
-        match meta.as_deref().and_then(parse_meta) {
-            Some(m) => {
-                s.boot_id = m.boot_id;
-                s.next_seq = m.next_seq;
-                s.acked = m.acked;
-                s.losses = m.losses;
-                s.dropped_total = m.dropped_total;
-                for (first, path) in names {
-                    let r = recover_segment(&path, first)?;
-                    if r.end == r.first || s.acked.is_some_and(|a| r.end <= a + 1) {
-                        let _ = std::fs::remove_file(&path);
-                        continue;
-                    }
-                    // The highest sequence number on disk, not the number of frames.
-                    s.next_seq = s.next_seq.max(r.end);
-                    disk.total_bytes += r.bytes;
-                    disk.segments.push_back(Segment {
-                        first: r.first,
-                        end: r.end,
-                        bytes: r.bytes,
-                        path,
-                    });
-                    present.extend(r.runs);
-                }
-                // Every unacknowledged event below next_seq is on disk or accounted as lost:
-                // what is neither (corrupted, or never written before a crash) is lost now.
-                let mut at = s.low();
-                present.push((s.next_seq, s.next_seq));
-                for (f, e) in present {
-                    if f > at {
-                        let missing: Vec<(u64, u64)> = uncovered(&s.losses, at, f - 1);
-                        for (mf, ml) in missing {
-                            tracing::warn!(dir = %dir.display(), first = mf, last = ml, "spool: events missing from disk after a restart; reported as lost");
-                            s.record_loss(mf, ml);
-                        }
-                    }
-                    at = at.max(e);
-                }
+        found.sort_by_key(|f| f.first);
+        let read = meta::read(&meta_path);
+        let (mut ledger, format, trusted) = match read {
+            MetaRead::Valid(l, f) => (l, Some(f), true),
+            MetaRead::Missing if found.is_empty() => (Ledger::new(fresh_boot_id()), None, true),
+            MetaRead::Missing => {
+                tracing::error!(dir = %dir.display(), "spool: state file missing beside segment files; recovering the sequence space from them");
+                (recovered_ledger(&found), None, false)
             }
-            None => {
-                // No (readable) state: a new sequence space; old segments cannot be trusted.
-                for (_, path) in names {
-                    let _ = std::fs::remove_file(&path);
-                }
+            MetaRead::Damaged(why) => {
+                tracing::error!(dir = %dir.display(), error = %why, "spool: state file damaged; recovering the sequence space from the segment files");
+                (recovered_ledger(&found), None, false)
             }
+        };
+        let persisted_dropped = ledger.dropped_total();
+        // Segments of another sequence space (or, recovered, of no known one) cannot be
+        // sent: their events are lost, counted.
+        let boot = ledger.boot_id();
+        let mut foreign = 0u64;
+        found.retain(|f| {
+            let ours = f.boot.map_or(trusted, |b| b == boot);
+            if !ours {
+                foreign += recover_segment(&f.path, f.first, u64::MAX).map_or(0, |r| r.kept_seqs);
+                let _ = std::fs::remove_file(&f.path);
+            }
+            ours
+        });
+        if foreign > 0 {
+            tracing::error!(dir = %dir.display(), events = foreign, "spool: segment files of an unknown sequence space deleted; their events are counted as dropped");
+            s.dropped_untaken += foreign;
         }
-        disk.end = s.next_seq;
-        s.disk = Some(disk);
-        s.write_meta()?;
+        let mut segments = VecDeque::new();
+        let mut total_bytes = 0;
+        // Runs of sequence numbers found on disk, in order.
+        let mut present: Vec<(u64, u64)> = Vec::new();
+        for i in 0..found.len() {
+            let f = &found[i];
+            // A segment's numbers lie below the next one's first; the last one's below what
+            // the ledger handed out, or, where the files are ahead of the state (an older
+            // state file), below its first number plus its frame count.
+            let bound = match found.get(i + 1) {
+                Some(next) => next.first,
+                None => u64::MAX,
+            };
+            let r = recover_segment(&f.path, f.first, bound)?;
+            let r = if found.get(i + 1).is_none() {
+                // Skipped bytes may have held frames: at most one per smallest frame.
+                let room = r.kept_seqs + r.skipped_bytes / MIN_FRAME_BYTES;
+                let cap = ledger.next_seq().max(f.first.saturating_add(room));
+                if r.end > cap {
+                    recover_segment(&f.path, f.first, cap)?
+                } else {
+                    r
+                }
+            } else {
+                r
+            };
+            if r.end == r.first || ledger.acked().is_some_and(|a| r.end <= a + 1) {
+                let _ = std::fs::remove_file(&f.path);
+                continue;
+            }
+            // The highest sequence number on disk, not the number of frames.
+            ledger.raise_next(r.end);
+            total_bytes += r.bytes;
+            segments.push_back(Segment {
+                first: r.first,
+                end: r.end,
+                bytes: r.bytes,
+                path: f.path.clone(),
+            });
+            present.extend(r.runs);
+        }
+        for (mf, ml) in ledger.reconcile(&present) {
+            tracing::warn!(dir = %dir.display(), first = mf, last = ml, "spool: events missing from disk after a restart; reported as lost");
+        }
+        // This disk may be an older copy: what is handed out from here on is checked against
+        // the guest's numbers at the next resume.
+        ledger.opened();
+        let meta = match format {
+            Some(Format::Slots { generation }) => {
+                let mut m = MetaFile::open(&meta_path, generation).map_err(io_err(&meta_path))?;
+                m.write(&ledger, true).map_err(io_err(&meta_path))?;
+                m
+            }
+            // A new directory, the older format, or a damaged file: a new file in its place.
+            _ => MetaFile::create(&meta_path, &ledger).map_err(io_err(&meta_path))?,
+        };
+        // Drops found now (missing events) are this process's to count; earlier ones were
+        // counted by the process that made them.
+        s.dropped_seen = persisted_dropped;
+        s.ledger = ledger;
+        s.disk = Some(Disk {
+            dir: dir.to_owned(),
+            meta,
+            end: s.ledger.next_seq(),
+            segments,
+            active: None,
+            total_bytes,
+            cache: None,
+            scratch: Vec::new(),
+            failing: false,
+            retry_at: None,
+        });
         Ok(s)
     }
 
     pub fn boot_id(&self) -> u64 {
-        self.boot_id
+        self.ledger.boot_id()
     }
     /// The sequence number the next event gets.
     pub fn next_seq(&self) -> u64 {
-        self.next_seq
+        self.ledger.next_seq()
     }
     pub fn acked(&self) -> Option<u64> {
-        self.acked
+        self.ledger.acked()
     }
-    /// Events dropped since the spool was created.
+    /// The sequence space's state.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+    /// Events dropped in this sequence space (reported to the guest, or collided with its
+    /// numbers after a rollback).
     pub fn dropped_total(&self) -> u64 {
-        self.dropped_total
+        self.ledger.dropped_total()
     }
     /// Events held and not yet acknowledged.
     pub fn pending(&self) -> u64 {
-        self.next_seq - self.low() - self.lost_pending()
+        self.ledger.pending()
     }
     /// Whether the last write to the segment files failed (events wait in memory).
     pub fn disk_failing(&self) -> bool {
@@ -252,20 +340,26 @@ impl Spool {
     pub fn disk_bytes(&self) -> u64 {
         self.disk.as_ref().map_or(0, |d| d.total_bytes)
     }
-
-    fn lost_pending(&self) -> u64 {
-        let low = self.low();
-        self.losses
-            .iter()
-            .filter(|(_, l)| *l >= low)
-            .map(|(f, l)| l - f.max(&low) + 1)
-            .sum()
+    /// Events held only in memory (not yet written to the segment files).
+    pub fn unwritten(&self) -> u64 {
+        match &self.disk {
+            Some(d) => self.ledger.next_seq().saturating_sub(d.end),
+            None => self.ledger.pending(),
+        }
     }
-
-    /// Lowest sequence number not acknowledged.
     /// Bytes of the events held in memory.
     pub fn memory_bytes(&self) -> usize {
         self.mem_bytes
+    }
+
+    /// Events this spool dropped since the last call, whatever dropped them (a full spool, the
+    /// disk limit, a collision after a rollback, events found missing at the start, segment
+    /// files of an unknown sequence space): the one number the drop counter is fed from.
+    pub fn take_dropped(&mut self) -> u64 {
+        let total = self.ledger.dropped_total();
+        let n = total.saturating_sub(self.dropped_seen) + std::mem::take(&mut self.dropped_untaken);
+        self.dropped_seen = total;
+        n
     }
 
     /// Lets the oldest event in memory go.
@@ -275,8 +369,39 @@ impl Spool {
         }
     }
 
-    fn low(&self) -> u64 {
-        self.acked.map_or(0, |a| a + 1)
+    fn record_loss(&mut self, first: u64, last: u64) -> u64 {
+        self.meta_dirty = true;
+        self.ledger.record_loss(first, last)
+    }
+
+    /// A sequence space used up (at `MAX_SEQ`, only reachable through a hostile guest's
+    /// `resume_from`): a new one starts; what was pending in the old one is dropped.
+    fn renew(&mut self) {
+        let lost = self.ledger.pending();
+        self.dropped_untaken += lost
+            + self
+                .ledger
+                .dropped_total()
+                .saturating_sub(self.dropped_seen);
+        tracing::error!(
+            boot_id = self.ledger.boot_id(),
+            lost,
+            "spool: sequence space used up; starting a new one"
+        );
+        self.ledger = Ledger::new(fresh_boot_id());
+        self.dropped_seen = 0;
+        self.mem.clear();
+        self.mem_bytes = 0;
+        if let Some(d) = &mut self.disk {
+            for seg in d.segments.drain(..) {
+                let _ = std::fs::remove_file(&seg.path);
+            }
+            d.total_bytes = 0;
+            d.cache = None;
+            d.active = None;
+            d.end = 0;
+        }
+        self.meta_dirty = true;
     }
 
     /// Appends an event; returns its sequence number and how many events were dropped to make
@@ -285,11 +410,15 @@ impl Spool {
     /// guest from there) until a later write succeeds; only when memory is full too is the
     /// oldest unwritten event dropped, and counted like any other loss.
     pub fn push(&mut self, ev: Arc<EncodedEvent>) -> Result<(u64, u64), SpoolError> {
-        let seq = self.next_seq;
-        ev.frame_len(seq)?;
-        self.next_seq += 1;
-        // next_seq is persisted with the state (at most every flush interval), so that a
-        // restart after a lost segment tail does not hand out its numbers again.
+        ev.frame_len(self.ledger.next_seq())?;
+        let seq = match self.ledger.assign() {
+            Some(s) => s,
+            None => {
+                self.renew();
+                self.ledger.assign().unwrap_or_default()
+            }
+        };
+        // The ledger is written at the next flush (in place: a full disk does not stop it).
         self.meta_dirty = true;
         self.mem_bytes += ev.heap_bytes();
         self.mem.push_back((seq, ev));
@@ -300,7 +429,7 @@ impl Spool {
             let Some(&(s, _)) = self.mem.front() else {
                 break;
             };
-            let acked = self.acked.is_some_and(|a| s <= a);
+            let acked = self.ledger.acked().is_some_and(|a| s <= a);
             if let Some(d) = &self.disk {
                 if s >= d.end && !acked {
                     // Not on disk yet: write (everything unwritten) before letting it go; after a
@@ -315,8 +444,7 @@ impl Spool {
                         }
                     }
                     // Neither on disk nor kept in memory: lost (counted and reported).
-                    self.record_loss(s, s);
-                    dropped += 1;
+                    dropped += self.record_loss(s, s);
                     if let Some(d) = &mut self.disk {
                         // The disk continues after the hole, in a new segment.
                         d.end = s + 1;
@@ -324,8 +452,7 @@ impl Spool {
                     }
                 }
             } else if !acked {
-                self.record_loss(s, s);
-                dropped += 1;
+                dropped += self.record_loss(s, s);
             }
             self.mem_pop_front();
         }
@@ -340,7 +467,7 @@ impl Spool {
             return Ok(0);
         };
         let Some(&(front, _)) = self.mem.front() else {
-            d.end = d.end.max(self.next_seq);
+            d.end = d.end.max(self.ledger.next_seq());
             return Ok(0);
         };
         if d.end < front {
@@ -358,7 +485,7 @@ impl Spool {
                 .back()
                 .is_some_and(|s| s.end == seq && s.bytes + len <= self.limits.segment_bytes);
             if !fits {
-                let path = d.dir.join(format!("seg-{seq:020}.gfs"));
+                let path = d.dir.join(segment_name(self.ledger.boot_id(), seq));
                 let f = OpenOptions::new()
                     .create(true)
                     .append(true)
@@ -453,19 +580,14 @@ impl Spool {
             d.cache = None;
         }
         let last = seg.end.saturating_sub(1);
-        let from = seg.first.max(self.low());
-        let n = if seg.end > from {
-            self.record_loss(from, last)
-        } else {
-            0
-        };
+        let n = self.record_loss(seg.first, last);
         while self.mem.front().is_some_and(|(s, _)| *s <= last) {
             self.mem_pop_front();
         }
         // The loss must be on disk before the events disappear from it: where the state
         // cannot be written, the file stays (a restart re-sends those events, which the guest
         // then counts as duplicates instead of as lost).
-        match self.write_meta() {
+        match self.write_meta(true) {
             Ok(()) => {
                 let _ = std::fs::remove_file(&seg.path);
             }
@@ -476,49 +598,23 @@ impl Spool {
         n
     }
 
-    /// Records `first..=last` as lost; returns how many of them were not recorded before
-    /// (a dropped segment may contain holes that are losses already).
-    fn record_loss(&mut self, first: u64, last: u64) -> u64 {
-        let fresh = uncovered(&self.losses, first, last);
-        let n: u64 = fresh.iter().map(|(f, l)| l - f + 1).sum();
-        self.losses.extend(fresh);
-        self.losses.sort_unstable();
-        // Merge adjacent ranges.
-        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(self.losses.len());
-        for &(f, l) in &self.losses {
-            match merged.last_mut() {
-                Some((_, pl)) if *pl + 1 >= f => *pl = (*pl).max(l),
-                _ => merged.push((f, l)),
-            }
-        }
-        self.losses = merged;
-        self.dropped_total += n;
-        self.meta_dirty = true;
-        n
-    }
-
     /// The guest has everything up to `up_to`.
     pub fn ack(&mut self, up_to: u64) -> Result<(), SpoolError> {
-        if self.next_seq == 0 {
+        if !self.ledger.ack(up_to) {
             return Ok(());
         }
-        let up_to = up_to.min(self.next_seq - 1);
-        if self.acked.is_some_and(|a| a >= up_to) {
-            return Ok(());
-        }
-        self.acked = Some(up_to);
+        let up_to = self.ledger.acked().unwrap_or_default();
         self.meta_dirty = true;
         while self.mem.front().is_some_and(|(s, _)| *s <= up_to) {
             self.mem_pop_front();
         }
-        self.losses.retain(|(_, l)| *l > up_to);
         let deletable = self
             .disk
             .as_ref()
             .is_some_and(|d| d.segments.len() > 1 && d.segments[0].end <= up_to + 1);
-        // The watermark must be on disk before the files go; where it cannot be written (a full
-        // disk) they stay until a later ack, and the stream goes on.
-        if deletable && self.write_meta().is_ok() {
+        // The watermark must be on disk before the files go; where it cannot be written they
+        // stay until a later ack, and the stream goes on.
+        if deletable && self.write_meta(true).is_ok() {
             let Some(d) = self.disk.as_mut() else {
                 return Ok(());
             };
@@ -536,119 +632,96 @@ impl Spool {
         Ok(())
     }
 
-    /// Writes the events that are only in memory to the segment files (the page cache) and the
-    /// metadata when it changed (at most every `meta_interval`). Returns how many events the
-    /// disk limit dropped. After an error the spool goes on from memory, and the next flush
-    /// tries again.
+    /// Writes the events that are only in memory to the segment files (the page cache), then
+    /// the ledger when it changed: in place at every call (a crash never finds it behind the
+    /// numbers handed out), synced at most every `meta_interval`. Returns how many events the
+    /// disk limit dropped. A failed segment write does not keep the ledger from being
+    /// written; the spool goes on from memory, and the next flush tries again.
     pub fn flush(&mut self, meta_interval: Duration) -> Result<u64, SpoolError> {
         if self.disk.is_none() {
             return Ok(0);
         }
-        let dropped = self.write_out()?;
-        if self.meta_dirty && self.meta_written.elapsed() >= meta_interval {
-            self.write_meta()?;
+        let written = self.write_out();
+        if self.meta_dirty {
+            self.write_meta(self.meta_synced.elapsed() >= meta_interval)?;
         }
-        Ok(dropped)
+        written
     }
 
-    fn write_meta(&mut self) -> Result<(), SpoolError> {
-        let Some(d) = &self.disk else {
+    fn write_meta(&mut self, sync: bool) -> Result<(), SpoolError> {
+        let Some(d) = &mut self.disk else {
             return Ok(());
         };
-        let mut m = format!(
-            "boot_id={}\nnext_seq={}\nacked={}\ndropped_total={}\n",
-            self.boot_id,
-            self.next_seq,
-            self.acked.map_or("-".to_string(), |a| a.to_string()),
-            self.dropped_total
-        );
-        for (f, l) in &self.losses {
-            m.push_str(&format!("loss={f}-{l}\n"));
-        }
-        let path = d.dir.join(META);
-        let tmp = d.dir.join("spool.meta.tmp");
-        // Synced before the rename and the rename synced: after a power loss the state is the
-        // old one or the new one, and `next_seq` never goes back further than one write.
-        File::create(&tmp)
-            .and_then(|mut f| {
-                f.write_all(m.as_bytes())?;
-                f.sync_all()
-            })
-            .map_err(io_err(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
-        File::open(&d.dir)
-            .and_then(|f| f.sync_all())
-            .map_err(io_err(&d.dir))?;
+        d.meta
+            .write(&self.ledger, sync)
+            .map_err(io_err(d.meta.path()))?;
         self.meta_dirty = false;
-        self.meta_written = Instant::now();
+        if sync {
+            self.meta_synced = Instant::now();
+        }
         Ok(())
     }
 
-    /// Where a (re)connected stream starts: after the guest's `resume_from` (which also
-    /// acknowledges everything below it) or after our own ack watermark.
-    ///
-    /// A `resume_from` beyond `next_seq` means the guest has events of this sequence space
-    /// that the spool no longer knows of: the spool was rolled back (a power loss, a restored
-    /// snapshot). Numbers are never used twice, so `next_seq` moves past the guest's; events
-    /// spooled since the rollback carry numbers the guest already has and would drop as
-    /// duplicates, so they are counted as lost here.
+    /// Where a (re)connected stream starts ([`Ledger::resume`]): after the guest's
+    /// `resume_from`, or after our own ack watermark. A `resume_from` at or beyond
+    /// [`crate::proto::MAX_SEQ`] is refused.
     pub fn start_cursor(&mut self, resume_from: Option<u64>) -> Result<u64, SpoolError> {
-        let jumped = resume_from.is_some_and(|r| r > self.next_seq);
-        if let Some(r) = resume_from.filter(|r| *r > self.next_seq) {
-            let low = self.low();
-            let collided = if self.next_seq > low {
-                self.record_loss(low, self.next_seq - 1)
-            } else {
-                0
-            };
+        let confirming = self.ledger.unconfirmed_from().is_some();
+        let Resume { cursor, jumped } = self.ledger.resume(resume_from)?;
+        self.meta_dirty = true;
+        let up_to = self.ledger.acked();
+        while self
+            .mem
+            .front()
+            .is_some_and(|(s, _)| up_to.is_some_and(|a| *s <= a))
+        {
+            self.mem_pop_front();
+        }
+        if let Some((from, to, collided)) = jumped {
             tracing::warn!(
-                boot_id = self.boot_id,
-                next_seq = self.next_seq,
-                resume_from = r,
+                boot_id = self.ledger.boot_id(),
+                next_seq = from,
+                resume_from = to,
                 collided,
-                "spool: the guest is ahead of this spool (rolled back?); continuing after the guest's numbers"
+                "spool: the guest is ahead of this spool (rolled back?); continuing after the guest's numbers, the events spooled since count as dropped"
             );
-            self.next_seq = r;
-            self.meta_dirty = true;
+            if let Some(d) = &mut self.disk {
+                d.end = d.end.max(to);
+                d.active = None;
+            }
         }
-        if let Some(r) = resume_from.filter(|r| *r > 0) {
-            self.ack(r - 1)?;
-        }
-        if jumped {
-            // Best effort: a full disk must not keep the stream down; flush retries.
-            if let Err(e) = self.write_meta() {
+        // The guest confirmed the numbers (and the jump moved them): written now, or a crash
+        // before the next flush would take the confirmed numbers for unconfirmed ones again
+        // (and count the guest's own events as collided). Best effort: the stream must not
+        // wait for the disk; the next flush retries.
+        if confirming || jumped.is_some() {
+            if let Err(e) = self.write_meta(true) {
                 tracing::warn!(error = %e, "spool: cannot write the state yet");
             }
         }
-        Ok(self.low())
+        Ok(cursor)
     }
 
     /// Frames to send from `cursor` on, at most about `max_bytes`.
     pub fn read_batch(&mut self, cursor: u64, max_bytes: usize) -> Result<Batch, SpoolError> {
-        let cursor = cursor.max(self.low());
+        let cursor = cursor.max(self.ledger.low());
         let mut b = Batch {
             next_cursor: cursor,
+            horizon: self.ledger.next_seq(),
             ..Batch::default()
         };
-        // Losses can sit between kept events (a full disk drops from the middle): report one
-        // when the cursor reaches it, and send the events before it first.
-        let next_loss = self.losses.iter().find(|(_, l)| *l >= cursor).copied();
-        let stop = next_loss.map_or(u64::MAX, |(f, _)| f);
-        if let Some((f, l)) = next_loss.filter(|(f, _)| *f <= cursor) {
-            let from = f.max(cursor);
-            let loss = SpoolLoss {
-                dropped: l - from + 1,
-                first_seq: from,
-                last_seq: l,
-            };
-            encode(&Message::SpoolLoss(loss.clone()), &mut b.bytes)?;
-            b.loss = Some(loss);
-            b.next_cursor = l + 1;
-            return Ok(b);
-        }
-        if cursor >= self.next_seq {
-            return Ok(b);
-        }
+        let stop = match self.ledger.next(cursor) {
+            Next::Idle => return Ok(b),
+            // Losses can sit between kept events (a full disk drops from the middle): one is
+            // reported when the cursor reaches it, after the events before it.
+            Next::Loss(loss) => {
+                encode(&Message::SpoolLoss(loss.clone()), &mut b.bytes)?;
+                b.next_cursor = loss.last_seq + 1;
+                b.loss = Some(loss);
+                return Ok(b);
+            }
+            Next::Events { stop, .. } => stop,
+        };
         if let Some(&(front, _)) = self.mem.front() {
             if front <= cursor {
                 let start = self.mem.partition_point(|(s, _)| *s < cursor);
@@ -747,75 +820,62 @@ fn frame_at(buf: &[u8]) -> Option<(usize, u64)> {
     None
 }
 
-/// The parts of `first..=last` that no range of `ranges` (sorted, disjoint) covers.
-fn uncovered(ranges: &[(u64, u64)], first: u64, last: u64) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    let mut at = first;
-    for &(f, l) in ranges {
-        if l < at {
-            continue;
-        }
-        if f > last {
-            break;
-        }
-        if f > at {
-            out.push((at, f - 1));
-        }
-        at = l.saturating_add(1);
-        if at > last || l == u64::MAX {
-            return out;
-        }
-    }
-    if at <= last {
-        out.push((at, last));
-    }
-    out
-}
-
 /// What recovery kept of a segment file.
 struct Recovered {
     first: u64,
     /// One past the highest sequence number kept (`first` when nothing was).
     end: u64,
     bytes: u64,
+    /// Frames kept.
+    kept_seqs: u64,
+    /// Bytes of the file that are not kept frames.
+    skipped_bytes: u64,
     /// Runs of consecutive sequence numbers kept, `(first, end)`.
     runs: Vec<(u64, u64)>,
 }
 
 /// Reads a segment written from sequence number `first` on and keeps only whole, valid event
-/// frames in increasing order: anything that does not decode (a torn tail, zeroes from a
-/// crash, empty frames, corrupted bytes anywhere) is skipped by searching for the next valid
-/// frame byte by byte. When something was skipped the file is rewritten (to a temporary
-/// file, synced, renamed) with the kept frames only.
-fn recover_segment(path: &Path, first: u64) -> Result<Recovered, SpoolError> {
+/// frames numbered in `first..bound`, in increasing order: anything that does not decode (a
+/// torn tail, zeroes from a crash, empty frames, corrupted bytes anywhere) is skipped by
+/// searching for the next valid frame byte by byte, and of the frames that decode the longest
+/// increasing run of numbers is kept, so that a frame whose number was damaged costs only
+/// itself. When something was skipped the file is rewritten (to a temporary file, synced,
+/// renamed) with the kept frames only.
+fn recover_segment(path: &Path, first: u64, bound: u64) -> Result<Recovered, SpoolError> {
     let data = std::fs::read(path).map_err(io_err(path))?;
-    let mut kept: Vec<(usize, usize)> = Vec::new();
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    let (mut pos, mut skipped, mut next) = (0usize, 0usize, first);
+    // (position, length, seq) of every frame that decodes with a number in range.
+    let mut frames: Vec<(usize, usize, u64)> = Vec::new();
+    let mut pos = 0usize;
     while pos < data.len() {
         match crate::proto::decode_one(&data[pos..]) {
-            Ok((Message::Event(e), n)) if e.seq >= next => {
-                match runs.last_mut() {
-                    Some((_, end)) if *end == e.seq => *end += 1,
-                    _ => runs.push((e.seq, e.seq + 1)),
-                }
-                next = e.seq + 1;
-                kept.push((pos, n));
+            Ok((Message::Event(e), n)) if (first..bound).contains(&e.seq) => {
+                frames.push((pos, n, e.seq));
                 pos += n;
             }
+            // A whole frame numbered out of range: it goes alone.
+            Ok((Message::Event(_), n)) => pos += n,
             // A torn tail, zeroes, an empty or corrupted frame, a length prefix pointing past
             // the end: search on from the next byte.
-            _ => {
-                pos += 1;
-                skipped += 1;
-            }
+            _ => pos += 1,
         }
     }
-    let bytes: usize = kept.iter().map(|(_, n)| n).sum();
-    if skipped > 0 {
-        tracing::warn!(path = %path.display(), kept_bytes = bytes, skipped_bytes = skipped, "spool segment damaged or torn; keeping its valid frames");
+    let seqs: Vec<u64> = frames.iter().map(|f| f.2).collect();
+    let kept: Vec<(usize, usize, u64)> = longest_increasing(&seqs)
+        .into_iter()
+        .map(|i| frames[i])
+        .collect();
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &(_, _, seq) in &kept {
+        match runs.last_mut() {
+            Some((_, end)) if *end == seq => *end += 1,
+            _ => runs.push((seq, seq + 1)),
+        }
+    }
+    let bytes: usize = kept.iter().map(|(_, n, _)| n).sum();
+    if bytes < data.len() {
+        tracing::warn!(path = %path.display(), kept_bytes = bytes, skipped_bytes = data.len() - bytes, "spool segment damaged or torn; keeping its valid frames");
         let mut out = Vec::with_capacity(bytes);
-        for (p, n) in &kept {
+        for (p, n, _) in &kept {
             out.extend_from_slice(&data[*p..*p + *n]);
         }
         let tmp = path.with_extension("gfs.tmp");
@@ -831,51 +891,37 @@ fn recover_segment(path: &Path, first: u64) -> Result<Recovered, SpoolError> {
         first,
         end: runs.last().map_or(first, |r| r.1),
         bytes: bytes as u64,
+        kept_seqs: kept.len() as u64,
+        skipped_bytes: (data.len() - bytes) as u64,
         runs,
     })
 }
 
-struct Meta {
-    boot_id: u64,
-    next_seq: u64,
-    acked: Option<u64>,
-    dropped_total: u64,
-    losses: Vec<(u64, u64)>,
-}
-
-fn parse_meta(text: &str) -> Option<Meta> {
-    let mut m = Meta {
-        boot_id: 0,
-        next_seq: 0,
-        acked: None,
-        dropped_total: 0,
-        losses: Vec::new(),
+/// The sequence space the segment files of a spool without a readable state belong to: the
+/// one named by the most recently written segment, continued after its numbers (found when
+/// the segments are read); everything below its first segment counts as acknowledged (the
+/// guest's `resume_from` says otherwise, and a gap it sees is counted as lost there).
+fn recovered_ledger(found: &[Found]) -> Ledger {
+    let newest = found
+        .iter()
+        .filter(|f| f.boot.is_some())
+        .max_by_key(|f| std::fs::metadata(&f.path).and_then(|m| m.modified()).ok());
+    let Some(boot) = newest.and_then(|f| f.boot) else {
+        return Ledger::new(fresh_boot_id());
     };
-    let mut have_boot = false;
-    for line in text.lines() {
-        let (k, v) = line.split_once('=')?;
-        match k {
-            "boot_id" => {
-                m.boot_id = v.parse().ok()?;
-                have_boot = true;
-            }
-            "next_seq" => m.next_seq = v.parse().ok()?,
-            "acked" => {
-                m.acked = if v == "-" {
-                    None
-                } else {
-                    Some(v.parse().ok()?)
-                }
-            }
-            "dropped_total" => m.dropped_total = v.parse().ok()?,
-            "loss" => {
-                let (f, l) = v.split_once('-')?;
-                m.losses.push((f.parse().ok()?, l.parse().ok()?));
-            }
-            _ => {}
+    let mut l = Ledger::new(boot);
+    if let Some(first) = found
+        .iter()
+        .filter(|f| f.boot == Some(boot))
+        .map(|f| f.first)
+        .min()
+    {
+        l.raise_next(first);
+        if first > 0 {
+            l.ack(first - 1);
         }
     }
-    have_boot.then_some(m)
+    l
 }
 
 /// A random 64-bit id from the kernel's entropy (falls back to time and pid).
@@ -1006,7 +1052,9 @@ mod tests {
             }
             s.ack(9).unwrap();
             s.flush(Duration::ZERO).unwrap();
-            // Read the disk part (memory holds only 8).
+            // A guest connects (confirming the numbers) and reads the disk part (memory holds
+            // only 8).
+            assert_eq!(s.start_cursor(Some(10)).unwrap(), 10);
             let (seqs, _) = drain(&mut s, 0);
             assert_eq!(seqs, (10..100).collect::<Vec<_>>());
         }
@@ -1049,14 +1097,15 @@ mod tests {
     fn torn_segment_tail_is_cut() {
         let dir = tempfile::tempdir().unwrap();
         let lim = limits(4, 1 << 20, 1 << 16);
-        {
+        let boot = {
             let mut s = Spool::open(dir.path(), lim).unwrap();
             for i in 0..10 {
                 s.push(ev(i, 0, 1, vec![1, 2, 3])).unwrap();
             }
             s.flush(Duration::ZERO).unwrap();
-        }
-        let seg = dir.path().join(format!("seg-{:020}.gfs", 0));
+            s.boot_id()
+        };
+        let seg = dir.path().join(segment_name(boot, 0));
         let mut data = std::fs::read(&seg).unwrap();
         data.extend_from_slice(&[50, 0, 0, 0, 1, 2]);
         std::fs::write(&seg, &data).unwrap();
@@ -1069,20 +1118,49 @@ mod tests {
     }
 
     #[test]
-    fn corrupt_meta_starts_a_new_sequence_space() {
+    fn a_damaged_state_file_keeps_the_sequence_space_and_its_events() {
         let dir = tempfile::tempdir().unwrap();
-        let lim = limits(4, 1 << 20, 1 << 16);
+        let lim = limits(4, 1 << 20, 1024);
         let boot = {
             let mut s = Spool::open(dir.path(), lim).unwrap();
-            s.push(ev(0, 0, 1, vec![])).unwrap();
+            for i in 0..100 {
+                s.push(ev(i, 0, 1, vec![0; 20])).unwrap();
+            }
             s.flush(Duration::ZERO).unwrap();
+            // The first segments are acknowledged and deleted.
+            s.ack(59).unwrap();
             s.boot_id()
         };
         std::fs::write(dir.path().join(META), "garbage").unwrap();
         let mut s = Spool::open(dir.path(), lim).unwrap();
-        assert_ne!(s.boot_id(), boot);
-        assert_eq!(s.next_seq(), 0);
-        assert!(drain(&mut s, 0).0.is_empty());
+        assert_eq!(
+            s.boot_id(),
+            boot,
+            "the segment names carry the sequence space"
+        );
+        assert_eq!(s.next_seq(), 100);
+        assert_eq!(s.take_dropped(), 0);
+        // The guest says where it is; nothing is sent twice, nothing skipped.
+        let c = s.start_cursor(Some(60)).unwrap();
+        let (seqs, losses) = drain(&mut s, c);
+        assert_eq!(seqs, (60..100).collect::<Vec<_>>());
+        assert!(losses.is_empty());
+        assert_eq!(s.push(ev(0, 0, 1, vec![])).unwrap().0, 100);
+        // Segments of the old naming with no state: their events are counted as dropped.
+        drop(s);
+        let old = dir.path().join(format!("seg-{:020}.gfs", 500));
+        let mut frames = Vec::new();
+        for i in 500..503 {
+            ev(i, 0, 1, vec![1])
+                .write_frame(i as u64, &mut frames)
+                .unwrap();
+        }
+        std::fs::write(&old, &frames).unwrap();
+        std::fs::remove_file(dir.path().join(META)).unwrap();
+        let mut s = Spool::open(dir.path(), lim).unwrap();
+        assert_eq!(s.boot_id(), boot);
+        assert_eq!(s.take_dropped(), 3);
+        assert!(!old.exists());
     }
 
     #[test]
@@ -1113,7 +1191,7 @@ mod tests {
             s.push(ev(i, 0, 1, vec![9; 20])).unwrap();
         }
         s.flush(Duration::ZERO).unwrap();
-        let seg = std::fs::read(dir.join(format!("seg-{:020}.gfs", 0))).unwrap();
+        let seg = std::fs::read(dir.join(segment_name(s.boot_id(), 0))).unwrap();
         assert_eq!(seg.len(), 30 * 30);
         (s.boot_id(), seg)
     }
@@ -1123,7 +1201,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (boot, mut seg) = thirty(dir.path());
         damage(&mut seg);
-        std::fs::write(dir.path().join(format!("seg-{:020}.gfs", 0)), &seg).unwrap();
+        std::fs::write(dir.path().join(segment_name(boot, 0)), &seg).unwrap();
         let mut s = Spool::open(dir.path(), limits(64, 1 << 20, 1 << 16)).unwrap();
         assert_eq!(s.boot_id(), boot);
         let (seqs, losses) = drain(&mut s, 0);
@@ -1170,6 +1248,14 @@ mod tests {
         assert_eq!(next, 30);
         assert_eq!(seqs, (0..29).collect::<Vec<_>>());
         assert_eq!(losses, vec![(29, 29)]);
+        // One flipped bit in a frame's number (frame 5; the number is the byte after the
+        // prefix and the tag): out of range, or out of order; either way only that frame goes.
+        for bit in [6, 3] {
+            let (next, seqs, losses) = reopen_damaged(|d| d[5 * 30 + 5] ^= 1 << bit);
+            assert_eq!(next, 30, "bit {bit}");
+            assert_eq!(seqs, (0..5).chain(6..30).collect::<Vec<_>>(), "bit {bit}");
+            assert_eq!(losses, vec![(5, 5)], "bit {bit}");
+        }
         // Empty frames (zero length prefixes) in between are not events.
         let (next, seqs, losses) = reopen_damaged(|d| {
             d.splice(5 * 30..5 * 30, [0u8; 12]);
@@ -1181,14 +1267,18 @@ mod tests {
 
     #[test]
     fn next_seq_comes_from_the_highest_number_on_disk() {
-        // Old state (next_seq 0 written at open), segments beyond it with a hole: numbers
-        // continue after the highest one, not after the frame count.
+        // Old state (next_seq 0 written at open), segments beyond it with a damaged stretch:
+        // numbers continue after the highest one, not after the frame count.
         let dir = tempfile::tempdir().unwrap();
-        thirty(dir.path());
-        std::fs::write(dir.path().join(META), "boot_id=7\nnext_seq=0\nacked=-\n").unwrap();
-        let path = dir.path().join(format!("seg-{:020}.gfs", 0));
+        let (boot, _) = thirty(dir.path());
+        std::fs::write(
+            dir.path().join(META),
+            format!("boot_id={boot}\nnext_seq=0\nacked=-\n"),
+        )
+        .unwrap();
+        let path = dir.path().join(segment_name(boot, 0));
         let mut seg = std::fs::read(&path).unwrap();
-        seg.drain(3 * 30..13 * 30);
+        seg[3 * 30..13 * 30].iter_mut().for_each(|b| *b = 0);
         std::fs::write(&path, &seg).unwrap();
         let mut s = Spool::open(dir.path(), limits(64, 1 << 20, 1 << 16)).unwrap();
         assert_eq!(s.next_seq(), 30);

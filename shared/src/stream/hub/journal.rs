@@ -89,9 +89,15 @@ impl Journal {
                 good += n as u64;
                 lines += 1;
                 match serde_json::from_slice::<Line>(&line) {
+                    // A number at or beyond MAX_SEQ is damage: not a watermark (seed refuses it).
                     Ok(l) => {
-                        if let Some(w) = l.seq.or(l.loss_last).or(l.mark) {
-                            dedup.seed(&l.host, l.boot, w);
+                        let seeded = l
+                            .seq
+                            .or(l.loss_last)
+                            .or(l.mark)
+                            .is_none_or(|w| dedup.seed(&l.host, l.boot, w));
+                        if !seeded {
+                            corrupt += 1;
                         }
                     }
                     Err(_) => corrupt += 1,
@@ -174,18 +180,24 @@ impl Journal {
         }
     }
 
-    /// Appends the buffered lines in one write; compacts when the journal is too large.
+    /// Appends the buffered lines in one write.
     ///
     /// An error means none of the buffered lines is in the file (they are discarded, and what
     /// made it to disk of them is cut off again): the caller must treat their events as not
-    /// received. A failed compaction is no such error: the lines are in the file by then.
-    pub fn commit(&mut self, dedup: &Dedup) -> std::io::Result<()> {
+    /// received.
+    pub fn commit(&mut self) -> std::io::Result<()> {
         if self.buf.is_empty() {
             return Ok(());
         }
         let r = self.append();
         self.buf.clear();
-        r?;
+        r
+    }
+
+    /// Compacts the journal to `dedup`'s watermarks when it grew too large. Call after the
+    /// committed lines are in `dedup` (the watermarks replace them). A failed compaction
+    /// leaves the journal as it is and is retried later.
+    pub fn compact_if_due(&mut self, dedup: &Dedup) {
         if self.len > self.max_bytes && self.compact_after.is_none_or(|t| Instant::now() >= t) {
             match self.compact(dedup) {
                 Ok(()) => self.compact_after = None,
@@ -195,7 +207,6 @@ impl Journal {
                 }
             }
         }
-        Ok(())
     }
 
     fn append(&mut self) -> std::io::Result<()> {
@@ -277,6 +288,9 @@ mod tests {
         text.extend_from_slice(b"\xff\xfe{garbage\n");
         text.extend_from_slice(b"not json at all\n");
         text.extend_from_slice(b"{\"host\":\"pve1\",\"boot\":7,\"seq\":9}\n");
+        // Numbers no sequence space reaches (a damaged digit, or a wrapped value).
+        text.extend_from_slice(b"{\"host\":\"pve1\",\"boot\":7,\"seq\":18446744073709551615}\n");
+        text.extend_from_slice(b"{\"host\":\"pve1\",\"boot\":7,\"mark\":4611686018427387904}\n");
         // A torn tail.
         text.extend_from_slice(b"{\"host\":\"pve1\",\"bo");
         std::fs::write(&path, &text).unwrap();
@@ -285,7 +299,7 @@ mod tests {
         assert_eq!(dedup.watermark("pve1", 7), Some(9));
         // The torn tail is cut; the next line starts on a line of its own.
         j.add_loss("pve1", 7, 10, 11, 2);
-        j.commit(&dedup).unwrap();
+        j.commit().unwrap();
         let mut dedup2 = Dedup::new();
         Journal::open(&path, 1 << 20, &mut dedup2).unwrap();
         assert_eq!(dedup2.watermark("pve1", 7), Some(11));

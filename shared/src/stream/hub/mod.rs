@@ -9,7 +9,9 @@
 //!   control stream.
 //! * Before a connection gets any state, [`admission`] decides: a QUIC Retry (address
 //!   validation), a refusal (too many handshakes, or connections from one address), or a
-//!   handshake that must finish within `handshake_timeout`.
+//!   handshake that must finish within `handshake_timeout`; the handshake places are shared
+//!   fairly among addresses (a newcomer evicts the oldest handshake of the address holding
+//!   most), and addresses of hosts that authenticated before have places of their own.
 //! * Every rejection (TLS failure, wrong ALPN, unlisted host, refused `Hello`, garbage /
 //!   oversize / truncated frames, protocol violations, the limits above) increments
 //!   `gpufeed_stream_frames_rejected_total{host,reason}` (`host="unverified"` before the peer
@@ -29,11 +31,12 @@
 //! and where a KVM PTP clock exists `gpufeed_clock_kvm_ptp_offset_seconds` (hypervisor minus
 //! guest, the cross-check).
 
-pub mod admission;
+pub use crate::admission;
 pub mod host_state;
 pub mod journal;
+pub mod recent;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
@@ -42,8 +45,8 @@ use std::time::{Duration, Instant};
 use crate::clock::{self, ClockFilter, KvmPtp};
 use crate::event::HostEvent;
 use crate::proto::{
-    encode, Accounted, DecodeError, Dedup, FrameDecoder, GuestConnection, GuestTiming, Message,
-    ServerAction, ALPN,
+    encode, DecodeError, Dedup, FrameDecoder, GuestConnection, GuestTiming, Message, ServerAction,
+    Staged, ALPN,
 };
 use crate::tls::{self, FileStamps, GuestTlsDir};
 use prometheus::{Gauge, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
@@ -94,6 +97,9 @@ pub struct HubConfig {
     /// A TLS handshake not done by then is dropped (`reason="handshake_timeout"`). Default 3 s,
     /// well below the idle timeout.
     pub handshake_timeout: Duration,
+    /// Handshake places for addresses from which an allowed host authenticated before (no
+    /// Retry, never evicted by strangers). Default 16.
+    pub known_reserve: usize,
 }
 
 impl HubConfig {
@@ -125,6 +131,7 @@ impl HubConfig {
             max_per_address: 8,
             retry_above: 0,
             handshake_timeout: Duration::from_secs(3),
+            known_reserve: 16,
         }
     }
 }
@@ -294,9 +301,7 @@ impl Metrics {
 
 struct State {
     dedup: Dedup,
-    /// With each event's estimated size.
-    recent: VecDeque<(usize, ReceivedEvent)>,
-    recent_bytes: usize,
+    recent: recent::Recent,
     journal: Option<journal::Journal>,
     clocks: HashMap<String, ClockFilter>,
 }
@@ -318,7 +323,9 @@ struct Inner {
     /// `allowed-hosts`.
     live: Mutex<HashMap<usize, (String, quinn::Connection)>>,
     /// Rejections of unauthenticated peers, which anyone reaching the port can repeat.
-    unverified_log: admission::RateLimitedLog,
+    unverified_log: crate::ratelog::RateLimitedLog,
+    /// Repeating warnings about authenticated hosts' streams, per host and kind.
+    host_log: crate::ratelog::RateLimitedLog<(String, &'static str)>,
 }
 
 /// The running hub. Cheap to clone.
@@ -342,7 +349,7 @@ fn quinn_server_config(
     sc.transport_config(Arc::new(t));
     // Datagrams buffered for connections not yet accepted or refused: the accept loop decides
     // at once, so little is needed (quinn's defaults allow 100 MB).
-    sc.max_incoming(cfg.max_handshakes.max(1) * 4);
+    sc.max_incoming((cfg.max_handshakes + cfg.known_reserve).max(1) * 4);
     sc.incoming_buffer_size(64 << 10);
     sc.incoming_buffer_size_total(1 << 20);
     Ok(sc)
@@ -443,8 +450,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
     let inner = Arc::new(Inner {
         state: Mutex::new(State {
             dedup,
-            recent: VecDeque::with_capacity(cfg.recent_capacity.min(65536)),
-            recent_bytes: 0,
+            recent: recent::Recent::new(cfg.recent_capacity, cfg.recent_max_bytes),
             journal,
             clocks: HashMap::new(),
         }),
@@ -457,11 +463,13 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         ptp_warned: Mutex::new(HashMap::new()),
         host_states,
         admission: admission::Admission::new(admission::Limits {
-            max_handshakes: cfg.max_handshakes,
+            max_pending: cfg.max_handshakes,
             max_per_address: cfg.max_per_address,
             retry_above: cfg.retry_above,
+            known_reserve: cfg.known_reserve,
         }),
-        unverified_log: admission::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
+        unverified_log: crate::ratelog::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
+        host_log: crate::ratelog::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
         live: Mutex::new(HashMap::new()),
         cfg,
     });
@@ -496,7 +504,7 @@ impl Hub {
     /// The most recent events, oldest first.
     pub fn recent(&self) -> Vec<ReceivedEvent> {
         let st = self.inner.state.lock().expect("hub state");
-        st.recent.iter().map(|(_, e)| e.clone()).collect()
+        st.recent.iter().cloned().collect()
     }
 
     /// Every event received from now on (a receiver that lags loses events).
@@ -548,7 +556,13 @@ impl Inner {
             .with_label_values(&[host, reason])
             .inc();
         if host != UNVERIFIED {
-            tracing::warn!(host, %remote, reason, "hub: rejected: {detail}");
+            // An authenticated host can repeat them too (a stream of garbage frames).
+            if let Some(unlogged) = self
+                .host_log
+                .note((host.to_owned(), reason), Instant::now())
+            {
+                tracing::warn!(host, %remote, reason, unlogged, "hub: rejected: {detail}");
+            }
             return;
         }
         if let Some(unlogged) = self.unverified_log.note(reason, Instant::now()) {
@@ -649,8 +663,21 @@ async fn handle_incoming(
     mut ticket: admission::Ticket,
 ) {
     let remote = incoming.remote_address();
-    // Dropping the handshake (at the timeout) closes the connection and frees its state.
-    let conn = match tokio::time::timeout(inner.cfg.handshake_timeout, incoming).await {
+    // Dropping the handshake (at the timeout, or evicted for a newcomer) closes the connection
+    // and frees its state.
+    let handshake = tokio::select! {
+        r = tokio::time::timeout(inner.cfg.handshake_timeout, incoming) => r,
+        _ = ticket.evicted() => {
+            inner.reject(
+                UNVERIFIED,
+                "evicted",
+                remote,
+                &format_args!("handshake evicted: its address held the most of the {} handshake places and another address wanted one", inner.cfg.max_handshakes),
+            );
+            return;
+        }
+    };
+    let conn = match handshake {
         Err(_) => {
             inner.reject(
                 UNVERIFIED,
@@ -710,8 +737,9 @@ async fn handle_incoming(
         return;
     };
     // Authenticated: it no longer counts against the handshake limit (its address's place
-    // is kept while it lives).
+    // is kept while it lives), and its address gets the reserved places from now on.
     ticket.established();
+    inner.admission.remember(remote.ip());
     let _live = LiveEntry::new(&inner, &host, &conn);
     let connected = inner.metrics.connected.with_label_values(&[&host]);
     let mut c = Conn {
@@ -989,7 +1017,9 @@ impl Conn<'_> {
         }
     }
 
-    /// Decodes and accounts every complete frame of the event stream.
+    /// Decodes every complete frame of the event stream, has the core account them, journals
+    /// what it staged and commits it (or, where the journal refuses it, ends the connection
+    /// without committing), then hands the events on.
     #[allow(clippy::too_many_arguments)]
     fn process(
         &mut self,
@@ -1003,23 +1033,14 @@ impl Conn<'_> {
     ) -> Result<(), End> {
         let inner = self.inner;
         let now = clock::realtime_ns();
-        let (mut dups, mut lost_n) = (0u64, 0u64);
-        let mut unknown = Vec::new();
         let mut garbage = Vec::new();
         let mut fatal = None;
+        let mut staged = Staged::default();
+        let mut unknown = Vec::new();
         delivered.clear();
-        // Estimated memory of each delivered event (for the recent ring's byte bound).
-        let mut sizes = Vec::new();
         {
             let mut st = inner.state.lock().expect("hub state");
             let st = &mut *st;
-            // The accounting to return to if the journal refuses this batch.
-            let before = st.journal.is_some().then(|| st.dedup.clone());
-            let offset = st
-                .clocks
-                .get(self.host)
-                .and_then(|c| c.estimate())
-                .map(|e| e.offset_ns);
             loop {
                 let msg = match dec.next_frame() {
                     Ok(Some(m)) => m,
@@ -1033,87 +1054,55 @@ impl Conn<'_> {
                         break;
                     }
                 };
-                let accounted = match self.core.handle_event(msg, &mut st.dedup) {
-                    Ok(a) => a,
-                    Err(e) => {
-                        fatal = Some(e.into());
-                        break;
-                    }
-                };
-                match accounted {
-                    Accounted::Duplicate => dups += 1,
-                    Accounted::Deliver { frame: f, gap } => {
-                        if gap > 0 {
-                            tracing::warn!(
-                                host = self.host,
-                                boot,
-                                seq = f.seq,
-                                gap,
-                                "hub: sequence gap without loss report; counted as lost"
-                            );
-                            lost_n += gap;
-                        }
-                        match postcard::from_bytes::<HostEvent>(&f.payload) {
-                            Ok(event) if event.kind() == f.kind => {
-                                sizes.push(
-                                    std::mem::size_of::<ReceivedEvent>()
-                                        + self.host.len()
-                                        + 2 * f.payload.len(),
-                                );
-                                delivered.push(ReceivedEvent {
-                                    host: self.host.to_owned(),
-                                    boot_id: boot,
-                                    seq: f.seq,
-                                    kind: f.kind,
-                                    host_realtime_ns: f.host_realtime_ns,
-                                    host_monotonic_ns: f.host_monotonic_ns,
-                                    received_realtime_ns: now,
-                                    clock_offset_ns: offset,
-                                    event,
-                                });
-                            }
-                            _ => unknown.push(UnknownEvent {
-                                host: self.host.to_owned(),
-                                kind: f.kind,
-                                payload_len: f.payload.len(),
-                                seq: f.seq,
-                                host_realtime_ns: f.host_realtime_ns,
-                                clock_offset_ns: offset,
-                            }),
-                        }
-                    }
-                    Accounted::Lost {
-                        loss: l,
-                        newly_lost: n,
-                    } => {
-                        tracing::warn!(
-                            host = self.host,
-                            boot,
-                            first = l.first_seq,
-                            last = l.last_seq,
-                            reported = l.dropped,
-                            newly_lost = n,
-                            "hub: host spool dropped events"
-                        );
-                        lost_n += n;
-                        if let Some(j) = &mut st.journal {
-                            j.add_loss(self.host, boot, l.first_seq, l.last_seq, n);
-                        }
-                    }
+                if let Err(e) = self.core.handle_event(msg, &mut staged, &st.dedup) {
+                    fatal = Some(e.into());
+                    break;
                 }
             }
+            let offset = st
+                .clocks
+                .get(self.host)
+                .and_then(|c| c.estimate())
+                .map(|e| e.offset_ns);
+            let mut sizes = Vec::with_capacity(staged.deliveries.len());
+            for d in staged.deliveries.drain(..) {
+                let f = d.frame;
+                let Some(event) = d.event else {
+                    unknown.push(UnknownEvent {
+                        host: self.host.to_owned(),
+                        kind: f.kind,
+                        payload_len: f.payload.len(),
+                        seq: f.seq,
+                        host_realtime_ns: f.host_realtime_ns,
+                        clock_offset_ns: offset,
+                    });
+                    continue;
+                };
+                let e = ReceivedEvent {
+                    host: self.host.to_owned(),
+                    boot_id: boot,
+                    seq: f.seq,
+                    kind: f.kind,
+                    host_realtime_ns: f.host_realtime_ns,
+                    host_monotonic_ns: f.host_monotonic_ns,
+                    received_realtime_ns: now,
+                    clock_offset_ns: offset,
+                    event,
+                };
+                sizes.push(recent::estimate(&e, f.payload.len()));
+                delivered.push(e);
+            }
             if let Some(j) = &mut st.journal {
+                for (l, n) in &staged.losses {
+                    j.add_loss(self.host, boot, l.first_seq, l.last_seq, *n);
+                }
                 for e in delivered.iter() {
                     j.add_event(e);
                 }
-                if let Err(e) = j.commit(&st.dedup) {
-                    // Not in the journal, so not accepted: the accounting of this batch is
-                    // undone before any ack could carry it, nothing of it is delivered, and
-                    // the connection closes so that the host sends it again (from the
-                    // unchanged watermark) once the journal can be written.
-                    if let Some(before) = before {
-                        st.dedup = before;
-                    }
+                if let Err(e) = j.commit() {
+                    // Not in the journal, so not accepted: the batch is not committed (no ack
+                    // can carry it), nothing of it is delivered, and the connection closes so
+                    // that the host sends it again once the journal can be written.
                     if let Some(unlogged) = j.note_failure(Instant::now()) {
                         tracing::error!(path = %j.path().display(), error = %e, host = self.host, events = delivered.len(), unlogged, "hub: event journal write failed; the host keeps the events and sends them again");
                     }
@@ -1121,20 +1110,28 @@ impl Conn<'_> {
                     return Err(End::Unavailable);
                 }
             }
-            let (cap, max_bytes) = (inner.cfg.recent_capacity, inner.cfg.recent_max_bytes);
-            for (e, size) in delivered.iter().zip(&sizes) {
-                if cap == 0 {
-                    break;
-                }
-                st.recent_bytes += size;
-                st.recent.push_back((*size, e.clone()));
-                while st.recent.len() > cap || (st.recent.len() > 1 && st.recent_bytes > max_bytes)
-                {
-                    if let Some((n, _)) = st.recent.pop_front() {
-                        st.recent_bytes -= n;
-                    }
-                }
+            self.core.commit(&staged, &mut st.dedup);
+            if let Some(j) = &mut st.journal {
+                j.compact_if_due(&st.dedup);
             }
+            for (e, size) in delivered.iter().zip(sizes) {
+                st.recent.push(e.clone(), size);
+            }
+        }
+        for (seq, gap) in &staged.gaps {
+            self.note(
+                "gap",
+                &format_args!("sequence gap of {gap} before {seq} without a loss report (boot {boot}); counted as lost"),
+            );
+        }
+        for (l, n) in &staged.losses {
+            self.note(
+                "spool_loss",
+                &format_args!(
+                    "host spool dropped events {}..={} (reported {}, newly lost {n}, boot {boot})",
+                    l.first_seq, l.last_seq, l.dropped
+                ),
+            );
         }
         if let Some(last) = delivered.last() {
             let off = last.clock_offset_ns.unwrap_or(0);
@@ -1142,8 +1139,8 @@ impl Conn<'_> {
             lag.set((now + off - last.host_realtime_ns).max(0) as f64 / 1e9);
         }
         received.inc_by(delivered.len() as u64);
-        duplicate.inc_by(dups);
-        lost.inc_by(lost_n);
+        duplicate.inc_by(staged.duplicates);
+        lost.inc_by(staged.lost());
         if !unknown.is_empty() {
             tracing::debug!(
                 host = self.host,
@@ -1161,6 +1158,16 @@ impl Conn<'_> {
                 }
             }
         }
+        for reason in &staged.refused {
+            inner.reject(
+                self.host,
+                reason,
+                self.remote,
+                &format_args!(
+                    "refused a message numbered out of range ({reason}); the stream goes on"
+                ),
+            );
+        }
         for g in garbage {
             inner.reject(
                 self.host,
@@ -1177,6 +1184,14 @@ impl Conn<'_> {
         match fatal {
             Some(f) => Err(f),
             None => Ok(()),
+        }
+    }
+
+    /// A warning about this host's stream that repeats (gaps, losses): rate-limited per kind.
+    fn note(&self, kind: &'static str, detail: &dyn std::fmt::Display) {
+        let key = (self.host.to_owned(), kind);
+        if let Some(unlogged) = self.inner.host_log.note(key, Instant::now()) {
+            tracing::warn!(host = self.host, kind, unlogged, "hub: {detail}");
         }
     }
 

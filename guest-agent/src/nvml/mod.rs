@@ -1,4 +1,4 @@
-//! NVML, when the node has it: the ground truth beside the eBPF GPU signals.
+//! NVML, when the node has it: what the GPUs themselves say, beside the eBPF GPU signals.
 //!
 //! `libnvidia-ml.so.1` comes with the NVIDIA driver, not with the agent: it
 //! is opened at run time with dlopen (never linked, never a build
@@ -7,14 +7,17 @@
 //! What it answers:
 //! * per GPU, the capacity the FinOps cost model divides by ([`GpuCapacity`]:
 //!   total memory, the link's maximum PCIe bandwidth);
-//! * per process, GPU memory in use (`nvmlDeviceGetComputeRunningProcesses`)
-//!   and SM utilisation (`nvmlDeviceGetProcessUtilization`), summed per
-//!   cgroup ([`Nvml::per_cgroup`]).
+//! * per GPU, its compute processes with their memory
+//!   (`nvmlDeviceGetComputeRunningProcesses`) and the utilisation samples
+//!   taken since the previous read (`nvmlDeviceGetProcessUtilization`), which
+//!   [`sm_time::SmClock`] turns into SM time ([`Nvml::read`]);
+//! * per GPU, its PCIe link as the guest sees it: current generation and
+//!   width, TX/RX throughput ([`Nvml::links`]).
+
+pub mod sm_time;
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr, CString};
-use std::os::unix::fs::MetadataExt;
-use std::path::Path;
 
 /// The library's name as the driver installs it.
 pub const LIBRARY: &str = "libnvidia-ml.so.1";
@@ -38,25 +41,17 @@ pub struct GpuCapacity {
     pub link_bytes_per_second: u64,
 }
 
-/// One process's use of one GPU.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ProcessUsage {
-    pub pid: u32,
+/// One GPU's PCIe link as NVML reports it now (in a VM: as the guest's driver sees it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkState {
     pub gpu: u32,
-    /// GPU memory the process uses (None when NVML cannot tell, e.g. under
-    /// some virtualisation modes).
-    pub memory_bytes: Option<u64>,
-    /// SM utilisation 0..=1 over NVML's samples since the previous call
-    /// (None when NVML had no sample for it).
-    pub sm_utilization: Option<f64>,
-}
-
-/// What a cgroup's processes use, summed over processes and GPUs.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct CgroupUsage {
-    pub memory_bytes: u64,
-    /// Sum of the processes' SM utilisation (1.0 = one GPU's SMs busy all the time).
-    pub sm_utilization: f64,
+    /// Current PCIe generation and width (an idle GPU lowers its generation).
+    pub generation: u32,
+    pub width: u32,
+    /// Bytes per second the GPU sent (TX: towards the host) and received (RX: from the
+    /// host) over the link, by NVML's throughput counters (a 20 ms sample, in KiB/s).
+    pub tx_bytes_per_second: u64,
+    pub rx_bytes_per_second: u64,
 }
 
 /// Per-lane bytes per second of a PCIe generation after line encoding
@@ -105,6 +100,9 @@ struct UtilizationSample {
 }
 
 const SUCCESS: c_int = 0;
+/// nvmlPcieUtilCounter_t
+const PCIE_UTIL_TX_BYTES: c_int = 0;
+const PCIE_UTIL_RX_BYTES: c_int = 1;
 const ERROR_NOT_FOUND: c_int = 6;
 const ERROR_INSUFFICIENT_SIZE: c_int = 7;
 /// usedGpuMemory when NVML cannot tell (NVML_VALUE_NOT_AVAILABLE).
@@ -121,6 +119,9 @@ struct Api {
     processes: unsafe extern "C" fn(Device, *mut c_uint, *mut ProcessInfo) -> c_int,
     utilization:
         unsafe extern "C" fn(Device, *mut UtilizationSample, *mut c_uint, c_ulonglong) -> c_int,
+    curr_gen: unsafe extern "C" fn(Device, *mut c_uint) -> c_int,
+    curr_width: unsafe extern "C" fn(Device, *mut c_uint) -> c_int,
+    throughput: unsafe extern "C" fn(Device, c_int, *mut c_uint) -> c_int,
 }
 
 /// An initialised NVML. Dropping it shuts NVML down and closes the library.
@@ -195,6 +196,9 @@ impl Nvml {
                 max_width: symbol(lib, "nvmlDeviceGetMaxPcieLinkWidth")?,
                 processes: symbol(lib, "nvmlDeviceGetComputeRunningProcesses_v3")?,
                 utilization: symbol(lib, "nvmlDeviceGetProcessUtilization")?,
+                curr_gen: symbol(lib, "nvmlDeviceGetCurrPcieLinkGeneration")?,
+                curr_width: symbol(lib, "nvmlDeviceGetCurrPcieLinkWidth")?,
+                throughput: symbol(lib, "nvmlDeviceGetPcieThroughput")?,
             }
         };
         let nvml = Nvml {
@@ -250,21 +254,63 @@ impl Nvml {
         Ok(out)
     }
 
-    /// Every compute process on every GPU, with its memory and its SM
-    /// utilisation since the previous call.
-    pub fn processes(&mut self) -> Result<Vec<ProcessUsage>, NvmlError> {
+    /// Every GPU's compute processes with their memory, and the utilisation samples NVML
+    /// took since the previous read ([`sm_time::SmClock`] books them).
+    pub fn read(&mut self) -> Result<Vec<sm_time::GpuReading>, NvmlError> {
         let mut out = Vec::new();
         for (gpu, d) in self.devices()? {
-            let util = self.sm_utilization(gpu, d)?;
-            for p in self.running(d)? {
-                out.push(ProcessUsage {
-                    pid: p.pid,
-                    gpu,
-                    memory_bytes: (p.used_gpu_memory != VALUE_NOT_AVAILABLE)
-                        .then_some(p.used_gpu_memory),
-                    sm_utilization: util.get(&p.pid).copied(),
-                });
+            let samples = self.samples(gpu, d)?;
+            let processes = self
+                .running(d)?
+                .into_iter()
+                .map(|p| {
+                    let mem =
+                        (p.used_gpu_memory != VALUE_NOT_AVAILABLE).then_some(p.used_gpu_memory);
+                    (p.pid, mem)
+                })
+                .collect();
+            out.push(sm_time::GpuReading {
+                gpu,
+                read_at_us: realtime_us(),
+                processes,
+                samples,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Every GPU's link now: current generation and width, TX/RX throughput.
+    pub fn links(&self) -> Result<Vec<LinkState>, NvmlError> {
+        let mut out = Vec::new();
+        for (gpu, d) in self.devices()? {
+            let (mut generation, mut width, mut tx, mut rx): (c_uint, c_uint, c_uint, c_uint) =
+                (0, 0, 0, 0);
+            // SAFETY: a device handle from NVML and valid out-pointers.
+            unsafe {
+                check(
+                    "nvmlDeviceGetCurrPcieLinkGeneration",
+                    (self.api.curr_gen)(d, &mut generation),
+                )?;
+                check(
+                    "nvmlDeviceGetCurrPcieLinkWidth",
+                    (self.api.curr_width)(d, &mut width),
+                )?;
+                check(
+                    "nvmlDeviceGetPcieThroughput",
+                    (self.api.throughput)(d, PCIE_UTIL_TX_BYTES, &mut tx),
+                )?;
+                check(
+                    "nvmlDeviceGetPcieThroughput",
+                    (self.api.throughput)(d, PCIE_UTIL_RX_BYTES, &mut rx),
+                )?;
             }
+            out.push(LinkState {
+                gpu,
+                generation,
+                width,
+                tx_bytes_per_second: u64::from(tx) * 1024,
+                rx_bytes_per_second: u64::from(rx) * 1024,
+            });
         }
         Ok(out)
     }
@@ -288,15 +334,14 @@ impl Nvml {
         }
     }
 
-    /// Mean SM utilisation (0..=1) per pid over the samples newer than the
-    /// last call's; empty when NVML has none (NVML_ERROR_NOT_FOUND).
-    fn sm_utilization(&mut self, gpu: u32, d: Device) -> Result<HashMap<u32, f64>, NvmlError> {
+    /// The utilisation samples newer than the last read's newest (NVML_ERROR_NOT_FOUND: none).
+    fn samples(&mut self, gpu: u32, d: Device) -> Result<Vec<sm_time::UtilSample>, NvmlError> {
         let since = self.last_seen.get(&gpu).copied().unwrap_or(0);
         let mut n: c_uint = 0;
         // SAFETY: a null buffer asks for the sample count.
         let rc = unsafe { (self.api.utilization)(d, std::ptr::null_mut(), &mut n, since) };
         if rc == ERROR_NOT_FOUND {
-            return Ok(HashMap::new());
+            return Ok(Vec::new());
         }
         if rc != ERROR_INSUFFICIENT_SIZE && rc != SUCCESS {
             return Err(NvmlError::Call {
@@ -304,58 +349,37 @@ impl Nvml {
                 code: rc,
             });
         }
-        let mut buf = vec![UtilizationSample::default(); n as usize + 8];
+        // room for processes that start between the two calls; drivers have been seen to
+        // report a count far above the processes, so the count is bounded
+        let mut buf = vec![UtilizationSample::default(); (n as usize).min(1 << 12) + 8];
         let mut n = buf.len() as c_uint;
         // SAFETY: buf holds n elements of the struct nvml.h declares.
         let rc = unsafe { (self.api.utilization)(d, buf.as_mut_ptr(), &mut n, since) };
         if rc == ERROR_NOT_FOUND {
-            return Ok(HashMap::new());
+            return Ok(Vec::new());
         }
         check("nvmlDeviceGetProcessUtilization", rc)?;
         buf.truncate((n as usize).min(buf.len()));
-        let mut sums: HashMap<u32, (f64, u32)> = HashMap::new();
-        for s in &buf {
-            let e = sums.entry(s.pid).or_default();
-            e.0 += f64::from(s.sm_util.min(100)) / 100.0;
-            e.1 += 1;
-        }
         if let Some(newest) = buf.iter().map(|s| s.time_stamp).max() {
-            self.last_seen.insert(gpu, newest);
+            self.last_seen.insert(gpu, newest.max(since));
         }
-        Ok(sums
-            .into_iter()
-            .map(|(pid, (sum, k))| (pid, sum / f64::from(k)))
+        Ok(buf
+            .iter()
+            .filter(|s| s.time_stamp > since)
+            .map(|s| sm_time::UtilSample {
+                pid: s.pid,
+                timestamp_us: s.time_stamp,
+                sm_percent: s.sm_util,
+            })
             .collect())
-    }
-
-    /// The processes' use summed per cgroup, keyed by what `cgroup_of` says
-    /// of each pid (the collector's cgroup ids; see [`cgroup_id_of`]).
-    /// Processes it knows nothing of (gone, or in no cgroup of interest) are
-    /// left out.
-    pub fn per_cgroup(
-        processes: &[ProcessUsage],
-        cgroup_of: impl Fn(u32) -> Option<u64>,
-    ) -> HashMap<u64, CgroupUsage> {
-        let mut out: HashMap<u64, CgroupUsage> = HashMap::new();
-        for p in processes {
-            let Some(id) = cgroup_of(p.pid) else {
-                continue;
-            };
-            let e = out.entry(id).or_default();
-            e.memory_bytes += p.memory_bytes.unwrap_or(0);
-            e.sm_utilization += p.sm_utilization.unwrap_or(0.0);
-        }
-        out
     }
 }
 
-/// The cgroup v2 id of process `pid` (the inode of its directory under the
-/// hierarchy mounted at `cgroup_root`), from `/proc/<pid>/cgroup`.
-pub fn cgroup_id_of(pid: u32, cgroup_root: &Path) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let dir = cgroup_root.join(rel.trim().trim_start_matches('/'));
-    std::fs::metadata(dir).ok().map(|m| m.ino())
+fn realtime_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
 }
 
 impl Drop for Nvml {

@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 
 use libbpf_rs::{MapCore, MapFlags, MapHandle, RingBuffer, RingBufferBuilder};
 
-use super::unit::Delta;
 use super::{err, ProbeError};
 
 /// Entries one batch syscall moves. Drained values are large (a TCP cgroup's
@@ -187,11 +186,11 @@ impl Drained {
     /// Takes every entry out of the map and turns each into the deltas since
     /// the cgroup's previous read: `decode` the value, `push` its deltas (the
     /// unit's delta state is then forgotten by `push`'s caller).
-    pub fn deltas<T>(
+    pub fn deltas<T, D>(
         &self,
         decode: impl Fn(&[u8]) -> Option<T>,
-        mut push: impl FnMut(u64, T, &mut Vec<Delta>),
-        out: &mut Vec<(u64, Delta)>,
+        mut push: impl FnMut(u64, T, &mut Vec<D>),
+        out: &mut Vec<(u64, D)>,
     ) {
         // cleared before the map is read: an entry added after the clear
         // sets it again, and is read now or next time

@@ -1,0 +1,169 @@
+//! What a person looks at during an incident: the state behind the page at `/`
+//! (`/api/state`: every host's link state now, a picture per recent host event, the last
+//! hour's events and spikes, the spikes no host event explains), the same as text for a
+//! terminal (`gpufeed-guest explain`), the host events as a series Grafana annotates with, and
+//! the hand-off to a profiler.
+
+pub mod annotations;
+pub mod explain;
+pub mod profile;
+pub mod timeline;
+
+use gpufeed_shared::hoststate::HostState;
+use serde::{Deserialize, Serialize};
+
+use crate::correlate::export::SpikeView;
+use crate::correlate::LinkCondition;
+
+pub use explain::explain;
+pub use profile::ProfileTemplate;
+pub use timeline::{Picture, Strip, Timeline, TimelineConfig};
+
+/// `/api/state`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PageState {
+    /// This node.
+    pub node: String,
+    pub hosts: Vec<HostView>,
+    /// Spikes no host event explains, newest first.
+    pub unexplained: Vec<Unexplained>,
+    /// One picture per listed host event, newest first (the same events as `/events`).
+    pub timelines: Vec<Picture>,
+    /// The last hour: every listed host event and every spike.
+    pub strip: Strip,
+    /// Whether a profile link template is configured (`--profile-url`).
+    pub profiles: bool,
+}
+
+/// A spike no host event explains, with the link to its profiles when configured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Unexplained {
+    #[serde(flatten)]
+    pub spike: SpikeView,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile_url: Option<String>,
+}
+
+/// One host agent as this guest knows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostView {
+    pub host: String,
+    /// Its stream is connected now.
+    pub connected: bool,
+    /// The operator said this host is a simulation (the quickstart demo).
+    pub simulated: bool,
+    /// The PCIe links the host reports for this guest, from its last state.
+    pub links: Vec<LinkView>,
+}
+
+/// A PCIe link as the host agent's gauges have it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinkView {
+    pub bdf: String,
+    /// The VM the device is passed through to ("" for a bridge above it).
+    pub vmid: String,
+    pub speed_gts: f64,
+    pub width: f64,
+    pub max_speed_gts: f64,
+    pub max_width: f64,
+    /// How it reads beside the GPU's activity now (the join sets it; below the maximum speed
+    /// at full width is a GPU saving power unless the GPU works).
+    #[serde(default)]
+    pub condition: LinkCondition,
+}
+
+/// The links in a host's state, by BDF.
+pub fn links_of(state: &HostState) -> Vec<LinkView> {
+    let mut links: std::collections::BTreeMap<String, LinkView> = Default::default();
+    for fam in &state.families {
+        let field: fn(&mut LinkView) -> &mut f64 = match fam.name.as_str() {
+            "gpufeed_host_pcie_link_speed_gts" => |l| &mut l.speed_gts,
+            "gpufeed_host_pcie_link_width" => |l| &mut l.width,
+            "gpufeed_host_pcie_link_max_speed_gts" => |l| &mut l.max_speed_gts,
+            "gpufeed_host_pcie_link_max_width" => |l| &mut l.max_width,
+            _ => continue,
+        };
+        for s in &fam.series {
+            let Some(bdf) = s.label("bdf") else { continue };
+            let l = links.entry(bdf.to_string()).or_insert_with(|| LinkView {
+                bdf: bdf.to_string(),
+                vmid: s.label("vmid").unwrap_or_default().to_string(),
+                speed_gts: 0.0,
+                width: 0.0,
+                max_speed_gts: 0.0,
+                max_width: 0.0,
+                condition: LinkCondition::default(),
+            });
+            *field(l) = s.value;
+        }
+    }
+    links.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpufeed_shared::hoststate::{StateFamily, StateKind, StateSeries};
+
+    #[test]
+    fn links_come_from_the_hosts_gauges() {
+        let series = |bdf: &str, vmid: &str, v: f64| StateSeries {
+            labels: vec![
+                ("bdf".into(), bdf.into()),
+                ("host".into(), "pve1".into()),
+                ("vmid".into(), vmid.into()),
+            ],
+            value: v,
+        };
+        let fam = |name: &str, s: Vec<StateSeries>| StateFamily {
+            name: name.into(),
+            help: String::new(),
+            kind: StateKind::Gauge,
+            series: s,
+        };
+        let st = HostState {
+            taken_realtime_ns: 0,
+            families: vec![
+                fam(
+                    "gpufeed_host_pcie_link_speed_gts",
+                    vec![
+                        series("0000:0a:00.0", "100", 2.5),
+                        series("0000:09:01.0", "", 16.0),
+                    ],
+                ),
+                fam(
+                    "gpufeed_host_pcie_link_width",
+                    vec![
+                        series("0000:0a:00.0", "100", 1.0),
+                        series("0000:09:01.0", "", 4.0),
+                    ],
+                ),
+                fam(
+                    "gpufeed_host_pcie_link_max_speed_gts",
+                    vec![series("0000:0a:00.0", "100", 16.0)],
+                ),
+                fam(
+                    "gpufeed_host_pcie_link_max_width",
+                    vec![series("0000:0a:00.0", "100", 4.0)],
+                ),
+                fam("gpufeed_host_cpu_busy_ratio", vec![]),
+            ],
+            truncated_series: 0,
+        };
+        let links = links_of(&st);
+        assert_eq!(links.len(), 2);
+        assert_eq!(
+            links[1],
+            LinkView {
+                bdf: "0000:0a:00.0".into(),
+                vmid: "100".into(),
+                speed_gts: 2.5,
+                width: 1.0,
+                max_speed_gts: 16.0,
+                max_width: 4.0,
+                condition: LinkCondition::Full,
+            }
+        );
+        assert_eq!(links[0].vmid, "");
+    }
+}

@@ -1,0 +1,341 @@
+//! GPU compute time per container, from the best source the node has.
+//!
+//! `ebpf_gpu_compute_time_seconds_total` is the GPU compute (SM) time attributed to a
+//! container, and `ebpf_gpu_active_compute_duty_cycle` that time's share of a window. Three
+//! units can measure it, with falling accuracy ([`ComputeSource`]): NVML's per-process SM
+//! utilisation (`nvml`), the launch-to-completion busy estimate of the CUDA uprobes (`cuda`
+//! with `--cuda-launches`), and time inside the GPU driver (`gpu_driver`), which stays near 0
+//! while a server launches asynchronously and polls. After loading, [`elect`] asks each unit
+//! which source it can be and tells the best one to publish both series (and
+//! `gpufeed_gpu_compute_source`, the info series naming it); the others keep only their own
+//! series. [`ComputeSeries`] is what the elected unit holds: it turns the unit's compute time
+//! into the counter's deltas and the duty cycle gauges.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::unit::{
+    Delta, FamilySpec, GaugeValue, Kind, Labels, NodeFamily, Scope, TickContext, Units, Value,
+};
+use crate::owner::Owner;
+
+pub const COMPUTE: &str = "ebpf_gpu_compute_time_seconds_total";
+pub const DUTY: &str = "ebpf_gpu_active_compute_duty_cycle";
+pub const SOURCE_INFO: &str = "gpufeed_gpu_compute_source";
+
+/// The family of the compute time, for the elected unit's family list.
+pub const COMPUTE_FAMILY: FamilySpec = FamilySpec {
+    name: COMPUTE,
+    help: "GPU compute (SM) time attributed to the container, per GPU where the source knows it (gpufeed_gpu_compute_source says which source the node uses)",
+    kind: Kind::SecondsCounter,
+    scope: Scope::Container,
+};
+
+/// The family of the duty cycle, for the elected unit's family list.
+pub const DUTY_FAMILY: FamilySpec = FamilySpec {
+    name: DUTY,
+    help: "Share of the last window (--gpu-duty-window) that the container's compute time fills, 0..1 per GPU",
+    kind: Kind::Gauge,
+    scope: Scope::Container,
+};
+
+/// Where a node's compute time comes from, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ComputeSource {
+    /// NVML's per-process SM utilisation × time, per GPU.
+    Nvml,
+    /// CUDA launch to completion seen by a synchronisation or query, merged per container:
+    /// an upper bound (work queued behind other work counts as busy).
+    LaunchEstimate,
+    /// Time with a task of the container inside a GPU driver call: memory management,
+    /// control calls, blocking waits; kernel launches never enter the driver.
+    DriverTime,
+}
+
+impl ComputeSource {
+    /// The `source` label of `gpufeed_gpu_compute_source`.
+    pub fn label(self) -> &'static str {
+        match self {
+            ComputeSource::Nvml => "nvml",
+            ComputeSource::LaunchEstimate => "launch_estimate",
+            ComputeSource::DriverTime => "driver_time",
+        }
+    }
+}
+
+/// Tells the unit offering the best source to publish the compute series; returns the source.
+pub fn elect(units: &mut Units, duty_window: Duration) -> Option<ComputeSource> {
+    let best = units.iter().filter_map(|u| u.compute_source()).min()?;
+    if let Some(u) = units.iter_mut().find(|u| u.compute_source() == Some(best)) {
+        u.publish_compute(ComputeSeries::new(best, duty_window));
+    }
+    tracing::info!(source = best.label(), "GPU compute time source");
+    Some(best)
+}
+
+/// The compute series of the elected unit: what it adds each tick, turned into counter
+/// deltas and duty cycle gauges.
+pub struct ComputeSeries {
+    source: ComputeSource,
+    duty: DutyWindow,
+    /// Compute time read this tick, per cgroup (resolved to owners at the tick) or per owner,
+    /// with the labels the unit gives it (`gpu`).
+    by_cgroup: Vec<(u64, Labels, u64)>,
+    by_owner: Vec<(Owner, Labels, u64)>,
+    /// Cgroups whose compute time could not be read this tick though they computed
+    /// throughout (see [`ComputeSeries::busy_throughout`]).
+    throughout: HashSet<u64>,
+    last_tick: Option<Instant>,
+}
+
+impl ComputeSeries {
+    pub fn new(source: ComputeSource, window: Duration) -> ComputeSeries {
+        ComputeSeries {
+            source,
+            duty: DutyWindow::new(window),
+            by_cgroup: Vec::new(),
+            by_owner: Vec::new(),
+            throughout: HashSet::new(),
+            last_tick: None,
+        }
+    }
+
+    pub fn source(&self) -> ComputeSource {
+        self.source
+    }
+
+    /// The counter's delta for `ns` of compute time read from cgroup `id`, which also goes
+    /// into the duty cycle at the tick.
+    pub fn cgroup_delta(&mut self, id: u64, labels: Labels, ns: u64) -> Delta {
+        self.by_cgroup.push((id, labels.clone(), ns));
+        Delta {
+            family: COMPUTE,
+            labels,
+            value: Value::Count(ns),
+        }
+    }
+
+    /// The counter's delta for `ns` of compute time of `owner` (a unit that attributes by
+    /// process rather than by cgroup), which also goes into the duty cycle at the tick.
+    pub fn owner_delta(&mut self, owner: Owner, labels: Labels, ns: u64) -> (Owner, Delta) {
+        self.by_owner.push((owner.clone(), labels.clone(), ns));
+        let d = Delta {
+            family: COMPUTE,
+            labels,
+            value: Value::Count(ns),
+        };
+        (owner, d)
+    }
+
+    /// Cgroup `id` was computing through the whole tick but its time is booked only when it
+    /// pauses (driver time of calls that overlap without a break): its duty counts the tick
+    /// as busy, its counter waits.
+    pub fn busy_throughout(&mut self, id: u64) {
+        self.throughout.insert(id);
+    }
+
+    /// The tick's duty cycle gauges (every live owner with compute time in the window).
+    pub fn duty_gauges(&mut self, ctx: &TickContext<'_>) -> (&'static str, Vec<GaugeValue>) {
+        let now = Instant::now();
+        let tick = self
+            .last_tick
+            .replace(now)
+            .map_or(0, |t| now.duration_since(t).as_nanos() as u64);
+        let mut busy: HashMap<(Owner, Labels), u64> = HashMap::new();
+        for (id, labels, ns) in self.by_cgroup.drain(..) {
+            if let Some(owner) = ctx.owners.get(&id) {
+                *busy.entry((owner.clone(), labels)).or_default() += ns;
+            }
+        }
+        for (owner, labels, ns) in self.by_owner.drain(..) {
+            *busy.entry((owner, labels)).or_default() += ns;
+        }
+        for id in self.throughout.drain() {
+            if let Some(owner) = ctx.owners.get(&id) {
+                let e = busy.entry((owner.clone(), Labels::new())).or_default();
+                *e = (*e).max(tick);
+            }
+        }
+        if busy.is_empty() && self.duty.is_empty() {
+            // no compute time on the node: nothing to window
+            return (DUTY, Vec::new());
+        }
+        let live: HashSet<&Owner> = ctx.owners.values().collect();
+        (DUTY, self.duty.record(now, busy, &live))
+    }
+
+    /// `gpufeed_gpu_compute_source{source}` 1.
+    pub fn info(&self) -> NodeFamily {
+        NodeFamily {
+            name: SOURCE_INFO,
+            help: "1 for the source of this node's GPU compute time and duty cycle: nvml (SM utilisation per process), launch_estimate (CUDA launch to completion), driver_time (time in GPU driver calls)",
+            samples: vec![(
+                Labels::from([("source", self.source.label().to_string())]),
+                1.0,
+            )],
+        }
+    }
+}
+
+/// Compute time per (owner, labels) over a sliding window: the duty cycle is the
+/// nanoseconds added since the oldest sample in the window over the time since that sample.
+pub struct DutyWindow {
+    window: Duration,
+    last_tick: Option<Instant>,
+    /// Per series: (when, cumulative ns) samples, oldest first.
+    series: HashMap<(Owner, Labels), VecDeque<(Instant, u64)>>,
+}
+
+impl DutyWindow {
+    pub fn new(window: Duration) -> DutyWindow {
+        DutyWindow {
+            window,
+            last_tick: None,
+            series: HashMap::new(),
+        }
+    }
+
+    /// Whether no series has samples.
+    pub fn is_empty(&self) -> bool {
+        self.series.is_empty()
+    }
+
+    /// Adds one tick's compute time per series; returns every live owner's duty cycles
+    /// (0..=1). A series first seen now had its time since the previous tick (its cgroup had
+    /// no entry before); at the first tick the time before is unknown, so that tick is only
+    /// the baseline.
+    pub fn record(
+        &mut self,
+        now: Instant,
+        busy: HashMap<(Owner, Labels), u64>,
+        live: &HashSet<&Owner>,
+    ) -> Vec<GaugeValue> {
+        let prev_tick = self.last_tick.replace(now);
+        self.series.retain(|(o, _), _| live.contains(o));
+        for (key, ns) in busy {
+            if !live.contains(&key.0) {
+                continue;
+            }
+            let samples = self.series.entry(key).or_insert_with(|| {
+                let mut v = VecDeque::new();
+                if let Some(t) = prev_tick {
+                    v.push_back((t, 0));
+                }
+                v
+            });
+            let total = samples.back().map(|s| s.1).unwrap_or(0) + ns;
+            samples.push_back((now, total));
+        }
+        let mut out = Vec::new();
+        for ((owner, labels), samples) in &mut self.series {
+            if samples.back().is_some_and(|s| s.0 != now) {
+                let total = samples.back().map(|s| s.1).unwrap_or(0);
+                samples.push_back((now, total));
+            }
+            while samples.len() > 2 && now.duration_since(samples[1].0) >= self.window {
+                samples.pop_front();
+            }
+            let (Some(first), Some(last)) = (samples.front(), samples.back()) else {
+                continue;
+            };
+            let elapsed = last.0.duration_since(first.0).as_nanos() as f64;
+            if elapsed <= 0.0 {
+                continue;
+            }
+            out.push(GaugeValue {
+                owner: owner.clone(),
+                labels: labels.clone(),
+                value: ((last.1 - first.1) as f64 / elapsed).clamp(0.0, 1.0),
+            });
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(n: u8) -> Owner {
+        Owner::Pod {
+            uid: format!("uid-{n}"),
+            container_id: Some(format!("c{n}")),
+        }
+    }
+
+    fn gpu(i: u32) -> Labels {
+        Labels::from([("gpu", i.to_string())])
+    }
+
+    #[test]
+    fn duty_cycle_is_the_compute_share_of_the_window_per_gpu() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let (a, b) = (pod(1), pod(2));
+        let live_ab = HashSet::from([&a, &b]);
+        let mut w = DutyWindow::new(Duration::from_secs(4));
+        // first tick: baseline only
+        let g = w.record(
+            t0,
+            HashMap::from([((a.clone(), gpu(0)), 5 * 1_000_000_000)]),
+            &live_ab,
+        );
+        assert!(g.is_empty(), "no window yet: {g:?}");
+        let value = |g: &[GaugeValue], o: &Owner, l: &Labels| {
+            g.iter()
+                .find(|v| &v.owner == o && &v.labels == l)
+                .map(|v| v.value)
+        };
+        // a computes half of every second on GPU 0 and all of it on GPU 1; b the whole
+        // first second on GPU 0
+        let half = 500_000_000;
+        let g = w.record(
+            t0 + s,
+            HashMap::from([
+                ((a.clone(), gpu(0)), half),
+                ((a.clone(), gpu(1)), 1_000_000_000),
+                ((b.clone(), gpu(0)), 1_000_000_000),
+            ]),
+            &live_ab,
+        );
+        assert_eq!(value(&g, &a, &gpu(0)), Some(0.5));
+        assert_eq!(value(&g, &a, &gpu(1)), Some(1.0));
+        assert_eq!(value(&g, &b, &gpu(0)), Some(1.0));
+        for i in 2..=10 {
+            let g = w.record(
+                t0 + i * s,
+                HashMap::from([((a.clone(), gpu(0)), half)]),
+                &live_ab,
+            );
+            assert_eq!(value(&g, &a, &gpu(0)), Some(0.5), "tick {i}");
+            let b_now = value(&g, &b, &gpu(0)).unwrap();
+            // b's busy second leaves the 4 s window after 4 more ticks
+            let want = if i <= 4 { 1.0 / i as f64 } else { 0.0 };
+            assert!(
+                (b_now - want).abs() < 1e-9,
+                "tick {i}: b {b_now} want {want}"
+            );
+        }
+        // a gone: its series go
+        let g = w.record(t0 + 11 * s, HashMap::new(), &HashSet::from([&b]));
+        assert_eq!(value(&g, &a, &gpu(0)), None);
+        assert_eq!(value(&g, &a, &gpu(1)), None);
+        assert_eq!(value(&g, &b, &gpu(0)), Some(0.0));
+    }
+
+    #[test]
+    fn sources_rank_best_first() {
+        assert!(ComputeSource::Nvml < ComputeSource::LaunchEstimate);
+        assert!(ComputeSource::LaunchEstimate < ComputeSource::DriverTime);
+        let s = ComputeSeries::new(ComputeSource::LaunchEstimate, Duration::from_secs(30));
+        let info = s.info();
+        assert_eq!(info.name, SOURCE_INFO);
+        assert_eq!(
+            info.samples,
+            vec![(
+                Labels::from([("source", "launch_estimate".to_string())]),
+                1.0
+            )]
+        );
+    }
+}
