@@ -51,6 +51,9 @@ pub struct Agent {
     pub topo: Arc<TopoCell>,
     /// The periodic loops' progress, for the watchdog.
     pub heartbeats: Heartbeats,
+    /// `ras:aer_event` records are being read (the tracepoints watcher set it up): the aer
+    /// watcher then holds what its poll finds first for the record to join.
+    pub aer_records: AtomicBool,
     host_id: String,
     /// Common phase of the pollers' timers: intervals that divide each other fire in the same
     /// wake-up (pcie, aer and vm each second, thunderbolt every other, host every fifth).
@@ -113,6 +116,7 @@ impl Agent {
             recent: Arc::new(RecentKmsg::default()),
             topo: Arc::new(TopoCell::default()),
             heartbeats: Heartbeats::default(),
+            aer_records: AtomicBool::new(false),
             host_id,
             cfg,
             phase: crate::ticks::Phase::now(),

@@ -61,7 +61,8 @@ struct Common {
     /// Prefix for /sys, /etc/pve, /run, /proc, /dev (overrides `root` of the config).
     #[arg(long)]
     root: Option<PathBuf>,
-    /// Address of the host-local /metrics (overrides `metrics_listen`).
+    /// Address of the host-local /metrics (overrides `metrics_listen`; `watch` serves
+    /// /metrics only when this is given).
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
 }
@@ -156,11 +157,11 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Certs { cmd } => Ok(gpufeed_shared::certs::run(cmd)?),
         Cmd::Watch { common, json } => {
-            let mut cfg = common.load()?;
-            if common.metrics_listen.is_none() {
-                cfg.metrics_listen = "127.0.0.1:0".parse()?;
-            }
-            watch(cfg, json).await
+            // Only an explicit --metrics-listen serves /metrics while watching: the configured
+            // address is the service's, which usually runs beside a person's `watch`.
+            let serve = common.metrics_listen;
+            let cfg = common.load()?;
+            watch(cfg, json, serve).await
         }
     }
 }
@@ -168,8 +169,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
 const STREAM_START: &str = "starting the host → guest stream";
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(cfg.metrics_listen)
-        .await
+    let listener = gpufeed_shared::http::bind(cfg.metrics_listen)
         .with_context(|| format!("cannot listen on {} (metrics_listen)", cfg.metrics_listen))?;
     let agent = Arc::new(Agent::new(cfg));
     // Subscribe before the watchers start, so their first events are streamed too.
@@ -277,10 +277,19 @@ fn spawn_doctor(cfg: &Config, registry: &prometheus::Registry) -> anyhow::Result
     Ok(())
 }
 
-async fn watch(cfg: Config, json: bool) -> anyhow::Result<()> {
+async fn watch(cfg: Config, json: bool, serve: Option<SocketAddr>) -> anyhow::Result<()> {
+    let listener = match serve {
+        Some(addr) => Some(
+            gpufeed_shared::http::bind(addr)
+                .with_context(|| format!("cannot listen on {addr} (--metrics-listen)"))?,
+        ),
+        None => None,
+    };
     let agent = Arc::new(Agent::new(cfg));
     let mut rx = agent.bus.subscribe();
     let running = agent.start().await;
+    let server =
+        listener.map(|l| tokio::spawn(gpufeed_host::metrics::serve(l, agent.metrics.clone())));
     if !json {
         eprintln!(
             "watching (on: {}; off: {}); Ctrl-C to stop",
@@ -304,6 +313,9 @@ async fn watch(cfg: Config, json: bool) -> anyhow::Result<()> {
                 Err(_) => break,
             }
         }
+    }
+    if let Some(s) = server {
+        s.abort();
     }
     drop(running);
     Ok(())

@@ -83,7 +83,16 @@ pub fn vmid_label(v: Option<u32>) -> String {
     v.map(|v| v.to_string()).unwrap_or_default()
 }
 
-/// Serve `/metrics` until the listener fails.
+/// The host's HTTP caps: its scrapers are a Prometheus or two on the host or the
+/// management network. 256 connections stay far below the unit's `LimitNOFILE`, so a flood of
+/// idle connections cannot take the descriptors the spool, the certificates and sysfs need.
+pub const HTTP_LIMITS: gpufeed_shared::http::HttpLimits = gpufeed_shared::http::HttpLimits {
+    max_connections: 256,
+    max_per_address: 64,
+};
+
+/// Serve `/metrics` until the process ends, within [`HTTP_LIMITS`] (the guest's limits:
+/// header read timeout, fair per-address shares; see [`gpufeed_shared::http`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
@@ -104,7 +113,7 @@ pub async fn serve(
             }),
         )
         .route("/", get(|| async { "gpufeed-host: see /metrics\n" }));
-    axum::serve(listener, app).await
+    gpufeed_shared::http::serve_bounded(listener, app, HTTP_LIMITS, "metrics").await
 }
 
 /// (family, value of `label`) of every series in `r`, consecutive repeats removed: which

@@ -3,6 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
+/// Where the shipped unit binds tracefs (`BindPaths=-/sys/kernel/tracing:...`).
+pub const UNIT_TRACEFS: &str = "/run/gpufeed-host/tracing";
+
 #[derive(Debug, Clone)]
 pub struct Roots {
     root: PathBuf,
@@ -36,7 +39,15 @@ impl Roots {
     pub fn thunderbolt_devices(&self) -> PathBuf {
         self.path("/sys/bus/thunderbolt/devices")
     }
+    /// tracefs as this process may write it: the unit's own view first
+    /// ([`UNIT_TRACEFS`], bound there by systemd/gpufeed-host.service because its
+    /// `ProtectKernelTunables=yes` makes everything under /sys read-only, tracefs included,
+    /// and `ReadWritePaths=` cannot undo it), else the system's mount.
     pub fn tracefs(&self) -> PathBuf {
+        let unit = self.path(UNIT_TRACEFS);
+        if unit.join("events").is_dir() {
+            return unit;
+        }
         self.path("/sys/kernel/tracing")
     }
     pub fn net_class(&self) -> PathBuf {

@@ -20,10 +20,16 @@ pub struct TraceRecord {
 }
 
 impl TraceRecord {
+    /// A number as `options/fields` prints it: `0x40 (64)` for most integers, but
+    /// `(2)` for a one-byte field (`'A'(65)` when the byte is printable), as the kernel's
+    /// `print_fields` writes them.
     pub fn num(&self, k: &str) -> Option<u64> {
         let v = self.fields.get(k)?;
         let first = v.split_whitespace().next()?;
-        crate::sysfs::parse_u64(first)
+        crate::sysfs::parse_u64(first).or_else(|| {
+            let inner = v.rsplit_once('(')?.1.split_once(')')?.0;
+            inner.trim().parse().ok()
+        })
     }
 }
 
@@ -114,9 +120,15 @@ impl Format {
                 if !name.is_empty() && !name.starts_with("common_") {
                     f.fields.push(name.to_string());
                 }
-            } else if let Some(fmt) = line.strip_prefix("print fmt:") {
-                f.symbols = print_symbolic_tables(fmt);
+            } else if line.starts_with("print fmt:") {
+                break;
             }
+        }
+        // `print fmt:` runs to the end of the file: the kernel copies the TP_printk format as
+        // written, so a `\n` in it is a line break there (7.3's pci_hp_event: its
+        // `__print_symbolic` table is on the line after `print fmt:`)
+        if let Some((_, fmt)) = text.split_once("print fmt:") {
+            f.symbols = print_symbolic_tables(fmt);
         }
         if f.name.is_empty() {
             return Err(DecodeError::BadFormat);
@@ -313,9 +325,35 @@ pub struct Instance {
     pub formats: BTreeMap<String, Format>,
 }
 
-/// Set up the private instance and enable the events that exist. `None` when tracefs or
-/// none of the events is there.
-pub fn setup(roots: &Roots, want: &[(&str, &str)]) -> Option<Instance> {
+/// Why there is no instance.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// tracefs, or every wanted event, is absent: polling covers it.
+    #[error("none of {wanted} present under {tracefs}")]
+    Absent { wanted: String, tracefs: PathBuf },
+    /// The events are there but this process cannot write tracefs.
+    #[error("{} is read-only for this process ({source}): {hint}", dir.display())]
+    ReadOnly {
+        dir: PathBuf,
+        source: std::io::Error,
+        hint: &'static str,
+    },
+    /// The events are there, none could be enabled.
+    #[error("cannot enable {wanted} in {}: {why}", dir.display())]
+    NotEnabled {
+        wanted: String,
+        dir: PathBuf,
+        why: String,
+    },
+}
+
+/// Set up the private instance and enable the events that exist.
+pub fn setup(roots: &Roots, want: &[(&str, &str)]) -> Result<Instance, SetupError> {
+    let wanted = want
+        .iter()
+        .map(|(s, e)| format!("{s}:{e}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     let tracefs = roots.tracefs();
     let formats: Vec<(&str, &str, Format)> = want
         .iter()
@@ -332,13 +370,25 @@ pub fn setup(roots: &Roots, want: &[(&str, &str)]) -> Option<Instance> {
         })
         .collect();
     if formats.is_empty() {
-        return None;
+        return Err(SetupError::Absent { wanted, tracefs });
     }
     let dir = tracefs.join("instances").join(INSTANCE);
     if !dir.exists() {
-        if let Err(e) = std::fs::create_dir(&dir) {
-            tracing::warn!("tracefs: cannot create instance {}: {e}", dir.display());
-            return None;
+        if let Err(source) = std::fs::create_dir(&dir) {
+            if source.raw_os_error() == Some(libc::EROFS) {
+                return Err(SetupError::ReadOnly {
+                    dir,
+                    source,
+                    hint: "a systemd unit with ProtectKernelTunables=yes must bind tracefs \
+                           elsewhere (BindPaths=-/sys/kernel/tracing:/run/gpufeed-host/tracing, \
+                           as systemd/gpufeed-host.service does)",
+                });
+            }
+            return Err(SetupError::NotEnabled {
+                wanted,
+                dir,
+                why: format!("cannot create the instance: {source}"),
+            });
         }
     }
     let _ = std::fs::write(dir.join("options/fields"), "1");
@@ -348,17 +398,25 @@ pub fn setup(roots: &Roots, want: &[(&str, &str)]) -> Option<Instance> {
         enabled: Vec::new(),
         formats: BTreeMap::new(),
     };
+    let mut why = String::new();
     for (sys, ev, f) in formats {
         let enable = inst.dir.join("events").join(sys).join(ev).join("enable");
-        if std::fs::write(enable, "1").is_ok() {
-            inst.enabled.push(format!("{sys}:{ev}"));
-            inst.formats.insert(f.name.clone(), f);
+        match std::fs::write(&enable, "1") {
+            Ok(()) => {
+                inst.enabled.push(format!("{sys}:{ev}"));
+                inst.formats.insert(f.name.clone(), f);
+            }
+            Err(e) => why = format!("{}: {e}", enable.display()),
         }
     }
     if inst.enabled.is_empty() {
-        return None;
+        return Err(SetupError::NotEnabled {
+            wanted,
+            dir: inst.dir,
+            why,
+        });
     }
-    Some(inst)
+    Ok(inst)
 }
 
 /// Read `trace_pipe` of the instance on a blocking thread and forward decoded events; lines
@@ -397,6 +455,38 @@ pub fn spawn_reader(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn print_fmt_over_two_lines_as_7_3_writes_it() {
+        // events/pci/pci_hp_event/format on Debian's 7.3: the `\n` of TP_printk is a line
+        // break in the file, the symbol table on the next line (the agent emitted "2" for
+        // CARD_PRESENT until this was read)
+        let text = "name: pci_hp_event\nID: 1234\nformat:\n\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;\n\n\tfield:__data_loc char[] port_name;\toffset:8;\tsize:4;\tsigned:0;\n\tfield:__data_loc char[] slot;\toffset:12;\tsize:4;\tsigned:0;\n\tfield:int event;\toffset:16;\tsize:4;\tsigned:1;\n\nprint fmt: \"%s slot:%s, event:%s\n\", __get_str(port_name), __get_str(slot), __print_symbolic(REC->event, {0, \"LINK_UP\"}, {1, \"LINK_DOWN\"}, {2, \"CARD_PRESENT\"}, {3, \"CARD_NOT_PRESENT\"})\n";
+        let f = Format::parse(text).unwrap();
+        assert_eq!(f.fields, ["port_name", "slot", "event"]);
+        let t = &f.symbols["event"];
+        assert_eq!(t.get(&0).map(String::as_str), Some("LINK_UP"));
+        assert_eq!(t.get(&2).map(String::as_str), Some("CARD_PRESENT"));
+        assert_eq!(t.len(), 4);
+    }
+
+    #[test]
+    fn one_byte_fields_as_the_kernel_prints_them() {
+        // ras:aer_event on Debian's 6.12, a correctable BadTLP injected by QEMU
+        let l = "irq/24-aerdrv-54      [000] .....    18.483140: aer_event: dev_name=0000:01:00.0 status=0x40 (64) severity=(2) tlp_header_valid=(0) tlp_header=<INVALID-SIZE>";
+        let r = parse_line(l).unwrap();
+        assert_eq!(r.num("severity"), Some(2));
+        assert_eq!(r.num("tlp_header_valid"), Some(0));
+        assert_eq!(r.num("status"), Some(0x40));
+        let d = aer_detail(&r).unwrap();
+        assert_eq!(d.dev_name, "0000:01:00.0");
+        assert_eq!(d.severity, AerSeverity::Correctable);
+        assert_eq!(d.status, 0x40);
+        assert_eq!(d.tlp_header, None);
+        let mut r = r;
+        r.fields.insert("severity".into(), "'A'(65)".into());
+        assert_eq!(r.num("severity"), Some(65));
+    }
 
     #[test]
     fn parses_fields_lines() {

@@ -49,6 +49,9 @@ pub struct Reaction {
     pub poke_thunderbolt: bool,
     /// A device came or went: rediscover which host devices belong to which VM.
     pub rediscover: bool,
+    /// A PCI device came or went (hotplug): re-read the links now rather than at the next
+    /// poll (a link that went down with its device, or came up with it).
+    pub poke_pcie: bool,
     /// Re-read the AER counters now (the PCI core reported an error recovery).
     pub poke_aer: bool,
     /// `TUNNEL_EVENT` of a Thunderbolt router (kernel 6.4+).
@@ -72,6 +75,7 @@ pub fn react(u: &Uevent) -> Reaction {
     if u.action == "overrun" {
         r.poke_thunderbolt = true;
         r.rediscover = true;
+        r.poke_pcie = true;
         return r;
     }
     match u.get("SUBSYSTEM").unwrap_or("") {
@@ -97,6 +101,7 @@ pub fn react(u: &Uevent) -> Reaction {
                 r.poke_aer = true;
             }
             r.rediscover = add_remove;
+            r.poke_pcie = add_remove;
         }
         _ => {}
     }
@@ -213,7 +218,7 @@ mod tests {
         assert_eq!(rec.device_online, Some(false));
         assert!(r.poke_aer && !r.rediscover && !r.poke_thunderbolt);
 
-        // A hot-added PCI function: rediscover only.
+        // A hot-added PCI function: rediscover and re-read the links.
         let r = react(&msg(&[
             "add@/devices/pci0000:00/0000:00:07.0/0000:2c:00.0",
             "ACTION=add",
@@ -224,6 +229,7 @@ mod tests {
             r,
             Reaction {
                 rediscover: true,
+                poke_pcie: true,
                 ..Default::default()
             }
         );
@@ -250,6 +256,6 @@ mod tests {
             devpath: "/".into(),
             env: BTreeMap::new(),
         });
-        assert!(r.poke_thunderbolt && r.rediscover);
+        assert!(r.poke_thunderbolt && r.rediscover && r.poke_pcie);
     }
 }

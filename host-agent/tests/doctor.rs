@@ -281,15 +281,6 @@ fn config_file(t: &Tree, dir: &Path) -> PathBuf {
     p
 }
 
-fn http_get(addr: &str, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).ok()?;
-    Some(buf.split_once("\r\n\r\n")?.1.to_string())
-}
-
 #[test]
 fn doctor_command_and_the_running_agents_gauge() {
     if !require_root("doctor_command_and_the_running_agents_gauge") {

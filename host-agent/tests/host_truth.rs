@@ -162,9 +162,12 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
         let gpu = |f: &str| t.p(&format!("sys/devices/{PLAIN_GPU}/{f}"));
         match form {
             "failing read" => {
+                // read(2) fails with EIO, as the kernel's does for a device that stopped
+                // answering: /proc/self/mem at offset 0 (nothing is mapped there). A failure
+                // of the agent's own (EMFILE, EACCES, a directory) says nothing of the link.
                 for f in ["current_link_width", "current_link_speed"] {
                     std::fs::remove_file(gpu(f)).unwrap();
-                    std::fs::create_dir(gpu(f)).unwrap(); // read(2) fails (EISDIR)
+                    std::os::unix::fs::symlink("/proc/self/mem", gpu(f)).unwrap();
                 }
             }
             _ => {
@@ -292,12 +295,12 @@ fn link_down_with_the_device_removed_reads_the_port() {
         let after = topo(&t);
         assert!(after.links.iter().all(|l| l.child != "0000:01:00.0"));
         let ev = if rescan_first {
-            let mut ev = p.retain(&roots, &after.links, &m);
+            let mut ev = p.retain(&roots, &after.links, &m, Source::Poll);
             ev.extend(p.poll(&roots, &after.links, &m, Source::Poll));
             ev
         } else {
             let mut ev = p.poll(&roots, &before.links, &m, Source::Poll);
-            ev.extend(p.retain(&roots, &after.links, &m));
+            ev.extend(p.retain(&roots, &after.links, &m, Source::Poll));
             ev
         };
         assert!(
@@ -307,7 +310,7 @@ fn link_down_with_the_device_removed_reads_the_port() {
             "rescan first {rescan_first}: {ev:?}"
         );
         for _ in 0..2 {
-            assert!(p.retain(&roots, &after.links, &m).is_empty());
+            assert!(p.retain(&roots, &after.links, &m, Source::Poll).is_empty());
             assert!(p.poll(&roots, &after.links, &m, Source::Poll).is_empty());
             assert_eq!(gauge(&m, "0000:01:00.0", "101"), (0.0, 0));
         }
@@ -320,7 +323,7 @@ fn link_down_with_the_device_removed_reads_the_port() {
             &format!("sys/devices/{PLAIN_RP}/current_link_speed"),
             "16.0 GT/s PCIe\n",
         );
-        assert!(p.retain(&roots, &after.links, &m).is_empty());
+        assert!(p.retain(&roots, &after.links, &m, Source::Poll).is_empty());
         let text = prometheus::TextEncoder::new()
             .encode_to_string(&reg.gather())
             .unwrap();
@@ -331,11 +334,104 @@ fn link_down_with_the_device_removed_reads_the_port() {
             "{text}"
         );
         // A device that is only unassigned (still there) takes its series away too.
-        assert!(p.retain(&roots, &[], &m).is_empty());
+        assert!(p.retain(&roots, &[], &m, Source::Poll).is_empty());
         let text = prometheus::TextEncoder::new()
             .encode_to_string(&reg.gather())
             .unwrap();
         assert!(!text.contains("gpufeed_host_pcie_link_width{"), "{text}");
+    }
+}
+
+/// A safe removal (pciehp's attention button or slot `power`, as QEMU's `device_del` asks for):
+/// pciehp removes the functions, then powers the slot off, and the port's Link Status width
+/// stays what it was (QEMU's root port reads its own x32 maximum once empty; the width is
+/// undefined while a link is down). The slot's `power`/`adapter` say the link is down: one
+/// link-down event once the slot is off (none while it still reads powered). The replug is a
+/// link-up event whichever comes first: the functions enumerated before discovery has seen
+/// them (6.12 in the lab: the `add` uevent), or the slot powered on before the functions are
+/// there (7.3: the `pci_hp_event` tracepoint's read comes first).
+#[test]
+fn safe_removal_reads_the_slot_and_a_replug_is_a_link_up() {
+    for enumerated_first in [true, false] {
+        let t = Tree::new();
+        topology(&t);
+        pve_basic(&t);
+        t.write("sys/bus/pci/slots/1/address", "0000:01:00\n");
+        t.write("sys/bus/pci/slots/1/adapter", "1\n");
+        t.write("sys/bus/pci/slots/1/power", "1\n");
+        std::fs::create_dir_all(t.p(&format!("sys/devices/{PLAIN_RP}/pci_bus/0000:01"))).unwrap();
+        let before = topo(&t);
+        let roots = Roots::new(t.root());
+        let reg = Registry::new();
+        let m = PcieMetrics::new(&reg);
+        let mut p = PciePoller::new();
+        p.poll(&roots, &before.links, &m, Source::Poll);
+        let functions = [(PLAIN_GPU, "0000:01:00.0"), (PLAIN_AUDIO, "0000:01:00.1")];
+        // removed: kept aside to be plugged back as they were
+        for (path, bdf) in functions {
+            std::fs::remove_file(t.pci(bdf)).unwrap();
+            std::fs::rename(t.p(&format!("sys/devices/{path}")), t.p(bdf)).unwrap();
+        }
+        // the removal's uevent, before pciehp has powered the slot off: nothing known yet
+        assert!(p.poll(&roots, &before.links, &m, Source::Uevent).is_empty());
+        t.write("sys/bus/pci/slots/1/power", "0\n");
+        t.write("sys/bus/pci/slots/1/adapter", "0\n");
+        let ev = p.poll(&roots, &before.links, &m, Source::Uevent);
+        assert!(
+            matches!(&ev[..], [HostEvent::PcieLinkChange(l)] if l.bdf == "0000:01:00.0"
+                && l.class == LinkChangeClass::LinkDown && l.old_width == 16 && l.new_width == 0
+                && l.source == Source::Uevent),
+            "{ev:?}"
+        );
+        let after = topo(&t);
+        assert!(p
+            .retain(&roots, &after.links, &m, Source::Uevent)
+            .is_empty());
+        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (0.0, 0));
+        let plug = || {
+            for (path, bdf) in functions {
+                std::fs::rename(t.p(bdf), t.p(&format!("sys/devices/{path}"))).unwrap();
+                std::os::unix::fs::symlink(format!("../../../devices/{path}"), t.pci(bdf)).unwrap();
+            }
+        };
+        // plugged back: the slot powered and occupied
+        t.write("sys/bus/pci/slots/1/power", "1\n");
+        t.write("sys/bus/pci/slots/1/adapter", "1\n");
+        let source = if enumerated_first {
+            plug();
+            Source::Uevent
+        } else {
+            // read before the functions are there: the link is no longer known down, its
+            // series go (no stale 0), and no event yet
+            assert!(p
+                .retain(&roots, &after.links, &m, Source::Tracepoint)
+                .is_empty());
+            let text = prometheus::TextEncoder::new()
+                .encode_to_string(&reg.gather())
+                .unwrap();
+            assert!(
+                !text
+                    .lines()
+                    .any(|l| l.contains("bdf=\"0000:01:00.0\"") && !l.contains("changes_total")),
+                "{text}"
+            );
+            plug();
+            Source::Tracepoint
+        };
+        let mut ev = p.retain(&roots, &after.links, &m, source);
+        let again = topo(&t);
+        ev.extend(p.retain(&roots, &again.links, &m, source));
+        ev.extend(p.poll(&roots, &again.links, &m, source));
+        assert!(
+            matches!(&ev[..], [HostEvent::PcieLinkChange(l)] if l.bdf == "0000:01:00.0"
+                && l.class == LinkChangeClass::LinkUp && l.old_width == 0 && l.new_width == 16
+                && l.source == source),
+            "enumerated first {enumerated_first}: {ev:?}"
+        );
+        // discovery has caught up: no second event
+        assert!(p.retain(&roots, &again.links, &m, Source::Poll).is_empty());
+        assert!(p.poll(&roots, &again.links, &m, Source::Poll).is_empty());
+        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (16.0, 16));
     }
 }
 

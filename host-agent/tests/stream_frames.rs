@@ -110,6 +110,17 @@ async fn hostile_frames() {
     // The stream still works after the garbage.
     ev.write_all(&known(3)).await.unwrap();
     assert!(wait_for(Duration::from_secs(3), || received() == 3.0).await);
+    // 99 more garbage frames: each counted, the warning not repeated (rate-limited, with the
+    // number suppressed in its next line).
+    ev.write_all(&[3, 0, 0, 0, 0xde, 0xad, 0xff].repeat(99))
+        .await
+        .unwrap();
+    assert!(wait_for(Duration::from_secs(3), || rej("garbage") == 100.0).await);
+    assert_eq!(
+        log_lines(&logs, &["hub: rejected", "reason=\"garbage\""]).len(),
+        1,
+        "one warning for 100 garbage frames"
+    );
 
     // 2. Sequence going backwards on the same stream closes it.
     ev.write_all(&known(3)).await.unwrap();

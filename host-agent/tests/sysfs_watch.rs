@@ -154,7 +154,8 @@ async fn tb4_egpu_and_plain_slot_events() {
             assert_eq!((l.old_width, l.new_width), (4, 4));
             assert_eq!((l.max_speed_mts, l.max_width), (Some(16000), 4));
             assert_eq!(l.class, LinkChangeClass::SpeedOnly);
-            assert!(l.degraded);
+            // at full width: an idle GPU saving power unless under load (the guest tells)
+            assert!(!l.degraded);
             assert_eq!(l.source, Source::Poll);
         }
         e => panic!("{e:?}"),

@@ -22,8 +22,19 @@ fn unit_keeps_only_the_capabilities_it_needs() {
     assert_eq!(directive("AmbientCapabilities"), vec![""]);
     assert_eq!(directive("ProtectKernelTunables"), vec!["yes"]);
     assert_eq!(directive("UMask"), vec!["0077"]);
-    // tracefs stays writable for the agent's instance.
-    assert_eq!(directive("ReadWritePaths"), vec!["/sys/kernel/tracing"]);
+    // tracefs is read-only under /sys in the unit's namespace: a second, writable view of it
+    // for the agent's instance (the lab's systemd VMs check that it works under a real
+    // systemd: lab/tests/host_package.rs)
+    assert_eq!(directive("ReadWritePaths"), Vec::<&str>::new());
+    assert_eq!(
+        directive("BindPaths"),
+        vec!["-/sys/kernel/tracing:/run/gpufeed-host/tracing"]
+    );
+    assert_eq!(
+        gpufeed_host::roots::UNIT_TRACEFS,
+        "/run/gpufeed-host/tracing",
+        "the agent looks where the unit binds"
+    );
 }
 
 #[test]

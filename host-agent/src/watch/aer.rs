@@ -39,6 +39,17 @@ pub fn any_aer_files(roots: &Roots, topo: &Topology) -> bool {
     })
 }
 
+/// The kernel log's recent records about `bdf` (its AER dump lines), within `window`.
+fn kmsg_context(recent: &RecentKmsg, window: Duration, bdf: &str) -> Vec<String> {
+    recent
+        .matching(window, |r| {
+            r.bdf.as_deref() == Some(bdf) || r.text.contains(bdf)
+        })
+        .into_iter()
+        .map(|r| r.text)
+        .collect()
+}
+
 impl AerPoller {
     pub fn new() -> Self {
         Self::default()
@@ -111,14 +122,7 @@ impl AerPoller {
                         Some(p) if value < p => c.inc_by(value),
                         Some(p) if value > p => {
                             c.inc_by(value - p);
-                            let ctx = recent
-                                .matching(context_window, |r| {
-                                    r.bdf.as_deref() == Some(bdf.as_str())
-                                        || r.text.contains(bdf.as_str())
-                                })
-                                .into_iter()
-                                .map(|r| r.text)
-                                .collect();
+                            let ctx = kmsg_context(recent, context_window, bdf);
                             let det = detail
                                 .filter(|d| d.dev_name == *bdf && d.severity == sev)
                                 .cloned();
@@ -271,13 +275,26 @@ impl Watcher for AerWatcher {
             Outcome::On(vec![tokio::spawn(async move {
                 let mut pokes = a.pokes(a.cfg.aer.poll_interval_ms, cx.inbox).await;
                 let window = Duration::from_millis(a.cfg.aer.kmsg_context_ms);
+                // With the records being read, what the poll finds first waits for its record
+                // ([`super::aer_hold`]) up to two polls or a second, whichever is longer.
+                let hold_for = || {
+                    if a.aer_records.load(std::sync::atomic::Ordering::Relaxed) {
+                        Duration::from_millis((2 * a.cfg.aer.poll_interval_ms).max(1000))
+                    } else {
+                        Duration::ZERO
+                    }
+                };
+                let mut hold = super::aer_hold::Hold::default();
                 loop {
                     let poke = pokes.next().await;
                     let t = a.topo.get();
+                    let now = std::time::Instant::now();
                     match poke {
-                        // The tracepoint names the device: read its counters now and attach the
-                        // detail; a report that moved no counter is still worth an event.
+                        // The tracepoint names the device: a held increment of it takes the
+                        // detail; else read its counters now and attach it; a report that
+                        // moved no counter is still worth an event.
                         Poke::Aer(d) => {
+                            let joined = hold.join(&d);
                             let evs = p.poll(
                                 &a.roots,
                                 &t,
@@ -287,15 +304,25 @@ impl Watcher for AerWatcher {
                                 Some(&d.dev_name),
                                 Some(&d),
                             );
-                            if evs.is_empty() {
+                            if evs.is_empty() && !joined {
                                 a.bus.emit(HostEvent::AerTrace(d));
                             }
-                            a.emit_all(evs);
+                            // with its detail, an increment may still wait for the log's lines
+                            let passed = hold.admit(evs, now, hold_for());
+                            a.emit_all(passed);
                         }
                         Poke::Tick | Poke::Port(..) => {
-                            a.emit_all(p.poll(&a.roots, &t, &m, &a.recent, window, None, None))
+                            let evs = p.poll(&a.roots, &t, &m, &a.recent, window, None, None);
+                            let passed = hold.admit(evs, now, hold_for());
+                            a.emit_all(passed);
                         }
                     }
+                    // the kernel log's lines may have come in while an increment was held
+                    for c in hold.each_mut().filter(|c| c.kmsg_context.is_empty()) {
+                        c.kmsg_context = kmsg_context(&a.recent, window, &c.bdf);
+                    }
+                    a.emit_all(hold.complete());
+                    a.emit_all(hold.expired(now));
                 }
             })])
         })

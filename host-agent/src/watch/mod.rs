@@ -8,6 +8,7 @@
 //! through one).
 
 pub mod aer;
+mod aer_hold;
 pub mod bridge;
 pub mod hoststats;
 pub mod kmsg;
@@ -281,6 +282,16 @@ mod tests {
         assert_eq!(
             describe(&all[0]),
             "0000:0a:00.0 vm 100: 16.0 GT/s x4 -> 2.5 GT/s x4 (speed_only, degraded, max 16.0 GT/s x16)"
+        );
+        // at full width the host cannot tell power saving from a degradation under load
+        let HostEvent::PcieLinkChange(mut full) = all[0].clone() else {
+            unreachable!()
+        };
+        (full.max_width, full.degraded) = (4, false);
+        assert_eq!(
+            describe(&HostEvent::PcieLinkChange(full)),
+            "0000:0a:00.0 vm 100: 16.0 GT/s x4 -> 2.5 GT/s x4 (speed_only, full width: power \
+             saving if the GPU is idle, max 16.0 GT/s x4)"
         );
         assert_eq!(describe(&all[9]), "3 kernel log records lost");
         assert_eq!(describe(&all[13]), "aer off: no aer_dev_* files");

@@ -32,8 +32,17 @@ pub struct PciePoller {
     watched: HashMap<String, Link>,
     /// Devices skipped on the last poll because they were runtime-suspended.
     pub suspended_skips: u64,
+    /// Reads that failed for this agent's own reasons (out of descriptors, say), since the
+    /// start: no link state is changed from them.
+    pub read_failures: u64,
+    /// Whether the last poll had such failures (logged when they start and when they end).
+    failing: bool,
     /// Kept handles of the polled devices' directories and (on sysfs) attribute files.
     dirs: AttrFiles,
+    /// Links forgotten while down with their device gone (the port came back before the
+    /// device was enumerated again): the device's next first sight is their link coming up,
+    /// not a baseline.
+    left_down: HashMap<String, LinkState>,
 }
 
 /// Reads attribute `attr` (a path relative to the device's directory) of device `bdf`.
@@ -67,6 +76,20 @@ pub enum LinkStatus {
     Unreadable,
     /// No such attributes: not a PCIe device, or removed.
     Absent,
+    /// The read failed for a reason of this agent's, not the device's (out of file
+    /// descriptors or memory, a permission): nothing is known about the link.
+    Failed,
+}
+
+/// Whether a failed read of a sysfs attribute is the device's answer (the kernel returns
+/// EINVAL when the Link Status read fails, EIO/ENODEV/ENXIO for a device that stopped
+/// answering or is going away) rather than this process's trouble (EMFILE, ENFILE, ENOMEM,
+/// EACCES, EINTR, ...), which says nothing about the link.
+fn is_device_answer(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINVAL | libc::EIO | libc::ENODEV | libc::ENXIO)
+    )
 }
 
 /// Read `current_link_*` of `bdf`.
@@ -78,10 +101,12 @@ fn status_with(read_attr: &mut ReadAttr<'_>, bdf: &str) -> LinkStatus {
     let mut read = |f: &str| match read_attr(bdf, f) {
         Ok(s) => Ok(s),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(LinkStatus::Absent),
-        Err(_) => Err(LinkStatus::Unreadable),
+        Err(e) if is_device_answer(&e) => Err(LinkStatus::Unreadable),
+        Err(_) => Err(LinkStatus::Failed),
     };
     let (speed, width) = match (read("current_link_speed"), read("current_link_width")) {
         (Ok(s), Ok(w)) => (parse_link_speed(&s), parse_link_width(&w)),
+        (Err(LinkStatus::Failed), _) | (_, Err(LinkStatus::Failed)) => return LinkStatus::Failed,
         (Err(e), _) | (_, Err(e)) => return e,
     };
     match width {
@@ -103,30 +128,76 @@ fn valid_width(w: u8) -> bool {
 /// the link's state is read where the kernel still has it: the Link Status of the port at the
 /// other end (`parent`), which reads width 0 while the link is down. With neither end
 /// readable the link is down (`None`, 0). A device that is gone while that port's link is down
-/// left with its link (pciehp removes the device of a link that went down): down too.
+/// left with its link (pciehp removes the device of a link that went down): down too, and so
+/// is one gone from a hotplug slot that reads empty or powered off ([`slot_off`]).
 /// `None` when the device has no such attributes and its link is not known to be down.
+/// A read that failed for this agent's own reasons ([`LinkStatus::Failed`]) gives `None` too.
 pub fn read_current(roots: &Roots, bdf: &str, parent: Option<&str>) -> Option<(Option<u32>, u8)> {
-    current_with(&mut by_path(roots), bdf, parent)
+    current_with(&mut by_path(roots), bdf, parent, &mut |p| {
+        slot_off(roots, p)
+    })
+    .ok()
+    .flatten()
 }
+
+/// True when `port` is a hotplug port whose slot (`/sys/bus/pci/slots/<n>`, the one whose
+/// `address` is the port's secondary bus) reads empty (`adapter` 0) or powered off (`power`
+/// 0): the link below it is down whatever the port's Link Status width says. The width is
+/// undefined while a link is down (PCIe spec, Negotiated Link Width); QEMU's root port reads
+/// its own maximum there (x32 at 16 GT/s) once its slot is empty. False when there is no such
+/// slot or its files cannot be read.
+pub fn slot_off(roots: &Roots, port: &str) -> bool {
+    let Some(bus) = std::fs::read_dir(roots.pci_devices().join(port).join("pci_bus"))
+        .ok()
+        .and_then(|mut d| d.next()?.ok()?.file_name().into_string().ok())
+    else {
+        return false;
+    };
+    let Ok(slots) = std::fs::read_dir(roots.sys().join("bus/pci/slots")) else {
+        return false;
+    };
+    for slot in slots.flatten() {
+        let dir = slot.path();
+        // `dddd:bb:ss` (PCIe slots: device 00) or `dddd:bb` (a slot without one)
+        let address = read_attr(&dir.join("address")).unwrap_or_default();
+        if address != bus && !address.starts_with(&format!("{bus}:")) {
+            continue;
+        }
+        return ["adapter", "power"]
+            .iter()
+            .any(|f| read_attr(&dir.join(f)).as_deref() == Some("0"));
+    }
+    false
+}
+
+/// A read of a link's attributes failed for this agent's own reasons: no reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadFailed;
 
 fn current_with(
     read: &mut ReadAttr<'_>,
     bdf: &str,
     parent: Option<&str>,
-) -> Option<(Option<u32>, u8)> {
+    slot_off: &mut dyn FnMut(&str) -> bool,
+) -> Result<Option<(Option<u32>, u8)>, ReadFailed> {
     let own = status_with(read, bdf);
     let mut port = || parent.map(|p| status_with(read, p));
-    match own {
+    Ok(match own {
         LinkStatus::Read(s, w) => Some((s, w)),
+        LinkStatus::Failed => return Err(ReadFailed),
         LinkStatus::Unreadable => Some(match port() {
             Some(LinkStatus::Read(s, w)) => (s, w),
+            Some(LinkStatus::Failed) => return Err(ReadFailed),
             _ => (None, 0),
         }),
         LinkStatus::Absent => match port() {
             Some(LinkStatus::Read(_, 0)) => Some((None, 0)),
+            // gone, its slot empty or powered off (pciehp's removal): down with it
+            Some(LinkStatus::Read(..)) if parent.is_some_and(&mut *slot_off) => Some((None, 0)),
+            Some(LinkStatus::Failed) => return Err(ReadFailed),
             _ => None,
         },
-    }
+    })
 }
 
 /// The link's maximum: the lower of the two ends' `max_link_*` (a x16 GPU behind a x4 port has
@@ -213,8 +284,18 @@ impl PciePoller {
         source: Source,
     ) -> Vec<HostEvent> {
         let mut out = Vec::new();
+        let failures = self.read_failures;
         for link in links {
             self.poll_link(roots, link, metrics, source, &mut out);
+        }
+        let failing = self.read_failures > failures;
+        if failing != self.failing {
+            if failing {
+                tracing::warn!(failures = self.read_failures - failures, "pcie: reading link attributes failed for this agent's own reasons (not the device's); the links keep their last state until reads work again");
+            } else {
+                tracing::info!("pcie: reading link attributes works again");
+            }
+            self.failing = failing;
         }
         out
     }
@@ -236,7 +317,15 @@ impl PciePoller {
                 self.suspended_skips += 1;
                 return None;
             }
-            current_with(&mut read, &link.child, link.parent.as_deref())
+            current_with(&mut read, &link.child, link.parent.as_deref(), &mut |p| {
+                slot_off(roots, p)
+            })
+        };
+        // This agent could not read (out of descriptors, say): the link keeps its last state,
+        // and no change is made up from the failure.
+        let Ok(current) = current else {
+            self.read_failures += 1;
+            return None;
         };
         let Some((speed, width)) = current else {
             self.max_valid.remove(&link.child); // gone: read the maxima again when it is back
@@ -286,7 +375,11 @@ impl PciePoller {
             .max_width
             .with_label_values(&labels)
             .set(new.max_width as i64);
-        let Some(old) = self.state.insert(link.child.clone(), new) else {
+        let Some(old) = self
+            .state
+            .insert(link.child.clone(), new)
+            .or_else(|| self.left_down.remove(&link.child))
+        else {
             return Some(new);
         };
         if old.speed == new.speed && old.width == new.width {
@@ -297,10 +390,11 @@ impl PciePoller {
             .changes
             .with_label_values(&[link.child.as_str(), vm.as_str(), class.as_str()])
             .inc();
-        let degraded = !link.virtual_tunnel
-            && (new.width < new.max_width
-                || matches!((new.speed, new.max_speed), (Some(s), Some(m)) if s < m)
-                || new.speed.is_none());
+        // Degraded whatever the device does: lanes missing, or down. A speed below the
+        // maximum at full width is how GPUs save power while idle (Gen4 to Gen1 and back,
+        // many times a minute): a degradation only under load, which the guest knows and the
+        // host does not, so it is not flagged here (`class` says speed_only).
+        let degraded = !link.virtual_tunnel && (new.width < new.max_width || new.speed.is_none());
         out.push(HostEvent::PcieLinkChange(PcieLinkChange {
             bdf: link.child.clone(),
             upstream_bdf: link.parent.clone(),
@@ -325,11 +419,15 @@ impl PciePoller {
     /// uevent triggers a rescan). Such a link is read once more (the port above shows it down:
     /// the link-down event) and its series stay at 0 while that port's link stays down, so the
     /// link-down rule holds; they go when the port's link is up again or the port is gone.
+    /// A device that is back (replugged) while its link is still kept down is read once more
+    /// too: its link coming up is an event even when discovery has not seen it yet. `source`
+    /// is what prompted the read (a removal's uevent, say).
     pub fn retain(
         &mut self,
         roots: &Roots,
         links: &[Link],
         metrics: &PcieMetrics,
+        source: Source,
     ) -> Vec<HostEvent> {
         let dropped: Vec<Link> = self
             .watched
@@ -342,14 +440,18 @@ impl PciePoller {
         }
         let mut out = Vec::new();
         for l in &dropped {
-            // A device that is still there was only unassigned: nothing more to read.
+            // A device that is still there was only unassigned: nothing more to read, unless
+            // its link was kept down (it left and is back).
             let gone = !roots.pci_devices().join(&l.child).exists();
-            let now = gone
-                .then(|| self.poll_link(roots, l, metrics, Source::Poll, &mut out))
+            let was_down = self.state.get(&l.child).is_some_and(|s| s.width == 0);
+            let now = (gone || was_down)
+                .then(|| self.poll_link(roots, l, metrics, source, &mut out))
                 .flatten();
             if now.is_none_or(|s| s.width != 0) {
                 remove_series(metrics, l);
-                self.state.remove(&l.child);
+                if let Some(old) = self.state.remove(&l.child).filter(|s| gone && s.width == 0) {
+                    self.left_down.insert(l.child.clone(), old);
+                }
                 self.max_valid.remove(&l.child);
                 self.watched.remove(&l.child);
             }
@@ -481,11 +583,11 @@ impl Watcher for PcieWatcher {
                                 .collect(),
                             *src,
                         ),
-                        Poke::Port(..) | Poke::Tick | Poke::Aer(_) => {
-                            (t.links.clone(), Source::Poll)
-                        }
+                        // a uevent (hotplug): every link, said to come from it
+                        Poke::Port(_, src) => (t.links.clone(), *src),
+                        Poke::Tick | Poke::Aer(_) => (t.links.clone(), Source::Poll),
                     };
-                    a.emit_all(p.retain(&a.roots, &t.links, &m));
+                    a.emit_all(p.retain(&a.roots, &t.links, &m, source));
                     a.emit_all(p.poll(&a.roots, &links, &m, source));
                 }
             })])
@@ -497,8 +599,17 @@ fn describe(e: &HostEvent) -> Option<String> {
     let HostEvent::PcieLinkChange(l) = e else {
         return None;
     };
+    let below_max_speed = matches!((l.new_speed_mts, l.max_speed_mts), (Some(s), Some(m)) if s < m);
+    let reading = if l.degraded {
+        ", degraded"
+    } else if l.class == LinkChangeClass::SpeedOnly && below_max_speed {
+        // the host cannot see the GPU's load: the guest reads this against it
+        ", full width: power saving if the GPU is idle"
+    } else {
+        ""
+    };
     Some(format!(
-        "{}{}: {} x{} -> {} x{} ({}{}, max {} x{})",
+        "{}{}: {} x{} -> {} x{} ({}{reading}, max {} x{})",
         l.bdf,
         vm_suffix(l.vmid),
         fmt_speed(l.old_speed_mts),
@@ -506,8 +617,61 @@ fn describe(e: &HostEvent) -> Option<String> {
         fmt_speed(l.new_speed_mts),
         l.new_width,
         l.class.as_str(),
-        if l.degraded { ", degraded" } else { "" },
         fmt_speed(l.max_speed_mts),
         l.max_width
     ))
+}
+
+#[cfg(test)]
+mod read_failure_tests {
+    use super::*;
+
+    /// Attributes of a device `dev` whose link is up x16 at 16 GT/s, behind port `port`; reads
+    /// of `dev` fail with `err` when given.
+    fn reader(
+        err: Option<i32>,
+        port_err: Option<i32>,
+    ) -> impl FnMut(&str, &str) -> std::io::Result<String> {
+        move |bdf, attr| {
+            let e = if bdf == "dev" { err } else { port_err };
+            if let Some(e) = e {
+                return Err(std::io::Error::from_raw_os_error(e));
+            }
+            Ok(match attr {
+                "current_link_speed" => "16.0 GT/s PCIe".into(),
+                "current_link_width" => "16".into(),
+                _ => String::new(),
+            })
+        }
+    }
+
+    #[test]
+    fn a_failed_read_of_ours_is_not_a_link_going_down() {
+        // The device's answer: EINVAL from the Link Status read; the port still reads.
+        let mut r = reader(Some(libc::EINVAL), None);
+        assert_eq!(
+            current_with(&mut r, "dev", Some("port"), &mut |_| false),
+            Ok(Some((Some(16000), 16)))
+        );
+        // Neither end answers: down.
+        let mut r = reader(Some(libc::EIO), Some(libc::EINVAL));
+        assert_eq!(
+            current_with(&mut r, "dev", Some("port"), &mut |_| false),
+            Ok(Some((None, 0)))
+        );
+        // Out of descriptors (or memory): no reading at all, whichever end failed.
+        for (own, port) in [
+            (Some(libc::EMFILE), None),
+            (Some(libc::EINVAL), Some(libc::EMFILE)),
+            (Some(libc::ENFILE), Some(libc::ENFILE)),
+            (Some(libc::ENOMEM), None),
+        ] {
+            let mut r = reader(own, port);
+            assert_eq!(
+                current_with(&mut r, "dev", Some("port"), &mut |_| false),
+                Err(ReadFailed),
+                "{own:?} {port:?}"
+            );
+        }
+    }
 }

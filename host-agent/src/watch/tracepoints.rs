@@ -8,7 +8,7 @@
 //! alone (`watcher_enabled` 0, no event).
 
 use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
-use crate::tracefs::{setup, spawn_reader, TraceEvent};
+use crate::tracefs::{setup, spawn_reader, SetupError, TraceEvent};
 use gpufeed_shared::event::{HostEvent, Source};
 use tokio::sync::mpsc;
 
@@ -35,24 +35,27 @@ impl Watcher for TracepointWatcher {
             if want.is_empty() {
                 return Outcome::Skipped;
             }
-            let Some(inst) = setup(&a.roots, &want) else {
-                tracing::info!(
-                    "tracefs: none of {} present under {}; polling only",
-                    want.iter()
-                        .map(|(s, e)| format!("{s}:{e}"))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    a.roots.tracefs().display()
-                );
-                return Outcome::Absent;
+            let inst = match setup(&a.roots, &want) {
+                Ok(inst) => inst,
+                Err(e @ SetupError::Absent { .. }) => {
+                    tracing::info!("tracefs: {e}; polling only");
+                    return Outcome::Absent;
+                }
+                // the events exist and cannot be used: a deployment to fix, said as such
+                Err(e) => return Outcome::Off(format!("tracefs: {e}; polling only")),
             };
             let enabled = inst.enabled.join(", ");
+            let aer_on = inst.enabled.iter().any(|e| e == "ras:aer_event");
             let (tx, mut rx) = mpsc::channel(256);
             if let Err(e) = spawn_reader(inst, tx) {
                 tracing::info!("tracefs: cannot read trace_pipe: {e}; polling only");
                 return Outcome::Skipped;
             }
             tracing::info!("tracefs: using {enabled}");
+            if aer_on {
+                a.aer_records
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             let (pcie, aer) = (super::pcie::UNIT.name, super::aer::UNIT.name);
             Outcome::On(vec![tokio::spawn(async move {
                 while let Some(ev) = rx.recv().await {
@@ -62,8 +65,10 @@ impl Watcher for TracepointWatcher {
                             a.poke(pcie, Poke::Port(port, Source::Tracepoint))
                         }
                         TraceEvent::Hotplug(h) => {
+                            // the links below that port, and a replugged device's kept link
+                            let port = h.port.clone();
                             a.bus.emit(HostEvent::PciHotplug(h));
-                            a.poke(pcie, Poke::Tick);
+                            a.poke(pcie, Poke::Port(port, Source::Tracepoint));
                         }
                     }
                 }

@@ -53,6 +53,24 @@ impl Watcher for UeventWatcher {
                     if r.rediscover {
                         a.poke(DISCOVERY, Poke::Tick);
                     }
+                    if r.poke_pcie {
+                        // Now, and again after pciehp's power-off: a safe removal (attention
+                        // button, slot `power`) removes the devices, sends this uevent and only
+                        // then powers the slot off (pciehp's remove_board), so the port may still
+                        // show its slot powered and the link up when the first read comes. The
+                        // re-reads also catch a device whose discovery ran after the first.
+                        let a = a.clone();
+                        tokio::spawn(async move {
+                            // at 0, 0.5, 2 and 5 s
+                            for gap_ms in [0, 500, 1500, 3000] {
+                                tokio::time::sleep(std::time::Duration::from_millis(gap_ms)).await;
+                                a.poke(
+                                    super::pcie::UNIT.name,
+                                    Poke::Port(String::new(), Source::Uevent),
+                                );
+                            }
+                        });
+                    }
                 }
             })])
         })

@@ -42,7 +42,7 @@ pub fn qemu_pid(roots: &Roots, vmid: u32) -> Option<u32> {
 }
 
 /// One thread of a QEMU process: its schedstat wait time (ns), if it could be read, and whether
-/// it is a vCPU (`CPU n/KVM`).
+/// it is a vCPU ([`is_vcpu_thread`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ThreadWait {
     pub tid: u32,
@@ -73,10 +73,20 @@ pub fn thread_waits(roots: &Roots, pid: u32) -> Option<Vec<ThreadWait>> {
         out.push(ThreadWait {
             tid,
             wait_ns,
-            vcpu: comm.is_some_and(|c| c.trim_end().ends_with("/KVM")),
+            vcpu: comm.is_some_and(|c| is_vcpu_thread(c.trim_end())),
         });
     }
     Some(out)
+}
+
+/// Whether a QEMU thread's name is a vCPU's: `CPU <n>/<accelerator>` (`CPU 0/KVM` on
+/// Proxmox, `CPU 0/TCG` under emulation).
+pub fn is_vcpu_thread(comm: &str) -> bool {
+    comm.strip_prefix("CPU ")
+        .and_then(|r| r.split_once('/'))
+        .is_some_and(|(n, accel)| {
+            !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) && !accel.is_empty()
+        })
 }
 
 /// Last read of one thread.
@@ -487,6 +497,22 @@ fn describe(e: &HostEvent) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vcpu_threads_by_name() {
+        for c in ["CPU 0/KVM", "CPU 12/KVM", "CPU 1/TCG"] {
+            assert!(is_vcpu_thread(c), "{c}");
+        }
+        for c in [
+            "qemu-system-x86",
+            "IO mon_iothread",
+            "CPU /KVM",
+            "CPU 0/",
+            "worker",
+        ] {
+            assert!(!is_vcpu_thread(c), "{c}");
+        }
+    }
 
     /// A VM whose config and pid file are gone leaves no series; the others stay.
     #[test]

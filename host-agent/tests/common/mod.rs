@@ -429,3 +429,15 @@ pub fn require_root(name: &str) -> bool {
     eprintln!("SKIP {name}: needs root (set CI=true to make this a failure)");
     false
 }
+
+/// The body of `GET path` from `addr` (HTTP/1.0, at most 5 s), or None.
+pub fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    Some(buf.split_once("\r\n\r\n")?.1.to_string())
+}
