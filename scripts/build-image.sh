@@ -15,6 +15,9 @@
 #
 # The image lands in the local containers storage (podman/buildah, /var/lib/containers).
 set -euo pipefail
+# buildah writes the root's containers storage
+. "$(dirname "$0")/lib/as-root.sh"
+as_root "$@"
 # Modes of what this writes do not depend on the caller's umask (no group/world write).
 umask 022
 cd "$(dirname "$0")/.."

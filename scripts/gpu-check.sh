@@ -2,8 +2,9 @@
 # GPU check: runs a small CUDA program (scripts/gpu-check.c) in a pod-shaped
 # cgroup under gpufeed-guest on a machine with an NVIDIA GPU, and writes a
 # markdown report of what each GPU probe saw beside the program's own counts
-# and NVML. Takes under a minute; needs root, a C compiler (or --client) and
-# the NVIDIA driver (libcuda.so.1, libnvidia-ml.so.1).
+# and NVML's: compute time, duty cycle and VRAM by each source the agent has.
+# Takes under a minute; needs root, a C compiler (or --client) and the NVIDIA
+# driver (libcuda.so.1, libnvidia-ml.so.1).
 #
 #   scripts/gpu-check.sh [--agent PATH] [--client PATH] [--out FILE] [-- AGENT FLAGS...]
 #
@@ -72,8 +73,10 @@ fi
 mkdir -p "$ctr" "$work/ctl"
 
 # the agent, on a port it picks (logged)
+duty_window=10
 "$agent" run --no-kube --interval 500ms --metrics-listen 127.0.0.1:0 \
-  --probes gpu_driver,cuda,nvml --cuda-launches "${extra[@]}" >"$work/agent.log" 2>&1 &
+  --probes gpu_driver,cuda,nvml --cuda-launches --gpu-duty-window "${duty_window}s" \
+  "${extra[@]}" >"$work/agent.log" 2>&1 &
 agent_pid=$!
 addr=""
 for _ in $(seq 300); do
@@ -183,10 +186,20 @@ launches=$(v after ebpf_gpu_kernel_launches_total)
 sync_count=$(v after ebpf_gpu_sync_wait_microseconds_count)
 sync_sum=$(value "$work/after" ebpf_gpu_sync_wait_microseconds_sum "$sel")
 busy=$(s_to_ns "$(value "$work/after" ebpf_gpu_busy_estimate_seconds_total "$sel")")
-driver=$(s_to_ns "$(value "$work/after" ebpf_gpu_compute_time_seconds_total "$sel")")
+driver=$(s_to_ns "$(value "$work/after" ebpf_gpu_driver_time_seconds_total "$sel")")
+compute=$(s_to_ns "$(value "$work/after" ebpf_gpu_compute_time_seconds_total "$sel")")
+source=$(sed -n 's/^gpufeed_gpu_compute_source{source="\([a-z_]*\)"} 1$/\1/p' "$work/after" | head -1)
+[ -n "$source" ] || source=none
+# the busiest duty cycle at the peak scrape, beside what the program's kernels fill of the window
+duty=$(awk -v name=ebpf_gpu_active_compute_duty_cycle -v sel="$sel" '
+  $1 ~ /^#/ { next }
+  { base = $1; sub(/\{.*/, "", base) }
+  base == name && index($1, sel) { if (!found || $2 > max) max = $2; found = 1 }
+  END { if (found) printf "%.4f\n", max; else print "absent" }' "$work/peak")
 ioctls=$(v after ebpf_gpu_ioctl_latency_microseconds_count)
 nvml_mem=$(v peak gpufeed_nvml_process_memory_bytes)
 nvml_sm=$(v peak gpufeed_nvml_process_sm_utilization_ratio)
+own_duty=$(awk -v k="$own_kernel_ns" -v w="$duty_window" 'BEGIN { printf "%.4f\n", k / (w * 1e9) }')
 sync_sum_ns=$(awk -v u="$sync_sum" 'BEGIN { if (u == "absent") print u; else printf "%.0f\n", u * 1e3 }')
 
 {
@@ -205,8 +218,9 @@ sync_sum_ns=$(awk -v u="$sync_sum" 'BEGIN { if (u == "absent") print u; else pri
   echo "| synchronisation calls | $own_sync_calls | $sync_count (\`ebpf_gpu_sync_wait_microseconds_count\`) | $(same "$sync_count" "$own_sync_calls") | |"
   echo "| time blocked in them (ns) | $own_sync_wait_ns | $sync_sum_ns (\`_sum\`) | $(within "$sync_sum_ns" "$own_sync_wait_ns") | |"
   echo "| first launch → last synchronisation (ns) | $own_launch_to_done_ns | $busy (\`ebpf_gpu_busy_estimate_seconds_total\`) | $(within "$busy" "$own_launch_to_done_ns") | SM $nvml_sm (\`gpufeed_nvml_process_sm_utilization_ratio\` at peak) |"
-  echo "| kernel time asked for (ns) | $own_kernel_ns | | | |"
-  echo "| time in driver ioctls (ns) | | $driver (\`ebpf_gpu_compute_time_seconds_total\`), $ioctls calls | | |"
+  echo "| GPU compute time (ns) | $own_kernel_ns (kernel time asked for) | $compute (\`ebpf_gpu_compute_time_seconds_total\`, source $source) | $(within "$compute" "$own_kernel_ns") | |"
+  echo "| duty cycle at peak (${duty_window} s window) | $own_duty (kernel time ÷ window) | $duty (\`ebpf_gpu_active_compute_duty_cycle\`) | $(within "$duty" "$own_duty") | SM $nvml_sm |"
+  echo "| time in driver ioctls (ns) | | $driver (\`ebpf_gpu_driver_time_seconds_total\`), $ioctls calls | | |"
   echo
   echo "GPU capacity by NVML: memory $(value "$work/peak" gpufeed_gpu_memory_total_bytes 'gpu="0"') bytes, link $(value "$work/peak" gpufeed_gpu_link_max_bytes_per_second 'gpu="0"') bytes/s per direction (GPU 0)."
 } >"$out"

@@ -16,7 +16,8 @@
 #   --check       start everything, wait until the guest has the host stream connected and
 #                 Prometheus has scraped both agents, print the URLs, stop (for tests and CI)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+. "$(dirname "$0")/lib/as-root.sh"
+args=("$@")
 
 state=""
 check=0
@@ -32,10 +33,9 @@ while [ $# -gt 0 ]; do
     *) echo "quickstart.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-if [ "$(id -u)" -ne 0 ]; then
-  echo "quickstart.sh: run as root (the probes need CAP_BPF and CAP_PERFMON)" >&2
-  exit 1
-fi
+# the probes need CAP_BPF and CAP_PERFMON: root, or this script again through sudo
+as_root "${args[@]}"
+cd "$(dirname "$0")/.."
 
 ./scripts/setup.sh
 export PATH="$HOME/.cargo/bin:/root/.cargo/bin:$PATH"
