@@ -99,7 +99,7 @@ for _ in $(seq 0 "$(nproc)"); do
 done
 sleep 0.5
 # into the cgroup first: `ip netns exec` mounts a sysfs of its own, without the cgroup tree
-sh -c "echo \$\$ > $talker/cgroup.procs; exec ip netns exec pod iperf3 -c 10.219.1.1 -t 3600" >/tmp/iperf.log 2>&1 &
+sh -c "echo \$\$ > $talker/cgroup.procs; exec ip netns exec pod iperf3 -c 10.219.1.1 -t 3600 --forceflush" >/tmp/iperf.log 2>&1 &
 sleep 1
 grep -q . "$talker/cgroup.procs" || { report error "the upload did not start: $(tr "\n" " " </tmp/iperf.log)"; false; }
 # the upload under way before the selftest's window opens: its first retransmits counted by the
