@@ -6,6 +6,9 @@
 //! agent's idle CPU and memory. Needs root, perf and runqlat.
 //!
 //! cargo bench -p gpufeed-guest --bench overhead
+//!
+//! On another kernel (the lab's `bench` VM, lab/scenarios/sched-bench.sh) the built binary
+//! runs alone: `GPUFEED_BENCH_AGENT` names the agent's binary there.
 
 mod common;
 
@@ -66,6 +69,39 @@ fn per_event(
     }
 }
 
+/// Where the measured agents listen: /readyz says when the probes are attached.
+const READY_AT: &str = "127.0.0.1:9799";
+
+/// Waits until the agent at READY_AT answers /readyz with "ready" (at most 300 s).
+fn wait_ready(agent: &mut Killed, name: &str) {
+    use std::io::{Read, Write};
+    let until = Instant::now() + Duration::from_secs(300);
+    while Instant::now() < until {
+        if let Ok(Some(status)) = agent.0.try_wait() {
+            panic!("{name}: the agent exited ({status}) before the measurement");
+        }
+        if let Ok(mut s) = std::net::TcpStream::connect(READY_AT) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+            let mut body = String::new();
+            if s.write_all(b"GET /readyz HTTP/1.0\r\nHost: bench\r\n\r\n")
+                .is_ok()
+                && s.read_to_string(&mut body).is_ok()
+                && body
+                    .split("\r\n\r\n")
+                    .nth(1)
+                    .unwrap_or("")
+                    .starts_with("ready")
+            {
+                // one tick more: the first tick's reads are done
+                std::thread::sleep(Duration::from_secs(1));
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("{name}: the agent was not ready within 300 s");
+}
+
 struct Row {
     name: &'static str,
     us_per_op: f64,
@@ -115,7 +151,9 @@ fn main() {
         eprintln!("overhead benchmark: needs root; skipped");
         return;
     }
-    let agent_bin = env!("CARGO_BIN_EXE_gpufeed-guest");
+    let agent_bin = std::env::var("GPUFEED_BENCH_AGENT")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_gpufeed-guest").to_string());
+    let agent_bin = agent_bin.as_str();
     set_stats(false);
     let mut rows = Vec::new();
 
@@ -177,7 +215,7 @@ fn main() {
                     "run",
                     "--no-kube",
                     "--metrics-listen",
-                    "127.0.0.1:0",
+                    READY_AT,
                     "--sched-method",
                     method,
                     "--probes",
@@ -190,10 +228,9 @@ fn main() {
                 .spawn()
                 .unwrap(),
         );
-        std::thread::sleep(Duration::from_secs(1));
-        if let Ok(Some(status)) = agent.0.try_wait() {
-            panic!("{name}: the agent exited ({status}) before the measurement");
-        }
+        // its probes attached (a second here, much longer under TCG, where the verifier is
+        // emulated too)
+        wait_ready(&mut agent, name);
         rows.push(measure(name, Some(b)));
         drop(agent);
     }

@@ -26,7 +26,7 @@ enum Cmd {
         /// bookworm (6.1), trixie (6.12), trixie-backports (newest); repeatable
         #[arg(long = "kernel")]
         kernels: Vec<KernelName>,
-        /// minbase, systemd-trixie, systemd-bookworm; repeatable
+        /// minbase, systemd-trixie, systemd-bookworm, bench (only when named); repeatable
         #[arg(long = "variant")]
         variants: Vec<Variant>,
         /// look for newer kernel packages in the suites

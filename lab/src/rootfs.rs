@@ -24,12 +24,16 @@ pub enum Variant {
     SystemdTrixie,
     /// bookworm with systemd as PID 1: the host agent's package under systemd 252.
     SystemdBookworm,
+    /// minbase with the scheduler benchmark's peers and tools (`perf`, `bpftool`,
+    /// libbpf-tools' `runqlat`): the overhead benchmark run by hand on another kernel. No test
+    /// boots it, so a CI machine never builds it.
+    Bench,
 }
 
 impl Variant {
     pub fn suite(self) -> &'static str {
         match self {
-            Variant::Minbase | Variant::SystemdTrixie => "trixie",
+            Variant::Minbase | Variant::SystemdTrixie | Variant::Bench => "trixie",
             Variant::SystemdBookworm => "bookworm",
         }
     }
@@ -39,11 +43,12 @@ impl Variant {
             Variant::Minbase => "minbase",
             Variant::SystemdTrixie => "systemd-trixie",
             Variant::SystemdBookworm => "systemd-bookworm",
+            Variant::Bench => "bench",
         }
     }
 
     pub fn systemd(self) -> bool {
-        !matches!(self, Variant::Minbase)
+        matches!(self, Variant::SystemdTrixie | Variant::SystemdBookworm)
     }
 
     fn packages(self) -> Vec<&'static str> {
@@ -52,6 +57,10 @@ impl Variant {
             // the guest agent links libelf and zlib (trixie renamed libelf1 for 64-bit time)
             "trixie" => p.extend(["libelf1t64", "zlib1g"]),
             _ => p.extend(["libelf1", "zlib1g"]),
+        }
+        if self == Variant::Bench {
+            // perf bench sched pipe, bpf_stats per program, the peer
+            p.extend(["linux-perf", "bpftool", "libbpf-tools", "util-linux"]);
         }
         if self.systemd() {
             // udev: device units (the serial console, virtio ports) appear, as on a host
@@ -154,8 +163,9 @@ impl FromStr for Variant {
             "minbase" => Ok(Variant::Minbase),
             "systemd-trixie" => Ok(Variant::SystemdTrixie),
             "systemd-bookworm" => Ok(Variant::SystemdBookworm),
+            "bench" => Ok(Variant::Bench),
             _ => Err(Error::Lab(format!(
-                "unknown variant {s:?}: one of minbase, systemd-trixie, systemd-bookworm"
+                "unknown variant {s:?}: one of minbase, systemd-trixie, systemd-bookworm, bench"
             ))),
         }
     }

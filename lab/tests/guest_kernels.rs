@@ -93,7 +93,9 @@ fn parse(lines: &[gpufeed_lab::port::Line]) -> Run {
             "agent" => r.agent = v.to_string(),
             "readyz" => r.readyz = v.to_string(),
             "agent_log" => r.agent_log.push(v.to_string()),
-            "retransmits_before_selftest" | "retransmits_after_selftest" | "lost_on_arrival"
+            "retransmits_before_selftest"
+            | "retransmits_after_selftest"
+            | "lost_on_arrival"
             | "upload" => r.upload.push(format!("{} {v}", l.key)),
             "probe_up" | "forced" => {
                 let Some((name, labels, value)) = series(v) else {

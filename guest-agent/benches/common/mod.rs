@@ -4,10 +4,12 @@
 use std::process::{Child, Command};
 
 /// µs per round trip of a pipe ping-pong pinned to CPU 0 (`perf bench sched
-/// pipe`: two switches and two wakeups per round trip), 200 000 round trips.
+/// pipe`: two switches and two wakeups per round trip), 200 000 round trips
+/// (`GPUFEED_BENCH_LOOPS` sets fewer where a round trip is slow, as in a TCG VM).
 pub fn pingpong_us() -> f64 {
+    let loops = std::env::var("GPUFEED_BENCH_LOOPS").unwrap_or_else(|_| "200000".into());
     let out = Command::new("taskset")
-        .args(["-c", "0", "perf", "bench", "sched", "pipe", "-l", "200000"])
+        .args(["-c", "0", "perf", "bench", "sched", "pipe", "-l", &loops])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
