@@ -169,12 +169,15 @@ fn main() {
         libbpf_rs::skel::Skel::attach(&mut skel).unwrap();
         rows.push(measure("empty tp_btf programs", Some(b)));
     }
-    match Command::new("runqlat")
-        .args(["60", "1"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-    {
+    // Debian 13 renamed libbpf-tools' programs (`runqlat-libbpf`)
+    let runqlat = |name: &str| {
+        Command::new(name)
+            .args(["60", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+    };
+    match runqlat("runqlat").or_else(|_| runqlat("runqlat-libbpf")) {
         Ok(c) => {
             let _k = Killed(c);
             std::thread::sleep(Duration::from_secs(1));
