@@ -325,10 +325,13 @@ fn run(pods: usize) {
         if t % 30 == 1 {
             join.host_event(&link_event(t as u64));
         }
-        let mut s = shared.lock().expect("shared");
-        s.windows = w;
+        let input = {
+            let mut s = shared.lock().expect("shared");
+            s.windows = w;
+            gpufeed_guest::join::TickInput::take(&mut s)
+        };
         let (start, cpu_start) = (Instant::now(), thread_cpu_ns());
-        join.tick(&s);
+        join.tick(&input);
         if t >= WARMUP {
             cpu.push((thread_cpu_ns() - cpu_start) as f64 / 1e3);
             wall.push(start.elapsed().as_secs_f64() * 1e6);

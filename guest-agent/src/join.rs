@@ -14,6 +14,10 @@
 //!   listed as `unknown`;
 //! * every tick, whether the GPU worked ([`gpu_busy`]), for the link changes a GPU's power
 //!   management makes.
+//!
+//! The tick thread hands the join a [`TickInput`] taken out of the collector's [`Shared`]
+//! under its lock, and runs the join after releasing it: a scrape, which takes that lock to
+//! render the owners' series, never waits for the correlator or the page's timeline.
 
 use std::collections::HashSet;
 
@@ -83,15 +87,74 @@ pub const GPU_PROBES: &[(&str, &str)] = &[
 /// driver and CUDA synchronisation (windows of their signals, when `gpu_probes` are up). `None`
 /// when none of them is on: nothing here can tell. This is the one place that says what
 /// counts as GPU work; a better source plugs in here.
-pub fn gpu_busy(shared: &crate::collect::Shared, gpu_probes: bool) -> Option<bool> {
-    let nvml = shared.gauges.get(crate::probes::nvml::SM);
-    let nvml_busy = nvml.is_some_and(|g| g.iter().any(|v| v.value > 0.0));
+pub fn gpu_busy(input: &TickInput, gpu_probes: bool) -> Option<bool> {
     let probe_busy = gpu_probes
-        && shared.windows.iter().any(|w| {
+        && input.windows.iter().any(|w| {
             GPU_PROBES.iter().any(|(_, s)| *s == w.signal)
                 && matches!(w.value, WindowValue::Latency { count, .. } if count > 0)
         });
-    (nvml.is_some() || gpu_probes).then_some(nvml_busy || probe_busy)
+    (input.nvml_busy.is_some() || gpu_probes)
+        .then_some(input.nvml_busy.unwrap_or(false) || probe_busy)
+}
+
+/// After a collector tick: takes what the join and FinOps read out of `shared` under its lock,
+/// releases it, then runs them (the tick thread's step after `Collector::tick`).
+pub fn hand_off(shared: &Mutex<Shared>, join: &Join, finops: &crate::finops::FinOps) {
+    let (input, totals) = {
+        let mut shared = shared.lock().unwrap_or_else(|e| e.into_inner());
+        (
+            TickInput::take(&mut shared),
+            crate::finops::Totals::of(&shared),
+        )
+    };
+    join.tick(&input);
+    finops.book(totals, Instant::now());
+}
+
+/// What the join reads of one tick of the collector.
+#[derive(Debug, Default)]
+pub struct TickInput {
+    /// The tick's signal windows (see `probes::signal`).
+    pub windows: Vec<signal::SignalWindow>,
+    /// UIDs of the pods the collector has (a pod it dropped is forgotten by the join).
+    pub live: FxHashSet<String>,
+    /// NVML's per-process SM utilisation: `None` while NVML is not loaded, else whether any
+    /// process used the SMs.
+    pub nvml_busy: Option<bool>,
+}
+
+impl TickInput {
+    /// Takes the tick's windows out of `shared` (the join is their only reader) and notes the
+    /// rest; what the caller holds the lock for.
+    pub fn take(shared: &mut Shared) -> TickInput {
+        let mut input = TickInput::of_owners(shared);
+        input.windows = std::mem::take(&mut shared.windows);
+        input
+    }
+
+    /// The same, leaving `shared` as it is (its windows copied).
+    pub fn of(shared: &Shared) -> TickInput {
+        let mut input = TickInput::of_owners(shared);
+        input.windows = shared.windows.clone();
+        input
+    }
+
+    fn of_owners(shared: &Shared) -> TickInput {
+        let nvml = shared.gauges.get(crate::probes::nvml::SM);
+        TickInput {
+            windows: Vec::new(),
+            // By UID: a pod whose names arrive is the same pod, not one gone and one new.
+            live: shared
+                .owners
+                .keys()
+                .filter_map(|o| match o {
+                    Owner::Pod { uid, .. } => Some(uid.clone()),
+                    _ => None,
+                })
+                .collect(),
+            nvml_busy: nvml.map(|g| g.iter().any(|v| v.value > 0.0)),
+        }
+    }
 }
 
 impl Join {
@@ -239,22 +302,14 @@ impl Join {
     }
 
     /// After a tick: the collector's windows into the correlator, gone pods forgotten.
-    pub fn tick(&self, shared: &Shared) {
+    pub fn tick(&self, input: &TickInput) {
         let now_i = Instant::now();
         let now_ns = realtime_ns();
         let mut merge = self.merge.lock().unwrap_or_else(|e| e.into_inner());
-        merge.add(&shared.windows, &self.pods, now_i, now_ns);
-        // By UID: a pod whose names arrive is the same pod, not one gone and one new.
-        let live: FxHashSet<&str> = shared
-            .owners
-            .keys()
-            .filter_map(|o| match o {
-                Owner::Pod { uid, .. } => Some(uid.as_str()),
-                _ => None,
-            })
-            .collect();
+        merge.add(&input.windows, &self.pods, now_i, now_ns);
+        let live = &input.live;
         tracing::trace!(
-            windows = shared.windows.len(),
+            windows = input.windows.len(),
             pods = merge.pods.len(),
             "signal windows into the correlator"
         );
@@ -270,7 +325,7 @@ impl Join {
             corr.gpu_window(GpuWindow {
                 at: now_ns,
                 len: now_ns - prev,
-                busy: gpu_busy(shared, self.gpu_probes.load(Ordering::Relaxed)),
+                busy: gpu_busy(input, self.gpu_probes.load(Ordering::Relaxed)),
             });
         }
         corr.end_tick(now_ns);
@@ -294,7 +349,7 @@ impl Join {
         merge.pods.retain(|uid, _| live.contains(uid.as_str()));
         // what is left is in `live`: equal sizes, equal sets (UIDs are copied only when new)
         if prev.len() != live.len() {
-            prev.extend(live.iter().map(|u| u.to_string()));
+            prev.extend(live.iter().cloned());
         }
     }
 
@@ -593,6 +648,63 @@ mod tests {
     use super::*;
     use crate::probes::unit::Labels;
     use std::time::Duration;
+
+    /// The collector's state is free while the join runs: with the correlator held (a slow
+    /// join), the hand-off's tick waits on it, and the lock a scrape takes is not held
+    /// meanwhile. The windows went to the join (taken, not copied).
+    #[test]
+    fn a_scrape_does_not_wait_for_the_join() {
+        let pods = PodStore::default();
+        let join = Join::new(Config::default(), pods.clone(), "node".into(), vec![]);
+        let finops = crate::finops::FinOps::new(
+            crate::finops::Settings::default()
+                .validate(crate::finops::CapacityInput::default())
+                .unwrap(),
+            pods,
+        );
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        shared.lock().unwrap().windows.push(window(
+            "u1",
+            "c1",
+            "run_queue_wait",
+            WindowValue::Latency {
+                count: 3,
+                sum_us: 30.0,
+                p50_us: 10.0,
+                p99_us: 10.0,
+                max_us: 10.0,
+            },
+        ));
+        let held = join.corr();
+        let ticking = {
+            let (shared, join) = (shared.clone(), join.clone());
+            std::thread::spawn(move || hand_off(&shared, &join, &finops))
+        };
+        // the hand-off has taken the windows and is waiting on the correlator
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let free = shared.try_lock().map(|s| s.windows.is_empty());
+            if free.unwrap_or(false) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the tick kept the collector's lock"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !ticking.is_finished(),
+            "the join waits on the held correlator"
+        );
+        assert!(
+            shared.try_lock().is_ok(),
+            "the collector's lock is free while the join runs"
+        );
+        drop(held);
+        ticking.join().unwrap();
+    }
 
     /// One tick of `ws` through `merge`, as owned windows.
     fn merged(

@@ -482,11 +482,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                         tracing::warn!("reading the cgroup hierarchy failed: {e}");
                         continue;
                     }
-                    {
-                        let shared = collector.shared.lock().unwrap_or_else(|e| e.into_inner());
-                        joined.tick(&shared);
-                        finops.tick(&shared, Instant::now());
-                    }
+                    // the join and FinOps run after the collector's lock is released: a
+                    // scrape never waits for them
+                    join::hand_off(&collector.shared, &joined, &finops);
                     last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
             })?;

@@ -40,6 +40,17 @@ pub const NODE_COST: &str = "gpufeed_gpu_node_cost_total";
 pub const MPS: &str = "gpufeed_mps_recommended_active_thread_percentage";
 pub const POD_INFO: &str = "gpufeed_pod_info";
 
+/// Every pod's GPU running totals at one tick (by pod UID): what FinOps reads of the
+/// collector's state.
+#[derive(Debug, Default)]
+pub struct Totals(HashMap<String, PodTotals>);
+
+impl Totals {
+    pub fn of(shared: &Shared) -> Totals {
+        Totals(pod_totals(shared))
+    }
+}
+
 /// A pod's GPU running totals at one tick, summed over its containers.
 #[derive(Debug, Clone, Default)]
 struct PodTotals {
@@ -116,7 +127,13 @@ impl FinOps {
     /// Books the interval since the previous call. `shared`: the collector's state after its
     /// tick. The first call only takes the baseline.
     pub fn tick(&self, shared: &Shared, now: Instant) {
-        let totals = pod_totals(shared);
+        self.book(Totals::of(shared), now)
+    }
+
+    /// The same from totals taken earlier ([`Totals::of`], while the collector's lock is held;
+    /// the booking runs without it).
+    pub fn book(&self, totals: Totals, now: Instant) {
+        let totals = totals.0;
         let mut st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
         let Some(last) = st.last.replace(now) else {
             st.previous = totals;
