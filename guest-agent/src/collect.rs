@@ -78,7 +78,7 @@ pub struct Collector {
     /// the pod store's version `retire` last saw
     pods_seen: Option<u64>,
     /// owners of cgroups removed in the last few ticks, whose last numbers
-    /// the units drain (see `Probe::read_removed`)
+    /// the units drain (see `CgroupReads::read_removed`)
     dying: FxHashMap<u64, Dying>,
     /// drained deltas whose cgroup's owner is not known yet (the removal's
     /// event is read a tick later), with the ticks they waited
@@ -132,7 +132,7 @@ impl Collector {
     ///
     /// Its cost follows what changed, not what exists: the tree follows
     /// cgroup creation and removal, the units name the cgroups their programs
-    /// touched since the last tick (`Probe::active_cgroups`), and removed
+    /// touched since the last tick (`CgroupReads::active`), and removed
     /// cgroups' last numbers come drained from the kernel.
     pub fn tick(&mut self) -> std::io::Result<()> {
         let started = Instant::now();
@@ -144,8 +144,8 @@ impl Collector {
 
         // Removed cgroups first: their last numbers, drained in the kernel at rmdir.
         let mut drained = Vec::new();
-        for unit in &mut self.units {
-            unit.read_removed(&mut drained);
+        for reads in self.units.iter_mut().filter_map(|u| u.cgroup_reads()) {
+            reads.read_removed(&mut drained);
         }
         let waiting = std::mem::take(&mut self.unresolved);
         let fresh = drained.into_iter().map(|(id, d)| (id, d, 0));
@@ -175,8 +175,11 @@ impl Collector {
         let mut active: Option<HashSet<u64>> = None;
         for unit in &mut self.units {
             let marks_every_run = unit.marks_every_run();
+            let Some(reads) = unit.cgroup_reads() else {
+                continue;
+            };
             ids.clear();
-            match unit.active_cgroups() {
+            match reads.active() {
                 Some(marked) => {
                     if marks_every_run {
                         active.get_or_insert_default().extend(&marked);
@@ -194,7 +197,7 @@ impl Collector {
                         .filter(|id| self.owners.contains_key(id)),
                 ),
             }
-            unit.read_cgroups(&ids, &self.tree, &mut read);
+            reads.read(&ids, &self.tree, &mut read);
             for (
                 id,
                 Delta {
@@ -387,8 +390,8 @@ impl Collector {
             keep
         });
         for id in gone {
-            for unit in &mut self.units {
-                unit.forget_cgroup(id);
+            for reads in self.units.iter_mut().filter_map(|u| u.cgroup_reads()) {
+                reads.forget(id);
             }
         }
     }
@@ -580,11 +583,11 @@ fn add(
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::BorrowedFd;
     use std::os::unix::fs::MetadataExt;
     use std::path::Path;
 
     use super::*;
+    use crate::probes::per_cgroup::CgroupReads;
     use crate::probes::signal::WindowValue;
     use crate::probes::unit::{FamilySpec, Kind, Probe, Scope, UnitStats};
 
@@ -668,25 +671,42 @@ mod tests {
                 kind: SignalKind::Rate,
             }]
         }
-        fn read_cgroup(&mut self, id: u64, _dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-            let Some(now) = self.kernel.lock().unwrap().get(&id).copied() else {
-                return;
-            };
-            let d = self.last.advance(id, now, |n, p| n - p);
-            out.push(Delta {
-                family: EVENTS,
-                labels: Labels::new(),
-                value: Value::Count(d),
-            });
-            // a companion series that only ever gets zero deltas
-            out.push(Delta {
-                family: OTHER,
-                labels: Labels::from([("dst", "private".to_string())]),
-                value: Value::Count(0),
-            });
+        fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
+            Some(self)
         }
-        fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+        fn stats(&self) -> UnitStats {
+            UnitStats::default()
+        }
+    }
+
+    impl CgroupReads for Fake {
+        fn active(&mut self) -> Option<Vec<u64>> {
             self.active.lock().unwrap().clone()
+        }
+        fn read(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
+            for &id in ids.iter().filter(|id| tree.cgroups.contains_key(id)) {
+                let Some(now) = self.kernel.lock().unwrap().get(&id).copied() else {
+                    continue;
+                };
+                let d = self.last.advance(id, now, |n, p| n - p);
+                out.push((
+                    id,
+                    Delta {
+                        family: EVENTS,
+                        labels: Labels::new(),
+                        value: Value::Count(d),
+                    },
+                ));
+                // a companion series that only ever gets zero deltas
+                out.push((
+                    id,
+                    Delta {
+                        family: OTHER,
+                        labels: Labels::from([("dst", "private".to_string())]),
+                        value: Value::Count(0),
+                    },
+                ));
+            }
         }
         fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
             for (id, now) in self.drained.lock().unwrap().drain() {
@@ -702,12 +722,9 @@ mod tests {
                 ));
             }
         }
-        fn forget_cgroup(&mut self, id: u64) {
+        fn forget(&mut self, id: u64) {
             self.last.forget(id);
             self.forgotten.lock().unwrap().push(id);
-        }
-        fn stats(&self) -> UnitStats {
-            UnitStats::default()
         }
     }
 

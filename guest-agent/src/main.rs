@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 
-use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
+use gpufeed_guest::probes::unit::LoadContext;
 use gpufeed_guest::{
-    certs, cgroups, collect, correlate, doctor, dst, exporter, finops, hub, ifaces, incident, join,
-    pods, privileges, probes, readiness, web,
+    certs, cgroups, collect, correlate, doctor, exporter, finops, hub, incident, join, pods,
+    privileges, probes, readiness, web,
 };
 
 /// Default /metrics port: not used by any well-known exporter.
@@ -68,9 +68,6 @@ struct DoctorArgs {
     /// cgroup v2 root, as given to `run`; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
-    /// Node devices, as given to `run`.
-    #[arg(long, default_value = "auto")]
-    node_devices: ifaces::NodeDevices,
     /// Look at this network namespace (an nsfs file such as /run/netns/NAME) instead of
     /// the doctor's own; needs CAP_SYS_ADMIN.
     #[arg(long)]
@@ -78,12 +75,13 @@ struct DoctorArgs {
     /// Only the checks of this node, not the running agent's.
     #[arg(long)]
     local: bool,
-    /// `--probes` and `--gpu-driver-hook` as given to `run` (they decide which capabilities
-    /// and whether tracefs are needed).
+    /// `--probes` as given to `run` (it decides which capabilities are needed).
     #[arg(long, default_value = "all")]
     probes: String,
-    #[arg(long, value_enum, default_value = "auto")]
-    gpu_driver_hook: probes::gpu_driver::Hook,
+    /// The probes' flags as given to `run` (`--gpu-driver-hook` decides whether tracefs is
+    /// needed, `--node-devices` which devices are checked).
+    #[command(flatten)]
+    units: probes::UnitOptions,
 }
 
 #[derive(Parser, Debug)]
@@ -112,16 +110,11 @@ struct RunArgs {
     /// How long a gone pod's series stay after its cgroups vanish or the API deletes it.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pod_grace: Duration,
-    /// Named destination networks for the `dst` label: NAME=CIDR[,CIDR...]; repeatable.
-    /// Default: loopback, private, link-local, internet.
-    #[arg(long = "dst", value_name = "NAME=CIDRS")]
-    dst: Vec<String>,
     #[arg(long, default_value = "all", help = probes::probes_help())]
     probes: String,
-    /// Where run-queue waits come from: the scheduler's own sched_info
-    /// (one hook, exact) or stamps from the wakeup hooks.
-    #[arg(long, value_enum, default_value = "auto")]
-    sched_method: probes::sched::Method,
+    /// Each probe's own flags (declared by its unit).
+    #[command(flatten)]
+    units: probes::UnitOptions,
     /// How a tick reads the active cgroups' kernel aggregates: `auto` (one
     /// batch syscall per probe where the kernel allows it) or `each` (one
     /// lookup per cgroup, the way older kernels are read).
@@ -131,50 +124,9 @@ struct RunArgs {
     /// kernel loads it, else a hash map keyed by cgroup id, as on 6.1), `local` or `by-id`.
     #[arg(long, value_enum, default_value = "auto")]
     cgroup_storage: probes::cgroup_storage::StorageChoice,
-    /// How tc programs attach to pod interfaces: tcx (6.6+), classic clsact, or auto.
-    #[arg(long, value_enum, default_value = "auto")]
-    tc_attach: probes::tc::AttachMode,
-    /// Node devices on which hostNetwork pods' bytes are counted per socket:
-    /// `auto` (physical NICs), `none`, or NAME[,NAME...].
-    #[arg(long, default_value = "auto")]
-    node_devices: ifaces::NodeDevices,
-    /// Path prefixes that make a file a GPU device file when it is opened
-    /// (at most 4, each under 64 bytes).
-    #[arg(
-        long,
-        value_name = "PATH",
-        value_delimiter = ',',
-        default_value = "/dev/nvidia"
-    )]
-    gpu_device_prefix: Vec<String>,
-    /// Character-device drivers (names in /proc/devices) whose files, already
-    /// open when the agent starts, are GPU device files.
-    #[arg(
-        long,
-        value_name = "NAME",
-        value_delimiter = ',',
-        default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
-    )]
-    gpu_driver_name: Vec<String>,
-    /// Hooks that time GPU driver calls: uprobes on the C library of the
-    /// processes holding a GPU file (auto; no cost to other processes),
-    /// per-syscall tracepoints (need tracefs), or the raw sys_enter/sys_exit
-    /// BTF tracepoints (work under lockdown); both syscall hooks put every
-    /// syscall of every task on the kernel's slow path.
-    #[arg(long, value_enum, default_value = "auto")]
-    gpu_driver_hook: probes::gpu_driver::Hook,
     /// Window of ebpf_gpu_active_compute_duty_cycle.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     gpu_duty_window: Duration,
-    /// Count CUDA kernel launches (a uprobe on cuLaunchKernel, the hot launch path).
-    #[arg(long)]
-    cuda_launches: bool,
-    /// Mapped files whose name starts with this are the CUDA driver library.
-    #[arg(long, default_value = "libcuda.so")]
-    cuda_library_prefix: String,
-    /// NVML library (name or path), opened at run time when the `nvml` probe is selected.
-    #[arg(long, default_value = gpufeed_guest::nvml::LIBRARY)]
-    nvml_library: String,
     /// cgroup v2 mount point; found in /proc/self/mountinfo when not given.
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
@@ -267,12 +219,12 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
     let root = cgroups::cgroup2_mount().context("cannot find the cgroup v2 hierarchy")?;
     probes::route_libbpf_logs();
     let btf = probes::KernelBtf::load();
-    // pod veths only: their counters are the kernel's side of the bytes
-    let config = ProbeConfig::defaults(interval);
+    let options = gpufeed_guest::selftest::unit_options();
     let lockdown = privileges::lockdown();
     let ctx = LoadContext {
         btf: &btf,
-        config: &config,
+        options: &options,
+        interval,
         lockdown: lockdown.as_deref(),
     };
     let (mut units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
@@ -304,45 +256,17 @@ fn node_name(arg: Option<String>) -> String {
     .unwrap_or_default()
 }
 
-/// The node's GPU capacity as NVML reports it: the GPUs' memory and maximum link bandwidth
-/// summed (the hourly rate is the node's, so its shares are of all its GPUs); nothing when the
-/// library is absent or fails (the configuration must then give them).
-fn nvml_capacity(library: &str) -> finops::CapacityInput {
-    let gpus = match gpufeed_guest::nvml::Nvml::load(library) {
-        Ok(Some(nvml)) => nvml.capacity(),
-        Ok(None) => return finops::CapacityInput::default(),
-        Err(e) => Err(e),
-    };
-    match gpus {
-        Ok(gpus) if !gpus.is_empty() => finops::CapacityInput {
-            memory_bytes: Some(gpus.iter().map(|g| g.memory_total_bytes).sum()),
-            link_bytes_per_second: Some(gpus.iter().map(|g| g.link_bytes_per_second).sum()),
-            gpus: u32::try_from(gpus.len()).ok(),
-        },
-        Ok(_) => finops::CapacityInput::default(),
-        Err(e) => {
-            tracing::warn!("NVML: GPU capacity unavailable for the cost model: {e}");
-            finops::CapacityInput::default()
-        }
-    }
-}
-
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let settings = args.finops.settings();
     // The cost shares' denominators from the GPUs themselves when NVML is there (configured
     // values win); looked up only when a cost is asked for.
     let discovered = if settings.hourly_rate.is_some() {
-        nvml_capacity(&args.nvml_library)
+        finops::config::CapacityInput::discovered(&args.units)
     } else {
         finops::CapacityInput::default()
     };
     let finops_cfg = settings.validate(discovered)?;
     let selected = probes::select(&args.probes).context("--probes")?;
-    let dst = if args.dst.is_empty() {
-        dst::DstTable::defaults()
-    } else {
-        dst::DstTable::parse(args.dst.iter().map(String::as_str)).context("--dst")?
-    };
     let cgroup_root = match args.cgroup_root {
         Some(p) => p,
         None => cgroups::cgroup2_mount()
@@ -364,36 +288,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     probes::cgroup_batch::choose(args.cgroup_reads);
     probes::cgroup_storage::choose(args.cgroup_storage);
     let btf = probes::KernelBtf::load();
-    let config = ProbeConfig {
-        sched: probes::sched::Config {
-            method: args.sched_method,
-        },
-        tcp: probes::tcp::Config {
-            dst,
-            rtt_every: args.interval,
-        },
-        tc: probes::tc::Config {
-            attach: args.tc_attach,
-            node_devices: args.node_devices.clone(),
-        },
-        gpu_driver: probes::gpu_driver::Config {
-            devices: probes::gpu_driver::GpuDevices {
-                path_prefixes: args.gpu_device_prefix.clone(),
-                driver_names: args.gpu_driver_name.clone(),
-            },
-            hook: args.gpu_driver_hook,
-        },
-        cuda: probes::cuda::CudaOptions {
-            library_prefix: args.cuda_library_prefix.clone(),
-            launches: args.cuda_launches,
-        },
-        nvml: probes::nvml::Config {
-            library: args.nvml_library.clone(),
-        },
-    };
     let ctx = LoadContext {
         btf: &btf,
-        config: &config,
+        options: &args.units,
+        interval: args.interval,
         lockdown: lockdown.as_deref(),
     };
     let (mut units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
@@ -518,10 +416,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             &registry,
             doctor::Inputs {
                 cgroup_root: Some(cgroup_root.clone()),
-                node_devices: args.node_devices.clone(),
-                tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
-                probes: doctor::selected_probes(&args.probes),
-                ..Default::default()
+                ..doctor::Inputs::for_run(&args.probes, &args.units)
             },
             probes_finding,
             (!args.no_kube).then(|| pods.clone()),
@@ -616,18 +511,12 @@ fn doctor_cmd(args: DoctorArgs) -> anyhow::Result<()> {
     let inputs = doctor::Inputs {
         cgroup_root: args.cgroup_root,
         netns: args.netns,
-        node_devices: args.node_devices,
-        tracefs_wanted: doctor::tracefs_wanted(&args.probes, args.gpu_driver_hook),
-        probes: doctor::selected_probes(&args.probes),
-        ..Default::default()
+        ..doctor::Inputs::for_run(&args.probes, &args.units)
     };
     let mut findings = doctor::local(&inputs);
     // what the agent will load here, by loading it (and letting it go again)
     probes::route_libbpf_logs();
-    findings.push(doctor::probes::predict(
-        &args.probes,
-        &ProbeConfig::defaults(Duration::from_secs(1)),
-    ));
+    findings.push(doctor::probes::predict(&args.probes, &args.units));
     if !args.local {
         let url = format!("{}/doctor", args.url.trim_end_matches('/'));
         match fetch_findings(&url) {

@@ -28,7 +28,15 @@ use crate::cgroups::CgroupTree;
 use crate::collect::{Collector, Owner};
 use crate::pods::classify_cgroup;
 use crate::probes::unit::Value;
-use crate::probes::{sched, tc, tcp};
+use crate::probes::{sched, tc, tcp, UnitOptions};
+
+/// The units' options for the selftest: every default, counting pod interfaces only
+/// (their veths' counters are the kernel's side of the bytes it compares).
+pub fn unit_options() -> UnitOptions {
+    let mut options = UnitOptions::defaults();
+    tc::pod_interfaces_only(&mut options);
+    options
+}
 
 /// One line of the report.
 #[derive(Debug, Clone, PartialEq)]

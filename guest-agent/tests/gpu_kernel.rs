@@ -701,7 +701,8 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
 /// The deltas `read_removed` hands out for cgroup `id`.
 fn removed_deltas(probe: &mut dyn Probe, id: u64) -> Vec<Delta> {
     let mut out = Vec::new();
-    probe.read_removed(&mut out);
+    let reads = probe.cgroup_reads().expect("a unit with per-cgroup values");
+    reads.read_removed(&mut out);
     out.into_iter()
         .filter(|(cg, _)| *cg == id)
         .map(|(_, d)| d)

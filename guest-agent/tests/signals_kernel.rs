@@ -12,34 +12,19 @@ use common::gpu;
 use common::*;
 use gpufeed_guest::cgroups::CgroupTree;
 use gpufeed_guest::collect::{Collector, Owner};
-use gpufeed_guest::dst::DstTable;
-use gpufeed_guest::ifaces::NodeDevices;
 use gpufeed_guest::pods::PodStore;
 use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
-use gpufeed_guest::probes::unit::{LoadContext, ProbeConfig};
-use gpufeed_guest::probes::{self, cuda, gpu_driver, sched, tc, tcp, KernelBtf};
+use gpufeed_guest::probes::unit::LoadContext;
+use gpufeed_guest::probes::{self, KernelBtf, UnitOptions};
 
 fn collector(probes: &str) -> Collector {
     let btf = KernelBtf::load();
-    let config = ProbeConfig {
-        sched: sched::Config {
-            method: sched::Method::Auto,
-        },
-        tcp: tcp::Config {
-            dst: DstTable::defaults(),
-            rtt_every: Duration::from_millis(200),
-        },
-        tc: tc::Config {
-            attach: tc::AttachMode::Auto,
-            node_devices: NodeDevices::None,
-        },
-        gpu_driver: gpu_driver::Config::default(),
-        nvml: probes::nvml::Config::default(),
-        cuda: cuda::CudaOptions::default(),
-    };
+    let mut options = UnitOptions::defaults();
+    probes::tc::pod_interfaces_only(&mut options);
     let ctx = LoadContext {
         btf: &btf,
-        config: &config,
+        options: &options,
+        interval: Duration::from_millis(200),
         lockdown: None,
     };
     let selected = probes::select(probes).unwrap();

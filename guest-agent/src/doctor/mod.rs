@@ -66,6 +66,20 @@ pub struct Inputs {
     pub probes: Vec<&'static str>,
 }
 
+impl Inputs {
+    /// The inputs of an agent run with `--probes probes` and the probes' flags `options`:
+    /// the node devices it counts, whether it needs tracefs, the probes it selects.
+    pub fn for_run(probes: &str, options: &crate::probes::UnitOptions) -> Inputs {
+        use crate::probes::{gpu_driver, tc};
+        Inputs {
+            node_devices: options.get::<tc::Config>().node_devices.clone(),
+            tracefs_wanted: tracefs_wanted(probes, options.get::<gpu_driver::Config>().hook),
+            probes: selected_probes(probes),
+            ..Inputs::default()
+        }
+    }
+}
+
 impl Default for Inputs {
     fn default() -> Self {
         Inputs {

@@ -6,15 +6,16 @@
 //! or a process. So what it says before the agent starts is what the agent will get. The
 //! running agent reports the statuses its own load gave.
 
-use crate::probes::unit::{LoadContext, ProbeConfig};
-use crate::probes::{self, KernelBtf, ProbeStatus};
+use crate::probes::unit::LoadContext;
+use crate::probes::{self, KernelBtf, ProbeStatus, UnitOptions};
 
 use super::Finding;
 
 const CHECK: &str = "probes";
 
-/// Loads the probes `spec` selects (as `--probes`), drops them, and reports.
-pub fn predict(spec: &str, config: &ProbeConfig) -> Finding {
+/// Loads the probes `spec` selects (as `--probes`) with their options as given to `run`,
+/// drops them (before a tick attaches anything to an interface), and reports.
+pub fn predict(spec: &str, options: &UnitOptions) -> Finding {
     let selected = match probes::select(spec) {
         Ok(s) => s,
         Err(e) => return Finding::fail(CHECK, e.to_string(), "pass --probes as given to run"),
@@ -26,7 +27,8 @@ pub fn predict(spec: &str, config: &ProbeConfig) -> Finding {
     let lockdown = crate::privileges::lockdown();
     let ctx = LoadContext {
         btf: &btf,
-        config,
+        options,
+        interval: std::time::Duration::from_secs(1),
         lockdown: lockdown.as_deref(),
     };
     match probes::load(&ctx, &selected) {

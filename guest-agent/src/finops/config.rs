@@ -122,6 +122,31 @@ pub struct CapacityInput {
 }
 
 impl CapacityInput {
+    /// The node's GPU capacity as NVML reports it (the library the `nvml` probe's
+    /// `--nvml-library` names): the GPUs' memory and maximum link bandwidth summed (the
+    /// hourly rate is the node's, so its shares are of all its GPUs); nothing when the library
+    /// is absent or fails (the configuration must then give them).
+    pub fn discovered(options: &crate::probes::UnitOptions) -> CapacityInput {
+        let library = &options.get::<crate::probes::nvml::Config>().library;
+        let gpus = match crate::nvml::Nvml::load(library) {
+            Ok(Some(nvml)) => nvml.capacity(),
+            Ok(None) => return CapacityInput::default(),
+            Err(e) => Err(e),
+        };
+        match gpus {
+            Ok(gpus) if !gpus.is_empty() => CapacityInput {
+                memory_bytes: Some(gpus.iter().map(|g| g.memory_total_bytes).sum()),
+                link_bytes_per_second: Some(gpus.iter().map(|g| g.link_bytes_per_second).sum()),
+                gpus: u32::try_from(gpus.len()).ok(),
+            },
+            Ok(_) => CapacityInput::default(),
+            Err(e) => {
+                tracing::warn!("NVML: GPU capacity unavailable for the cost model: {e}");
+                CapacityInput::default()
+            }
+        }
+    }
+
     /// Each capacity from `self`, else from `fallback` (configuration over discovery: an
     /// operator who sets one means it).
     pub fn or(self, fallback: CapacityInput) -> CapacityInput {

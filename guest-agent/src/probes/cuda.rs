@@ -22,18 +22,18 @@ use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
 use super::cgroup_batch::{self, BatchRead};
-use super::cgroup_maps::Drained;
-use super::cgroup_storage::{self, CgroupValues, Storage};
+use super::cgroup_storage::{self, Storage};
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::hist::Hist;
 use super::lookout::Lookout;
+use super::options::OptionsSpec;
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    self, read_each, Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, LoadContext, Loaded,
-    MapFill, Probe, Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+    self, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope,
+    SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
 use super::{decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
-use crate::cgroups::CgroupTree;
 use crate::owner::Owner;
 
 /// The counters of bpf/cuda.h, generated from it by build.rs.
@@ -51,6 +51,7 @@ pub const SYNC_WAIT: &str = "ebpf_gpu_sync_wait_microseconds";
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     reports: &[NAME],
+    options: OptionsSpec::flags::<CudaOptions>(),
     load: load_unit,
 };
 
@@ -105,20 +106,27 @@ static FAMILIES_COMPUTE: [FamilySpec; 7] = [
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
     Ok(Loaded::single(
         NAME,
-        CudaProbe::load(ctx.config.cuda.clone(), ctx.btf)?,
+        CudaProbe::load(ctx.options.get::<CudaOptions>().clone(), ctx.btf)?,
     ))
 }
 
-/// What to probe.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What to probe: the unit's part of the command line.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+#[group(id = "cuda options")]
 pub struct CudaOptions {
-    /// Mapped files whose name starts with this are the driver library
-    /// (maps shows the resolved name, e.g. `libcuda.so.550.54.15`).
+    // maps shows the resolved name, e.g. `libcuda.so.550.54.15`
+    /// Mapped files whose name starts with this are the CUDA driver library.
+    #[arg(
+        long = "cuda-library-prefix",
+        value_name = "CUDA_LIBRARY_PREFIX",
+        default_value = "libcuda.so"
+    )]
     pub library_prefix: String,
-    /// Count cuLaunchKernel (a uprobe on the hot launch path) and estimate
-    /// busy time from launch to completion (uprobes on cuEventRecord and the
-    /// stream and event queries too; the synchronisation calls, timed
-    /// always, then also close busy intervals).
+    // Also estimates busy time from launch to completion (uprobes on
+    // cuEventRecord and the stream and event queries too; the
+    // synchronisation calls, timed always, then also close busy intervals).
+    /// Count CUDA kernel launches (a uprobe on cuLaunchKernel, the hot launch path).
+    #[arg(long = "cuda-launches")]
     pub launches: bool,
 }
 
@@ -328,11 +336,7 @@ pub struct CudaProbe {
     // the skeleton is leaked once (one probe per agent).
     skel: &'static skel::CudaSkel<'static>,
     _links: Vec<Link>,
-    cgroups: CgroupValues,
-    drained: Drained,
-    /// None on a kernel without batch reads: one lookup per cgroup
-    batch: Option<BatchRead>,
-    active: super::cgroup_maps::ActiveSet,
+    cgroups: PerCgroup<CudaSeries>,
     stats: MapHandle,
     opts: CudaOptions,
     /// Library files already attached, by (dev, inode), and their links.
@@ -341,13 +345,8 @@ pub struct CudaProbe {
     done: HashSet<i32>,
     /// The others: maps is read again only when they may have mapped it.
     lookout: Lookout,
-    last: LastRead<CudaCgroup>,
     /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
     pids_seen: Option<u64>,
-    /// VRAM per cgroup at its last read.
-    vram: HashMap<u64, i64>,
-    /// Set when the busy estimate is the node's compute time.
-    compute: Option<ComputeSeries>,
     /// how it runs here (`gpufeed_probe_info`)
     status: ProbeStatus,
 }
@@ -365,7 +364,7 @@ impl CudaProbe {
             NAME,
             "uprobe libcuda.so.1 (per library file)",
             probe.cgroups.storage(),
-            probe.batch.is_some(),
+            probe.cgroups.batched(),
             chosen.fell_back,
         );
         Ok(Ok(probe))
@@ -407,36 +406,35 @@ impl CudaProbe {
         } else {
             handle(NAME, &skel.maps.cuda_cgroup)?
         };
+        let maps = ValueMaps {
+            values,
+            active_epoch: handle(NAME, &skel.maps.active_epoch)?,
+            active_cgroups: handle(NAME, &skel.maps.active_cgroups)?,
+            drained: handle(NAME, &skel.maps.cuda_cgroup_drained)?,
+            drain_added: handle(NAME, &skel.maps.cuda_cgroup_drain_added)?,
+        };
+        let batch = BatchRead::if_loaded(
+            batched,
+            NAME,
+            &skel.progs.cuda_cgroup_batch_read,
+            &skel.maps.cuda_cgroup_batch,
+            std::mem::size_of::<skel::types::cuda_cgroup>(),
+        )?;
+        let series = CudaSeries {
+            launches: opts.launches,
+            vram: HashMap::new(),
+            compute: None,
+        };
         Ok(CudaProbe {
             _links: links,
-            cgroups: CgroupValues::new(values, storage),
-            drained: Drained::new(
-                NAME,
-                handle(NAME, &skel.maps.cuda_cgroup_drained)?,
-                handle(NAME, &skel.maps.cuda_cgroup_drain_added)?,
-            )?,
-            batch: BatchRead::if_loaded(
-                batched,
-                NAME,
-                &skel.progs.cuda_cgroup_batch_read,
-                &skel.maps.cuda_cgroup_batch,
-                std::mem::size_of::<skel::types::cuda_cgroup>(),
-            )?,
-            active: super::cgroup_maps::ActiveSet::new(
-                NAME,
-                handle(NAME, &skel.maps.active_epoch)?,
-                handle(NAME, &skel.maps.active_cgroups)?,
-            )?,
+            cgroups: PerCgroup::new(NAME, storage, maps, batch, series)?,
             stats: handle(NAME, &skel.maps.cuda_stats)?,
             skel,
             opts,
             attached: HashMap::new(),
             done: HashSet::new(),
             lookout: Lookout::default(),
-            last: LastRead::default(),
             pids_seen: None,
-            vram: HashMap::new(),
-            compute: None,
             status: ProbeStatus::up(NAME),
         })
     }
@@ -549,24 +547,9 @@ impl CudaProbe {
     }
 
     /// A cgroup's reading: its deltas, and its VRAM now.
-    fn take_reading(&mut self, id: u64, now: CudaCgroup, out: &mut Vec<Delta>) {
-        self.vram.insert(id, now.vram_bytes);
-        let d = self.last.advance(id, now, CudaCgroup::delta_since);
-        push_deltas(id, d, self.opts.launches, self.compute.as_mut(), out);
-    }
-
     /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
-        self.cgroups
-            .get_by_dir(cgroup_dir)
-            .and_then(|b| CudaCgroup::from_bytes(&b))
-    }
-
-    /// One cgroup's numbers, if any of its processes called a probed function.
-    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
-        self.cgroups
-            .get(id, cgroup_dir)
-            .and_then(|b| CudaCgroup::from_bytes(&b))
+        self.cgroups.value_by_dir(cgroup_dir)
     }
 
     /// (cgroup storage unavailable, object map full, frees of unknown
@@ -584,7 +567,7 @@ impl CudaProbe {
 
 impl Probe for CudaProbe {
     fn families(&self) -> &'static [FamilySpec] {
-        match self.compute {
+        match self.cgroups.series.compute {
             Some(_) => &FAMILIES_COMPUTE,
             None => &FAMILIES,
         }
@@ -596,7 +579,7 @@ impl Probe for CudaProbe {
     }
 
     fn publish_compute(&mut self, series: ComputeSeries) {
-        self.compute = Some(series);
+        self.cgroups.series.compute = Some(series);
     }
 
     fn signals(&self) -> Vec<SignalSpec> {
@@ -607,49 +590,8 @@ impl Probe for CudaProbe {
         }]
     }
 
-    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(now) = self.read_id(id, dir) else {
-            return;
-        };
-        self.take_reading(id, now, out);
-    }
-
-    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
-        let Some(mut batch) = self.batch.take() else {
-            return read_each(self, ids, tree, out);
-        };
-        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
-            if let Some(now) = CudaCgroup::from_bytes(bytes) {
-                self.take_reading(id, now, d);
-            }
-        };
-        batch.deltas(NAME, ids, each, out);
-        self.batch = Some(batch);
-    }
-
-    /// A removed cgroup's last interval: its processes are gone (their exit
-    /// gave their memory back), what they copied and waited since the last
-    /// read is still owed to the pod.
-    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
-        let (drained, last, vram) = (&self.drained, &mut self.last, &mut self.vram);
-        let (launches, compute) = (self.opts.launches, &mut self.compute);
-        let push = |id, now, d: &mut Vec<Delta>| {
-            let delta = last.advance(id, now, CudaCgroup::delta_since);
-            push_deltas(id, delta, launches, compute.as_mut(), d);
-            last.forget(id);
-            vram.remove(&id);
-        };
-        drained.deltas(CudaCgroup::from_bytes, push, out);
-    }
-
-    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
-        self.active.take()
-    }
-
-    fn forget_cgroup(&mut self, id: u64) {
-        self.last.forget(id);
-        self.vram.remove(&id);
-        self.cgroups.forget(id);
+    fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
+        Some(&mut self.cgroups)
     }
 
     fn how(&self) -> Vec<(&'static str, String)> {
@@ -663,12 +605,17 @@ impl Probe for CudaProbe {
             None => self.scan(&ctx.pod_pid_set().1, changed),
         };
         let mut per_owner: HashMap<&Owner, i64> = HashMap::new();
-        for (id, bytes) in &self.vram {
+        for (id, bytes) in &self.cgroups.series.vram {
             if let Some(owner) = ctx.owners.get(id) {
                 *per_owner.entry(owner).or_default() += bytes;
             }
         }
-        let duty = self.compute.as_mut().map(|c| c.duty_gauges(ctx));
+        let duty = self
+            .cgroups
+            .series
+            .compute
+            .as_mut()
+            .map(|c| c.duty_gauges(ctx));
         TickOutput {
             deltas: Vec::new(),
             gauges: std::iter::once((
@@ -694,7 +641,7 @@ impl Probe for CudaProbe {
         UnitStats {
             maps: vec![MapFill {
                 map: "cuda_cgroup",
-                entries: self.last.len(),
+                entries: self.cgroups.entries(),
                 capacity: None,
             }],
             storage_failures: Some((NAME, failures)),
@@ -724,48 +671,70 @@ impl Probe for CudaProbe {
                     value: unknown as f64,
                 },
             ],
-            node: self.compute.iter().map(ComputeSeries::info).collect(),
+            node: self.cgroups.series.compute.iter().map(ComputeSeries::info).collect(),
         }
     }
 }
 
 /// The deltas of cgroup `id`'s interval `d`; its busy estimate is also the compute time when
 /// this unit publishes it.
-fn push_deltas(
-    id: u64,
-    d: CudaCgroup,
+/// A cgroup's PCIe bytes, sync waits and (with `--cuda-launches`) launches
+/// and busy estimate; its VRAM balance, set whole by the tick; its compute
+/// time where the busy estimate is the node's compute source.
+struct CudaSeries {
     launches: bool,
-    compute: Option<&mut ComputeSeries>,
-    out: &mut Vec<Delta>,
-) {
-    if let Some(c) = compute {
-        out.push(c.cgroup_delta(id, Labels::new(), d.busy_ns));
+    /// VRAM per cgroup at its last read.
+    vram: HashMap<u64, i64>,
+    compute: Option<ComputeSeries>,
+}
+
+impl CgroupSeries for CudaSeries {
+    type Value = CudaCgroup;
+
+    fn decode(bytes: &[u8]) -> Option<CudaCgroup> {
+        CudaCgroup::from_bytes(bytes)
     }
-    for (direction, bytes) in [("h2d", d.h2d_bytes), ("d2h", d.d2h_bytes)] {
-        out.push(Delta {
-            family: PCIE,
-            labels: Labels::from([("direction", direction.to_string())]),
-            value: Value::Count(bytes),
-        });
+
+    fn delta(now: &CudaCgroup, prev: &CudaCgroup) -> CudaCgroup {
+        now.delta_since(prev)
     }
-    if !d.sync_wait.is_empty() {
-        out.push(Delta {
-            family: SYNC_WAIT,
-            labels: Labels::new(),
-            value: Value::Hist(d.sync_wait),
-        });
+
+    fn deltas(&mut self, id: u64, now: &CudaCgroup, d: CudaCgroup, out: &mut Vec<Delta>) {
+        self.vram.insert(id, now.vram_bytes);
+        if let Some(c) = self.compute.as_mut() {
+            out.push(c.cgroup_delta(id, Labels::new(), d.busy_ns));
+        }
+        for (direction, bytes) in [("h2d", d.h2d_bytes), ("d2h", d.d2h_bytes)] {
+            out.push(Delta {
+                family: PCIE,
+                labels: Labels::from([("direction", direction.to_string())]),
+                value: Value::Count(bytes),
+            });
+        }
+        if !d.sync_wait.is_empty() {
+            out.push(Delta {
+                family: SYNC_WAIT,
+                labels: Labels::new(),
+                value: Value::Hist(d.sync_wait),
+            });
+        }
+        if self.launches {
+            out.push(Delta {
+                family: LAUNCHES,
+                labels: Labels::new(),
+                value: Value::Count(d.launches),
+            });
+            out.push(Delta {
+                family: BUSY,
+                labels: Labels::new(),
+                value: Value::Count(d.busy_ns),
+            });
+        }
     }
-    if launches {
-        out.push(Delta {
-            family: LAUNCHES,
-            labels: Labels::new(),
-            value: Value::Count(d.launches),
-        });
-        out.push(Delta {
-            family: BUSY,
-            labels: Labels::new(),
-            value: Value::Count(d.busy_ns),
-        });
+
+    /// A gone cgroup holds no VRAM: its processes' exit gave their memory back.
+    fn forget(&mut self, id: u64) {
+        self.vram.remove(&id);
     }
 }
 

@@ -29,19 +29,19 @@ use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
 use super::cgroup_batch::{self, BatchRead};
-use super::cgroup_maps::Drained;
-use super::cgroup_storage::{self, CgroupValues, Storage};
+use super::cgroup_storage::{self, Storage};
 use super::cuda::{attach_uprobe, find_libs, reachable};
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::hist::{Hist, HIST_BYTES};
 use super::lookout::Lookout;
+use super::options::OptionsSpec;
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    self, read_each, Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
-    Probe, Scope, SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+    self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope, SelfSeries,
+    TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
 use super::{attach_all, decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
-use crate::cgroups::CgroupTree;
 
 pub const NAME: &str = "gpu_driver";
 pub const IOCTL: &str = "ebpf_gpu_ioctl_latency_microseconds";
@@ -51,6 +51,7 @@ pub const DRIVER_TIME: &str = "ebpf_gpu_driver_time_seconds_total";
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     reports: &[NAME],
+    options: OptionsSpec::flags::<Config>(),
     load: load_unit,
 };
 
@@ -73,9 +74,22 @@ pub enum Hook {
 }
 
 /// What the unit takes from the command line.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
+#[group(id = "gpu_driver options")]
 pub struct Config {
+    #[command(flatten)]
     pub devices: GpuDevices,
+    /// Hooks that time GPU driver calls: uprobes on the C library of the
+    /// processes holding a GPU file (auto; no cost to other processes),
+    /// per-syscall tracepoints (need tracefs), or the raw sys_enter/sys_exit
+    /// BTF tracepoints (work under lockdown); both syscall hooks put every
+    /// syscall of every task on the kernel's slow path.
+    #[arg(
+        long = "gpu-driver-hook",
+        value_name = "GPU_DRIVER_HOOK",
+        value_enum,
+        default_value = "auto"
+    )]
     pub hook: Hook,
 }
 
@@ -110,7 +124,7 @@ static FAMILIES_COMPUTE: [FamilySpec; 4] = [
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    let cfg = &ctx.config.gpu_driver;
+    let cfg = ctx.options.get::<Config>();
     let loaded = GpuDriverProbe::load(&cfg.devices, cfg.hook, ctx.btf)?;
     Ok(Loaded::single(NAME, loaded))
 }
@@ -145,13 +159,26 @@ pub const CMD_CLASSES: [&str; CMD_SLOTS] = [
 ];
 
 /// Which files are GPU device files.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+#[group(id = "gpu devices")]
 pub struct GpuDevices {
-    /// Path prefixes matched when a file is opened (absolute paths as passed
-    /// to open/openat; at most four, each shorter than 64 bytes).
+    /// Path prefixes that make a file a GPU device file when it is opened
+    /// (at most 4, each under 64 bytes).
+    #[arg(
+        long = "gpu-device-prefix",
+        value_name = "PATH",
+        value_delimiter = ',',
+        default_value = "/dev/nvidia"
+    )]
     pub path_prefixes: Vec<String>,
-    /// Character-device driver names in /proc/devices whose majors mark
-    /// already open GPU files.
+    /// Character-device drivers (names in /proc/devices) whose files, already
+    /// open when the agent starts, are GPU device files.
+    #[arg(
+        long = "gpu-driver-name",
+        value_name = "NAME",
+        value_delimiter = ',',
+        default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
+    )]
     pub driver_names: Vec<String>,
 }
 
@@ -249,33 +276,53 @@ impl GpuDriverCgroup {
 /// The deltas of cgroup `id`'s interval `d`; its driver time is also the compute time when
 /// this unit publishes it. A cgroup whose calls returned while it stayed inside the driver
 /// (calls overlapping without a break: no busy interval closed) computed throughout.
-fn push_deltas(
-    id: u64,
-    d: GpuDriverCgroup,
-    compute: Option<&mut ComputeSeries>,
-    out: &mut Vec<Delta>,
-) {
-    let returned = d.ioctl.iter().any(|h| !h.is_empty());
-    if let Some(c) = compute {
-        if returned && d.busy_ns == 0 {
-            c.busy_throughout(id);
-        }
-        out.push(c.cgroup_delta(id, Labels::new(), d.busy_ns));
+/// A cgroup's driver time and ioctl latencies, and its compute time where
+/// driver time is the node's compute source.
+#[derive(Default)]
+struct DriverSeries {
+    compute: Option<ComputeSeries>,
+}
+
+impl CgroupSeries for DriverSeries {
+    type Value = GpuDriverCgroup;
+
+    fn decode(bytes: &[u8]) -> Option<GpuDriverCgroup> {
+        GpuDriverCgroup::from_bytes(bytes)
     }
-    for (class, h) in CMD_CLASSES.iter().zip(d.ioctl) {
-        if !h.is_empty() {
-            out.push(Delta {
-                family: IOCTL,
-                labels: Labels::from([("cmd", class.to_string())]),
-                value: Value::Hist(h),
-            });
-        }
+
+    fn delta(now: &GpuDriverCgroup, prev: &GpuDriverCgroup) -> GpuDriverCgroup {
+        now.delta_since(prev)
     }
-    out.push(Delta {
-        family: DRIVER_TIME,
-        labels: Labels::new(),
-        value: Value::Count(d.busy_ns),
-    });
+
+    fn deltas(
+        &mut self,
+        id: u64,
+        _now: &GpuDriverCgroup,
+        d: GpuDriverCgroup,
+        out: &mut Vec<Delta>,
+    ) {
+        let returned = d.ioctl.iter().any(|h| !h.is_empty());
+        if let Some(c) = self.compute.as_mut() {
+            if returned && d.busy_ns == 0 {
+                c.busy_throughout(id);
+            }
+            out.push(c.cgroup_delta(id, Labels::new(), d.busy_ns));
+        }
+        for (class, h) in CMD_CLASSES.iter().zip(d.ioctl) {
+            if !h.is_empty() {
+                out.push(Delta {
+                    family: IOCTL,
+                    labels: Labels::from([("cmd", class.to_string())]),
+                    value: Value::Hist(h),
+                });
+            }
+        }
+        out.push(Delta {
+            family: DRIVER_TIME,
+            labels: Labels::new(),
+            value: Value::Count(d.busy_ns),
+        });
+    }
 }
 
 pub struct GpuDriverProbe {
@@ -283,11 +330,7 @@ pub struct GpuDriverProbe {
     // lives as long as the agent (one probe per agent; tests load a few).
     skel: &'static skel::GpuDriverSkel<'static>,
     mode: Mode,
-    cgroups: CgroupValues,
-    drained: Drained,
-    /// None on a kernel without batch reads: one lookup per cgroup
-    batch: Option<BatchRead>,
-    active: super::cgroup_maps::ActiveSet,
+    cgroups: PerCgroup<DriverSeries>,
     fds: MapHandle,
     stats: MapHandle,
     majors: Vec<u32>,
@@ -298,11 +341,8 @@ pub struct GpuDriverProbe {
     /// Uprobe mode: the links on each probed process's C library.
     probed: HashMap<i32, Vec<Link>>,
     _links: Vec<Link>,
-    last: LastRead<GpuDriverCgroup>,
     /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
     pids_seen: Option<u64>,
-    /// Set when driver time is the node's compute time.
-    compute: Option<ComputeSeries>,
     /// how it runs here (`gpufeed_probe_info`)
     status: ProbeStatus,
 }
@@ -416,7 +456,7 @@ impl GpuDriverProbe {
             NAME,
             mode.hooks(),
             probe.cgroups.storage(),
-            probe.batch.is_some(),
+            probe.cgroups.batched(),
             chosen.fell_back,
         );
         Ok(Ok(probe))
@@ -536,27 +576,24 @@ impl GpuDriverProbe {
         } else {
             handle(NAME, &skel.maps.gpu_cgroup)?
         };
+        let maps = ValueMaps {
+            values,
+            active_epoch: handle(NAME, &skel.maps.active_epoch)?,
+            active_cgroups: handle(NAME, &skel.maps.active_cgroups)?,
+            drained: handle(NAME, &skel.maps.gpu_cgroup_drained)?,
+            drain_added: handle(NAME, &skel.maps.gpu_cgroup_drain_added)?,
+        };
+        let batch = BatchRead::if_loaded(
+            batched,
+            NAME,
+            &skel.progs.gpu_cgroup_batch_read,
+            &skel.maps.gpu_cgroup_batch,
+            std::mem::size_of::<skel::types::gpu_cgroup>(),
+        )?;
         Ok(GpuDriverProbe {
             skel,
             mode,
-            cgroups: CgroupValues::new(values, storage),
-            drained: Drained::new(
-                NAME,
-                handle(NAME, &skel.maps.gpu_cgroup_drained)?,
-                handle(NAME, &skel.maps.gpu_cgroup_drain_added)?,
-            )?,
-            batch: BatchRead::if_loaded(
-                batched,
-                NAME,
-                &skel.progs.gpu_cgroup_batch_read,
-                &skel.maps.gpu_cgroup_batch,
-                std::mem::size_of::<skel::types::gpu_cgroup>(),
-            )?,
-            active: super::cgroup_maps::ActiveSet::new(
-                NAME,
-                handle(NAME, &skel.maps.active_epoch)?,
-                handle(NAME, &skel.maps.active_cgroups)?,
-            )?,
+            cgroups: PerCgroup::new(NAME, storage, maps, batch, DriverSeries::default())?,
             fds: handle(NAME, &skel.maps.gpu_fds)?,
             stats: handle(NAME, &skel.maps.gpu_stats)?,
             majors,
@@ -564,9 +601,7 @@ impl GpuDriverProbe {
             lookout: Lookout::default(),
             probed: HashMap::new(),
             _links: links,
-            last: LastRead::default(),
             pids_seen: None,
-            compute: None,
             status: ProbeStatus::up(NAME),
         })
     }
@@ -582,23 +617,9 @@ impl GpuDriverProbe {
     }
 
     /// A cgroup's reading: its deltas.
-    fn take_reading(&mut self, id: u64, now: GpuDriverCgroup, out: &mut Vec<Delta>) {
-        let d = self.last.advance(id, now, GpuDriverCgroup::delta_since);
-        push_deltas(id, d, self.compute.as_mut(), out);
-    }
-
     /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
-        self.cgroups
-            .get_by_dir(cgroup_dir)
-            .and_then(|b| GpuDriverCgroup::from_bytes(&b))
-    }
-
-    /// One cgroup's driver time, if any task of it ever called a GPU ioctl.
-    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
-        self.cgroups
-            .get(id, cgroup_dir)
-            .and_then(|b| GpuDriverCgroup::from_bytes(&b))
+        self.cgroups.value_by_dir(cgroup_dir)
     }
 
     /// Seeds the processes in `tgids` not seen before, and forgets those no
@@ -757,7 +778,7 @@ impl GpuDriverProbe {
 
 impl Probe for GpuDriverProbe {
     fn families(&self) -> &'static [FamilySpec] {
-        match self.compute {
+        match self.cgroups.series.compute {
             Some(_) => &FAMILIES_COMPUTE,
             None => &FAMILIES,
         }
@@ -768,7 +789,7 @@ impl Probe for GpuDriverProbe {
     }
 
     fn publish_compute(&mut self, series: ComputeSeries) {
-        self.compute = Some(series);
+        self.cgroups.series.compute = Some(series);
     }
 
     fn signals(&self) -> Vec<SignalSpec> {
@@ -779,45 +800,8 @@ impl Probe for GpuDriverProbe {
         }]
     }
 
-    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(now) = self.read_id(id, dir) else {
-            return;
-        };
-        self.take_reading(id, now, out);
-    }
-
-    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
-        let Some(mut batch) = self.batch.take() else {
-            return read_each(self, ids, tree, out);
-        };
-        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
-            if let Some(now) = GpuDriverCgroup::from_bytes(bytes) {
-                self.take_reading(id, now, d);
-            }
-        };
-        batch.deltas(NAME, ids, each, out);
-        self.batch = Some(batch);
-    }
-
-    /// A removed cgroup's last interval (its tasks left their last calls
-    /// before it could be removed).
-    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
-        let (drained, last, compute) = (&self.drained, &mut self.last, &mut self.compute);
-        let push = |id, now, d: &mut Vec<Delta>| {
-            let delta = last.advance(id, now, GpuDriverCgroup::delta_since);
-            push_deltas(id, delta, compute.as_mut(), d);
-            last.forget(id);
-        };
-        drained.deltas(GpuDriverCgroup::from_bytes, push, out);
-    }
-
-    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
-        self.active.take()
-    }
-
-    fn forget_cgroup(&mut self, id: u64) {
-        self.last.forget(id);
-        self.cgroups.forget(id);
+    fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
+        Some(&mut self.cgroups)
     }
 
     fn how(&self) -> Vec<(&'static str, String)> {
@@ -836,6 +820,8 @@ impl Probe for GpuDriverProbe {
         TickOutput {
             deltas: Vec::new(),
             gauges: self
+                .cgroups
+                .series
                 .compute
                 .iter_mut()
                 .map(|c| c.duty_gauges(ctx))
@@ -848,7 +834,7 @@ impl Probe for GpuDriverProbe {
         UnitStats {
             maps: vec![MapFill {
                 map: "gpu_cgroup",
-                entries: self.last.len(),
+                entries: self.cgroups.entries(),
                 capacity: None,
             }],
             storage_failures: Some((NAME, failures)),
@@ -878,7 +864,7 @@ impl Probe for GpuDriverProbe {
                     value: moved as f64,
                 },
             ],
-            node: self.compute.iter().map(ComputeSeries::info).collect(),
+            node: self.cgroups.series.compute.iter().map(ComputeSeries::info).collect(),
         }
     }
 }

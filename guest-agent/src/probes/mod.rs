@@ -17,12 +17,15 @@ pub mod gpu_driver;
 pub mod hist;
 pub mod lookout;
 pub mod nvml;
+pub mod options;
+pub mod per_cgroup;
 pub mod sched;
 pub mod signal;
 pub mod tc;
 pub mod tcp;
 pub mod unit;
 
+pub use options::UnitOptions;
 use unit::{LoadContext, UnitSpec, Units};
 
 /// Every probe unit. Adding a probe adds one line here.

@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
+use super::options::OptionsSpec;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, NodeFamily, Probe, Scope,
@@ -49,6 +50,7 @@ fn link_signal() -> SignalSpec {
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     reports: &[NAME],
+    options: OptionsSpec::flags::<Config>(),
     load: load_unit,
 };
 
@@ -81,9 +83,12 @@ static FAMILIES_COMPUTE: [FamilySpec; 5] = [
 ];
 
 /// What the unit takes from the command line.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+#[group(id = "nvml options")]
 pub struct Config {
-    /// The library to dlopen: a name the loader searches for, or a path.
+    // dlopen'ed: a name the loader searches for, or a path
+    /// NVML library (name or path), opened at run time when the `nvml` probe is selected.
+    #[arg(long = "nvml-library", value_name = "NVML_LIBRARY", default_value = crate::nvml::LIBRARY)]
     pub library: String,
 }
 
@@ -96,7 +101,7 @@ impl Default for Config {
 }
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    let nvml = Nvml::load(&ctx.config.nvml.library).map_err(|e| ProbeError::Io {
+    let nvml = Nvml::load(&ctx.options.get::<Config>().library).map_err(|e| ProbeError::Io {
         probe: NAME,
         what: "NVML",
         source: std::io::Error::other(e.to_string()),

@@ -12,16 +12,16 @@ use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapHandle};
 
 use super::cgroup_batch::{self, BatchRead};
-use super::cgroup_maps::{ActiveSet, Drained};
-use super::cgroup_storage::{self, CgroupValues, Storage};
+use super::cgroup_storage::{self, Storage};
 use super::hist::{Hist, HIST_BYTES};
+use super::options::OptionsSpec;
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    read_each, Delta, FamilySpec, Kind, LastRead, LoadContext, Loaded, Probe, Scope, SelfSeries,
-    UnitSpec, UnitStats, Value,
+    Delta, FamilySpec, Kind, LoadContext, Loaded, Probe, Scope, SelfSeries, UnitSpec, UnitStats,
+    Value,
 };
 use super::{decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
-use crate::cgroups::CgroupTree;
 
 /// The counters of bpf/sched.h, generated from it by build.rs.
 mod counters {
@@ -41,12 +41,22 @@ const _: () = assert!(std::mem::size_of::<skel::types::hist>() == HIST_BYTES);
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     reports: &[NAME],
+    options: OptionsSpec::flags::<Config>(),
     load: load_unit,
 };
 
 /// The unit's part of the command line.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, clap::Args)]
+#[group(id = "sched_latency options")]
 pub struct Config {
+    /// Where run-queue waits come from: the scheduler's own sched_info
+    /// (one hook, exact) or stamps from the wakeup hooks.
+    #[arg(
+        long = "sched-method",
+        value_name = "SCHED_METHOD",
+        value_enum,
+        default_value = "auto"
+    )]
     pub method: Method,
 }
 
@@ -58,16 +68,18 @@ static FAMILIES: [FamilySpec; 1] = [FamilySpec {
 }];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    Ok(match SchedProbe::load(ctx.btf, ctx.config.sched.method)? {
-        Ok(p) => Loaded {
-            statuses: vec![p.status.clone()],
-            unit: Some(Box::new(p)),
+    Ok(
+        match SchedProbe::load(ctx.btf, ctx.options.get::<Config>().method)? {
+            Ok(p) => Loaded {
+                statuses: vec![p.status.clone()],
+                unit: Some(Box::new(p)),
+            },
+            Err(st) => Loaded {
+                unit: None,
+                statuses: vec![st],
+            },
         },
-        Err(st) => Loaded {
-            unit: None,
-            statuses: vec![st],
-        },
-    })
+    )
 }
 
 /// How the probe learns when a task became runnable (see bpf/sched.bpf.c).
@@ -83,14 +95,9 @@ pub enum Method {
 }
 
 pub struct SchedProbe {
-    hist: CgroupValues,
+    hist: PerCgroup<WaitSeries>,
     stats: MapHandle,
-    active: ActiveSet,
-    drained: Drained,
-    /// None on a kernel without batch reads: one lookup per cgroup
-    batch: Option<BatchRead>,
     _links: Vec<Link>,
-    last: LastRead<Hist>,
     /// how it runs here (`gpufeed_probe_info`)
     status: ProbeStatus,
 }
@@ -210,34 +217,24 @@ impl SchedProbe {
         } else {
             handle(NAME, &skel.maps.sched_hist)?
         };
+        let maps = ValueMaps {
+            values,
+            active_epoch: handle(NAME, &skel.maps.active_epoch)?,
+            active_cgroups: handle(NAME, &skel.maps.active_cgroups)?,
+            drained: handle(NAME, &skel.maps.sched_hist_drained)?,
+            drain_added: handle(NAME, &skel.maps.sched_hist_drain_added)?,
+        };
         Ok(SchedProbe {
-            hist: CgroupValues::new(values, storage),
+            hist: PerCgroup::new(NAME, storage, maps, batch, WaitSeries)?,
             stats: handle(NAME, &skel.maps.sched_stats)?,
-            active: ActiveSet::new(
-                NAME,
-                handle(NAME, &skel.maps.active_epoch)?,
-                handle(NAME, &skel.maps.active_cgroups)?,
-            )?,
-            drained: Drained::new(
-                NAME,
-                handle(NAME, &skel.maps.sched_hist_drained)?,
-                handle(NAME, &skel.maps.sched_hist_drain_added)?,
-            )?,
-            batch,
             _links: links,
-            last: LastRead::default(),
             status: ProbeStatus::up(NAME),
         })
     }
 
     /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<Hist> {
-        self.hist.get_by_dir(cgroup_dir).and_then(|b| hist_of(&b))
-    }
-
-    /// The cumulative histogram of one cgroup, if it has one.
-    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<Hist> {
-        self.hist.get(id, cgroup_dir).and_then(|b| hist_of(&b))
+        self.hist.value_by_dir(cgroup_dir)
     }
 }
 
@@ -248,25 +245,33 @@ fn probe_status(p: &SchedProbe, method: &str, fell_back: Option<String>) -> Prob
     } else {
         "tp_btf/sched_switch,sched_wakeup,sched_wakeup_new (stamps)"
     };
-    super::unit::status_of(NAME, hook, p.hist.storage(), p.batch.is_some(), fell_back)
+    super::unit::status_of(NAME, hook, p.hist.storage(), p.hist.batched(), fell_back)
 }
 
-/// The delta of a cgroup's cumulative histogram `h` since its previous reading.
-fn push_delta(last: &mut LastRead<Hist>, id: u64, h: Hist, out: &mut Vec<Delta>) {
-    let d = last.advance(id, h, Hist::delta_since);
-    if !d.is_empty() {
-        out.push(Delta {
-            family: FAMILY,
-            labels: Default::default(),
-            value: Value::Hist(d),
-        });
+/// A cgroup's run-queue waits: one histogram (`struct sched_cgroup`).
+struct WaitSeries;
+
+impl CgroupSeries for WaitSeries {
+    type Value = Hist;
+
+    fn decode(bytes: &[u8]) -> Option<Hist> {
+        decode::<skel::types::sched_cgroup>(bytes)
+            .map(|c| Hist::from_parts(&c.hist.buckets, c.hist.sum_ns))
     }
-}
 
-/// Decodes a `struct sched_cgroup` (storage or drained value).
-fn hist_of(bytes: &[u8]) -> Option<Hist> {
-    decode::<skel::types::sched_cgroup>(bytes)
-        .map(|c| Hist::from_parts(&c.hist.buckets, c.hist.sum_ns))
+    fn delta(now: &Hist, prev: &Hist) -> Hist {
+        now.delta_since(prev)
+    }
+
+    fn deltas(&mut self, _id: u64, _now: &Hist, delta: Hist, out: &mut Vec<Delta>) {
+        if !delta.is_empty() {
+            out.push(Delta {
+                family: FAMILY,
+                labels: Default::default(),
+                value: Value::Hist(delta),
+            });
+        }
+    }
 }
 
 /// CLOCK_MONOTONIC in ns, the clock of `task_struct.start_time`.
@@ -293,28 +298,8 @@ impl Probe for SchedProbe {
         }]
     }
 
-    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(h) = self.read_id(id, dir) else {
-            return;
-        };
-        push_delta(&mut self.last, id, h, out);
-    }
-
-    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
-        let Some(batch) = self.batch.as_mut() else {
-            return read_each(self, ids, tree, out);
-        };
-        let last = &mut self.last;
-        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
-            if let Some(h) = hist_of(bytes) {
-                push_delta(last, id, h, d);
-            }
-        };
-        batch.deltas(NAME, ids, each, out);
-    }
-
-    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
-        self.active.take()
+    fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
+        Some(&mut self.hist)
     }
 
     /// Every switch-in marks its task's cgroup: a cgroup missing from the set
@@ -323,26 +308,12 @@ impl Probe for SchedProbe {
         true
     }
 
-    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
-        let (drained, last) = (&self.drained, &mut self.last);
-        let push = |id, h, d: &mut Vec<Delta>| {
-            push_delta(last, id, h, d);
-            last.forget(id);
-        };
-        drained.deltas(hist_of, push, out);
-    }
-
-    fn forget_cgroup(&mut self, id: u64) {
-        self.last.forget(id);
-        self.hist.forget(id);
-    }
-
     fn stats(&self) -> UnitStats {
         // [0] negative deltas dropped, [1] storage allocation failures
         UnitStats {
             maps: vec![super::unit::MapFill {
                 map: "sched_hist",
-                entries: self.last.len(),
+                entries: self.hist.entries(),
                 capacity: None,
             }],
             storage_failures: Some((

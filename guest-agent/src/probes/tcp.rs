@@ -12,16 +12,16 @@ use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
 use super::cgroup_batch::{self, BatchRead};
-use super::cgroup_maps::{ActiveSet, Drained};
-use super::cgroup_storage::{self, CgroupValues, Storage};
+use super::cgroup_storage::{self, Storage};
 use super::hist::{Hist, HIST_BYTES};
+use super::options::OptionsSpec;
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    self, read_each, Delta, FamilySpec, Kind, Labels, LastRead, LoadContext, Loaded, MapFill,
-    Probe, Scope, UnitSpec, UnitStats, Value,
+    self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope, UnitSpec,
+    UnitStats, Value,
 };
 use super::{decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError, ProbeStatus};
-use crate::cgroups::CgroupTree;
 use crate::dst::{DstTable, MAX_DST};
 
 pub const RTT: &str = "tcp_rtt";
@@ -40,11 +40,41 @@ const _: () = assert!(std::mem::size_of::<skel::types::dst_key>() == 20);
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[RTT, RETRANS],
     reports: &[RTT, RETRANS],
+    options: OptionsSpec::of::<Flags, Options>(),
     load: load_unit,
 };
 
-/// The unit's part of the command line: the named destinations (`--dst`)
-/// and the agent's tick (`--interval`), which is also the shortest time
+/// The unit's part of the command line.
+#[derive(Debug, Clone, clap::Args)]
+#[group(id = "tcp options")]
+pub struct Flags {
+    /// Named destination networks for the `dst` label: NAME=CIDR[,CIDR...]; repeatable.
+    /// Default: loopback, private, link-local, internet.
+    #[arg(long = "dst", value_name = "NAME=CIDRS")]
+    pub dst: Vec<String>,
+}
+
+/// The unit's options: the destination classes `--dst` names.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub dst: DstTable,
+}
+
+impl TryFrom<Flags> for Options {
+    type Error = String;
+
+    fn try_from(f: Flags) -> Result<Options, String> {
+        let dst = if f.dst.is_empty() {
+            DstTable::defaults()
+        } else {
+            DstTable::parse(f.dst.iter().map(String::as_str)).map_err(|e| format!("--dst: {e}"))?
+        };
+        Ok(Options { dst })
+    }
+}
+
+/// What loading takes: the named destinations (`--dst`) and the agent's
+/// tick (`--interval`), which is also the shortest time
 /// between two RTT samples of one socket (each weighted by the socket's busy
 /// time since the previous: see `bpf/tcp.bpf.c`).
 #[derive(Debug, Clone)]
@@ -69,7 +99,11 @@ static FAMILIES: [FamilySpec; 2] = [
 ];
 
 fn load_unit(ctx: &LoadContext<'_>, names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    let (p, statuses) = TcpProbe::load(ctx.btf, &ctx.config.tcp)?;
+    let config = Config {
+        dst: ctx.options.get::<Options>().dst.clone(),
+        rtt_every: ctx.interval,
+    };
+    let (p, statuses) = TcpProbe::load(ctx.btf, &config)?;
     Ok(Loaded {
         unit: p.map(|p| Box::new(p) as Box<dyn Probe>),
         statuses: statuses
@@ -135,26 +169,18 @@ struct Hooks {
 }
 
 pub struct TcpProbe {
-    stats: CgroupValues,
+    stats: PerCgroup<PerDestination>,
     lost: MapHandle,
-    active: ActiveSet,
-    drained: Drained,
-    /// None on a kernel without batch reads: one lookup per cgroup
-    batch: Option<BatchRead>,
     _links: Vec<Link>,
-    dst: DstTable,
     /// prefixes in `dst_cidrs` (also its size)
     dst_entries: usize,
-    last: LastRead<TcpCgroup>,
 }
 
 impl TcpProbe {
     /// Loads the object with whichever of its two hooks the kernel has; the
     /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
     pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {
-        self.stats
-            .get_by_dir(cgroup_dir)
-            .and_then(|b| TcpCgroup::decode(&b))
+        self.stats.value_by_dir(cgroup_dir)
     }
 
     /// statuses say which are up. `Ok((None, ..))` when neither is.
@@ -198,7 +224,7 @@ impl TcpProbe {
                 st.name,
                 hook,
                 probe.stats.storage(),
-                probe.batch.is_some(),
+                probe.stats.batched(),
                 chosen.fell_back.clone(),
             );
             with.reason = st.reason;
@@ -309,62 +335,58 @@ impl TcpProbe {
         } else {
             handle(OBJ, &skel.maps.tcp_stats)?
         };
+        let maps = ValueMaps {
+            values,
+            active_epoch: handle(OBJ, &skel.maps.active_epoch)?,
+            active_cgroups: handle(OBJ, &skel.maps.active_cgroups)?,
+            drained: handle(OBJ, &skel.maps.tcp_stats_drained)?,
+            drain_added: handle(OBJ, &skel.maps.tcp_stats_drain_added)?,
+        };
         Ok(TcpProbe {
-            stats: CgroupValues::new(values, storage),
+            stats: PerCgroup::new(OBJ, storage, maps, batch, PerDestination(dst.clone()))?,
             lost: handle(OBJ, &skel.maps.tcp_lost)?,
-            active: ActiveSet::new(
-                OBJ,
-                handle(OBJ, &skel.maps.active_epoch)?,
-                handle(OBJ, &skel.maps.active_cgroups)?,
-            )?,
-            drained: Drained::new(
-                OBJ,
-                handle(OBJ, &skel.maps.tcp_stats_drained)?,
-                handle(OBJ, &skel.maps.tcp_stats_drain_added)?,
-            )?,
-            batch,
             _links: links,
-            dst: dst.clone(),
             dst_entries: lpm_len,
-            last: LastRead::default(),
         })
-    }
-
-    fn read_id(&self, id: u64, cgroup_dir: BorrowedFd<'_>) -> Option<TcpCgroup> {
-        self.stats
-            .get(id, cgroup_dir)
-            .and_then(|b| TcpCgroup::decode(&b))
     }
 }
 
-/// The deltas of a cgroup's cumulative aggregates `t` since its previous reading.
-fn push_deltas(
-    last: &mut LastRead<TcpCgroup>,
-    dst: &DstTable,
-    id: u64,
-    t: TcpCgroup,
-    out: &mut Vec<Delta>,
-) {
-    let d = last.advance(id, t, TcpCgroup::delta_since);
-    for (i, (rtt, &retrans)) in d.rtt.into_iter().zip(&d.retrans_segs).enumerate() {
-        // A socket owner with traffic to a destination gets both series,
-        // so a clean pod reads 0 retransmits rather than nothing.
-        if rtt.is_empty() && retrans == 0 {
-            continue;
-        }
-        let labels = Labels::from([("dst", dst.name(i).to_string())]);
-        if !rtt.is_empty() {
+/// A cgroup's RTT and retransmits per destination class of `--dst`.
+struct PerDestination(DstTable);
+
+impl CgroupSeries for PerDestination {
+    type Value = TcpCgroup;
+
+    fn decode(bytes: &[u8]) -> Option<TcpCgroup> {
+        TcpCgroup::decode(bytes)
+    }
+
+    fn delta(now: &TcpCgroup, prev: &TcpCgroup) -> TcpCgroup {
+        now.delta_since(prev)
+    }
+
+    fn deltas(&mut self, _id: u64, _now: &TcpCgroup, d: TcpCgroup, out: &mut Vec<Delta>) {
+        let dst = &self.0;
+        for (i, (rtt, &retrans)) in d.rtt.into_iter().zip(&d.retrans_segs).enumerate() {
+            // A socket owner with traffic to a destination gets both series,
+            // so a clean pod reads 0 retransmits rather than nothing.
+            if rtt.is_empty() && retrans == 0 {
+                continue;
+            }
+            let labels = Labels::from([("dst", dst.name(i).to_string())]);
+            if !rtt.is_empty() {
+                out.push(Delta {
+                    family: RTT_FAMILY,
+                    labels: labels.clone(),
+                    value: Value::Hist(rtt),
+                });
+            }
             out.push(Delta {
-                family: RTT_FAMILY,
-                labels: labels.clone(),
-                value: Value::Hist(rtt),
+                family: RETRANS_FAMILY,
+                labels,
+                value: Value::Count(retrans),
             });
         }
-        out.push(Delta {
-            family: RETRANS_FAMILY,
-            labels,
-            value: Value::Count(retrans),
-        });
     }
 }
 
@@ -388,42 +410,8 @@ impl Probe for TcpProbe {
         ]
     }
 
-    fn read_cgroup(&mut self, id: u64, dir: BorrowedFd<'_>, out: &mut Vec<Delta>) {
-        let Some(t) = self.read_id(id, dir) else {
-            return;
-        };
-        push_deltas(&mut self.last, &self.dst, id, t, out);
-    }
-
-    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
-        let Some(batch) = self.batch.as_mut() else {
-            return read_each(self, ids, tree, out);
-        };
-        let (last, dst) = (&mut self.last, &self.dst);
-        let each = |id, bytes: &[u8], d: &mut Vec<Delta>| {
-            if let Some(t) = TcpCgroup::decode(bytes) {
-                push_deltas(last, dst, id, t, d);
-            }
-        };
-        batch.deltas(OBJ, ids, each, out);
-    }
-
-    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
-        self.active.take()
-    }
-
-    fn read_removed(&mut self, out: &mut Vec<(u64, Delta)>) {
-        let (drained, last, dst) = (&self.drained, &mut self.last, &self.dst);
-        let push = |id, t, d: &mut Vec<Delta>| {
-            push_deltas(last, dst, id, t, d);
-            last.forget(id);
-        };
-        drained.deltas(TcpCgroup::decode, push, out);
-    }
-
-    fn forget_cgroup(&mut self, id: u64) {
-        self.last.forget(id);
-        self.stats.forget(id);
+    fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
+        Some(&mut self.stats)
     }
 
     fn stats(&self) -> UnitStats {
@@ -431,7 +419,7 @@ impl Probe for TcpProbe {
             maps: vec![
                 MapFill {
                     map: "tcp_stats",
-                    entries: self.last.len(),
+                    entries: self.stats.entries(),
                     capacity: None,
                 },
                 MapFill {

@@ -9,12 +9,13 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::fd::{AsFd, BorrowedFd};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::gpu_compute::{ComputeSeries, ComputeSource};
 use super::hist::Hist;
+use super::options::{OptionsSpec, UnitOptions};
+use super::per_cgroup::CgroupReads;
 use super::signal::SignalSpec;
 use super::{KernelBtf, ProbeError, ProbeStatus};
 use crate::cgroups::{CgroupTree, ProcessChanges};
@@ -331,41 +332,18 @@ pub trait Probe: Send {
     /// from now on it exports the compute time and duty cycle through `series`.
     fn publish_compute(&mut self, _series: ComputeSeries) {}
 
-    /// Reads one cgroup's entry and pushes what changed since the previous
-    /// read of that cgroup. Units keyed by cgroup storage implement it.
-    fn read_cgroup(&mut self, _id: u64, _dir: BorrowedFd<'_>, _out: &mut Vec<Delta>) {}
-
-    /// Reads the entries of `ids` (cgroups of `tree`) and pushes (cgroup id,
-    /// what changed since its previous read). By default one
-    /// [`Probe::read_cgroup`] per cgroup; a unit that can read many cgroups
-    /// with one syscall (`cgroup_batch`) does that instead.
-    fn read_cgroups(&mut self, ids: &[u64], tree: &CgroupTree, out: &mut Vec<(u64, Delta)>) {
-        read_each(self, ids, tree, out)
-    }
-
-    /// The cgroups whose entries this unit's programs changed since the
-    /// previous call (`cgroup_maps::ActiveSet`), so that a tick reads those
-    /// only; None when the unit cannot tell, and then every cgroup is read.
-    fn active_cgroups(&mut self) -> Option<Vec<u64>> {
+    /// The unit's values kept per cgroup (`per_cgroup::PerCgroup`), which
+    /// the collector reads each tick; None for a unit that keeps none.
+    fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
         None
     }
 
-    /// Whether [`Probe::active_cgroups`] names every cgroup in which any task
+    /// Whether [`CgroupReads::active`] names every cgroup in which any task
     /// ran (the scheduler's unit does): then a cgroup missing from it had no
     /// process start or change, and its process list need not be read again.
     fn marks_every_run(&self) -> bool {
         false
     }
-
-    /// The last numbers of cgroups removed since the previous call, which can
-    /// no longer be read through their directories (`cgroup_maps::Drained`):
-    /// pushes (cgroup id, what changed since the previous read of it) and
-    /// forgets the cgroup's delta state.
-    fn read_removed(&mut self, _out: &mut Vec<(u64, Delta)>) {}
-
-    /// The cgroup is gone and its last numbers were taken (or never will be):
-    /// forget its delta state.
-    fn forget_cgroup(&mut self, _id: u64) {}
 
     /// Once per tick, after every cgroup was read: work not keyed by cgroup.
     fn tick(&mut self, _ctx: &TickContext<'_>) -> TickOutput {
@@ -375,61 +353,13 @@ pub trait Probe: Send {
     fn stats(&self) -> UnitStats;
 }
 
-/// [`Probe::read_cgroups`] one cgroup at a time, through its directory.
-pub fn read_each<P: Probe + ?Sized>(
-    unit: &mut P,
-    ids: &[u64],
-    tree: &CgroupTree,
-    out: &mut Vec<(u64, Delta)>,
-) {
-    let mut read = Vec::new();
-    for &id in ids {
-        let Some(cg) = tree.cgroups.get(&id) else {
-            continue;
-        };
-        unit.read_cgroup(id, cg.dir.as_fd(), &mut read);
-        out.extend(read.drain(..).map(|d| (id, d)));
-    }
-}
-
-/// What a unit needs from the command line; each unit reads its own part.
-pub struct ProbeConfig {
-    pub sched: super::sched::Config,
-    pub tcp: super::tcp::Config,
-    pub tc: super::tc::Config,
-    pub gpu_driver: super::gpu_driver::Config,
-    pub cuda: super::cuda::CudaOptions,
-    pub nvml: super::nvml::Config,
-}
-
-impl ProbeConfig {
-    /// Every unit's defaults, ticking every `interval`, counting pod interfaces only (no
-    /// node devices): what `selftest` and the doctor's load check use.
-    pub fn defaults(interval: std::time::Duration) -> ProbeConfig {
-        ProbeConfig {
-            sched: super::sched::Config {
-                method: super::sched::Method::Auto,
-            },
-            tcp: super::tcp::Config {
-                dst: crate::dst::DstTable::defaults(),
-                rtt_every: interval,
-            },
-            tc: super::tc::Config {
-                attach: super::tc::AttachMode::Auto,
-                node_devices: crate::ifaces::NodeDevices::None,
-            },
-            gpu_driver: super::gpu_driver::Config::default(),
-            cuda: super::cuda::CudaOptions::default(),
-            nvml: super::nvml::Config::default(),
-        }
-    }
-}
-
-/// What loading gets: the kernel's BTF, the configuration, and the kernel's
-/// lockdown mode (`None` when off or unreadable).
+/// What loading gets: the kernel's BTF, every unit's options (each unit takes
+/// its own), the tick's interval, and the kernel's lockdown mode (`None` when
+/// off or unreadable).
 pub struct LoadContext<'a> {
     pub btf: &'a KernelBtf,
-    pub config: &'a ProbeConfig,
+    pub options: &'a UnitOptions,
+    pub interval: std::time::Duration,
     pub lockdown: Option<&'a str>,
 }
 
@@ -467,6 +397,8 @@ pub struct UnitSpec {
     /// The probes its statuses name (`gpufeed_probe_up{probe}`): a unit the kernel refuses
     /// is reported down under these (those selected, where they are `--probes` names too).
     pub reports: &'static [&'static str],
+    /// Its part of the command line (`OptionsSpec::NONE` for a unit without flags).
+    pub options: OptionsSpec,
     /// Loads the unit for the selected subset of `names`.
     pub load: fn(&LoadContext<'_>, &[&'static str]) -> Result<Loaded, ProbeError>,
 }

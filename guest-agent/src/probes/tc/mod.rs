@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 pub use loader::{tc_drop_reasons, AttachMode, DropKey, IfBytes, TcProbe, BYTES, DROPS};
 
+use super::options::{OptionsSpec, UnitOptions};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope,
@@ -34,14 +35,35 @@ pub const NAME: &str = "tc";
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     reports: &[loader::BYTES, loader::DROPS],
+    options: OptionsSpec::flags::<Config>(),
     load: load_unit,
 };
 
 /// The unit's part of the command line.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, clap::Args)]
+#[group(id = "tc options")]
 pub struct Config {
+    /// How tc programs attach to pod interfaces: tcx (6.6+), classic clsact, or auto.
+    #[arg(
+        long = "tc-attach",
+        value_name = "TC_ATTACH",
+        value_enum,
+        default_value = "auto"
+    )]
     pub attach: AttachMode,
+    /// Node devices on which hostNetwork pods' bytes are counted per socket:
+    /// `auto` (physical NICs), `none`, or NAME[,NAME...].
+    #[arg(long = "node-devices", default_value = "auto")]
     pub node_devices: NodeDevices,
+}
+
+/// Counts pod interfaces only, not node devices: for loading the units to
+/// compare them with the kernel's counters (`selftest`) or to see whether
+/// they load (the doctor), without attaching to the node's NICs.
+pub fn pod_interfaces_only(options: &mut UnitOptions) {
+    let mut tc = options.get::<Config>().clone();
+    tc.node_devices = NodeDevices::None;
+    options.set(tc);
 }
 
 /// Direction from the pod's point of view.
@@ -86,7 +108,7 @@ static FAMILIES: [FamilySpec; 3] = [
 const REDISCOVER: Duration = Duration::from_secs(5);
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    let cfg = &ctx.config.tc;
+    let cfg = ctx.options.get::<Config>();
     // Reading packet headers for the IP fallback needs bpf_probe_read_kernel,
     // which lockdown=confidentiality refuses.
     let read_addrs = ctx.lockdown != Some("confidentiality");
