@@ -32,6 +32,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include "cgroup.h"
+#include "counters.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -50,6 +51,16 @@ struct died {
 	__u64 parent;
 	char path[PATH_MAX_LEN]; /* empty without read_paths */
 };
+
+/* Two u64 slots that the agent reads without a syscall. */
+#define MMAPED_PAIR(name)                          \
+	struct {                                   \
+		__uint(type, BPF_MAP_TYPE_ARRAY);  \
+		__uint(map_flags, BPF_F_MMAPABLE); \
+		__uint(max_entries, 2);            \
+		__type(key, __u32);                \
+		__type(value, __u64);              \
+	} name SEC(".maps")
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -71,13 +82,7 @@ struct {
  * looked (it then walks the whole hierarchy once), [1] events recorded since
  * the agent last took them: with none it leaves born and died alone (their
  * batch read walks every bucket of the map) */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(map_flags, BPF_F_MMAPABLE); /* read by the agent without a syscall */
-	__uint(max_entries, 2);
-	__type(key, __u32);
-	__type(value, __u64);
-} overflow SEC(".maps");
+MMAPED_PAIR(overflow);
 
 /* one scratch entry per CPU: a struct died does not fit the BPF stack */
 struct {
@@ -90,13 +95,7 @@ struct {
 /* [0] the agent's epoch for maps_changed (starts at 1), [1] non-zero when an
  * write to procs_changed or maps_changed failed (a ring was full) since the agent last
  * looked (it then re-reads every list and looks at every process again) */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(map_flags, BPF_F_MMAPABLE); /* read by the agent without a syscall */
-	__uint(max_entries, 2);
-	__type(key, __u32);
-	__type(value, __u64);
-} changed_epoch SEC(".maps");
+MMAPED_PAIR(changed_epoch);
 
 /* rings of u64 ids (8 bytes and an 8-byte header each), read by the agent
  * through shared memory (see cgroup_active.h) */
@@ -120,20 +119,12 @@ struct {
 
 static __always_inline void overflowed(void)
 {
-	__u32 zero = 0;
-	__u64 *v = bpf_map_lookup_elem(&overflow, &zero);
-
-	if (v)
-		*v = 1;
+	slot_set(&overflow, 0, 1);
 }
 
 static __always_inline void recorded(void)
 {
-	__u32 one = 1;
-	__u64 *v = bpf_map_lookup_elem(&overflow, &one);
-
-	if (v)
-		__sync_fetch_and_add(v, 1);
+	slot_add_shared(&overflow, 1, 1);
 }
 
 /* The default (v2) hierarchy is the first one the kernel sets up: id 0. */
@@ -193,11 +184,7 @@ int BPF_PROG(cgroup_rmdir, struct cgroup *cgrp, const char *path)
 
 static __always_inline void changes_lost(void)
 {
-	__u32 one = 1;
-	__u64 *v = bpf_map_lookup_elem(&changed_epoch, &one);
-
-	if (v)
-		*v = 1;
+	slot_set(&changed_epoch, 1, 1);
 }
 
 static __always_inline void procs_changed_in(struct cgroup *cgrp)

@@ -552,18 +552,23 @@ int BPF_UPROBE(cu_event_record, __u64 event, __u64 stream)
 	return 0;
 }
 
-/* CUresult cuStreamSynchronize(CUstream hStream), cuStreamQuery(CUstream hStream) */
-SEC("uprobe")
-int BPF_UPROBE(cu_stream_sync, __u64 stream)
-{
-	return stash(CALL_STREAM_SYNC, stream, 0, bpf_ktime_get_ns());
-}
+/* A call that waits for the work behind a handle (a stream or an event), its
+ * wait timed from the entry, and its query form, which answers at once: both
+ * stashed for cu_sync_ret. */
+#define WAIT_AND_QUERY(wait_prog, wait_call, query_prog, query_call)  \
+	SEC("uprobe")                                                 \
+	int BPF_UPROBE(wait_prog, __u64 handle)                       \
+	{                                                             \
+		return stash(wait_call, handle, 0, bpf_ktime_get_ns()); \
+	}                                                             \
+	SEC("uprobe")                                                 \
+	int BPF_UPROBE(query_prog, __u64 handle)                      \
+	{                                                             \
+		return stash(query_call, handle, 0, 0);               \
+	}
 
-SEC("uprobe")
-int BPF_UPROBE(cu_stream_query, __u64 stream)
-{
-	return stash(CALL_STREAM_QUERY, stream, 0, 0);
-}
+/* CUresult cuStreamSynchronize(CUstream hStream), cuStreamQuery(CUstream hStream) */
+WAIT_AND_QUERY(cu_stream_sync, CALL_STREAM_SYNC, cu_stream_query, CALL_STREAM_QUERY)
 
 /* CUresult cuCtxSynchronize(void) */
 SEC("uprobe")
@@ -573,17 +578,7 @@ int BPF_UPROBE(cu_ctx_sync)
 }
 
 /* CUresult cuEventSynchronize(CUevent hEvent), cuEventQuery(CUevent hEvent) */
-SEC("uprobe")
-int BPF_UPROBE(cu_event_sync, __u64 event)
-{
-	return stash(CALL_EVENT_SYNC, event, 0, bpf_ktime_get_ns());
-}
-
-SEC("uprobe")
-int BPF_UPROBE(cu_event_query, __u64 event)
-{
-	return stash(CALL_EVENT_QUERY, event, 0, 0);
-}
+WAIT_AND_QUERY(cu_event_sync, CALL_EVENT_SYNC, cu_event_query, CALL_EVENT_QUERY)
 
 struct close_ctx {
 	struct cuda_cgroup *cg;

@@ -40,6 +40,7 @@
 #include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
+#include "counters.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -105,11 +106,7 @@ struct {
 
 static __always_inline void count_lost(void)
 {
-	__u32 zero = 0;
-	__u64 *v = bpf_map_lookup_elem(&tcp_lost, &zero);
-
-	if (v)
-		*v += 1;
+	slot_add(&tcp_lost, 0, 1);
 }
 
 static __always_inline __u32 classify_addr(const struct sock_common *c)

@@ -9,7 +9,6 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::fake_kube::FakeKube;
 use common::gpu::*;
 use common::*;
 
@@ -21,7 +20,6 @@ const GIB: u64 = 1 << 30;
 const MEMORY: f64 = (104 * GIB) as f64;
 const GPUS: f64 = 2.0;
 const INTERVAL: Duration = Duration::from_millis(200);
-const TENANT_KEY: &str = "team.example.com/tenant";
 /// The default weights.
 const W_COMPUTE: f64 = 0.55;
 const W_VRAM: f64 = 0.35;
@@ -38,43 +36,24 @@ async fn cost_per_tenant_and_idle_follow_what_the_gpus_did() {
     let scratch = tempfile::tempdir().unwrap();
     let nvml = StandInNvml::new(scratch.path());
     let sb = CgroupSandbox::new();
-    let tenant = |t: &'static str, app: &'static str| -> Vec<(&'static str, &'static str)> {
-        vec![(TENANT_KEY, t), ("app.kubernetes.io/name", app)]
-    };
-    let (la, lb) = (tenant("team-a", "chat"), tenant("team-b", "embed"));
-    let (pods, list) = labelled_pods(
+    let (_pods, pids, kube) = two_tenants(
         &sb,
         NODE,
-        &[
-            ("chat-0", Layout::Cgroupfs, &la),
-            ("chat-1", Layout::Systemd, &la),
-            ("embed-0", Layout::Cgroupfs, &lb),
-            ("embed-1", Layout::Systemd, &lb),
+        [
+            ("team-a", "chat", ["chat-0", "chat-1"]),
+            ("team-b", "embed", ["embed-0", "embed-1"]),
         ],
-    );
-    let mut pods: Vec<Pod> = pods;
-    let pids: Vec<u32> = pods.iter_mut().map(|p| p.spawn("exec sleep 120")).collect();
-    let kube = FakeKube::start(NODE, list, vec![]).await;
-    let args = [
-        "--interval",
-        "200ms",
-        "--node-name",
-        NODE,
+    )
+    .await;
+    let flags = [
         "--probes",
         "nvml",
         "--nvml-library",
         nvml.path(),
-        "--gpu-duty-window",
-        "2s",
-        "--pod-label",
-        "tenant=team.example.com/tenant",
-        "--pod-label",
-        "app=app.kubernetes.io/name",
-        "--gpu-hourly-rate",
-        "3.6",
         "--gpu-cost-currency",
         "EUR",
     ];
+    let args = finops_flags(NODE, &flags);
     let (agent, _kc) = agent_with_kube(&kube, &args).await;
     let info = |pod: &str| {
         value(

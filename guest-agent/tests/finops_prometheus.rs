@@ -13,13 +13,11 @@ mod manifests;
 use std::fs::File;
 use std::time::Duration;
 
-use common::fake_kube::FakeKube;
 use common::gpu::*;
 use common::*;
 use manifests::{kustomize_dir, yaml_documents};
 
 const NODE: &str = "gpu-node-finops-prom";
-const TENANT_KEY: &str = "team.example.com/tenant";
 const GIB: u64 = 1 << 30;
 
 /// The scaler query of the original design (a per-replica average of the compute time's
@@ -79,32 +77,17 @@ async fn prometheus_evaluates_the_scaler_queries_the_mps_advice_and_the_rules() 
     let dev = StandInDevice::new(dir);
     let nvml = StandInNvml::new(dir);
     let sb = CgroupSandbox::new();
-    let labels = |t: &'static str, app: &'static str| -> Vec<(&'static str, &'static str)> {
-        vec![(TENANT_KEY, t), ("app.kubernetes.io/name", app)]
-    };
-    let (server, notebook) = (
-        labels("team-a", "inference-server"),
-        labels("team-b", "notebook"),
-    );
-    let (pods, list) = labelled_pods(
+    let (mut pods, pids, kube) = two_tenants(
         &sb,
         NODE,
-        &[
-            ("server-0", Layout::Cgroupfs, &server),
-            ("server-1", Layout::Systemd, &server),
-            ("idle-0", Layout::Cgroupfs, &notebook),
-            ("idle-1", Layout::Systemd, &notebook),
+        [
+            ("team-a", "inference-server", ["server-0", "server-1"]),
+            ("team-b", "notebook", ["idle-0", "idle-1"]),
         ],
-    );
-    let mut pods: Vec<Pod> = pods;
-    let pids: Vec<u32> = pods.iter_mut().map(|p| p.spawn("exec sleep 120")).collect();
-    let kube = FakeKube::start(NODE, list, vec![]).await;
+    )
+    .await;
     let prefix = format!("{}/nvidia", dir.display());
-    let args = [
-        "--interval",
-        "200ms",
-        "--node-name",
-        NODE,
+    let flags = [
         "--probes",
         "gpu_driver,nvml",
         "--gpu-device-prefix",
@@ -113,17 +96,10 @@ async fn prometheus_evaluates_the_scaler_queries_the_mps_advice_and_the_rules() 
         UART_DRIVER,
         "--nvml-library",
         nvml.path(),
-        "--gpu-duty-window",
-        "2s",
         "--mps-sustain",
         "3s",
-        "--pod-label",
-        "tenant=team.example.com/tenant",
-        "--pod-label",
-        "app=app.kubernetes.io/name",
-        "--gpu-hourly-rate",
-        "3.6",
     ];
+    let args = finops_flags(NODE, &flags);
     let (agent, _kc) = agent_with_kube(&kube, &args).await;
     let target = agent.addr;
     let prom = tokio::task::spawn_blocking(move || {

@@ -43,6 +43,73 @@ fn has_open(pid: i32, target: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// Waits until process `pid` has the device `node` open.
+fn wait_open(pid: i32, node: &Path, what: &str) {
+    assert!(
+        wait_for(Duration::from_secs(5), || has_open(pid, node).then_some(())).is_some(),
+        "{what}"
+    );
+}
+
+/// The driver-time stand-in in a scratch directory, and a sandbox for the pods that use it.
+struct Rig {
+    dev: StandInDevice,
+    sb: CgroupSandbox,
+    scratch: tempfile::TempDir,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        let scratch = tempfile::tempdir().unwrap();
+        Rig {
+            dev: StandInDevice::new(scratch.path()),
+            sb: CgroupSandbox::new(),
+            scratch,
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        self.scratch.path()
+    }
+
+    /// The driver probe on `hook`, with the stand-in's path prefix and driver name.
+    fn driver_probe(&self, hook: Hook) -> GpuDriverProbe {
+        let devices = GpuDevices {
+            path_prefixes: vec![format!("{}/nvidia", self.dir().display())],
+            driver_names: vec![UART_DRIVER.into()],
+        };
+        GpuDriverProbe::load(&devices, hook, &KernelBtf::load())
+            .expect("gpu_driver loads")
+            .expect("kernel has the hooks")
+    }
+}
+
+/// The CUDA probe, with or without the launch probes (the busy estimate).
+fn cuda_probe(launches: bool) -> CudaProbe {
+    CudaProbe::load(
+        CudaOptions {
+            launches,
+            ..CudaOptions::default()
+        },
+        &KernelBtf::load(),
+    )
+    .expect("cuda probe loads")
+    .expect("kernel has the hooks")
+}
+
+/// Waits until the processes of `pods` have mapped the stand-in library and `probe` is
+/// attached to it.
+fn wait_mapped(probe: &mut CudaProbe, pods: &[&Pod], what: &str) {
+    assert!(
+        wait_for(Duration::from_secs(10), || (probe.scan(&pids(pods), None)
+            + probe.files()
+            > 0)
+        .then_some(()))
+        .is_some(),
+        "{what}"
+    );
+}
+
 /// The default: uprobes on the ioctl() (and close, dup2, dup3) of the pod
 /// processes that hold a GPU file, attached per process; no syscall hook, so
 /// other processes' syscalls stay on the kernel's fast path.
@@ -69,33 +136,20 @@ fn driver_time_per_pod_from_raw_syscall_btf_tracepoints() {
 /// device before the probe loaded (seeded from /proc), pod b after (learned at
 /// openat). Each also makes as many ioctls that are not GPU calls.
 fn driver_time_case(hook: Hook) {
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path();
-    let dev = StandInDevice::new(dir);
+    let rig = Rig::new();
+    let (dir, dev, sb) = (rig.dir(), &rig.dev, &rig.sb);
     let node = dev.node.clone();
 
-    let sb = CgroupSandbox::new();
-    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
-    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let mut a = Pod::random(sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(sb, Layout::Systemd, "besteffort");
     let go = dir.join("go");
     let (out_a, out_b) = (dir.join("a.out"), dir.join("b.out"));
 
     // a opens its device before the probe exists: found by the /proc seeding
     let pid_a = a.spawn(&dev.command(3, 1, &go, &out_a, "")) as i32;
-    assert!(
-        wait_for(Duration::from_secs(5), || has_open(pid_a, &node)
-            .then_some(()))
-        .is_some(),
-        "pod a opened the device"
-    );
+    wait_open(pid_a, &node, "pod a opened the device");
 
-    let devices = GpuDevices {
-        path_prefixes: vec![format!("{}/nvidia", dir.display())],
-        driver_names: vec![UART_DRIVER.into()],
-    };
-    let mut probe = GpuDriverProbe::load(&devices, hook, &KernelBtf::load())
-        .expect("gpu_driver loads")
-        .expect("kernel has the hooks");
+    let mut probe = rig.driver_probe(hook);
     let uprobes = probe.mode() == Mode::Uprobes;
     assert_eq!(
         probe.seed_new(&pids(&[&a, &b]), None),
@@ -121,15 +175,10 @@ fn driver_time_case(hook: Hook) {
     );
     // c opens its device, then execs: exec closes the close-on-exec fd, and
     // the calls the new image makes on the reused fd number are not GPU calls
-    let mut c = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+    let mut c = Pod::random(sb, Layout::Cgroupfs, "besteffort");
     let out_c = dir.join("c.out");
     let pid_c = c.spawn(&dev.command(3, 1, &go, &out_c, "exec")) as i32;
-    assert!(
-        wait_for(Duration::from_secs(5), || has_open(pid_c, &node)
-            .then_some(()))
-        .is_some(),
-        "pod c opened the device"
-    );
+    wait_open(pid_c, &node, "pod c opened the device");
     if uprobes {
         // what the agent's next tick does: the processes that hold a GPU
         // file since the last look get the uprobes (b, its child, c)
@@ -195,18 +244,10 @@ fn driver_time_case(hook: Hook) {
 #[test]
 fn busy_time_of_overlapping_calls_is_booked_as_it_passes() {
     let Some(_lock) = require_root() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path();
-    let dev = StandInDevice::new(dir);
-    let sb = CgroupSandbox::new();
-    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
-    let devices = GpuDevices {
-        path_prefixes: vec![format!("{}/nvidia", dir.display())],
-        driver_names: vec![UART_DRIVER.into()],
-    };
-    let probe = GpuDriverProbe::load(&devices, Hook::Syscalls, &KernelBtf::load())
-        .expect("gpu_driver loads")
-        .expect("kernel has the hooks");
+    let rig = Rig::new();
+    let (dir, dev) = (rig.dir(), &rig.dev);
+    let mut pod = Pod::random(&rig.sb, Layout::Cgroupfs, "burstable");
+    let probe = rig.driver_probe(Hook::Syscalls);
     let (go1, go2) = (dir.join("go1"), dir.join("go2"));
     let (out1, out2) = (dir.join("1.out"), dir.join("2.out"));
     // 5 calls of 200 ms each: 2 s of breaks in all, one at a time
@@ -283,15 +324,7 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     let mut host_pod = Pod::random(&sb, Layout::Cgroupfs, "guaranteed");
     let mut ctr_pod = Pod::random(&sb, Layout::Systemd, "burstable");
 
-    let mut probe = CudaProbe::load(
-        CudaOptions {
-            launches: true,
-            ..CudaOptions::default()
-        },
-        &KernelBtf::load(),
-    )
-    .expect("cuda probe loads")
-    .expect("kernel has the hooks");
+    let mut probe = cuda_probe(true);
 
     let pid_a = host_pod.spawn(&cuda.host_command(1));
     let pid_c = ctr_pod.spawn(&format!(
@@ -566,15 +599,7 @@ fn cuda_busy_case(launches: bool) {
     let sb = CgroupSandbox::new();
     let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
-    let mut probe = CudaProbe::load(
-        CudaOptions {
-            launches,
-            ..CudaOptions::default()
-        },
-        &KernelBtf::load(),
-    )
-    .expect("cuda probe loads")
-    .expect("kernel has the hooks");
+    let mut probe = cuda_probe(launches);
 
     let go = dir.join("go");
     let run = |pod: &mut Pod, s: u32| {
@@ -583,15 +608,7 @@ fn cuda_busy_case(launches: bool) {
         out
     };
     let (out_a, out_b) = (run(&mut a, 1), run(&mut b, 2));
-    assert!(
-        wait_for(Duration::from_secs(10), || (probe
-            .scan(&pids(&[&a, &b]), None)
-            + probe.files()
-            > 0)
-        .then_some(()))
-        .is_some(),
-        "the clients mapped the library"
-    );
+    wait_mapped(&mut probe, &[&a, &b], "the clients mapped the library");
     File::create(&go).unwrap();
     wait_file(&out_a, "pod a's client");
     wait_file(&out_b, "pod b's client");
@@ -637,18 +654,10 @@ fn cuda_busy_case(launches: bool) {
 #[test]
 fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
     let Some(_lock) = require_root() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path();
-    let dev = StandInDevice::new(dir);
-    let sb = CgroupSandbox::new();
-    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
-    let devices = GpuDevices {
-        path_prefixes: vec![format!("{}/nvidia", dir.display())],
-        driver_names: vec![UART_DRIVER.into()],
-    };
-    let mut probe = GpuDriverProbe::load(&devices, Hook::Auto, &KernelBtf::load())
-        .expect("gpu_driver loads")
-        .expect("kernel has the hooks");
+    let rig = Rig::new();
+    let (dir, dev) = (rig.dir(), &rig.dev);
+    let mut pod = Pod::random(&rig.sb, Layout::Cgroupfs, "burstable");
+    let mut probe = rig.driver_probe(Hook::Auto);
     assert_eq!(probe.mode(), Mode::Uprobes, "the default");
 
     let (go, out, later) = (dir.join("go"), dir.join("late.out"), dir.join("later"));
@@ -673,11 +682,10 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
     );
     assert_eq!(probe.probed(), 0);
     File::create(&later).unwrap();
-    assert!(
-        wait_for(Duration::from_secs(5), || has_open(pid, &dev.node)
-            .then_some(()))
-        .is_some(),
-        "the same pid, now the client, opened the device"
+    wait_open(
+        pid,
+        &dev.node,
+        "the same pid, now the client, opened the device",
     );
     assert_eq!(probe.seed_new(&pids(&[&pod]), None), 1, "looked at again");
     assert_eq!(probe.probed(), 1);
@@ -727,53 +735,28 @@ fn hist_of<'a>(deltas: &'a [Delta], family: &str) -> Vec<&'a Hist> {
 #[test]
 fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
     let Some(_lock) = require_root() else { return };
-    let scratch = tempfile::tempdir().unwrap();
-    let dir = scratch.path();
-    let dev = StandInDevice::new(dir);
+    let rig = Rig::new();
+    let (dir, dev, sb) = (rig.dir(), &rig.dev, &rig.sb);
     let cuda = StandInCuda::new(dir);
     let client = BusyClient::new(dir);
-    let sb = CgroupSandbox::new();
-    let mut driver = GpuDriverProbe::load(
-        &GpuDevices {
-            path_prefixes: vec![format!("{}/nvidia", dir.display())],
-            driver_names: vec![UART_DRIVER.into()],
-        },
-        Hook::Auto,
-        &KernelBtf::load(),
-    )
-    .expect("gpu_driver loads")
-    .expect("kernel has the hooks");
-    let mut probe = CudaProbe::load(CudaOptions::default(), &KernelBtf::load())
-        .expect("cuda probe loads")
-        .expect("kernel has the hooks");
+    let mut driver = rig.driver_probe(Hook::Auto);
+    let mut probe = cuda_probe(false);
 
     // one pod per unit; each process runs after the unit looked at it
     let go = dir.join("go");
-    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut a = Pod::random(sb, Layout::Cgroupfs, "burstable");
     let out_a = dir.join("a.out");
     let pid_a = a.spawn(&dev.command(2, 1, &go, &out_a, ""));
-    assert!(
-        wait_for(Duration::from_secs(5), || has_open(pid_a as i32, &dev.node)
-            .then_some(()))
-        .is_some(),
-        "pod a opened the device"
-    );
+    wait_open(pid_a as i32, &dev.node, "pod a opened the device");
     assert_eq!(
         driver.seed_new(&pids(&[&a]), None),
         1,
         "a's device fd seeded"
     );
-    let mut b = Pod::random(&sb, Layout::Systemd, "besteffort");
+    let mut b = Pod::random(sb, Layout::Systemd, "besteffort");
     let out_b = dir.join("b.out");
     let pid_b = b.spawn(&client.command(&cuda, &go, &out_b, 1));
-    assert!(
-        wait_for(Duration::from_secs(10), || (probe.scan(&pids(&[&b]), None)
-            + probe.files()
-            > 0)
-        .then_some(()))
-        .is_some(),
-        "pod b's client mapped the library"
-    );
+    wait_mapped(&mut probe, &[&b], "pod b's client mapped the library");
     File::create(&go).unwrap();
     wait_file(&out_a, "pod a's calls");
     wait_file(&out_b, "pod b's client");

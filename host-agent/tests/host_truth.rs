@@ -23,6 +23,21 @@ fn topo(t: &Tree) -> Topology {
     Topology::from_devices(discover(&Roots::new(t.root()), "testnode", &[]).1)
 }
 
+/// The recorded host: its devices and its Proxmox configuration.
+fn host_tree() -> Tree {
+    let t = Tree::new();
+    topology(&t);
+    pve_basic(&t);
+    t
+}
+
+/// Everything `reg` exports, in the text format.
+fn exposition(reg: &Registry) -> String {
+    prometheus::TextEncoder::new()
+        .encode_to_string(&reg.gather())
+        .unwrap()
+}
+
 // ---- vCPU run delay ----
 
 /// QEMU of VM 100 (pid 4242) with its threads: (tid, comm, schedstat wait ns).
@@ -127,11 +142,28 @@ fn vcpu_run_delay_follows_each_thread_through_exits_failed_reads_and_hotplug() {
 
 // ---- PCIe link down ----
 
-fn gauge(m: &PcieMetrics, bdf: &str, vm: &str) -> (f64, i64) {
+fn pcie_poller(t: &Tree, reg: &Registry) -> PciePoller {
+    PciePoller::new(Roots::new(t.root()), PcieMetrics::new(reg))
+}
+
+fn gauge(p: &PciePoller, bdf: &str, vm: &str) -> (f64, i64) {
+    let m = p.metrics();
     (
         m.speed.with_label_values(&[bdf, vm]).get(),
         m.width.with_label_values(&[bdf, vm]).get(),
     )
+}
+
+/// Of the link of `bdf` only its change counters are left: no stale gauge.
+fn assert_only_change_counters(reg: &Registry, bdf: &str) {
+    let text = exposition(reg);
+    let label = format!("bdf=\"{bdf}\"");
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.contains(&label) && !l.contains("changes_total")),
+        "{text}"
+    );
 }
 
 /// Both forms of a link that went down with the device's config space: the device's own
@@ -142,23 +174,15 @@ fn gauge(m: &PcieMetrics, bdf: &str, vm: &str) -> (f64, i64) {
 #[test]
 fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
     for form in ["failing read", "all ones"] {
-        let t = Tree::new();
-        topology(&t);
-        pve_basic(&t);
+        let t = host_tree();
         let topo = topo(&t);
-        let roots = Roots::new(t.root());
-        let m = PcieMetrics::new(&Registry::new());
-        let mut p = PciePoller::new();
-        assert!(p.poll(&roots, &topo.links, &m, Source::Poll).is_empty());
-        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (16.0, 16), "{form}");
+        let mut p = pcie_poller(&t, &Registry::new());
+        assert!(p.poll(&topo.links, Source::Poll).is_empty());
+        assert_eq!(gauge(&p, "0000:01:00.0", "101"), (16.0, 16), "{form}");
 
         // The link of the plain-slot GPU goes down: the root port's Link Status reads width 0
         // (its speed field keeps a rate, as on real ports; a down link has no speed).
-        t.write(&format!("sys/devices/{PLAIN_RP}/current_link_width"), "0\n");
-        t.write(
-            &format!("sys/devices/{PLAIN_RP}/current_link_speed"),
-            "2.5 GT/s PCIe\n",
-        );
+        t.set_link(PLAIN_RP, "0", "2.5 GT/s PCIe");
         let gpu = |f: &str| t.p(&format!("sys/devices/{PLAIN_GPU}/{f}"));
         match form {
             "failing read" => {
@@ -171,18 +195,11 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
                 }
             }
             _ => {
-                t.write(
-                    &format!("sys/devices/{PLAIN_GPU}/current_link_width"),
-                    "63\n",
-                );
-                t.write(
-                    &format!("sys/devices/{PLAIN_GPU}/current_link_speed"),
-                    "Unknown\n",
-                );
+                t.set_link(PLAIN_GPU, "63", "Unknown");
                 t.write(&format!("sys/devices/{PLAIN_GPU}/max_link_width"), "63\n");
             }
         }
-        let ev = p.poll(&roots, &topo.links, &m, Source::Poll);
+        let ev = p.poll(&topo.links, Source::Poll);
         assert_eq!(ev.len(), 1, "{form}: {ev:?}");
         let HostEvent::PcieLinkChange(l) = &ev[0] else {
             panic!("{form}: {ev:?}")
@@ -212,35 +229,25 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
             ),
             "{form}"
         );
-        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (0.0, 0), "{form}");
+        assert_eq!(gauge(&p, "0000:01:00.0", "101"), (0.0, 0), "{form}");
         assert_eq!(
-            m.max_width
+            p.metrics()
+                .max_width
                 .with_label_values(&["0000:01:00.0", "101"])
                 .get(),
             16,
             "{form}: the maximum is kept while the device cannot be read"
         );
         // Still down on the next poll: no new event, the gauges stay at 0.
-        assert!(p.poll(&roots, &topo.links, &m, Source::Poll).is_empty());
-        assert_eq!(gauge(&m, "0000:01:00.0", "101").1, 0, "{form}");
+        assert!(p.poll(&topo.links, Source::Poll).is_empty());
+        assert_eq!(gauge(&p, "0000:01:00.0", "101").1, 0, "{form}");
 
         // The same link going down as a width-0 read of the GPU itself gives the same event.
-        let t2 = Tree::new();
-        topology(&t2);
-        pve_basic(&t2);
-        let roots2 = Roots::new(t2.root());
-        let m2 = PcieMetrics::new(&Registry::new());
-        let mut p2 = PciePoller::new();
-        p2.poll(&roots2, &topo.links, &m2, Source::Poll);
-        t2.write(
-            &format!("sys/devices/{PLAIN_GPU}/current_link_width"),
-            "0\n",
-        );
-        t2.write(
-            &format!("sys/devices/{PLAIN_GPU}/current_link_speed"),
-            "2.5 GT/s PCIe\n",
-        );
-        let ev2 = p2.poll(&roots2, &topo.links, &m2, Source::Poll);
+        let t2 = host_tree();
+        let mut p2 = pcie_poller(&t2, &Registry::new());
+        p2.poll(&topo.links, Source::Poll);
+        t2.set_link(PLAIN_GPU, "0", "2.5 GT/s PCIe");
+        let ev2 = p2.poll(&topo.links, Source::Poll);
         assert_eq!(ev, ev2, "{form}");
 
         // The link comes back and the device answers again: link up, values from the device.
@@ -249,21 +256,14 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
                 std::fs::remove_dir(gpu(f)).unwrap();
             }
         }
-        t.write(
-            &format!("sys/devices/{PLAIN_GPU}/current_link_width"),
-            "16\n",
-        );
-        t.write(
-            &format!("sys/devices/{PLAIN_GPU}/current_link_speed"),
-            "16.0 GT/s PCIe\n",
-        );
+        t.set_link(PLAIN_GPU, "16", "16.0 GT/s PCIe");
         t.write(&format!("sys/devices/{PLAIN_GPU}/max_link_width"), "16\n");
-        let ev = p.poll(&roots, &topo.links, &m, Source::Poll);
+        let ev = p.poll(&topo.links, Source::Poll);
         assert!(
             matches!(&ev[..], [HostEvent::PcieLinkChange(l)] if l.class == LinkChangeClass::LinkUp && l.new_width == 16),
             "{form}: {ev:?}"
         );
-        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (16.0, 16), "{form}");
+        assert_eq!(gauge(&p, "0000:01:00.0", "101"), (16.0, 16), "{form}");
     }
 }
 
@@ -274,20 +274,12 @@ fn link_down_with_unreadable_or_all_ones_config_space_reads_the_port() {
 #[test]
 fn link_down_with_the_device_removed_reads_the_port() {
     for rescan_first in [true, false] {
-        let t = Tree::new();
-        topology(&t);
-        pve_basic(&t);
+        let t = host_tree();
         let before = topo(&t);
-        let roots = Roots::new(t.root());
         let reg = Registry::new();
-        let m = PcieMetrics::new(&reg);
-        let mut p = PciePoller::new();
-        p.poll(&roots, &before.links, &m, Source::Poll);
-        t.write(&format!("sys/devices/{PLAIN_RP}/current_link_width"), "0\n");
-        t.write(
-            &format!("sys/devices/{PLAIN_RP}/current_link_speed"),
-            "2.5 GT/s PCIe\n",
-        );
+        let mut p = pcie_poller(&t, &reg);
+        p.poll(&before.links, Source::Poll);
+        t.set_link(PLAIN_RP, "0", "2.5 GT/s PCIe");
         for (path, bdf) in [(PLAIN_GPU, "0000:01:00.0"), (PLAIN_AUDIO, "0000:01:00.1")] {
             std::fs::remove_file(t.pci(bdf)).unwrap();
             std::fs::remove_dir_all(t.p(&format!("sys/devices/{path}"))).unwrap();
@@ -295,12 +287,12 @@ fn link_down_with_the_device_removed_reads_the_port() {
         let after = topo(&t);
         assert!(after.links.iter().all(|l| l.child != "0000:01:00.0"));
         let ev = if rescan_first {
-            let mut ev = p.retain(&roots, &after.links, &m, Source::Poll);
-            ev.extend(p.poll(&roots, &after.links, &m, Source::Poll));
+            let mut ev = p.retain(&after.links, Source::Poll);
+            ev.extend(p.poll(&after.links, Source::Poll));
             ev
         } else {
-            let mut ev = p.poll(&roots, &before.links, &m, Source::Poll);
-            ev.extend(p.retain(&roots, &after.links, &m, Source::Poll));
+            let mut ev = p.poll(&before.links, Source::Poll);
+            ev.extend(p.retain(&after.links, Source::Poll));
             ev
         };
         assert!(
@@ -310,34 +302,17 @@ fn link_down_with_the_device_removed_reads_the_port() {
             "rescan first {rescan_first}: {ev:?}"
         );
         for _ in 0..2 {
-            assert!(p.retain(&roots, &after.links, &m, Source::Poll).is_empty());
-            assert!(p.poll(&roots, &after.links, &m, Source::Poll).is_empty());
-            assert_eq!(gauge(&m, "0000:01:00.0", "101"), (0.0, 0));
+            assert!(p.retain(&after.links, Source::Poll).is_empty());
+            assert!(p.poll(&after.links, Source::Poll).is_empty());
+            assert_eq!(gauge(&p, "0000:01:00.0", "101"), (0.0, 0));
         }
         // The port trains a link again (a card is back, not yet rescanned): no stale series.
-        t.write(
-            &format!("sys/devices/{PLAIN_RP}/current_link_width"),
-            "16\n",
-        );
-        t.write(
-            &format!("sys/devices/{PLAIN_RP}/current_link_speed"),
-            "16.0 GT/s PCIe\n",
-        );
-        assert!(p.retain(&roots, &after.links, &m, Source::Poll).is_empty());
-        let text = prometheus::TextEncoder::new()
-            .encode_to_string(&reg.gather())
-            .unwrap();
-        assert!(
-            !text
-                .lines()
-                .any(|l| l.contains("bdf=\"0000:01:00.0\"") && !l.contains("changes_total")),
-            "{text}"
-        );
+        t.set_link(PLAIN_RP, "16", "16.0 GT/s PCIe");
+        assert!(p.retain(&after.links, Source::Poll).is_empty());
+        assert_only_change_counters(&reg, "0000:01:00.0");
         // A device that is only unassigned (still there) takes its series away too.
-        assert!(p.retain(&roots, &[], &m, Source::Poll).is_empty());
-        let text = prometheus::TextEncoder::new()
-            .encode_to_string(&reg.gather())
-            .unwrap();
+        assert!(p.retain(&[], Source::Poll).is_empty());
+        let text = exposition(&reg);
         assert!(!text.contains("gpufeed_host_pcie_link_width{"), "{text}");
     }
 }
@@ -353,19 +328,15 @@ fn link_down_with_the_device_removed_reads_the_port() {
 #[test]
 fn safe_removal_reads_the_slot_and_a_replug_is_a_link_up() {
     for enumerated_first in [true, false] {
-        let t = Tree::new();
-        topology(&t);
-        pve_basic(&t);
+        let t = host_tree();
         t.write("sys/bus/pci/slots/1/address", "0000:01:00\n");
         t.write("sys/bus/pci/slots/1/adapter", "1\n");
         t.write("sys/bus/pci/slots/1/power", "1\n");
         std::fs::create_dir_all(t.p(&format!("sys/devices/{PLAIN_RP}/pci_bus/0000:01"))).unwrap();
         let before = topo(&t);
-        let roots = Roots::new(t.root());
         let reg = Registry::new();
-        let m = PcieMetrics::new(&reg);
-        let mut p = PciePoller::new();
-        p.poll(&roots, &before.links, &m, Source::Poll);
+        let mut p = pcie_poller(&t, &reg);
+        p.poll(&before.links, Source::Poll);
         let functions = [(PLAIN_GPU, "0000:01:00.0"), (PLAIN_AUDIO, "0000:01:00.1")];
         // removed: kept aside to be plugged back as they were
         for (path, bdf) in functions {
@@ -373,10 +344,10 @@ fn safe_removal_reads_the_slot_and_a_replug_is_a_link_up() {
             std::fs::rename(t.p(&format!("sys/devices/{path}")), t.p(bdf)).unwrap();
         }
         // the removal's uevent, before pciehp has powered the slot off: nothing known yet
-        assert!(p.poll(&roots, &before.links, &m, Source::Uevent).is_empty());
+        assert!(p.poll(&before.links, Source::Uevent).is_empty());
         t.write("sys/bus/pci/slots/1/power", "0\n");
         t.write("sys/bus/pci/slots/1/adapter", "0\n");
-        let ev = p.poll(&roots, &before.links, &m, Source::Uevent);
+        let ev = p.poll(&before.links, Source::Uevent);
         assert!(
             matches!(&ev[..], [HostEvent::PcieLinkChange(l)] if l.bdf == "0000:01:00.0"
                 && l.class == LinkChangeClass::LinkDown && l.old_width == 16 && l.new_width == 0
@@ -384,10 +355,8 @@ fn safe_removal_reads_the_slot_and_a_replug_is_a_link_up() {
             "{ev:?}"
         );
         let after = topo(&t);
-        assert!(p
-            .retain(&roots, &after.links, &m, Source::Uevent)
-            .is_empty());
-        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (0.0, 0));
+        assert!(p.retain(&after.links, Source::Uevent).is_empty());
+        assert_eq!(gauge(&p, "0000:01:00.0", "101"), (0.0, 0));
         let plug = || {
             for (path, bdf) in functions {
                 std::fs::rename(t.p(bdf), t.p(&format!("sys/devices/{path}"))).unwrap();
@@ -403,25 +372,15 @@ fn safe_removal_reads_the_slot_and_a_replug_is_a_link_up() {
         } else {
             // read before the functions are there: the link is no longer known down, its
             // series go (no stale 0), and no event yet
-            assert!(p
-                .retain(&roots, &after.links, &m, Source::Tracepoint)
-                .is_empty());
-            let text = prometheus::TextEncoder::new()
-                .encode_to_string(&reg.gather())
-                .unwrap();
-            assert!(
-                !text
-                    .lines()
-                    .any(|l| l.contains("bdf=\"0000:01:00.0\"") && !l.contains("changes_total")),
-                "{text}"
-            );
+            assert!(p.retain(&after.links, Source::Tracepoint).is_empty());
+            assert_only_change_counters(&reg, "0000:01:00.0");
             plug();
             Source::Tracepoint
         };
-        let mut ev = p.retain(&roots, &after.links, &m, source);
+        let mut ev = p.retain(&after.links, source);
         let again = topo(&t);
-        ev.extend(p.retain(&roots, &again.links, &m, source));
-        ev.extend(p.poll(&roots, &again.links, &m, source));
+        ev.extend(p.retain(&again.links, source));
+        ev.extend(p.poll(&again.links, source));
         assert!(
             matches!(&ev[..], [HostEvent::PcieLinkChange(l)] if l.bdf == "0000:01:00.0"
                 && l.class == LinkChangeClass::LinkUp && l.old_width == 0 && l.new_width == 16
@@ -429,9 +388,9 @@ fn safe_removal_reads_the_slot_and_a_replug_is_a_link_up() {
             "enumerated first {enumerated_first}: {ev:?}"
         );
         // discovery has caught up: no second event
-        assert!(p.retain(&roots, &again.links, &m, Source::Poll).is_empty());
-        assert!(p.poll(&roots, &again.links, &m, Source::Poll).is_empty());
-        assert_eq!(gauge(&m, "0000:01:00.0", "101"), (16.0, 16));
+        assert!(p.retain(&again.links, Source::Poll).is_empty());
+        assert!(p.poll(&again.links, Source::Poll).is_empty());
+        assert_eq!(gauge(&p, "0000:01:00.0", "101"), (16.0, 16));
     }
 }
 
@@ -439,9 +398,7 @@ fn safe_removal_reads_the_slot_and_a_replug_is_a_link_up() {
 
 #[test]
 fn aer_device_replugged_starts_from_its_new_baseline() {
-    let t = Tree::new();
-    topology(&t);
-    pve_basic(&t);
+    let t = host_tree();
     let topo = topo(&t);
     let roots = Roots::new(t.root());
     let m = AerMetrics::new(&Registry::new());
@@ -519,17 +476,13 @@ fn aer_device_replugged_starts_from_its_new_baseline() {
 
 #[test]
 fn thunderbolt_host_router_exports_no_speed_or_lanes() {
-    let t = Tree::new();
-    topology(&t);
-    pve_basic(&t);
+    let t = host_tree();
     let roots = Roots::new(t.root());
     let reg = Registry::new();
     let m = TbMetrics::new(&reg);
     let mut p = TbPoller::new();
     p.poll(&roots, &topo(&t), &m, Source::Poll);
-    let text = prometheus::TextEncoder::new()
-        .encode_to_string(&reg.gather())
-        .unwrap();
+    let text = exposition(&reg);
     // The host router 0-0 (route 0) has no rx/tx speed or lane attributes: no series.
     let host: Vec<&str> = text
         .lines()
@@ -553,9 +506,7 @@ fn thunderbolt_host_router_exports_no_speed_or_lanes() {
     // An attribute that goes away takes its series with it.
     std::fs::remove_file(t.p(&format!("sys/devices/{TB_ROUTER}/rx_lanes"))).unwrap();
     p.poll(&roots, &topo(&t), &m, Source::Poll);
-    let text = prometheus::TextEncoder::new()
-        .encode_to_string(&reg.gather())
-        .unwrap();
+    let text = exposition(&reg);
     assert!(
         !text.contains("gpufeed_host_thunderbolt_lanes{device=\"0-1\",direction=\"rx\"}"),
         "{text}"

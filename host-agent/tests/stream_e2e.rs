@@ -6,7 +6,6 @@ mod stream_support;
 
 use std::time::Duration;
 
-use gpufeed_host::stream;
 use gpufeed_shared::event::{HostEvent, Stamped};
 use stream_support::*;
 
@@ -29,27 +28,11 @@ fn free_udp_port() -> std::net::SocketAddr {
 async fn delivers_in_order_and_acks() {
     let _logs = capture_logs();
     let fx = Fixture::new(&["pve1"]);
-    let greg = prometheus::Registry::new();
-    let mut hc = hub_config(fx.path());
-    hc.recent_capacity = 10_000;
-    let hub = hub::serve(hc, &greg).await.unwrap();
-    let hreg = prometheus::Registry::new();
-    let h = stream::start(
-        fx.stream_config("pve1", hub.local_addr(), None),
-        "pve1".into(),
-        &hreg,
-    )
-    .unwrap();
+    let (hub, greg, h, hreg) = hub_and_host(&fx, None, |hc| hc.recent_capacity = 10_000).await;
     for chunk in events(0, 5000).chunks(500) {
         h.push(chunk);
     }
-    let received = || {
-        metric(
-            &greg,
-            "gpufeed_stream_events_received_total",
-            &[("host", "pve1")],
-        )
-    };
+    let received = || events_received(&greg);
     assert!(
         wait_for(Duration::from_secs(10), || received() == 5000.0).await,
         "{}",
@@ -76,35 +59,11 @@ async fn delivers_in_order_and_acks() {
         h.status()
     );
     assert_eq!(h.status()[0].pending, 0);
-    assert_eq!(
-        metric(
-            &hreg,
-            "gpufeed_host_stream_acked_seq",
-            &[("guest", "guest")]
-        ),
-        5000.0
-    );
-    assert_eq!(
-        metric(
-            &hreg,
-            "gpufeed_host_stream_connected",
-            &[("guest", "guest")]
-        ),
-        1.0
-    );
-    assert_eq!(
-        metric(&greg, "gpufeed_stream_connected", &[("host", "pve1")]),
-        1.0
-    );
-    assert_eq!(
-        metric(
-            &greg,
-            "gpufeed_stream_events_lost_total",
-            &[("host", "pve1")]
-        ),
-        0.0
-    );
-    let lag = metric(&greg, "gpufeed_stream_lag_seconds", &[("host", "pve1")]);
+    assert_eq!(host_metric(&hreg, "gpufeed_host_stream_acked_seq"), 5000.0);
+    assert_eq!(host_metric(&hreg, "gpufeed_host_stream_connected"), 1.0);
+    assert_eq!(hub_metric(&greg, "gpufeed_stream_connected"), 1.0);
+    assert_eq!(hub_metric(&greg, "gpufeed_stream_events_lost_total"), 0.0);
+    let lag = hub_metric(&greg, "gpufeed_stream_lag_seconds");
     assert!((0.0..2.0).contains(&lag), "lag {lag}");
     h.shutdown().await;
     hub.shutdown().await;
@@ -115,12 +74,11 @@ async fn overflow(disk: bool) {
     let fx = Fixture::new(&["pve1"]);
     let addr = free_udp_port();
     let spool = tempfile::tempdir().unwrap();
-    let hreg = prometheus::Registry::new();
     let mut cfg = fx.stream_config("pve1", addr, disk.then(|| spool.path()));
     cfg.memory_events = 1000;
     cfg.disk_max_bytes = 64 * 1024;
     cfg.segment_bytes = 4096;
-    let h = stream::start(cfg, "pve1".into(), &hreg).unwrap();
+    let (h, hreg) = start_host(cfg);
     // The guest is not there yet: everything stays in the spool, which overflows.
     h.push(&events(0, 6000));
     let st = h.status()[0].clone();
@@ -131,26 +89,16 @@ async fn overflow(disk: bool) {
     }
     assert_eq!(st.pending + dropped, 6000);
     assert_eq!(
-        metric(
-            &hreg,
-            "gpufeed_host_stream_events_dropped_total",
-            &[("guest", "guest")]
-        ),
+        host_metric(&hreg, "gpufeed_host_stream_events_dropped_total"),
         dropped as f64
     );
     // Now the guest comes up.
-    let greg = prometheus::Registry::new();
-    let mut hc = hub_config(fx.path());
-    hc.listen = addr;
-    hc.recent_capacity = 10_000;
-    let hub = hub::serve(hc, &greg).await.unwrap();
-    let received = || {
-        metric(
-            &greg,
-            "gpufeed_stream_events_received_total",
-            &[("host", "pve1")],
-        )
-    };
+    let (hub, greg) = serve_hub_with(&fx, |hc| {
+        hc.listen = addr;
+        hc.recent_capacity = 10_000;
+    })
+    .await;
+    let received = || events_received(&greg);
     assert!(
         wait_for(Duration::from_secs(10), || received() == st.pending as f64).await,
         "received {} of {}",
@@ -158,11 +106,7 @@ async fn overflow(disk: bool) {
         st.pending
     );
     assert_eq!(
-        metric(
-            &greg,
-            "gpufeed_stream_events_lost_total",
-            &[("host", "pve1")]
-        ),
+        hub_metric(&greg, "gpufeed_stream_events_lost_total"),
         dropped as f64,
         "guest's lost count must equal the host's dropped count"
     );
@@ -177,11 +121,7 @@ async fn overflow(disk: bool) {
         .await
     );
     assert_eq!(
-        metric(
-            &greg,
-            "gpufeed_stream_events_lost_total",
-            &[("host", "pve1")]
-        ),
+        hub_metric(&greg, "gpufeed_stream_events_lost_total"),
         dropped as f64
     );
     h.shutdown().await;
@@ -205,17 +145,11 @@ async fn oversized_context_is_cut_and_the_recent_ring_is_bounded_in_bytes() {
     use gpufeed_shared::event::{AerCounter, AerSeverity, Source};
     let _logs = capture_logs();
     let fx = Fixture::new(&["pve1"]);
-    let greg = prometheus::Registry::new();
-    let mut hc = hub_config(fx.path());
-    hc.recent_capacity = 10_000;
-    hc.recent_max_bytes = 256 << 10;
-    let hub = hub::serve(hc, &greg).await.unwrap();
-    let h = stream::start(
-        fx.stream_config("pve1", hub.local_addr(), None),
-        "pve1".into(),
-        &prometheus::Registry::new(),
-    )
-    .unwrap();
+    let (hub, greg, h, _) = hub_and_host(&fx, None, |hc| {
+        hc.recent_capacity = 10_000;
+        hc.recent_max_bytes = 256 << 10;
+    })
+    .await;
     let storm = |i: u64| Stamped {
         realtime_ns: i as i64,
         monotonic_ns: i,
@@ -236,13 +170,7 @@ async fn oversized_context_is_cut_and_the_recent_ring_is_bounded_in_bytes() {
     };
     let batch: Vec<Stamped> = (0..100).map(storm).collect();
     h.push(&batch);
-    let received = || {
-        metric(
-            &greg,
-            "gpufeed_stream_events_received_total",
-            &[("host", "pve1")],
-        )
-    };
+    let received = || events_received(&greg);
     assert!(
         wait_for(Duration::from_secs(10), || received() == 100.0).await,
         "{}",

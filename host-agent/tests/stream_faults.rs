@@ -56,22 +56,29 @@ fn assert_accounted(seqs: &[u64], losses: &[SpoolLoss], end: u64) {
     assert!(seqs.windows(2).all(|w| w[0] < w[1]), "out of order");
 }
 
-#[test]
-fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
+/// Memory for 1000 events, a disk far larger than the tmpfs under it.
+const LIMITS: SpoolLimits = SpoolLimits {
+    memory_bytes: usize::MAX,
+    memory_events: 1000,
+    disk_max_bytes: 16 << 20,
+    segment_bytes: 16 << 10,
+};
+
+/// A spool (in `dir`, with [`LIMITS`]) on a 64 KiB disk.
+fn spool_on_a_small_disk() -> (TinyFs, std::path::PathBuf, Spool) {
     let fs = TinyFs::mount(64);
-    let lim = SpoolLimits {
-        memory_bytes: usize::MAX,
-        memory_events: 1000,
-        disk_max_bytes: 16 << 20,
-        segment_bytes: 16 << 10,
-    };
     let dir = fs.path().join("guest");
-    let mut s = Spool::open(&dir, lim).unwrap();
-    let (mut dropped, mut flush_errors) = (0, 0);
-    for i in 0..3000u64 {
-        // A full disk refuses no event and takes no sequence number without an event.
+    let s = Spool::open(&dir, LIMITS).unwrap();
+    (fs, dir, s)
+}
+
+/// Pushes events `0..n`, flushing after every tenth: the sequence numbers handed out, the
+/// events dropped, the flushes that failed.
+fn push_flushing(s: &mut Spool, n: u64) -> (Vec<u64>, u64, u32) {
+    let (mut seqs, mut dropped, mut flush_errors) = (Vec::new(), 0, 0);
+    for i in 0..n {
         let (seq, d) = s.push(ev(i)).unwrap();
-        assert_eq!(seq, i);
+        seqs.push(seq);
         dropped += d;
         if i % 10 == 9 {
             match s.flush(Duration::ZERO) {
@@ -80,6 +87,15 @@ fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
             }
         }
     }
+    (seqs, dropped, flush_errors)
+}
+
+#[test]
+fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
+    let (fs, dir, mut s) = spool_on_a_small_disk();
+    let (pushed, dropped, flush_errors) = push_flushing(&mut s, 3000);
+    // A full disk refuses no event and takes no sequence number without an event.
+    assert_eq!(pushed, (0..3000).collect::<Vec<_>>());
     assert!(flush_errors > 0, "the 64 KiB disk never filled up");
     assert_eq!(s.next_seq(), 3000);
     assert_eq!(s.dropped_total(), dropped);
@@ -99,7 +115,7 @@ fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
     }
     s.flush(Duration::ZERO).unwrap();
     drop(s);
-    let mut s = Spool::open(&dir, lim).unwrap();
+    let mut s = Spool::open(&dir, LIMITS).unwrap();
     assert_eq!(s.next_seq(), 3010);
     assert_eq!(s.dropped_total(), dropped);
     let (seqs2, losses2) = drain(&mut s, 0);
@@ -113,31 +129,14 @@ fn spool_on_a_full_disk_keeps_what_memory_holds_and_counts_the_rest() {
 /// counter), not a silent one.
 #[test]
 fn spool_killed_while_its_disk_is_full_counts_what_memory_held() {
-    let fs = TinyFs::mount(64);
-    let lim = SpoolLimits {
-        memory_bytes: usize::MAX,
-        memory_events: 1000,
-        disk_max_bytes: 16 << 20,
-        segment_bytes: 16 << 10,
-    };
-    let dir = fs.path().join("guest");
-    let mut s = Spool::open(&dir, lim).unwrap();
-    let (mut dropped, mut flush_errors) = (0, 0);
-    for i in 0..3000u64 {
-        dropped += s.push(ev(i)).unwrap().1;
-        if i % 10 == 9 {
-            match s.flush(Duration::ZERO) {
-                Ok(d) => dropped += d,
-                Err(_) => flush_errors += 1,
-            }
-        }
-    }
+    let (fs, dir, mut s) = spool_on_a_small_disk();
+    let (_, dropped, flush_errors) = push_flushing(&mut s, 3000);
     assert!(flush_errors > 0, "the 64 KiB disk never filled up");
     let held = s.unwritten();
     assert!(held > 0, "memory holds nothing the disk lacks");
     drop(s); // killed: what only memory held is gone
     fs.resize(8 << 10);
-    let mut s = Spool::open(&dir, lim).unwrap();
+    let mut s = Spool::open(&dir, LIMITS).unwrap();
     assert_eq!(
         s.next_seq(),
         3000,
@@ -166,26 +165,14 @@ async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
     let logs = capture_logs();
     let fs = TinyFs::mount(64);
     let fx = Fixture::new(&["pve1"]);
-    let (hub, greg) = serve_hub(&fx, 20_000).await;
-    let hreg = prometheus::Registry::new();
-    let h = stream::start(
-        fx.stream_config("pve1", hub.local_addr(), Some(fs.path())),
-        "pve1".into(),
-        &hreg,
-    )
-    .unwrap();
+    let (hub, greg, h, hreg) =
+        hub_and_host(&fx, Some(fs.path()), |hc| hc.recent_capacity = 20_000).await;
     // About 200 KiB of frames (20 bytes each) into a 64 KiB disk, with the guest online.
     for from in (0..10_000).step_by(100) {
         h.push_raw(0, kmsg_lost_raw(from, from + 100));
         tokio::task::yield_now().await;
     }
-    let received = || {
-        metric(
-            &greg,
-            "gpufeed_stream_events_received_total",
-            &[("host", "pve1")],
-        )
-    };
+    let received = || events_received(&greg);
     assert!(
         wait_for(Duration::from_secs(10), || received() == 10_000.0).await,
         "received {}",
@@ -195,31 +182,12 @@ async fn stream_on_a_full_disk_delivers_every_event_exactly_once() {
     assert!(!log_lines(&logs, &["spool write failed", "No space left on device"]).is_empty());
     let seqs: Vec<u64> = hub.recent().iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (0..10_000).collect::<Vec<_>>());
-    let lost = metric(
-        &greg,
-        "gpufeed_stream_events_lost_total",
-        &[("host", "pve1")],
-    );
-    let dup = metric(
-        &greg,
-        "gpufeed_stream_events_duplicate_total",
-        &[("host", "pve1")],
-    );
+    let lost = hub_metric(&greg, "gpufeed_stream_events_lost_total");
+    let dup = hub_metric(&greg, "gpufeed_stream_events_duplicate_total");
     assert_eq!((lost, dup), (0.0, 0.0));
-    let host_dropped = metric(
-        &hreg,
-        "gpufeed_host_stream_events_dropped_total",
-        &[("guest", "guest")],
-    );
+    let host_dropped = host_metric(&hreg, "gpufeed_host_stream_events_dropped_total");
     assert_eq!(host_dropped, 0.0);
-    assert_eq!(
-        metric(
-            &hreg,
-            "gpufeed_host_stream_connected",
-            &[("guest", "guest")]
-        ),
-        1.0
-    );
+    assert_eq!(host_metric(&hreg, "gpufeed_host_stream_connected"), 1.0);
     // Acknowledged while the disk was full: the spool empties; more events still stream.
     assert!(
         wait_for(Duration::from_secs(5), || h.status()[0].pending == 0).await,
@@ -240,27 +208,14 @@ async fn restored_spool_snapshot_does_not_reuse_sequence_numbers() {
     let work = tempfile::tempdir().unwrap();
     let spool = work.path().join("spool");
     let cfg = fx.stream_config("pve1", hub.local_addr(), Some(&spool));
-    let received = || {
-        metric(
-            &greg,
-            "gpufeed_stream_events_received_total",
-            &[("host", "pve1")],
-        )
-    };
+    let received = || events_received(&greg);
     // A host run that connects, then streams `events`, and exits cleanly.
     let run = |events: Vec<stream::RawEvent>, total: f64| {
         let cfg = cfg.clone();
         let received = &received;
         async move {
-            let hreg = prometheus::Registry::new();
-            let h = stream::start(cfg, "pve1".into(), &hreg).unwrap();
-            let connected = || {
-                metric(
-                    &hreg,
-                    "gpufeed_host_stream_connected",
-                    &[("guest", "guest")],
-                ) == 1.0
-            };
+            let (h, hreg) = start_host(cfg);
+            let connected = || host_metric(&hreg, "gpufeed_host_stream_connected") == 1.0;
             assert!(wait_for(Duration::from_secs(5), connected).await);
             h.push_raw(0, events);
             assert!(
@@ -283,16 +238,8 @@ async fn restored_spool_snapshot_does_not_reuse_sequence_numbers() {
     // The rolled-back host would number the next events from 20 again; the guest has 49.
     let st = run(kmsg_lost_raw(50, 150), 150.0).await;
     assert!(st.next_seq >= 150, "{st:?}");
-    let dup = metric(
-        &greg,
-        "gpufeed_stream_events_duplicate_total",
-        &[("host", "pve1")],
-    );
-    let lost = metric(
-        &greg,
-        "gpufeed_stream_events_lost_total",
-        &[("host", "pve1")],
-    );
+    let dup = hub_metric(&greg, "gpufeed_stream_events_duplicate_total");
+    let lost = hub_metric(&greg, "gpufeed_stream_events_lost_total");
     assert_eq!((dup, lost), (0.0, 0.0));
     let counts: Vec<u64> = hub
         .recent()
@@ -315,28 +262,15 @@ async fn guest_journal_on_a_full_disk_acks_only_what_it_wrote() {
     // 16 KiB: about 150 journal lines.
     let fs = TinyFs::mount(16);
     let fx = Fixture::new(&["pve1"]);
-    let greg = prometheus::Registry::new();
     let journal = fs.path().join("journal.jsonl");
-    let mut hc = hub_config(fx.path());
-    hc.recent_capacity = 10_000;
-    hc.journal = Some(journal.clone());
-    let hub = hub::serve(hc, &greg).await.unwrap();
-    let hreg = prometheus::Registry::new();
-    let h = stream::start(
-        fx.stream_config("pve1", hub.local_addr(), None),
-        "pve1".into(),
-        &hreg,
-    )
-    .unwrap();
+    let (hub, greg, h, hreg) = hub_and_host(&fx, None, |hc| {
+        hc.recent_capacity = 10_000;
+        hc.journal = Some(journal.clone());
+    })
+    .await;
     const N: u64 = 2_000;
     h.push_raw(0, kmsg_lost_raw(0, N));
-    let received = || {
-        metric(
-            &greg,
-            "gpufeed_stream_events_received_total",
-            &[("host", "pve1")],
-        )
-    };
+    let received = || events_received(&greg);
     assert!(
         wait_for(Duration::from_secs(10), || !log_lines(
             &logs,

@@ -404,45 +404,41 @@ pub struct DeviceMapped {
     pub thunderbolt_router: Option<String>,
 }
 
+#[cfg(any(test, feature = "samples"))]
+pub mod samples;
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn samples() -> Vec<HostEvent> {
-        vec![
-            HostEvent::PcieLinkChange(PcieLinkChange {
-                bdf: "0000:09:00.0".into(),
-                upstream_bdf: Some("0000:08:01.0".into()),
-                target_bdf: Some("0000:09:00.0".into()),
-                vmid: Some(100),
-                old_speed_mts: Some(16000),
-                new_speed_mts: Some(2500),
-                old_width: 4,
-                new_width: 4,
-                max_speed_mts: Some(16000),
-                max_width: 4,
-                class: LinkChangeClass::SpeedOnly,
-                degraded: true,
-                source: Source::Poll,
-            }),
-            HostEvent::KmsgLost { count: 3 },
-            HostEvent::WatcherDisabled {
-                watcher: "aer".into(),
-                reason: "x".into(),
-            },
-        ]
+    /// The first, a middle and the last kind (kinds are numbered in declaration order).
+    fn first_middle_last() -> Vec<HostEvent> {
+        samples::one_of_each()
+            .into_iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    HostEvent::PcieLinkChange(_)
+                        | HostEvent::KmsgLost { .. }
+                        | HostEvent::WatcherDisabled { .. }
+                )
+            })
+            .collect()
     }
 
     #[test]
     fn kinds_are_distinct_and_stable() {
-        assert_eq!(samples()[0].kind(), 1);
-        assert_eq!(samples()[1].kind(), 10);
-        assert_eq!(samples()[2].kind(), 14);
+        assert_eq!(first_middle_last()[0].kind(), 1);
+        assert_eq!(first_middle_last()[1].kind(), 10);
+        assert_eq!(first_middle_last()[2].kind(), 14);
     }
 
     #[test]
     fn kind_names_are_the_metric_labels() {
-        let names: Vec<&str> = samples().iter().map(HostEvent::kind_name).collect();
+        let names: Vec<&str> = first_middle_last()
+            .iter()
+            .map(HostEvent::kind_name)
+            .collect();
         assert_eq!(names, ["pcie_link_change", "kmsg_lost", "watcher_disabled"]);
     }
 }

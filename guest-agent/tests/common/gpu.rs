@@ -243,6 +243,58 @@ pub fn labelled_pods(sb: &CgroupSandbox, node: &str, specs: &[PodSpec<'_>]) -> (
     (pods, api_pod_list(items))
 }
 
+/// The pod label that names a pod's tenant in the FinOps tests.
+pub const TENANT_KEY: &str = "team.example.com/tenant";
+
+/// The agent flags of a FinOps test on `node` (`extra`: its probes and their stand-ins): a
+/// 200 ms tick, a duty window of 2 s, [`two_tenants`]' labels exported as `tenant` and `app`,
+/// a GPU at 3.6 an hour.
+pub fn finops_flags<'a>(node: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut flags = vec!["--interval", "200ms", "--node-name", node];
+    flags.extend(extra);
+    flags.extend([
+        "--gpu-duty-window",
+        "2s",
+        "--pod-label",
+        "tenant=team.example.com/tenant",
+        "--pod-label",
+        "app=app.kubernetes.io/name",
+        "--gpu-hourly-rate",
+        "3.6",
+    ]);
+    flags
+}
+
+/// A tenant's app: the tenant, the app's name and its two pods' names.
+pub type TenantApp<'a> = (&'a str, &'a str, [&'a str; 2]);
+
+/// Two pods of each app in `apps` (the first on the cgroupfs layout, the second on systemd's),
+/// labelled with the app's tenant under [`TENANT_KEY`] and its name under
+/// `app.kubernetes.io/name`, on `node`: the pods, each running `sleep 120`, their pids, and the
+/// fake API server that lists them.
+pub async fn two_tenants(
+    sb: &CgroupSandbox,
+    node: &str,
+    apps: [TenantApp<'_>; 2],
+) -> (Vec<Pod>, Vec<u32>, super::fake_kube::FakeKube) {
+    let labels =
+        apps.map(|(tenant, app, _)| [(TENANT_KEY, tenant), ("app.kubernetes.io/name", app)]);
+    let specs: Vec<PodSpec<'_>> = apps
+        .iter()
+        .zip(&labels)
+        .flat_map(|((_, _, [first, second]), l)| {
+            [
+                (*first, Layout::Cgroupfs, &l[..]),
+                (*second, Layout::Systemd, &l[..]),
+            ]
+        })
+        .collect();
+    let (mut pods, list) = labelled_pods(sb, node, &specs);
+    let pids = pods.iter_mut().map(|p| p.spawn("exec sleep 120")).collect();
+    let kube = super::fake_kube::FakeKube::start(node, list, vec![]).await;
+    (pods, pids, kube)
+}
+
 /// Both stand-ins in a scratch directory that goes with them.
 pub struct StandIns {
     pub dev: StandInDevice,

@@ -22,8 +22,11 @@ pub struct LinkState {
     pub max_width: u8,
 }
 
-#[derive(Debug, Default)]
+/// Owns the tree it reads and the series it sets: its state is what it last wrote there, so a
+/// poll against another tree or registry would report changes that never happened.
 pub struct PciePoller {
+    roots: Roots,
+    metrics: PcieMetrics,
     state: HashMap<String, LinkState>,
     /// Links whose maxima in `state` were read while the device stayed present.
     max_valid: HashSet<String>,
@@ -271,22 +274,31 @@ fn gts(mts: Option<u32>) -> f64 {
 }
 
 impl PciePoller {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(roots: Roots, metrics: PcieMetrics) -> Self {
+        PciePoller {
+            roots,
+            metrics,
+            state: HashMap::new(),
+            max_valid: HashSet::new(),
+            watched: HashMap::new(),
+            suspended_skips: 0,
+            read_failures: 0,
+            failing: false,
+            dirs: AttrFiles::default(),
+            left_down: HashMap::new(),
+        }
+    }
+
+    pub fn metrics(&self) -> &PcieMetrics {
+        &self.metrics
     }
 
     /// Poll `links`; return change events. The first sight of a link only records its state.
-    pub fn poll(
-        &mut self,
-        roots: &Roots,
-        links: &[Link],
-        metrics: &PcieMetrics,
-        source: Source,
-    ) -> Vec<HostEvent> {
+    pub fn poll(&mut self, links: &[Link], source: Source) -> Vec<HostEvent> {
         let mut out = Vec::new();
         let failures = self.read_failures;
         for link in links {
-            self.poll_link(roots, link, metrics, source, &mut out);
+            self.poll_link(link, source, &mut out);
         }
         let failing = self.read_failures > failures;
         if failing != self.failing {
@@ -303,12 +315,11 @@ impl PciePoller {
     /// Poll one link: its state as read now (`None`: not read), a change event into `out`.
     fn poll_link(
         &mut self,
-        roots: &Roots,
         link: &Link,
-        metrics: &PcieMetrics,
         source: Source,
         out: &mut Vec<HostEvent>,
     ) -> Option<LinkState> {
+        let (roots, metrics) = (&self.roots, &self.metrics);
         let current = {
             let dirs = &mut self.dirs;
             let mut read =
@@ -422,13 +433,7 @@ impl PciePoller {
     /// A device that is back (replugged) while its link is still kept down is read once more
     /// too: its link coming up is an event even when discovery has not seen it yet. `source`
     /// is what prompted the read (a removal's uevent, say).
-    pub fn retain(
-        &mut self,
-        roots: &Roots,
-        links: &[Link],
-        metrics: &PcieMetrics,
-        source: Source,
-    ) -> Vec<HostEvent> {
+    pub fn retain(&mut self, links: &[Link], source: Source) -> Vec<HostEvent> {
         let dropped: Vec<Link> = self
             .watched
             .values()
@@ -442,13 +447,13 @@ impl PciePoller {
         for l in &dropped {
             // A device that is still there was only unassigned: nothing more to read, unless
             // its link was kept down (it left and is back).
-            let gone = !roots.pci_devices().join(&l.child).exists();
+            let gone = !self.roots.pci_devices().join(&l.child).exists();
             let was_down = self.state.get(&l.child).is_some_and(|s| s.width == 0);
             let now = (gone || was_down)
-                .then(|| self.poll_link(roots, l, metrics, source, &mut out))
+                .then(|| self.poll_link(l, source, &mut out))
                 .flatten();
             if now.is_none_or(|s| s.width != 0) {
-                remove_series(metrics, l);
+                remove_series(&self.metrics, l);
                 if let Some(old) = self.state.remove(&l.child).filter(|s| gone && s.width == 0) {
                     self.left_down.insert(l.child.clone(), old);
                 }
@@ -558,8 +563,7 @@ impl Watcher for PcieWatcher {
             if !a.cfg.pcie.enabled {
                 return Outcome::Skipped;
             }
-            let m = self.0;
-            let mut p = PciePoller::new();
+            let mut p = PciePoller::new(a.roots.clone(), self.0);
             let t = a.topo.get();
             if t.links.is_empty() {
                 tracing::info!(
@@ -567,7 +571,7 @@ impl Watcher for PcieWatcher {
                     a.cfg.discovery.rescan_interval_ms
                 );
             }
-            p.poll(&a.roots, &t.links, &m, Source::Poll);
+            p.poll(&t.links, Source::Poll);
             Outcome::On(vec![tokio::spawn(async move {
                 let mut pokes = a.pokes(a.cfg.pcie.poll_interval_ms, cx.inbox).await;
                 loop {
@@ -587,8 +591,8 @@ impl Watcher for PcieWatcher {
                         Poke::Port(_, src) => (t.links.clone(), *src),
                         Poke::Tick | Poke::Aer(_) => (t.links.clone(), Source::Poll),
                     };
-                    a.emit_all(p.retain(&a.roots, &t.links, &m, source));
-                    a.emit_all(p.poll(&a.roots, &links, &m, source));
+                    a.emit_all(p.retain(&t.links, source));
+                    a.emit_all(p.poll(&links, source));
                 }
             })])
         })

@@ -172,6 +172,18 @@ impl Tree {
         fs::remove_dir_all(self.p("sys/devices").join(devpath)).unwrap();
     }
 
+    /// Link Status of device `devpath` (under `sys/devices`) as its `current_link_*` read.
+    pub fn set_link(&self, devpath: &str, width: &str, speed: &str) {
+        self.write(
+            &format!("sys/devices/{devpath}/current_link_width"),
+            &format!("{width}\n"),
+        );
+        self.write(
+            &format!("sys/devices/{devpath}/current_link_speed"),
+            &format!("{speed}\n"),
+        );
+    }
+
     pub fn append_kmsg(&self, records: &str) {
         use std::io::Write;
         let mut f = fs::OpenOptions::new()

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use gpufeed_host::stream::{GuestEndpoint, StreamConfig};
+use gpufeed_host::stream::{GuestEndpoint, StreamConfig, StreamHandle};
 use gpufeed_shared::tls::{self, Deployment};
 
 /// A deployment (CA, guest cert for 127.0.0.1, host certs) written to `dir`.
@@ -94,10 +94,57 @@ pub fn hub_config(tls_dir: &Path) -> hub::HubConfig {
 
 /// A hub for `fx` keeping `recent` events, with its own registry.
 pub async fn serve_hub(fx: &Fixture, recent: usize) -> (hub::Hub, prometheus::Registry) {
+    serve_hub_with(fx, |hc| hc.recent_capacity = recent).await
+}
+
+/// A hub for `fx` on [`hub_config`] as `tune` changes it, with its own registry.
+pub async fn serve_hub_with(
+    fx: &Fixture,
+    tune: impl FnOnce(&mut hub::HubConfig),
+) -> (hub::Hub, prometheus::Registry) {
     let reg = prometheus::Registry::new();
     let mut hc = hub_config(fx.path());
-    hc.recent_capacity = recent;
+    tune(&mut hc);
     (hub::serve(hc, &reg).await.unwrap(), reg)
+}
+
+/// Host `pve1` streaming with `cfg`, with its own registry.
+pub fn start_host(cfg: StreamConfig) -> (StreamHandle, prometheus::Registry) {
+    let reg = prometheus::Registry::new();
+    let h = gpufeed_host::stream::start(cfg, "pve1".into(), &reg).unwrap();
+    (h, reg)
+}
+
+/// A hub (as [`serve_hub_with`]), then host `pve1` of `fx` streaming to it, spooling to
+/// `spool` (memory only without): the hub, its registry, the host, the host's registry.
+pub async fn hub_and_host(
+    fx: &Fixture,
+    spool: Option<&Path>,
+    tune: impl FnOnce(&mut hub::HubConfig),
+) -> (
+    hub::Hub,
+    prometheus::Registry,
+    StreamHandle,
+    prometheus::Registry,
+) {
+    let (hub, greg) = serve_hub_with(fx, tune).await;
+    let (host, hreg) = start_host(fx.stream_config("pve1", hub.local_addr(), spool));
+    (hub, greg, host, hreg)
+}
+
+/// The guest's series `name` for host `pve1`.
+pub fn hub_metric(greg: &prometheus::Registry, name: &str) -> f64 {
+    metric(greg, name, &[("host", "pve1")])
+}
+
+/// The host's series `name` for its guest (named `guest` in [`stream_config_in`]).
+pub fn host_metric(hreg: &prometheus::Registry, name: &str) -> f64 {
+    metric(hreg, name, &[("guest", "guest")])
+}
+
+/// Events the guest has received from host `pve1`.
+pub fn events_received(greg: &prometheus::Registry) -> f64 {
+    hub_metric(greg, "gpufeed_stream_events_received_total")
 }
 
 /// `KmsgLost { count: i }` events for `from..to`, ready for `StreamHandle::push_raw`, stamped
