@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::thread_cpu_ns;
-use gpufeed_guest::collect::{Owner, OwnerStats, Shared};
+use gpufeed_guest::collect::{Owner, OwnerStats, Store, TickReport};
 use gpufeed_guest::correlate::Config;
 use gpufeed_guest::exporter::{AgentCollector, Exposition};
 use gpufeed_guest::hub::ReceivedEvent;
@@ -108,8 +108,8 @@ fn l(pairs: &[(&'static str, &str)]) -> Labels {
 }
 
 /// The shared state after some time with `pods` pods.
-fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Shared {
-    let mut s = Shared::default();
+fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Store {
+    let mut s = Store::default();
     for i in 0..pods {
         let (uid, cid) = (uid(i), cid(i));
         store.upsert(PodMeta {
@@ -301,6 +301,17 @@ fn run(pods: usize) {
     let mut rng = fastrand::Rng::with_seed(42);
     let store = PodStore::default();
     let shared = Arc::new(Mutex::new(shared(pods, &store, &mut rng)));
+    // the pods the collector has: every pod of the store's owners
+    let live: rustc_hash::FxHashSet<String> = shared
+        .lock()
+        .expect("shared")
+        .owners
+        .keys()
+        .filter_map(|o| match o {
+            Owner::Pod { uid, .. } => Some(uid.clone()),
+            _ => None,
+        })
+        .collect();
     let join = Join::new(Config::default(), store.clone(), "node-1".into(), vec![]);
     let registry = prometheus::Registry::new();
     let probes = [
@@ -325,10 +336,10 @@ fn run(pods: usize) {
         if t % 30 == 1 {
             join.host_event(&link_event(t as u64));
         }
-        let input = {
-            let mut s = shared.lock().expect("shared");
-            s.windows = w;
-            gpufeed_guest::join::TickInput::take(&mut s)
+        let input = TickReport {
+            windows: w,
+            gauges: Vec::new(),
+            live: live.clone(),
         };
         let (start, cpu_start) = (Instant::now(), thread_cpu_ns());
         join.tick(&input);

@@ -49,16 +49,29 @@ pub struct SelfStats {
     pub units: Vec<UnitStats>,
 }
 
-/// What the exporter (and a correlator) reads.
+/// The exporter's store: every owner's running totals, the gauges as their
+/// units last set them, the agent's own numbers. A scrape renders it; FinOps
+/// books the GPU owners' totals from it after each tick.
 #[derive(Default)]
-pub struct Shared {
+pub struct Store {
     pub owners: FxHashMap<Owner, OwnerStats>,
     pub stats: SelfStats,
     /// Gauge families as their units last set them.
     pub gauges: HashMap<&'static str, Vec<GaugeValue>>,
-    /// The last tick's signal windows (see `probes::signal`); empty after the
-    /// first tick, which has no window to divide by.
+}
+
+/// What one tick read, handed on by value (to the join) instead of being left
+/// in the store: the join runs without any lock of the collector's.
+#[derive(Debug, Default)]
+pub struct TickReport {
+    /// The tick's signal windows (see `probes::signal`); none for the first
+    /// tick, which has no window to divide by.
     pub windows: Vec<SignalWindow>,
+    /// The gauge families the units set this tick (the store has them too).
+    pub gauges: Vec<(&'static str, Vec<GaugeValue>)>,
+    /// UIDs of the pods the collector has after the tick (by UID: a pod whose
+    /// names arrive is the same pod, not one gone and one new).
+    pub live: FxHashSet<String>,
 }
 
 /// One tick's deltas, merged per owner and series.
@@ -89,7 +102,7 @@ pub struct Collector {
     pods: PodStore,
     grace: Duration,
     last_tick: Option<Instant>,
-    pub shared: Arc<Mutex<Shared>>,
+    pub store: Arc<Mutex<Store>>,
 }
 
 /// A removed cgroup's owner, kept while its last numbers may still come.
@@ -119,7 +132,7 @@ impl Collector {
             pods,
             grace,
             last_tick: None,
-            shared: Arc::default(),
+            store: Arc::default(),
         }
     }
 
@@ -134,7 +147,7 @@ impl Collector {
     /// cgroup creation and removal, the units name the cgroups their programs
     /// touched since the last tick (`CgroupReads::active`), and removed
     /// cgroups' last numbers come drained from the kernel.
-    pub fn tick(&mut self) -> std::io::Result<()> {
+    pub fn tick(&mut self) -> std::io::Result<TickReport> {
         let started = Instant::now();
         let now = started;
         let changes = self.tree.refresh()?;
@@ -248,15 +261,19 @@ impl Collector {
         let previous_tick = self.last_tick.replace(now);
         let signals: Vec<SignalSpec> = self.units.iter().flat_map(|u| u.signals()).collect();
         let units: Vec<UnitStats> = self.units.iter().map(|u| u.stats()).collect();
-        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let mut shared = self.store.lock().unwrap_or_else(|e| e.into_inner());
         // No series before the first sample: idle cgroups cost nothing, and a
         // retired owner is not revived by zero deltas.
         deltas.retain(|owner, series| {
             !series.values().all(Value::is_zero) || shared.owners.contains_key(owner)
         });
-        shared.windows = match previous_tick {
-            Some(prev) => windows(&signals, &deltas, &gauges, now, now.duration_since(prev)),
-            None => Vec::new(),
+        let mut report = TickReport {
+            windows: match previous_tick {
+                Some(prev) => windows(&signals, &deltas, &gauges, now, now.duration_since(prev)),
+                None => Vec::new(),
+            },
+            gauges: gauges.clone(),
+            live: FxHashSet::default(),
         };
         for (owner, series) in deltas {
             let o = match shared.owners.get_mut(&owner) {
@@ -312,7 +329,15 @@ impl Collector {
             ticks,
             units,
         };
-        Ok(())
+        report.live = shared
+            .owners
+            .keys()
+            .filter_map(|o| match o {
+                Owner::Pod { uid, .. } => Some(uid.clone()),
+                _ => None,
+            })
+            .collect();
+        Ok(report)
     }
 }
 
@@ -733,7 +758,7 @@ mod tests {
     }
 
     fn count(c: &Collector, owner: &Owner, family: &'static str, labels: Labels) -> Option<u64> {
-        let shared = c.shared.lock().unwrap();
+        let shared = c.store.lock().unwrap();
         match shared.owners.get(owner)?.series.get(&(family, labels))? {
             Value::Count(n) => Some(*n),
             Value::Hist(_) => None,
@@ -771,26 +796,26 @@ mod tests {
         };
         let dst = Labels::from([("dst", "private".to_string())]);
 
-        c.tick().unwrap();
+        let report = c.tick().unwrap();
         assert_eq!(count(&c, &pod, EVENTS, Labels::new()), Some(5));
         // the zero companion exists beside a non-zero delta: it reads 0
         assert_eq!(count(&c, &pod, OTHER, dst.clone()), Some(0));
         assert!(!c
-            .shared
+            .store
             .lock()
             .unwrap()
             .owners
             .contains_key(&Owner::Slice("system.slice".into())));
-        assert!(c.shared.lock().unwrap().windows.is_empty(), "first tick");
+        assert!(report.windows.is_empty(), "first tick");
+        assert_eq!(report.live, FxHashSet::from_iter([UID.to_string()]));
 
         kernel.lock().unwrap().insert(ino(&container), 8);
         std::thread::sleep(Duration::from_millis(20));
-        c.tick().unwrap();
+        let report = c.tick().unwrap();
         assert_eq!(count(&c, &pod, EVENTS, Labels::new()), Some(8));
         {
-            let shared = c.shared.lock().unwrap();
-            assert_eq!(shared.windows.len(), 1, "{:?}", shared.windows);
-            let w = &shared.windows[0];
+            assert_eq!(report.windows.len(), 1, "{:?}", report.windows);
+            let w = &report.windows[0];
             assert_eq!((w.owner.clone(), w.signal), (pod.clone(), "event_rate"));
             let WindowValue::Rate { count, per_second } = w.value else {
                 panic!("a rate")
@@ -807,11 +832,11 @@ mod tests {
         std::fs::remove_dir(&container).unwrap();
         kernel.lock().unwrap().remove(&id);
         fake_drained.lock().unwrap().insert(id, 10);
-        c.tick().unwrap();
+        let report = c.tick().unwrap();
         {
-            let shared = c.shared.lock().unwrap();
-            assert!(!shared.owners.contains_key(&pod));
-            let rates: Vec<_> = shared
+            assert!(!c.store.lock().unwrap().owners.contains_key(&pod));
+            assert!(report.live.is_empty(), "{:?}", report.live);
+            let rates: Vec<_> = report
                 .windows
                 .iter()
                 .filter(|w| w.owner == pod)

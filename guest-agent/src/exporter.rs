@@ -18,7 +18,7 @@ use gpufeed_shared::http::HttpLimits;
 use prometheus::proto::{MetricFamily, MetricType};
 use prometheus::{Encoder, Registry, TextEncoder};
 
-use crate::collect::{Owner, Shared};
+use crate::collect::{Owner, Store};
 pub(crate) use crate::families::{counter, family, gauge};
 use crate::finops::PodLabels;
 use crate::pods::{PodMeta, PodStore};
@@ -33,7 +33,7 @@ use series_text::LabelCache;
 type Metas = HashMap<String, Option<PodMeta>>;
 
 pub struct AgentCollector {
-    shared: Arc<Mutex<Shared>>,
+    shared: Arc<Mutex<Store>>,
     pods: PodStore,
     families: Vec<&'static FamilySpec>,
     probes: Vec<ProbeStatus>,
@@ -46,7 +46,7 @@ pub struct AgentCollector {
 impl AgentCollector {
     /// `families`: what the loaded units export; `probes`: their statuses.
     pub fn new(
-        shared: Arc<Mutex<Shared>>,
+        shared: Arc<Mutex<Store>>,
         pods: PodStore,
         families: Vec<&'static FamilySpec>,
         probes: Vec<ProbeStatus>,
@@ -529,8 +529,8 @@ mod tests {
     }
 
     /// A pod with two owners (its container and its pod cgroup), a slice, and a gauge.
-    fn shared() -> Shared {
-        let mut shared = Shared::default();
+    fn shared() -> Store {
+        let mut shared = Store::default();
         shared.owners.insert(
             pod(Some(CID)),
             owner_with(&[
@@ -577,7 +577,7 @@ mod tests {
         shared
     }
 
-    fn collector(shared: Shared, pods: PodStore) -> AgentCollector {
+    fn collector(shared: Store, pods: PodStore) -> AgentCollector {
         AgentCollector::new(
             Arc::new(Mutex::new(shared)),
             pods,
@@ -654,9 +654,9 @@ mod tests {
 
     /// What the prometheus crate's encoder writes for the same series, built the way the
     /// registry would be handed them.
-    fn encoder_text(shared: &Shared) -> String {
+    fn encoder_text(shared: &Store) -> String {
         let mut fams = Vec::new();
-        let c = collector(Shared::default(), PodStore::default());
+        let c = collector(Store::default(), PodStore::default());
         let mut metas = Metas::new();
         for f in FAMILIES.iter() {
             let mut merged: BTreeMap<Labels, Value> = BTreeMap::new();

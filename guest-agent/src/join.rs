@@ -15,13 +15,14 @@
 //! * every tick, whether the GPU worked ([`gpu_busy`]), for the link changes a GPU's power
 //!   management makes.
 //!
-//! The tick thread hands the join a [`TickInput`] taken out of the collector's [`Shared`]
-//! under its lock, and runs the join after releasing it: a scrape, which takes that lock to
-//! render the owners' series, never waits for the correlator or the page's timeline.
+//! The collector's tick returns a [`TickReport`] (its windows, the gauges it set, the live
+//! pods) which the tick thread hands to the join by value ([`hand_off`]): the join holds no
+//! lock of the collector's, so a scrape, which locks the exporter's [`Store`] to render the
+//! owners' series, never waits for the correlator or the page's timeline.
 
 use std::collections::HashSet;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -29,7 +30,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use prometheus::core::{Collector as PromCollector, Desc};
 use prometheus::proto::MetricFamily;
 
-use crate::collect::{Owner, Shared};
+use crate::collect::{Owner, Store, TickReport};
 use crate::correlate::events::{self, Payload};
 use crate::correlate::export::EventView;
 #[cfg(test)]
@@ -82,79 +83,37 @@ pub const GPU_PROBES: &[(&str, &str)] = &[
     (crate::probes::cuda::NAME, "gpu_sync_wait"),
 ];
 
-/// Whether the GPU worked in the tick `shared` holds, from what the agent has: NVML's
-/// per-process SM utilisation (its gauge family exists while NVML is loaded), time in the GPU
-/// driver and CUDA synchronisation (windows of their signals, when `gpu_probes` are up). `None`
-/// when none of them is on: nothing here can tell. This is the one place that says what
-/// counts as GPU work; a better source plugs in here.
-pub fn gpu_busy(input: &TickInput, gpu_probes: bool) -> Option<bool> {
+/// Whether the GPU worked in the tick `report` tells of, from what the agent has: NVML's
+/// per-process SM utilisation (its gauge family is set every tick while NVML is loaded), time
+/// in the GPU driver and CUDA synchronisation (windows of their signals, when `gpu_probes` are
+/// up). `None` when none of them is on: nothing here can tell. This is the one place that says
+/// what counts as GPU work; a better source plugs in here.
+pub fn gpu_busy(report: &TickReport, gpu_probes: bool) -> Option<bool> {
+    let nvml_busy = report
+        .gauges
+        .iter()
+        .find(|(family, _)| *family == crate::probes::nvml::SM)
+        .map(|(_, values)| values.iter().any(|v| v.value > 0.0));
     let probe_busy = gpu_probes
-        && input.windows.iter().any(|w| {
+        && report.windows.iter().any(|w| {
             GPU_PROBES.iter().any(|(_, s)| *s == w.signal)
                 && matches!(w.value, WindowValue::Latency { count, .. } if count > 0)
         });
-    (input.nvml_busy.is_some() || gpu_probes)
-        .then_some(input.nvml_busy.unwrap_or(false) || probe_busy)
+    (nvml_busy.is_some() || gpu_probes).then_some(nvml_busy.unwrap_or(false) || probe_busy)
 }
 
-/// After a collector tick: takes what the join and FinOps read out of `shared` under its lock,
-/// releases it, then runs them (the tick thread's step after `Collector::tick`).
-pub fn hand_off(shared: &Mutex<Shared>, join: &Join, finops: &crate::finops::FinOps) {
-    let (input, totals) = {
-        let mut shared = shared.lock().unwrap_or_else(|e| e.into_inner());
-        (
-            TickInput::take(&mut shared),
-            crate::finops::Totals::of(&shared),
-        )
-    };
-    join.tick(&input);
+/// After a collector tick: the join takes the tick's report, and FinOps books the GPU owners'
+/// totals, read out of the store under its lock and booked after it is released (the tick
+/// thread's step after `Collector::tick`).
+pub fn hand_off(
+    report: &TickReport,
+    store: &Mutex<Store>,
+    join: &Join,
+    finops: &crate::finops::FinOps,
+) {
+    let totals = crate::finops::Totals::of(&store.lock().unwrap_or_else(|e| e.into_inner()));
+    join.tick(report);
     finops.book(totals, Instant::now());
-}
-
-/// What the join reads of one tick of the collector.
-#[derive(Debug, Default)]
-pub struct TickInput {
-    /// The tick's signal windows (see `probes::signal`).
-    pub windows: Vec<signal::SignalWindow>,
-    /// UIDs of the pods the collector has (a pod it dropped is forgotten by the join).
-    pub live: FxHashSet<String>,
-    /// NVML's per-process SM utilisation: `None` while NVML is not loaded, else whether any
-    /// process used the SMs.
-    pub nvml_busy: Option<bool>,
-}
-
-impl TickInput {
-    /// Takes the tick's windows out of `shared` (the join is their only reader) and notes the
-    /// rest; what the caller holds the lock for.
-    pub fn take(shared: &mut Shared) -> TickInput {
-        let mut input = TickInput::of_owners(shared);
-        input.windows = std::mem::take(&mut shared.windows);
-        input
-    }
-
-    /// The same, leaving `shared` as it is (its windows copied).
-    pub fn of(shared: &Shared) -> TickInput {
-        let mut input = TickInput::of_owners(shared);
-        input.windows = shared.windows.clone();
-        input
-    }
-
-    fn of_owners(shared: &Shared) -> TickInput {
-        let nvml = shared.gauges.get(crate::probes::nvml::SM);
-        TickInput {
-            windows: Vec::new(),
-            // By UID: a pod whose names arrive is the same pod, not one gone and one new.
-            live: shared
-                .owners
-                .keys()
-                .filter_map(|o| match o {
-                    Owner::Pod { uid, .. } => Some(uid.clone()),
-                    _ => None,
-                })
-                .collect(),
-            nvml_busy: nvml.map(|g| g.iter().any(|v| v.value > 0.0)),
-        }
-    }
 }
 
 impl Join {
@@ -302,7 +261,7 @@ impl Join {
     }
 
     /// After a tick: the collector's windows into the correlator, gone pods forgotten.
-    pub fn tick(&self, input: &TickInput) {
+    pub fn tick(&self, input: &TickReport) {
         let now_i = Instant::now();
         let now_ns = realtime_ns();
         let mut merge = self.merge.lock().unwrap_or_else(|e| e.into_inner());
@@ -645,13 +604,15 @@ impl Merge {
 
 #[cfg(test)]
 mod tests {
+    use rustc_hash::FxHashSet;
+
     use super::*;
     use crate::probes::unit::Labels;
     use std::time::Duration;
 
-    /// The collector's state is free while the join runs: with the correlator held (a slow
-    /// join), the hand-off's tick waits on it, and the lock a scrape takes is not held
-    /// meanwhile. The windows went to the join (taken, not copied).
+    /// The exporter's store is free while the join runs: with the correlator held (a slow
+    /// join), the hand-off waits on it, and the lock a scrape takes is not held meanwhile;
+    /// once the correlator is free, the report's window reaches the join.
     #[test]
     fn a_scrape_does_not_wait_for_the_join() {
         let pods = PodStore::default();
@@ -662,48 +623,89 @@ mod tests {
                 .unwrap(),
             pods,
         );
-        let shared = Arc::new(Mutex::new(Shared::default()));
-        shared.lock().unwrap().windows.push(window(
-            "u1",
-            "c1",
-            "run_queue_wait",
-            WindowValue::Latency {
-                count: 3,
-                sum_us: 30.0,
-                p50_us: 10.0,
-                p99_us: 10.0,
-                max_us: 10.0,
-            },
-        ));
+        let store = Arc::new(Mutex::new(Store::default()));
+        let report = TickReport {
+            windows: vec![window(
+                "u1",
+                "c1",
+                "run_queue_wait",
+                WindowValue::Latency {
+                    count: 3,
+                    sum_us: 30.0,
+                    p50_us: 10.0,
+                    p99_us: 10.0,
+                    max_us: 10.0,
+                },
+            )],
+            live: FxHashSet::from_iter(["u1".to_string()]),
+            ..TickReport::default()
+        };
         let held = join.corr();
         let ticking = {
-            let (shared, join) = (shared.clone(), join.clone());
-            std::thread::spawn(move || hand_off(&shared, &join, &finops))
+            let (store, join) = (store.clone(), join.clone());
+            std::thread::spawn(move || hand_off(&report, &store, &join, &finops))
         };
-        // the hand-off has taken the windows and is waiting on the correlator
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let free = shared.try_lock().map(|s| s.windows.is_empty());
-            if free.unwrap_or(false) {
-                break;
-            }
+        let until = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < until {
             assert!(
-                Instant::now() < deadline,
-                "the tick kept the collector's lock"
+                store.try_lock().is_ok(),
+                "the store's lock is free while the join runs"
             );
             std::thread::sleep(Duration::from_millis(5));
         }
-        std::thread::sleep(Duration::from_millis(50));
         assert!(
             !ticking.is_finished(),
             "the join waits on the held correlator"
         );
-        assert!(
-            shared.try_lock().is_ok(),
-            "the collector's lock is free while the join runs"
-        );
         drop(held);
         ticking.join().unwrap();
+        let merge = join.merge.lock().unwrap();
+        assert_eq!(merge.pods.len(), 1, "the report's window reached the join");
+    }
+
+    /// GPU work: NVML's gauge decides where it is set (a process on the SMs), else the GPU
+    /// probes' windows; with neither, nothing can tell.
+    #[test]
+    fn gpu_busy_reads_nvml_then_the_gpu_probes() {
+        let sm = |value: f64| {
+            (
+                crate::probes::nvml::SM,
+                vec![crate::probes::unit::GaugeValue {
+                    owner: Owner::Unattributed,
+                    labels: Labels::new(),
+                    value,
+                }],
+            )
+        };
+        let ioctl = window(
+            "u1",
+            "c1",
+            "gpu_ioctl",
+            WindowValue::Latency {
+                count: 1,
+                sum_us: 5.0,
+                p50_us: 5.0,
+                p99_us: 5.0,
+                max_us: 5.0,
+            },
+        );
+        let report = |gauges, windows| TickReport {
+            windows,
+            gauges,
+            live: FxHashSet::default(),
+        };
+        assert_eq!(gpu_busy(&report(vec![], vec![]), false), None);
+        assert_eq!(gpu_busy(&report(vec![], vec![]), true), Some(false));
+        assert_eq!(
+            gpu_busy(&report(vec![], vec![ioctl.clone()]), true),
+            Some(true)
+        );
+        assert_eq!(gpu_busy(&report(vec![sm(0.0)], vec![]), false), Some(false));
+        assert_eq!(gpu_busy(&report(vec![sm(90.0)], vec![]), false), Some(true));
+        assert_eq!(
+            gpu_busy(&report(vec![sm(0.0)], vec![ioctl]), true),
+            Some(true)
+        );
     }
 
     /// One tick of `ws` through `merge`, as owned windows.

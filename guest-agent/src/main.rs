@@ -335,7 +335,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     // The agent's series are written straight into the exposition, beside the registry's.
     let agent_series = Arc::new(
         exporter::AgentCollector::new(
-            collector.shared.clone(),
+            collector.store.clone(),
             pods.clone(),
             collector.families(),
             statuses,
@@ -376,13 +376,16 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                 loop {
                     std::thread::sleep(next.saturating_duration_since(Instant::now()));
                     next += interval;
-                    if let Err(e) = collector.tick() {
-                        tracing::warn!("reading the cgroup hierarchy failed: {e}");
-                        continue;
-                    }
-                    // the join and FinOps run after the collector's lock is released: a
-                    // scrape never waits for them
-                    join::hand_off(&collector.shared, &joined, &finops);
+                    let report = match collector.tick() {
+                        Ok(report) => report,
+                        Err(e) => {
+                            tracing::warn!("reading the cgroup hierarchy failed: {e}");
+                            continue;
+                        }
+                    };
+                    // the join runs on the tick's report, holding no lock of the
+                    // collector's: a scrape never waits for it
+                    join::hand_off(&report, &collector.store, &joined, &finops);
                     last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
             })?;

@@ -300,7 +300,7 @@ struct Totals {
 /// The agent's cumulative figures, summed over every owner.
 fn totals(c: &Collector) -> Totals {
     let mut t = Totals::default();
-    let shared = c.shared.lock().unwrap_or_else(|e| e.into_inner());
+    let shared = c.store.lock().unwrap_or_else(|e| e.into_inner());
     for (owner, o) in &shared.owners {
         for ((family, _), v) in &o.series {
             match (*family, v) {

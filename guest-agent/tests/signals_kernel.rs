@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::gpu;
 use common::*;
 use gpufeed_guest::cgroups::CgroupTree;
-use gpufeed_guest::collect::{Collector, Owner};
+use gpufeed_guest::collect::{Collector, Owner, TickReport};
 use gpufeed_guest::pods::PodStore;
 use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
 use gpufeed_guest::probes::unit::LoadContext;
@@ -50,15 +50,13 @@ struct Window {
 }
 
 /// This tick's run-queue windows of one pod.
-fn pod_windows(c: &Collector, uid: &str) -> Vec<Window> {
-    signal_windows(c, "run_queue_wait", uid)
+fn pod_windows(r: &TickReport, uid: &str) -> Vec<Window> {
+    signal_windows(r, "run_queue_wait", uid)
 }
 
 /// This tick's windows of one latency signal of one pod.
-fn signal_windows(c: &Collector, signal: &str, uid: &str) -> Vec<Window> {
-    let shared = c.shared.lock().unwrap();
-    shared
-        .windows
+fn signal_windows(r: &TickReport, signal: &str, uid: &str) -> Vec<Window> {
+    r.windows
         .iter()
         .filter(|w: &&SignalWindow| {
             w.signal == signal && matches!(&w.owner, Owner::Pod { uid: u, .. } if u == uid)
@@ -90,9 +88,8 @@ fn run_queue_windows_add_up_to_schedstat_and_separate_busy_from_idle() {
     let Some(_lock) = require_root() else { return };
     let sb = CgroupSandbox::new();
     let mut c = collector("sched_latency");
-    c.tick().unwrap();
     assert!(
-        c.shared.lock().unwrap().windows.is_empty(),
+        c.tick().unwrap().windows.is_empty(),
         "the first tick has no window"
     );
 
@@ -120,14 +117,14 @@ fn run_queue_windows_add_up_to_schedstat_and_separate_busy_from_idle() {
     let (mut busy_w, mut idle_w) = (Vec::new(), Vec::new());
     for _ in 0..10 {
         std::thread::sleep(Duration::from_millis(200));
-        c.tick().unwrap();
-        busy_w.extend(pod_windows(&c, &busy.uid));
-        idle_w.extend(pod_windows(&c, &idle.uid));
+        let r = c.tick().unwrap();
+        busy_w.extend(pod_windows(&r, &busy.uid));
+        idle_w.extend(pod_windows(&r, &idle.uid));
     }
     busy.signal_all(libc::SIGSTOP);
     std::thread::sleep(Duration::from_millis(100));
-    c.tick().unwrap();
-    busy_w.extend(pod_windows(&c, &busy.uid));
+    let r = c.tick().unwrap();
+    busy_w.extend(pod_windows(&r, &busy.uid));
     let d1 = busy.run_delay_ns();
     busy.signal_all(libc::SIGCONT);
 
@@ -195,7 +192,7 @@ fn gpu_sync_waits_reach_the_correlator_as_a_latency_signal() {
     // the unit attaches to the library the client mapped at its next tick
     let attached = wait_for(Duration::from_secs(10), || {
         c.tick().unwrap();
-        let shared = c.shared.lock().unwrap();
+        let shared = c.store.lock().unwrap();
         let mut libraries = shared.stats.units.iter().flat_map(|u| &u.series);
         libraries
             .find(|s| s.name == "gpufeed_cuda_libraries" && s.value == 1.0)
@@ -206,9 +203,9 @@ fn gpu_sync_waits_reach_the_correlator_as_a_latency_signal() {
     let (mut mine, mut others) = (Vec::new(), Vec::new());
     let done = wait_for(Duration::from_secs(15), || {
         std::thread::sleep(Duration::from_millis(200));
-        c.tick().unwrap();
-        mine.extend(signal_windows(&c, "gpu_sync_wait", &waiting.uid));
-        others.extend(signal_windows(&c, "gpu_sync_wait", &other.uid));
+        let r = c.tick().unwrap();
+        mine.extend(signal_windows(&r, "gpu_sync_wait", &waiting.uid));
+        others.extend(signal_windows(&r, "gpu_sync_wait", &other.uid));
         (out.exists() && mine.iter().map(|w| w.count).sum::<u64>() >= 4).then_some(())
     });
     assert!(

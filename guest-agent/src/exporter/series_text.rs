@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-use crate::collect::{Owner, Shared};
+use crate::collect::{Owner, Store};
 use crate::finops::labels::is_gpu_family;
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
 use crate::probes::unit::{FamilySpec, Kind, Labels, Scope, Value};
@@ -70,7 +70,7 @@ impl LabelCache {
     pub fn write(
         &mut self,
         out: &mut String,
-        shared: &Shared,
+        shared: &Store,
         families: &[&'static FamilySpec],
         mut labels: impl FnMut(&Owner) -> (Labels, Labels),
     ) {
@@ -169,7 +169,7 @@ impl LabelCache {
     }
 
     /// A gauge family: every value its unit set, in label order.
-    fn write_gauges(&mut self, out: &mut String, f: &FamilySpec, shared: &Shared) {
+    fn write_gauges(&mut self, out: &mut String, f: &FamilySpec, shared: &Store) {
         let Some(values) = shared.gauges.get(f.name) else {
             return;
         };

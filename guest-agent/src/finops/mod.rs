@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use prometheus::core::{Collector as PromCollector, Desc};
 use prometheus::proto::{MetricFamily, MetricType};
 
-use crate::collect::{Owner, Shared};
+use crate::collect::{Owner, Store};
 use crate::families::{counter, family, gauge};
 use crate::pods::{PodMeta, PodStore};
 use crate::probes::cuda::{PCIE, SYNC_WAIT, VRAM};
@@ -46,7 +46,7 @@ pub const POD_INFO: &str = "gpufeed_pod_info";
 pub struct Totals(HashMap<String, PodTotals>);
 
 impl Totals {
-    pub fn of(shared: &Shared) -> Totals {
+    pub fn of(shared: &Store) -> Totals {
         Totals(pod_totals(shared))
     }
 }
@@ -126,7 +126,7 @@ impl FinOps {
 
     /// Books the interval since the previous call. `shared`: the collector's state after its
     /// tick. The first call only takes the baseline.
-    pub fn tick(&self, shared: &Shared, now: Instant) {
+    pub fn tick(&self, shared: &Store, now: Instant) {
         self.book(Totals::of(shared), now)
     }
 
@@ -290,7 +290,7 @@ fn pod_name(uid: &str, meta: Option<&PodMeta>) -> PodName {
 }
 
 /// Every pod with a GPU series, with its totals.
-fn pod_totals(shared: &Shared) -> HashMap<String, PodTotals> {
+fn pod_totals(shared: &Store) -> HashMap<String, PodTotals> {
     let mut out: HashMap<String, PodTotals> = HashMap::new();
     for (owner, o) in &shared.owners {
         let Owner::Pod { uid, .. } = owner else {
@@ -361,10 +361,10 @@ mod tests {
         }
     }
 
-    /// Shared state as the GPU probes leave it: `busy` ns of driver time per container, PCIe
+    /// The store as the GPU probes leave it: `busy` ns of driver time per container, PCIe
     /// bytes at pod level, VRAM and duty gauges.
-    fn shared(a_busy: [u64; 2], pcie: u64, vram: f64) -> Shared {
-        let mut s = Shared::default();
+    fn shared(a_busy: [u64; 2], pcie: u64, vram: f64) -> Store {
+        let mut s = Store::default();
         for (i, ns) in a_busy.iter().enumerate() {
             let h = Hist {
                 sum_ns: 2 * ns,
@@ -571,7 +571,7 @@ mod tests {
                 .unwrap(),
             PodStore::default(),
         );
-        f.tick(&Shared::default(), Instant::now());
+        f.tick(&Store::default(), Instant::now());
         let names: Vec<String> = f.families().iter().map(|f| f.name().to_string()).collect();
         assert_eq!(names, [MPS]);
     }

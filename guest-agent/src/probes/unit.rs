@@ -318,7 +318,7 @@ pub trait Probe: Send {
     }
 
     /// Latency and rate signals a correlator can read per tick and owner
-    /// (see `collect::Shared::windows`).
+    /// (see `collect::TickReport::windows`).
     fn signals(&self) -> Vec<SignalSpec> {
         Vec::new()
     }
