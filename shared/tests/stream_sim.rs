@@ -1,5 +1,6 @@
 //! The whole connection in memory: both ends' sans-IO cores (`HostConnection` with the real
-//! `Spool`, `GuestConnection` with the de-duplication table and a journal) joined by a
+//! `Spool`, `GuestConnection` with the de-duplication table and the hub's acceptance of a
+//! batch, `stream::hub::batch`, over a journal) joined by a
 //! simulated network on a fake clock, as quinn-proto tests itself. A seeded random schedule
 //! interleaves the three streams of a connection (their order against each other is not
 //! kept, as in QUIC), kills connections with messages in flight, restarts either side
@@ -22,6 +23,9 @@ use gpufeed_shared::proto::{
     HostOutput, Message, ServerAction, Staged,
 };
 use gpufeed_shared::stream::client::spool::{Spool, SpoolLimits};
+use gpufeed_shared::stream::hub::batch::{self, EventLog, Receipt};
+use gpufeed_shared::stream::hub::recent::Recent;
+use gpufeed_shared::stream::hub::ReceivedEvent;
 
 const MS: u64 = 1_000_000;
 
@@ -53,11 +57,46 @@ struct Link {
     events: Pipe,
 }
 
+/// The guest's journal: what a restart seeds de-duplication from.
+#[derive(Default)]
+struct Journal {
+    /// `(boot, watermark)` per committed batch.
+    marks: Vec<(u64, u64)>,
+    /// Writes are refused while set.
+    fails: bool,
+    /// Lines of the batch being written, and their sequence space.
+    pending: u64,
+    boot: Option<u64>,
+}
+
+impl EventLog for Journal {
+    fn add_event(&mut self, e: &ReceivedEvent) {
+        self.pending += 1;
+        self.boot = Some(e.boot_id);
+    }
+    fn add_loss(&mut self, _host: &str, boot: u64, _first: u64, _last: u64, _lost: u64) {
+        self.pending += 1;
+        self.boot = Some(boot);
+    }
+    fn commit(&mut self) -> std::io::Result<()> {
+        if std::mem::take(&mut self.pending) > 0 && self.fails {
+            self.boot = None;
+            return Err(std::io::Error::other("journal refuses writes"));
+        }
+        Ok(())
+    }
+    fn committed(&mut self, dedup: &Dedup) {
+        if let Some(boot) = self.boot.take() {
+            self.marks
+                .extend(dedup.watermark("pve1", boot).map(|w| (boot, w)));
+        }
+    }
+}
+
 struct Guest {
     dedup: Dedup,
-    /// What the journal holds: `(boot, watermark)` per committed batch.
-    journal: Vec<(u64, u64)>,
-    journal_fails: bool,
+    journal: Journal,
+    recent: Recent,
     delivered: Vec<u64>,
     lost: u64,
     gaps: u64,
@@ -67,8 +106,8 @@ impl Guest {
     fn new() -> Self {
         Guest {
             dedup: Dedup::new(),
-            journal: Vec::new(),
-            journal_fails: false,
+            journal: Journal::default(),
+            recent: Recent::new(0, 0),
             delivered: Vec::new(),
             lost: 0,
             gaps: 0,
@@ -78,7 +117,7 @@ impl Guest {
     /// A restarted guest: its de-duplication from the journal only.
     fn restart(&mut self) {
         self.dedup = Dedup::new();
-        for &(boot, w) in &self.journal {
+        for &(boot, w) in &self.journal.marks {
             self.dedup.seed("pve1", boot, w);
         }
     }
@@ -231,7 +270,7 @@ impl Sim {
                         self.host.spool = Spool::open(&self.spool_dir(), limits()).unwrap();
                     }
                 }
-                5 => self.guest.journal_fails = !self.guest.journal_fails,
+                5 => self.guest.journal.fails = !self.guest.journal.fails,
                 6 => {
                     // The guest is away (down, or unreachable) for a while; events pile up.
                     self.link = None;
@@ -318,25 +357,36 @@ impl Sim {
         if st == Staged::default() {
             return;
         }
-        if self.guest.journal_fails && !(st.deliveries.is_empty() && st.losses.is_empty()) {
+        let at = Receipt {
+            host: "pve1",
+            boot: l.guest.boot_id().unwrap(),
+            realtime_ns: self.now as i64,
+            clock_offset_ns: None,
+        };
+        let g = &mut self.guest;
+        let out = batch::accept(
+            &mut l.guest,
+            st,
+            at,
+            &mut g.dedup,
+            Some(&mut g.journal),
+            &mut g.recent,
+        );
+        if out.unavailable.is_some() {
             // Not journaled, not accepted: the guest closes the connection.
             self.link = None;
             return;
         }
-        l.guest.commit(&st, &mut self.guest.dedup);
-        let boot = l.guest.boot_id().unwrap();
-        if let Some(w) = self.guest.dedup.watermark("pve1", boot) {
-            self.guest.journal.push((boot, w));
-        }
-        for d in &st.deliveries {
-            match d.event {
-                Some(HostEvent::KmsgLost { count }) => self.guest.delivered.push(count),
+        for e in &out.delivered {
+            match e.event {
+                HostEvent::KmsgLost { count } => g.delivered.push(count),
                 ref e => panic!("{e:?}"),
             }
         }
-        self.guest.lost += st.lost();
-        self.guest.gaps += st.gaps.len() as u64;
-        assert!(st.refused.is_empty(), "{:?}", st.refused);
+        assert!(out.unknown.is_empty(), "{:?}", out.unknown);
+        g.lost += out.lost;
+        g.gaps += out.notes.iter().filter(|n| n.kind() == "gap").count() as u64;
+        assert!(out.refused.is_empty(), "{:?}", out.refused);
         // The guest's acks and probes go out as it polls.
         while let Some(m) = l
             .guest
@@ -380,7 +430,7 @@ impl Sim {
     /// Stops the faults and runs until everything accepted is acknowledged.
     fn drain(&mut self) {
         self.faults = false;
-        self.guest.journal_fails = false;
+        self.guest.journal.fails = false;
         for _ in 0..200_000 {
             if self.host.spool.pending() == 0
                 && self.host.spool.ledger().losses().is_empty()

@@ -157,7 +157,7 @@ pub fn start_with_clock(
     let reg = registry.clone();
     let source: client::StateSource =
         Arc::new(move |guest, now_ns| state::snapshot(&reg, guest, &state_filters, &names, now_ns));
-    let inner = client::start_with_state(cfg, host_id, registry, clock, Some(source))?;
+    let inner = client::start(cfg, host_id, registry, clock, Some(source))?;
     Ok(StreamHandle {
         router: Router {
             filters: filters.into(),

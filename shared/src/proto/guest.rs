@@ -4,11 +4,13 @@
 //!
 //! Events are accepted in two steps: [`GuestConnection::handle_event`] accounts what a read
 //! of the event stream brought into a [`Staged`] batch without touching the de-duplication
-//! table; the driver journals the batch, and only [`GuestConnection::commit`] moves the
-//! watermark (and so what an ack can carry). A batch the journal refused is never committed:
-//! the connection closes and the host sends the events again. Time comes in as arguments (`now_mono_ns` is `CLOCK_MONOTONIC`,
-//! `now_realtime_ns` the guest's `CLOCK_REALTIME`), messages come in decoded and go out as
-//! [`Message`]s; the hub's QUIC driver only moves them.
+//! table; the batch is journaled (the hub's `stream::hub::batch`), and only
+//! [`GuestConnection::commit`] moves the watermark (and so what an ack can carry). A batch the
+//! journal refused is never committed: the connection closes and the host sends the events
+//! again. Time comes in as arguments (`now_mono_ns` is `CLOCK_MONOTONIC`, `now_realtime_ns`
+//! the guest's `CLOCK_REALTIME`) and [`GuestConnection::poll_timeout`] says when to come
+//! back; messages come in decoded and go out as [`Message`]s; the hub's QUIC driver only
+//! moves them.
 
 use super::{AckPolicy, Dedup, EventVerdict, Message, ProtocolError, ServerAction, ServerSession};
 use super::{EventFrame, SpoolLoss, StreamCheck};
@@ -115,14 +117,24 @@ impl GuestConnection {
         self.boot
     }
 
-    /// When the handshake must be done by (monotonic ns); `None` once it is.
-    pub fn poll_timeout(&self) -> Option<u64> {
-        self.boot.is_none().then_some(self.hello_deadline_ns)
+    /// The next moment something is due (monotonic ns): before the handshake its deadline,
+    /// after it the next ack (only while the watermark in `dedup` is ahead of the last one) or
+    /// clock probe, whichever comes first. A driver that sleeps until then and calls
+    /// [`handle_timeout`](Self::handle_timeout) and [`poll_transmit`](Self::poll_transmit)
+    /// misses nothing, and an idle connection wakes only for its probes.
+    pub fn poll_timeout(&self, dedup: &Dedup) -> Option<u64> {
+        let Some(boot) = self.boot else {
+            return Some(self.hello_deadline_ns);
+        };
+        let ack = self
+            .acks
+            .poll_timeout(dedup.watermark(self.session.host(), boot));
+        Some(ack.map_or(self.next_probe_ns, |a| a.min(self.next_probe_ns)))
     }
 
     /// Checks the `Hello` deadline.
     pub fn handle_timeout(&mut self, now_mono_ns: u64) -> Result<(), ProtocolError> {
-        match self.poll_timeout() {
+        match self.boot.is_none().then_some(self.hello_deadline_ns) {
             Some(d) if now_mono_ns >= d => Err(ProtocolError::Timeout {
                 waiting_for: "Hello",
                 after_ms: self.timing.hello_timeout_ns / 1_000_000,
@@ -273,7 +285,7 @@ mod tests {
     fn hello_deadline() {
         let dedup = Dedup::new();
         let mut g = GuestConnection::new("pve1", timing(), 1_000 * MS);
-        assert_eq!(g.poll_timeout(), Some(1_100 * MS));
+        assert_eq!(g.poll_timeout(&dedup), Some(1_100 * MS));
         g.handle_timeout(1_099 * MS).unwrap();
         let e = g.handle_timeout(1_100 * MS).unwrap_err();
         assert_eq!(e.reason(), "timeout");
@@ -291,7 +303,7 @@ mod tests {
         assert_eq!(g.poll_transmit(&dedup, 0, 0), None);
         g.handle_control(ClientSession::new("pve1", 1).hello(), &dedup, 99 * MS, 0)
             .unwrap();
-        assert_eq!(g.poll_timeout(), None);
+        assert_eq!(g.poll_timeout(&dedup), Some(99 * MS), "the first probe");
         g.handle_timeout(u64::MAX).unwrap();
         assert_eq!(g.boot_id(), Some(1));
     }
@@ -447,6 +459,43 @@ mod tests {
             "unexpected_message"
         );
         assert_eq!(dedup.watermark("pve1", 0), None);
+    }
+
+    /// What the guest sends at `now`, by name.
+    fn sent_at(g: &mut GuestConnection, dedup: &Dedup, now: u64) -> Vec<&'static str> {
+        std::iter::from_fn(|| g.poll_transmit(dedup, now, 0))
+            .map(|m| m.name())
+            .collect()
+    }
+
+    #[test]
+    fn poll_timeout_is_the_next_ack_or_probe() {
+        let mut dedup = Dedup::new();
+        let mut g = connected(&dedup, 1, 0);
+        // The first probe is due at once; with nothing accepted there is no ack to wait for.
+        assert_eq!(g.poll_timeout(&dedup), Some(0));
+        assert_eq!(sent_at(&mut g, &dedup, 0), ["clock_probe"]);
+        assert_eq!(g.poll_timeout(&dedup), Some(10 * MS));
+        // One event: its ack waits for the interval, the burst's next probe comes first.
+        feed(&mut g, vec![ev(0)], &mut dedup);
+        assert_eq!(g.poll_timeout(&dedup), Some(10 * MS));
+        assert_eq!(sent_at(&mut g, &dedup, 10 * MS), ["clock_probe"]);
+        assert_eq!(g.poll_timeout(&dedup), Some(20 * MS));
+        assert_eq!(sent_at(&mut g, &dedup, 20 * MS), ["ack", "clock_probe"]);
+        // Idle: only the next probe, at the interval after the burst.
+        assert_eq!(g.poll_timeout(&dedup), Some(1_020 * MS));
+        // A batch of `ack_every` events: the ack is due already.
+        feed(&mut g, (1..4).map(ev).collect(), &mut dedup);
+        let due = g.poll_timeout(&dedup).unwrap();
+        assert!(due <= 30 * MS, "{due}");
+        assert_eq!(
+            g.poll_transmit(&dedup, 30 * MS, 0),
+            Some(Message::Ack(Ack { up_to: 3 }))
+        );
+        assert_eq!(g.poll_timeout(&dedup), Some(1_020 * MS));
+        // Nothing is sent before the time it names.
+        assert!(sent_at(&mut g, &dedup, 1_020 * MS - 1).is_empty());
+        assert_eq!(sent_at(&mut g, &dedup, 1_020 * MS), ["clock_probe"]);
     }
 
     #[test]

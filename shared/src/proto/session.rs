@@ -514,6 +514,20 @@ impl AckPolicy {
         }
         None
     }
+
+    /// When [`poll`](Self::poll) gives the next ack (monotonic ns; at or before now when one is
+    /// due already); `None` while the watermark has not moved past the last ack.
+    pub fn poll_timeout(&self, watermark: Option<u64>) -> Option<u64> {
+        let w = watermark?;
+        if self.acked.is_some_and(|a| a >= w) {
+            return None;
+        }
+        Some(if self.pending >= self.every_events {
+            self.last_sent_ns
+        } else {
+            self.last_sent_ns.saturating_add(self.interval_ns)
+        })
+    }
 }
 
 #[cfg(test)]

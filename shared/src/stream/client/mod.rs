@@ -383,19 +383,10 @@ pub struct SpoolStatus {
 
 /// Starts a connection task per guest of `cfg`, as `host_id` (which must be the identity in the
 /// client certificate); clock replies carry `clock`'s time (production:
-/// [`crate::clock::SystemClock`]). Must be called inside a tokio runtime. Events are given
-/// through [`StreamHandle::spools`].
+/// [`crate::clock::SystemClock`]), and `state`, where given, is the host's series for each
+/// guest, sent as host state. Must be called inside a tokio runtime. Events are given through
+/// [`StreamHandle::spools`].
 pub fn start(
-    cfg: StreamConfig,
-    host_id: String,
-    registry: &Registry,
-    clock: Arc<dyn ReferenceClock>,
-) -> Result<StreamHandle, StreamError> {
-    start_with_state(cfg, host_id, registry, clock, None)
-}
-
-/// [`start`], with the host's series for each guest sent as host state.
-pub fn start_with_state(
     cfg: StreamConfig,
     host_id: String,
     registry: &Registry,
@@ -718,7 +709,7 @@ mod tests {
             ..StreamConfig::default()
         };
         let clock = Arc::new(crate::clock::SystemClock);
-        start(cfg, "pve1".into(), &Registry::new(), clock).unwrap()
+        start(cfg, "pve1".into(), &Registry::new(), clock, None).unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,32 +17,40 @@ use std::time::{Duration, Instant};
 use crate::proto::Dedup;
 use serde::{Deserialize, Serialize};
 
+use super::batch::EventLog;
 use super::ReceivedEvent;
 
-/// One journal line.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct Line<'a> {
-    pub host: std::borrow::Cow<'a, str>,
-    pub boot: u64,
+/// Declares [`Line`]: past `host` and `boot` every field is optional, left out of a line
+/// where it is `None` (each kind of line holds only its own fields) and `None` where a line
+/// lacks it (lines of older versions still read).
+macro_rules! line {
+    ($($(#[$doc:meta])* $field:ident: $ty:ty,)*) => {
+        /// One journal line.
+        #[derive(Debug, Default, Serialize, Deserialize)]
+        pub struct Line<'a> {
+            pub host: std::borrow::Cow<'a, str>,
+            pub boot: u64,
+            $(
+                $(#[$doc])*
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                pub $field: Option<$ty>,
+            )*
+        }
+    };
+}
+
+line! {
     /// Event sequence number (event lines).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub seq: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<u16>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub host_realtime_ns: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub event: Option<serde_json::Value>,
+    seq: u64,
+    kind: u16,
+    host_realtime_ns: i64,
+    event: serde_json::Value,
     /// Loss lines: the reported range and how many of it were newly lost.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_first: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss_last: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lost: Option<u64>,
+    loss_first: u64,
+    loss_last: u64,
+    lost: u64,
     /// Compaction lines: everything up to this sequence number was accounted.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mark: Option<u64>,
+    mark: u64,
 }
 
 pub struct Journal {
@@ -142,56 +150,10 @@ impl Journal {
         Some(std::mem::take(unlogged))
     }
 
-    pub fn add_event(&mut self, e: &ReceivedEvent) {
-        let l = Line {
-            host: e.host.as_str().into(),
-            boot: e.boot_id,
-            seq: Some(e.seq),
-            kind: Some(e.kind),
-            host_realtime_ns: Some(e.host_realtime_ns),
-            event: serde_json::to_value(&e.event).ok(),
-            loss_first: None,
-            loss_last: None,
-            lost: None,
-            mark: None,
-        };
-        self.push(&l);
-    }
-
-    pub fn add_loss(&mut self, host: &str, boot: u64, first: u64, last: u64, lost: u64) {
-        let l = Line {
-            host: host.into(),
-            boot,
-            seq: None,
-            kind: None,
-            host_realtime_ns: None,
-            event: None,
-            loss_first: Some(first),
-            loss_last: Some(last),
-            lost: Some(lost),
-            mark: None,
-        };
-        self.push(&l);
-    }
-
     fn push(&mut self, l: &Line) {
         if serde_json::to_writer(&mut self.buf, l).is_ok() {
             self.buf.push(b'\n');
         }
-    }
-
-    /// Appends the buffered lines in one write.
-    ///
-    /// An error means none of the buffered lines is in the file (they are discarded, and what
-    /// made it to disk of them is cut off again): the caller must treat their events as not
-    /// received.
-    pub fn commit(&mut self) -> std::io::Result<()> {
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        let r = self.append();
-        self.buf.clear();
-        r
     }
 
     /// Compacts the journal to `dedup`'s watermarks when it grew too large. Call after the
@@ -231,14 +193,8 @@ impl Journal {
             let l = Line {
                 host: host.into(),
                 boot,
-                seq: None,
-                kind: None,
-                host_realtime_ns: None,
-                event: None,
-                loss_first: None,
-                loss_last: None,
-                lost: None,
                 mark: Some(w),
+                ..Line::default()
             };
             if serde_json::to_writer(&mut out, &l).is_ok() {
                 out.push(b'\n');
@@ -271,6 +227,50 @@ impl Journal {
         }
         tracing::info!(path = %self.path.display(), bytes = self.len, "event journal compacted to watermarks");
         Ok(())
+    }
+}
+
+/// Events and losses count as accepted once [`EventLog::commit`] has them in the file.
+impl EventLog for Journal {
+    fn add_event(&mut self, e: &ReceivedEvent) {
+        self.push(&Line {
+            host: e.host.as_str().into(),
+            boot: e.boot_id,
+            seq: Some(e.seq),
+            kind: Some(e.kind),
+            host_realtime_ns: Some(e.host_realtime_ns),
+            event: serde_json::to_value(&e.event).ok(),
+            ..Line::default()
+        });
+    }
+
+    fn add_loss(&mut self, host: &str, boot: u64, first: u64, last: u64, lost: u64) {
+        self.push(&Line {
+            host: host.into(),
+            boot,
+            loss_first: Some(first),
+            loss_last: Some(last),
+            lost: Some(lost),
+            ..Line::default()
+        });
+    }
+
+    /// Appends the buffered lines in one write.
+    ///
+    /// An error means none of the buffered lines is in the file (they are discarded, and what
+    /// made it to disk of them is cut off again): the caller must treat their events as not
+    /// received.
+    fn commit(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let r = self.append();
+        self.buf.clear();
+        r
+    }
+
+    fn committed(&mut self, dedup: &Dedup) {
+        self.compact_if_due(dedup);
     }
 }
 

@@ -1,0 +1,93 @@
+//! The hub's series (listed in the [module docs](super)). The KVM PTP gauge is registered by
+//! [`super::serve`] only where the clock exists.
+
+use prometheus::{Gauge, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+pub(super) struct Metrics {
+    pub(super) connected: IntGaugeVec,
+    pub(super) received: IntCounterVec,
+    pub(super) duplicate: IntCounterVec,
+    pub(super) lost: IntCounterVec,
+    pub(super) lag: GaugeVec,
+    pub(super) rejected: IntCounterVec,
+    pub(super) offset: GaugeVec,
+    pub(super) rtt: GaugeVec,
+    pub(super) ptp: Gauge,
+}
+
+impl Metrics {
+    pub(super) fn new(r: &Registry) -> Result<Self, prometheus::Error> {
+        let h = &["host"];
+        let m = Metrics {
+            connected: IntGaugeVec::new(
+                Opts::new(
+                    "gpufeed_stream_connected",
+                    "Established streams from the host",
+                ),
+                h,
+            )?,
+            received: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_stream_events_received_total",
+                    "Host events received (after de-duplication)",
+                ),
+                h,
+            )?,
+            duplicate: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_stream_events_duplicate_total",
+                    "Retransmitted host events dropped by de-duplication",
+                ),
+                h,
+            )?,
+            lost: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_stream_events_lost_total",
+                    "Host events lost before reaching the guest (as reported by the host's spool)",
+                ),
+                h,
+            )?,
+            lag: GaugeVec::new(
+                Opts::new(
+                    "gpufeed_stream_lag_seconds",
+                    "Time from emission on the host to receipt by the hub, of the latest event",
+                ),
+                h,
+            )?,
+            rejected: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_stream_frames_rejected_total",
+                    "Rejected connections, frames and skipped events, by reason",
+                ),
+                &["host", "reason"],
+            )?,
+            offset: GaugeVec::new(
+                Opts::new(
+                    "gpufeed_clock_offset_seconds",
+                    "Host realtime minus guest realtime, estimated from clock probes",
+                ),
+                h,
+            )?,
+            rtt: GaugeVec::new(
+                Opts::new(
+                    "gpufeed_clock_round_trip_seconds",
+                    "Round trip of the clock probes used for the offset estimate",
+                ),
+                h,
+            )?,
+            ptp: Gauge::new(
+                "gpufeed_clock_kvm_ptp_offset_seconds",
+                "Hypervisor realtime (KVM virtual PTP) minus guest realtime",
+            )?,
+        };
+        r.register(Box::new(m.connected.clone()))?;
+        r.register(Box::new(m.received.clone()))?;
+        r.register(Box::new(m.duplicate.clone()))?;
+        r.register(Box::new(m.lost.clone()))?;
+        r.register(Box::new(m.lag.clone()))?;
+        r.register(Box::new(m.rejected.clone()))?;
+        r.register(Box::new(m.offset.clone()))?;
+        r.register(Box::new(m.rtt.clone()))?;
+        Ok(m)
+    }
+}
