@@ -302,16 +302,7 @@ fn run(pods: usize) {
     let store = PodStore::default();
     let shared = Arc::new(Mutex::new(shared(pods, &store, &mut rng)));
     // the pods the collector has: every pod of the store's owners
-    let live: rustc_hash::FxHashSet<String> = shared
-        .lock()
-        .expect("shared")
-        .owners
-        .keys()
-        .filter_map(|o| match o {
-            Owner::Pod { uid, .. } => Some(uid.clone()),
-            _ => None,
-        })
-        .collect();
+    let live = shared.lock().expect("shared").pod_uids();
     let join = Join::new(Config::default(), store.clone(), "node-1".into(), vec![]);
     let registry = prometheus::Registry::new();
     let probes = [

@@ -60,6 +60,19 @@ pub struct Store {
     pub gauges: HashMap<&'static str, Vec<GaugeValue>>,
 }
 
+impl Store {
+    /// UIDs of the pods that have series.
+    pub fn pod_uids(&self) -> FxHashSet<String> {
+        self.owners
+            .keys()
+            .filter_map(|o| match o {
+                Owner::Pod { uid, .. } => Some(uid.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
 /// What one tick read, handed on by value (to the join) instead of being left
 /// in the store: the join runs without any lock of the collector's.
 #[derive(Debug, Default)]
@@ -329,14 +342,7 @@ impl Collector {
             ticks,
             units,
         };
-        report.live = shared
-            .owners
-            .keys()
-            .filter_map(|o| match o {
-                Owner::Pod { uid, .. } => Some(uid.clone()),
-                _ => None,
-            })
-            .collect();
+        report.live = shared.pod_uids();
         Ok(report)
     }
 }
@@ -704,6 +710,15 @@ mod tests {
         }
     }
 
+    /// A delta of the fake unit's event counter.
+    fn events(n: u64) -> Delta {
+        Delta {
+            family: EVENTS,
+            labels: Labels::new(),
+            value: Value::Count(n),
+        }
+    }
+
     impl CgroupReads for Fake {
         fn active(&mut self) -> Option<Vec<u64>> {
             self.active.lock().unwrap().clone()
@@ -714,14 +729,7 @@ mod tests {
                     continue;
                 };
                 let d = self.last.advance(id, now, |n, p| n - p);
-                out.push((
-                    id,
-                    Delta {
-                        family: EVENTS,
-                        labels: Labels::new(),
-                        value: Value::Count(d),
-                    },
-                ));
+                out.push((id, events(d)));
                 // a companion series that only ever gets zero deltas
                 out.push((
                     id,
@@ -737,20 +745,23 @@ mod tests {
             for (id, now) in self.drained.lock().unwrap().drain() {
                 let d = self.last.advance(id, now, |n, p| n - p);
                 self.last.forget(id);
-                out.push((
-                    id,
-                    Delta {
-                        family: EVENTS,
-                        labels: Labels::new(),
-                        value: Value::Count(d),
-                    },
-                ));
+                out.push((id, events(d)));
             }
         }
         fn forget(&mut self, id: u64) {
             self.last.forget(id);
             self.forgotten.lock().unwrap().push(id);
         }
+    }
+
+    /// A collector of the cgroup tree at `root` with one unit, `fake`, and a pod grace period.
+    fn with_fake(root: &Path, fake: Fake, grace: Duration) -> Collector {
+        Collector::new(
+            CgroupTree::new(root.to_path_buf()),
+            vec![Box::new(fake)],
+            PodStore::default(),
+            grace,
+        )
     }
 
     fn ino(p: &Path) -> u64 {
@@ -780,12 +791,7 @@ mod tests {
         kernel.lock().unwrap().insert(ino(&container), 5);
         // a cgroup whose counts never move: no owner, no series
         kernel.lock().unwrap().insert(ino(&quiet), 0);
-        let mut c = Collector::new(
-            CgroupTree::new(root.path().to_path_buf()),
-            vec![Box::new(fake)],
-            PodStore::default(),
-            Duration::ZERO,
-        );
+        let mut c = with_fake(root.path(), fake, Duration::ZERO);
         assert_eq!(
             c.families().iter().map(|f| f.name).collect::<Vec<_>>(),
             [EVENTS, OTHER]
@@ -864,12 +870,7 @@ mod tests {
         std::fs::create_dir_all(&pod_dir).unwrap();
         let fake = Fake::default();
         let drained = fake.drained.clone();
-        let mut c = Collector::new(
-            CgroupTree::new(root.path().to_path_buf()),
-            vec![Box::new(fake)],
-            PodStore::default(),
-            Duration::from_secs(3600),
-        );
+        let mut c = with_fake(root.path(), fake, Duration::from_secs(3600));
         c.tick().unwrap();
         let parent = ino(&pod_dir);
         let (named, unnamed) = (u64::MAX - 1, u64::MAX - 2);
@@ -922,12 +923,7 @@ mod tests {
         let (kernel, active) = (fake.kernel.clone(), fake.active.clone());
         kernel.lock().unwrap().extend([(ino(&a), 1), (ino(&b), 1)]);
         *active.lock().unwrap() = Some(vec![ino(&a)]);
-        let mut c = Collector::new(
-            CgroupTree::new(root.path().to_path_buf()),
-            vec![Box::new(fake)],
-            PodStore::default(),
-            Duration::from_secs(3600),
-        );
+        let mut c = with_fake(root.path(), fake, Duration::from_secs(3600));
         c.tick().unwrap();
         let (sa, sb) = (
             Owner::Slice("a.slice".into()),
