@@ -38,26 +38,32 @@ use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
 
 /// The families the loaded units declare, as they declare them.
 static FAMILIES: [FamilySpec; 12] = [
-    spec(sched::FAMILY, Kind::Histogram, Scope::Container),
-    spec(tcp::RTT_FAMILY, Kind::Histogram, Scope::Container),
-    spec(tcp::RETRANS_FAMILY, Kind::Counter, Scope::Container),
-    spec(tc::BYTES_FAMILY, Kind::Counter, Scope::Pod),
-    spec(tc::DROPS_FAMILY, Kind::Counter, Scope::Pod),
-    spec(tc::BW_LIMIT_FAMILY, Kind::Gauge, Scope::Pod),
-    spec(gpu_driver::IOCTL, Kind::Histogram, Scope::Container),
-    spec(gpu_compute::COMPUTE, Kind::SecondsCounter, Scope::Container),
-    spec(gpu_compute::DUTY, Kind::Gauge, Scope::Container),
-    spec(cuda::VRAM, Kind::Gauge, Scope::Container),
-    spec(cuda::PCIE, Kind::Counter, Scope::Pod),
-    spec(cuda::LAUNCHES, Kind::Counter, Scope::Container),
+    spec(sched::FAMILY, Kind::Histogram, Scope::Container, false),
+    spec(tcp::RTT_FAMILY, Kind::Histogram, Scope::Container, false),
+    spec(tcp::RETRANS_FAMILY, Kind::Counter, Scope::Container, false),
+    spec(tc::BYTES_FAMILY, Kind::Counter, Scope::Pod, false),
+    spec(tc::DROPS_FAMILY, Kind::Counter, Scope::Pod, false),
+    spec(tc::BW_LIMIT_FAMILY, Kind::Gauge, Scope::Pod, false),
+    spec(gpu_driver::IOCTL, Kind::Histogram, Scope::Container, true),
+    spec(
+        gpu_compute::COMPUTE,
+        Kind::SecondsCounter,
+        Scope::Container,
+        true,
+    ),
+    spec(gpu_compute::DUTY, Kind::Gauge, Scope::Container, true),
+    spec(cuda::VRAM, Kind::Gauge, Scope::Container, true),
+    spec(cuda::PCIE, Kind::Counter, Scope::Pod, true),
+    spec(cuda::LAUNCHES, Kind::Counter, Scope::Container, true),
 ];
 
-const fn spec(name: &'static str, kind: Kind, scope: Scope) -> FamilySpec {
+const fn spec(name: &'static str, kind: Kind, scope: Scope, pod_labels: bool) -> FamilySpec {
     FamilySpec {
         name,
         help: "synthetic",
         kind,
         scope,
+        pod_labels,
     }
 }
 

@@ -633,12 +633,14 @@ mod tests {
             help: "",
             kind: Kind::Counter,
             scope: Scope::Container,
+            pod_labels: false,
         },
         FamilySpec {
             name: OTHER,
             help: "",
             kind: Kind::Counter,
             scope: Scope::Container,
+            pod_labels: false,
         },
     ];
 

@@ -455,24 +455,28 @@ mod tests {
             help: "h",
             kind: Kind::Histogram,
             scope: Scope::Container,
+            pod_labels: false,
         },
         FamilySpec {
             name: "test_bytes_total",
             help: "b",
             kind: Kind::Counter,
             scope: Scope::Pod,
+            pod_labels: false,
         },
         FamilySpec {
             name: "test_limit",
             help: "g",
             kind: Kind::Gauge,
             scope: Scope::Pod,
+            pod_labels: false,
         },
         FamilySpec {
             name: "test_busy_seconds_total",
             help: "s",
             kind: Kind::SecondsCounter,
             scope: Scope::Container,
+            pod_labels: false,
         },
     ];
 

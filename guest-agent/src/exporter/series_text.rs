@@ -14,7 +14,6 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use crate::collect::{Owner, Store};
-use crate::finops::labels::is_gpu_family;
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
 use crate::probes::unit::{FamilySpec, Kind, Labels, Scope, Value};
 
@@ -46,7 +45,7 @@ impl LabelCache {
     /// for an owner not prepared in this render.
     fn text(&mut self, owner: &Owner, f: &FamilySpec, extra: &Labels) -> Option<Arc<str>> {
         let o = self.owners.get_mut(owner)?;
-        let gpu = is_gpu_family(f.name);
+        let gpu = f.pod_labels;
         let i = ix(f.scope, gpu);
         if let Some(t) = o.series[i].get(extra) {
             return Some(t.clone());

@@ -6,14 +6,6 @@ use super::config::{ConfigError, LABEL_NAMES};
 use crate::pods::PodMeta;
 use crate::probes::unit::Labels;
 
-/// Families that carry the configured labels directly.
-const GPU_FAMILY_PREFIX: &str = "ebpf_gpu_";
-
-/// Whether a family is one of the GPU series, which carry the configured pod labels.
-pub fn is_gpu_family(family: &str) -> bool {
-    family.starts_with(GPU_FAMILY_PREFIX)
-}
-
 /// Series label name → pod label key, in the order given.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PodLabels {
@@ -64,13 +56,6 @@ impl PodLabels {
         for (name, key) in &self.pairs {
             let v = meta.and_then(|m| m.labels.get(key)).cloned();
             l.insert(name, v.unwrap_or_default());
-        }
-    }
-
-    /// [`PodLabels::extend`] for the GPU families only (the exporter calls it for every series).
-    pub fn extend_gpu(&self, family: &str, meta: Option<&PodMeta>, l: &mut Labels) {
-        if is_gpu_family(family) {
-            self.extend(meta, l);
         }
     }
 
@@ -135,7 +120,7 @@ mod tests {
     }
 
     #[test]
-    fn configured_labels_on_gpu_series_only() {
+    fn configured_labels_by_name_in_order() {
         let pl = PodLabels::parse(&[
             "tenant=team.example.com/tenant".into(),
             "app = app.kubernetes.io/name".into(),
@@ -143,14 +128,12 @@ mod tests {
         .unwrap();
         let m = meta(&[("team.example.com/tenant", "search"), ("other", "x")]);
         let mut l = Labels::new();
-        pl.extend_gpu("ebpf_gpu_vram_reserved_bytes", Some(&m), &mut l);
+        pl.extend(Some(&m), &mut l);
         assert_eq!(
             l,
             Labels::from([("tenant", "search".to_string()), ("app", String::new())])
         );
-        let mut l = Labels::new();
-        pl.extend_gpu("ebpf_tc_bytes_total", Some(&m), &mut l);
-        assert!(l.is_empty());
+        assert_eq!(pl.names().collect::<Vec<_>>(), ["tenant", "app"]);
         // an unknown pod: the names, empty
         let mut l = Labels::new();
         pl.extend(None, &mut l);

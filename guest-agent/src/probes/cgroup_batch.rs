@@ -173,23 +173,6 @@ impl BatchRead {
         })
     }
 
-    /// [`BatchRead::new`] when `batched` (the unit loaded its batch program,
-    /// see [`supported`]), else None: the unit reads cgroup by cgroup.
-    pub fn if_loaded<P: AsFd, M: AsFd>(
-        batched: bool,
-        probe: &'static str,
-        prog: &P,
-        map: &M,
-        value_size: usize,
-    ) -> Result<Option<BatchRead>, ProbeError>
-    where
-        for<'a> MapHandle: TryFrom<&'a M, Error = libbpf_rs::Error>,
-    {
-        batched
-            .then(|| BatchRead::new(probe, prog, map, value_size))
-            .transpose()
-    }
-
     /// Reads the storage value of each cgroup in `ids` and calls `found(id,
     /// value bytes)` for those that have one; one BPF_PROG_RUN per `slots`
     /// ids. An id whose cgroup is gone, or has no value, is skipped.

@@ -10,7 +10,7 @@
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::OnceLock;
 
-use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenMapMut};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenObject};
 
 use super::libbpf_log::Capture;
 use super::{err, ProbeError};
@@ -63,21 +63,29 @@ impl Storage {
     pub fn configure(
         self,
         probe: &'static str,
-        local: &mut OpenMapMut<'_>,
-        by_id: &mut OpenMapMut<'_>,
-        zero: &mut OpenMapMut<'_>,
+        name: &str,
+        open: &mut OpenObject,
     ) -> Result<(), ProbeError> {
-        let set = |m: &mut OpenMapMut<'_>, on: bool| {
-            m.set_autocreate(on)
-                .map_err(err(probe, "choosing the cgroup storage"))
-        };
-        set(local, !self.by_id())?;
-        set(by_id, self.by_id())?;
-        set(zero, self.by_id())?;
-        if self.by_id() {
-            by_id
-                .set_max_entries(BY_ID_ENTRIES)
-                .map_err(err(probe, "sizing the cgroup id map"))?;
+        for (suffix, used) in [
+            ("", !self.by_id()),
+            ("_by_id", self.by_id()),
+            ("_zero", self.by_id()),
+        ] {
+            let map_name = format!("{name}{suffix}");
+            let mut m = open
+                .maps_mut()
+                .find(|m| m.name() == map_name.as_str())
+                .ok_or_else(|| ProbeError::Io {
+                    probe,
+                    what: "choosing the cgroup storage",
+                    source: std::io::Error::other(format!("the object has no map {map_name}")),
+                })?;
+            m.set_autocreate(used)
+                .map_err(err(probe, "choosing the cgroup storage"))?;
+            if used && suffix == "_by_id" {
+                m.set_max_entries(BY_ID_ENTRIES)
+                    .map_err(err(probe, "sizing the cgroup id map"))?;
+            }
         }
         Ok(())
     }

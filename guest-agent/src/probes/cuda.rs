@@ -18,16 +18,15 @@ use std::os::fd::BorrowedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use libbpf_rs::skel::SkelBuilder;
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
-use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_storage::{self, Storage};
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::hist::Hist;
 use super::lookout::Lookout;
 use super::options::OptionsSpec;
-use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     self, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope,
@@ -60,30 +59,35 @@ const VRAM_FAMILY: FamilySpec = FamilySpec {
     help: "GPU memory the container's processes hold through the CUDA driver API (allocations and VMM physical allocations)",
     kind: Kind::Gauge,
     scope: Scope::Container,
+    pod_labels: true,
 };
 const PCIE_FAMILY: FamilySpec = FamilySpec {
     name: PCIE,
     help: "Bytes copied between host and GPU by the pod through the CUDA driver API, by direction (h2d, d2h)",
     kind: Kind::Counter,
     scope: Scope::Pod,
+    pod_labels: true,
 };
 const LAUNCHES_FAMILY: FamilySpec = FamilySpec {
     name: LAUNCHES,
     help: "CUDA kernel launches (cuLaunchKernel; counted only with --cuda-launches)",
     kind: Kind::Counter,
     scope: Scope::Container,
+    pod_labels: true,
 };
 const BUSY_FAMILY: FamilySpec = FamilySpec {
     name: BUSY,
     help: "Wall time during which a stream of the container's processes had launched work not yet seen complete by a synchronisation or query (an upper bound of GPU busy time; only with --cuda-launches)",
     kind: Kind::SecondsCounter,
     scope: Scope::Container,
+    pod_labels: true,
 };
 const SYNC_WAIT_FAMILY: FamilySpec = FamilySpec {
     name: SYNC_WAIT,
     help: "Time a thread of the container blocked in cuStreamSynchronize, cuCtxSynchronize or cuEventSynchronize (waiting for the GPU)",
     kind: Kind::Histogram,
     scope: Scope::Container,
+    pod_labels: true,
 };
 static FAMILIES: [FamilySpec; 5] = [
     VRAM_FAMILY,
@@ -379,47 +383,15 @@ impl CudaProbe {
         let mut open = skel::CudaSkelBuilder::default()
             .open(mem)
             .map_err(err(NAME, "open"))?;
-        storage.configure(
-            NAME,
-            &mut open.maps.cuda_cgroup,
-            &mut open.maps.cuda_cgroup_by_id,
-            &mut open.maps.cuda_cgroup_zero,
-        )?;
+        let rmdir = btf.has_tracepoint("cgroup_rmdir");
+        let values = Prepared::new(NAME, "cuda_cgroup", storage, rmdir, open.open_object_mut())?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.busy_estimate = opts.launches;
             ro.cgroup_storage_by_id = storage.by_id();
         }
-        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
-        open.progs.cuda_cgroup_rmdir.set_autoload(has_rmdir);
-        let batched = !storage.by_id() && cgroup_batch::supported();
-        open.progs.cuda_cgroup_batch_read.set_autoload(batched);
         let skel = crate::probes::object::load(NAME, open)?;
-        let p = &skel.progs;
-        let mut progs = vec![(&p.cuda_exit, "sched_process_exit")];
-        if has_rmdir {
-            progs.push((&p.cuda_cgroup_rmdir, "cgroup_rmdir"));
-        }
-        let links = super::attach_all(NAME, progs)?;
+        let links = super::attach_all(NAME, [(&skel.progs.cuda_exit, "sched_process_exit")])?;
         let skel: &'static skel::CudaSkel<'static> = Box::leak(Box::new(skel));
-        let values = if storage.by_id() {
-            handle(NAME, &skel.maps.cuda_cgroup_by_id)?
-        } else {
-            handle(NAME, &skel.maps.cuda_cgroup)?
-        };
-        let maps = ValueMaps {
-            values,
-            active_epoch: handle(NAME, &skel.maps.active_epoch)?,
-            active_cgroups: handle(NAME, &skel.maps.active_cgroups)?,
-            drained: handle(NAME, &skel.maps.cuda_cgroup_drained)?,
-            drain_added: handle(NAME, &skel.maps.cuda_cgroup_drain_added)?,
-        };
-        let batch = BatchRead::if_loaded(
-            batched,
-            NAME,
-            &skel.progs.cuda_cgroup_batch_read,
-            &skel.maps.cuda_cgroup_batch,
-            std::mem::size_of::<skel::types::cuda_cgroup>(),
-        )?;
         let series = CudaSeries {
             launches: opts.launches,
             vram: HashMap::new(),
@@ -427,7 +399,7 @@ impl CudaProbe {
         };
         Ok(CudaProbe {
             _links: links,
-            cgroups: PerCgroup::new(NAME, storage, maps, batch, series)?,
+            cgroups: values.reader(skel.object(), series)?,
             stats: handle(NAME, &skel.maps.cuda_stats)?,
             skel,
             opts,

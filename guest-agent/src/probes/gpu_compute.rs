@@ -29,6 +29,7 @@ pub const COMPUTE_FAMILY: FamilySpec = FamilySpec {
     help: "GPU compute (SM) time attributed to the container, per GPU where the source knows it (gpufeed_gpu_compute_source says which source the node uses)",
     kind: Kind::SecondsCounter,
     scope: Scope::Container,
+    pod_labels: true,
 };
 
 /// The family of the duty cycle, for the elected unit's family list.
@@ -37,6 +38,7 @@ pub const DUTY_FAMILY: FamilySpec = FamilySpec {
     help: "Share of the last window (--gpu-duty-window) that the container's compute time fills, 0..1 per GPU",
     kind: Kind::Gauge,
     scope: Scope::Container,
+    pod_labels: true,
 };
 
 /// Where a node's compute time comes from, best first.

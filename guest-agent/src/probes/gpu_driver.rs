@@ -25,17 +25,16 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use libbpf_rs::skel::SkelBuilder;
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
-use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_storage::{self, Storage};
 use super::cuda::{attach_uprobe, find_libs, reachable};
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::hist::{Hist, HIST_BYTES};
 use super::lookout::Lookout;
 use super::options::OptionsSpec;
-use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope, SelfSeries,
@@ -107,12 +106,14 @@ const IOCTL_FAMILY: FamilySpec = FamilySpec {
     help: "Time in ioctl() on GPU device files (the driver), by request class",
     kind: Kind::Histogram,
     scope: Scope::Container,
+    pod_labels: true,
 };
 const DRIVER_TIME_FAMILY: FamilySpec = FamilySpec {
     name: DRIVER_TIME,
     help: "Wall time during which at least one task of the container was inside a GPU driver ioctl",
     kind: Kind::SecondsCounter,
     scope: Scope::Container,
+    pod_labels: true,
 };
 static FAMILIES: [FamilySpec; 2] = [IOCTL_FAMILY, DRIVER_TIME_FAMILY];
 /// When driver time is the node's compute time (no better source).
@@ -473,12 +474,8 @@ impl GpuDriverProbe {
         let mut open = skel::GpuDriverSkelBuilder::default()
             .open(mem)
             .map_err(err(NAME, "open"))?;
-        storage.configure(
-            NAME,
-            &mut open.maps.gpu_cgroup,
-            &mut open.maps.gpu_cgroup_by_id,
-            &mut open.maps.gpu_cgroup_zero,
-        )?;
+        let rmdir = btf.has_tracepoint("cgroup_rmdir");
+        let values = Prepared::new(NAME, "gpu_cgroup", storage, rmdir, open.open_object_mut())?;
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.cgroup_storage_by_id = storage.by_id();
             ro.n_prefixes = devices.path_prefixes.len() as u32;
@@ -521,10 +518,6 @@ impl GpuDriverProbe {
         ] {
             prog.set_autoload(uprobes);
         }
-        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
-        p.gpu_cgroup_rmdir.set_autoload(has_rmdir);
-        let batched = !storage.by_id() && cgroup_batch::supported();
-        p.gpu_cgroup_batch_read.set_autoload(batched);
         let skel = crate::probes::object::load(NAME, open)?;
         let skel: &'static skel::GpuDriverSkel<'static> = Box::leak(Box::new(skel));
         let p = &skel.progs;
@@ -532,9 +525,6 @@ impl GpuDriverProbe {
             (&p.gpu_exec, "sched_process_exec"),
             (&p.gpu_fork, "sched_process_fork"),
         ];
-        if has_rmdir {
-            progs.push((&p.gpu_cgroup_rmdir, "cgroup_rmdir"));
-        }
         match mode {
             Mode::Uprobes => progs.push((&p.gpu_thread_exit, "sched_process_exit")),
             Mode::Syscalls => {
@@ -571,29 +561,10 @@ impl GpuDriverProbe {
             prefixes = ?devices.path_prefixes,
             "GPU driver time"
         );
-        let values = if storage.by_id() {
-            handle(NAME, &skel.maps.gpu_cgroup_by_id)?
-        } else {
-            handle(NAME, &skel.maps.gpu_cgroup)?
-        };
-        let maps = ValueMaps {
-            values,
-            active_epoch: handle(NAME, &skel.maps.active_epoch)?,
-            active_cgroups: handle(NAME, &skel.maps.active_cgroups)?,
-            drained: handle(NAME, &skel.maps.gpu_cgroup_drained)?,
-            drain_added: handle(NAME, &skel.maps.gpu_cgroup_drain_added)?,
-        };
-        let batch = BatchRead::if_loaded(
-            batched,
-            NAME,
-            &skel.progs.gpu_cgroup_batch_read,
-            &skel.maps.gpu_cgroup_batch,
-            std::mem::size_of::<skel::types::gpu_cgroup>(),
-        )?;
         Ok(GpuDriverProbe {
             skel,
             mode,
-            cgroups: PerCgroup::new(NAME, storage, maps, batch, DriverSeries::default())?,
+            cgroups: values.reader(skel.object(), DriverSeries::default())?,
             fds: handle(NAME, &skel.maps.gpu_fds)?,
             stats: handle(NAME, &skel.maps.gpu_stats)?,
             majors,

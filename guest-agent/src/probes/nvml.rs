@@ -59,18 +59,21 @@ const SM_FAMILY: FamilySpec = FamilySpec {
     help: "SM utilisation of the container's processes by NVML's newest samples, summed over its processes and GPUs (1 = one GPU's SMs busy)",
     kind: Kind::Gauge,
     scope: Scope::Container,
+    pod_labels: false,
 };
 const MEMORY_FAMILY: FamilySpec = FamilySpec {
     name: MEMORY,
     help: "GPU memory the container's processes use by NVML, summed over its processes and GPUs",
     kind: Kind::Gauge,
     scope: Scope::Container,
+    pod_labels: false,
 };
 const POD_LINK_FAMILY: FamilySpec = FamilySpec {
     name: POD_LINK,
     help: "PCIe throughput by NVML of each GPU the pod's processes use, by direction (tx: GPU to host, rx: host to GPU): the GPU's whole traffic, not the pod's share",
     kind: Kind::Gauge,
     scope: Scope::Pod,
+    pod_labels: false,
 };
 static FAMILIES: [FamilySpec; 3] = [SM_FAMILY, MEMORY_FAMILY, POD_LINK_FAMILY];
 /// With the library: NVML's SM time is the node's compute time.

@@ -10,13 +10,13 @@
 
 use std::os::fd::{AsFd, BorrowedFd};
 
-use libbpf_rs::MapHandle;
+use libbpf_rs::{Link, MapCore, Object, OpenObject};
 
-use super::cgroup_batch::BatchRead;
+use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::{ActiveSet, Drained};
 use super::cgroup_storage::{CgroupValues, Storage};
 use super::unit::{Delta, LastRead};
-use super::ProbeError;
+use super::{err, handle, ProbeError};
 use crate::cgroups::CgroupTree;
 
 /// What a unit knows about its per-cgroup value.
@@ -59,17 +59,119 @@ pub trait CgroupReads {
     fn forget(&mut self, id: u64);
 }
 
-/// The maps a unit's object declares for its value.
-pub struct ValueMaps {
-    /// The values: `<value>` (cgroup-local storage) or `<value>_by_id`,
-    /// whichever `storage` chose (`bpf/cgroup_storage.h`).
-    pub values: MapHandle,
-    /// `active_epoch` and the ring `active_cgroups` (`bpf/cgroup_active.h`).
-    pub active_epoch: MapHandle,
-    pub active_cgroups: MapHandle,
-    /// `<value>_drained` and `<value>_drain_added` (`bpf/cgroup_drain.h`).
-    pub drained: MapHandle,
-    pub drain_added: MapHandle,
+/// A unit's per-cgroup value in its object before load: the maps and
+/// programs that `CGROUP_STORAGE(value, …)`, `CGROUP_DRAIN(value, …)` and
+/// `CGROUP_BATCH(value, …)` declare, found by the names those macros give
+/// them (`<value>`, `<value>_by_id`, `<value>_zero`, `<value>_drained`,
+/// `<value>_drain_added`, `<value>_rmdir`, `<value>_batch`,
+/// `<value>_batch_read`), and `cgroup_active.h`'s `active_epoch` and
+/// `active_cgroups`. A name the object lacks is an error at load, which
+/// every kernel test reaches.
+pub struct Prepared {
+    probe: &'static str,
+    value: &'static str,
+    storage: Storage,
+    batched: bool,
+    rmdir: bool,
+}
+
+impl Prepared {
+    /// Chooses, before load, what of the value the kernel gets: the storage
+    /// maps `storage` uses (`Storage::configure`), the drain where the kernel
+    /// has `cgroup_rmdir` (`rmdir`), the batch program where it can run.
+    pub fn new(
+        probe: &'static str,
+        value: &'static str,
+        storage: Storage,
+        rmdir: bool,
+        open: &mut OpenObject,
+    ) -> Result<Prepared, ProbeError> {
+        storage.configure(probe, value, open)?;
+        let batched = !storage.by_id() && cgroup_batch::supported();
+        for (suffix, load) in [("_rmdir", rmdir), ("_batch_read", batched)] {
+            let name = format!("{value}{suffix}");
+            let mut prog = open
+                .progs_mut()
+                .find(|p| p.name() == name.as_str())
+                .ok_or_else(|| missing(probe, "program", &name))?;
+            prog.set_autoload(load);
+        }
+        Ok(Prepared {
+            probe,
+            value,
+            storage,
+            batched,
+            rmdir,
+        })
+    }
+
+    /// After load: the reader of the value in `obj`, with the unit's
+    /// `series`; attaches the drain at `cgroup_rmdir` where it was loaded.
+    pub fn reader<S: CgroupSeries>(
+        self,
+        obj: &Object,
+        series: S,
+    ) -> Result<PerCgroup<S>, ProbeError> {
+        let Prepared {
+            probe,
+            value,
+            storage,
+            batched,
+            rmdir,
+        } = self;
+        let map = |name: &str| {
+            let m = obj
+                .maps()
+                .find(|m| m.name() == name)
+                .ok_or_else(|| missing(probe, "map", name))?;
+            handle(probe, &m)
+        };
+        let prog = |name: &str| {
+            obj.progs_mut()
+                .find(|p| p.name() == name)
+                .ok_or_else(|| missing(probe, "program", name))
+        };
+        let values = map(&match storage {
+            Storage::Local => value.to_string(),
+            Storage::ById => format!("{value}_by_id"),
+        })?;
+        let batch = if batched {
+            let value_size = values.value_size() as usize;
+            let slots = map(&format!("{value}_batch"))?;
+            let run = prog(&format!("{value}_batch_read"))?;
+            Some(BatchRead::new(probe, &run, &slots, value_size)?)
+        } else {
+            None
+        };
+        let rmdir = if rmdir {
+            let drain = prog(&format!("{value}_rmdir"))?;
+            Some(drain.attach().map_err(err(probe, "attach cgroup_rmdir"))?)
+        } else {
+            None
+        };
+        Ok(PerCgroup {
+            probe,
+            values: CgroupValues::new(values, storage),
+            active: ActiveSet::new(probe, map("active_epoch")?, map("active_cgroups")?)?,
+            drained: Drained::new(
+                probe,
+                map(&format!("{value}_drained"))?,
+                map(&format!("{value}_drain_added"))?,
+            )?,
+            batch,
+            last: LastRead::default(),
+            series,
+            _rmdir: rmdir,
+        })
+    }
+}
+
+fn missing(probe: &'static str, what: &str, name: &str) -> ProbeError {
+    ProbeError::Io {
+        probe,
+        what: "finding the per-cgroup value's maps",
+        source: std::io::Error::other(format!("the object has no {what} {name}")),
+    }
 }
 
 /// A unit's per-cgroup values and what reading them needs.
@@ -83,27 +185,11 @@ pub struct PerCgroup<S: CgroupSeries> {
     last: LastRead<S::Value>,
     /// The unit's series and the state they need (open to the unit's other work).
     pub series: S,
+    /// The drain at `cgroup_rmdir`, where the kernel has the tracepoint.
+    _rmdir: Option<Link>,
 }
 
 impl<S: CgroupSeries> PerCgroup<S> {
-    pub fn new(
-        probe: &'static str,
-        storage: Storage,
-        maps: ValueMaps,
-        batch: Option<BatchRead>,
-        series: S,
-    ) -> Result<PerCgroup<S>, ProbeError> {
-        Ok(PerCgroup {
-            probe,
-            values: CgroupValues::new(maps.values, storage),
-            active: ActiveSet::new(probe, maps.active_epoch, maps.active_cgroups)?,
-            drained: Drained::new(probe, maps.drained, maps.drain_added)?,
-            batch,
-            last: LastRead::default(),
-            series,
-        })
-    }
-
     pub fn storage(&self) -> Storage {
         self.values.storage()
     }

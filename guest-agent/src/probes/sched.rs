@@ -8,14 +8,13 @@ pub(crate) mod skel {
 use std::mem::MaybeUninit;
 use std::os::fd::BorrowedFd;
 
-use libbpf_rs::skel::SkelBuilder;
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle};
 
-use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_storage::{self, Storage};
 use super::hist::{Hist, HIST_BYTES};
 use super::options::OptionsSpec;
-use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     Delta, FamilySpec, Kind, LoadContext, Loaded, Probe, Scope, SelfSeries, UnitSpec, UnitStats,
@@ -65,6 +64,7 @@ static FAMILIES: [FamilySpec; 1] = [FamilySpec {
     help: "Run-queue wait of tasks being scheduled in (switched-in task's cgroup)",
     kind: Kind::Histogram,
     scope: Scope::Container,
+    pod_labels: false,
 }];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
@@ -165,39 +165,16 @@ impl SchedProbe {
             // tasks created from now on have all their run_delay counted
             ro.started_ns = monotonic_ns();
         }
-        storage.configure(
-            NAME,
-            &mut open.maps.sched_hist,
-            &mut open.maps.sched_hist_by_id,
-            &mut open.maps.sched_hist_zero,
-        )?;
+        let rmdir = btf.has_tracepoint("cgroup_rmdir");
+        let hist = Prepared::new(NAME, "sched_hist", storage, rmdir, open.open_object_mut())?;
         open.progs.sched_wakeup.set_autoload(!use_sched_info);
         open.progs.sched_wakeup_new.set_autoload(!use_sched_info);
-        let has_rmdir = btf.has_tracepoint("cgroup_rmdir");
-        open.progs.sched_hist_rmdir.set_autoload(has_rmdir);
-        let batched = !storage.by_id() && cgroup_batch::supported();
-        open.progs.sched_hist_batch_read.set_autoload(batched);
         let skel = crate::probes::object::load(NAME, open)?;
-        let batch = BatchRead::if_loaded(
-            batched,
-            NAME,
-            &skel.progs.sched_hist_batch_read,
-            &skel.maps.sched_hist_batch,
-            std::mem::size_of::<skel::types::sched_cgroup>(),
-        )?;
         let mut links = vec![skel
             .progs
             .sched_switch
             .attach()
             .map_err(err(NAME, "attach sched_switch"))?];
-        if has_rmdir {
-            links.push(
-                skel.progs
-                    .sched_hist_rmdir
-                    .attach()
-                    .map_err(err(NAME, "attach cgroup_rmdir"))?,
-            );
-        }
         if !use_sched_info {
             links.push(
                 skel.progs
@@ -212,20 +189,8 @@ impl SchedProbe {
                     .map_err(err(NAME, "attach sched_wakeup_new"))?,
             );
         }
-        let values = if storage.by_id() {
-            handle(NAME, &skel.maps.sched_hist_by_id)?
-        } else {
-            handle(NAME, &skel.maps.sched_hist)?
-        };
-        let maps = ValueMaps {
-            values,
-            active_epoch: handle(NAME, &skel.maps.active_epoch)?,
-            active_cgroups: handle(NAME, &skel.maps.active_cgroups)?,
-            drained: handle(NAME, &skel.maps.sched_hist_drained)?,
-            drain_added: handle(NAME, &skel.maps.sched_hist_drain_added)?,
-        };
         Ok(SchedProbe {
-            hist: PerCgroup::new(NAME, storage, maps, batch, WaitSeries)?,
+            hist: hist.reader(skel.object(), WaitSeries)?,
             stats: handle(NAME, &skel.maps.sched_stats)?,
             _links: links,
             status: ProbeStatus::up(NAME),

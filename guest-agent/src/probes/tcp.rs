@@ -8,14 +8,13 @@ pub(crate) mod skel {
 use std::mem::MaybeUninit;
 use std::os::fd::BorrowedFd;
 
-use libbpf_rs::skel::SkelBuilder;
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle};
 
-use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_storage::{self, Storage};
 use super::hist::{Hist, HIST_BYTES};
 use super::options::OptionsSpec;
-use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, ValueMaps};
+use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
     self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope, UnitSpec,
@@ -89,12 +88,14 @@ static FAMILIES: [FamilySpec; 2] = [
         help: "TCP smoothed RTT of the socket owner's connections, weighted by their busy time: one observation per millisecond a socket had data queued or in flight (at least one per socket sampled), each socket sampled at most once per interval",
         kind: Kind::Histogram,
         scope: Scope::Container,
+        pod_labels: false,
     },
     FamilySpec {
         name: RETRANS_FAMILY,
         help: "TCP segments retransmitted (as counted by TcpRetransSegs), by socket owner",
         kind: Kind::Counter,
         scope: Scope::Container,
+        pod_labels: false,
     },
 ];
 
@@ -253,19 +254,11 @@ impl TcpProbe {
         let mut open = skel::TcpSkelBuilder::default()
             .open(&mut mem)
             .map_err(err(OBJ, "open"))?;
-        storage.configure(
-            OBJ,
-            &mut open.maps.tcp_stats,
-            &mut open.maps.tcp_stats_by_id,
-            &mut open.maps.tcp_stats_zero,
-        )?;
+        let stats = Prepared::new(OBJ, "tcp_stats", storage, has_rmdir, open.open_object_mut())?;
         open.progs.tcp_probe.set_autoload(has_rtt);
         open.progs.tcp_retransmit_skb.set_autoload(has_retrans);
         open.progs.tcp_destroy_sock.set_autoload(has_retrans);
         open.progs.tcp_retransmit_synack.set_autoload(has_synack);
-        open.progs.tcp_stats_rmdir.set_autoload(has_rmdir);
-        let batched = !storage.by_id() && cgroup_batch::supported();
-        open.progs.tcp_stats_batch_read.set_autoload(batched);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.cgroup_storage_by_id = storage.by_id();
             ro.rtt_every_ns = config.rtt_every.as_nanos().min(u64::MAX as u128) as u64;
@@ -277,13 +270,6 @@ impl TcpProbe {
         // The table before the hooks: a socket is classified once, at its
         // first segment, and keeps that class for its lifetime, so one seen
         // before the table was filled would stay `other`.
-        let batch = BatchRead::if_loaded(
-            batched,
-            OBJ,
-            &skel.progs.tcp_stats_batch_read,
-            &skel.maps.tcp_stats_batch,
-            std::mem::size_of::<skel::types::tcp_cgroup>(),
-        )?;
         let lpm_len = lpm.len();
         for (key, idx) in lpm {
             skel.maps
@@ -322,28 +308,8 @@ impl TcpProbe {
                     .map_err(err(RETRANS, "attach tcp_retransmit_synack"))?,
             );
         }
-        if has_rmdir {
-            links.push(
-                skel.progs
-                    .tcp_stats_rmdir
-                    .attach()
-                    .map_err(err(OBJ, "attach cgroup_rmdir"))?,
-            );
-        }
-        let values = if storage.by_id() {
-            handle(OBJ, &skel.maps.tcp_stats_by_id)?
-        } else {
-            handle(OBJ, &skel.maps.tcp_stats)?
-        };
-        let maps = ValueMaps {
-            values,
-            active_epoch: handle(OBJ, &skel.maps.active_epoch)?,
-            active_cgroups: handle(OBJ, &skel.maps.active_cgroups)?,
-            drained: handle(OBJ, &skel.maps.tcp_stats_drained)?,
-            drain_added: handle(OBJ, &skel.maps.tcp_stats_drain_added)?,
-        };
         Ok(TcpProbe {
-            stats: PerCgroup::new(OBJ, storage, maps, batch, PerDestination(dst.clone()))?,
+            stats: stats.reader(skel.object(), PerDestination(dst.clone()))?,
             lost: handle(OBJ, &skel.maps.tcp_lost)?,
             _links: links,
             dst_entries: lpm_len,

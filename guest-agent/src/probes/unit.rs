@@ -56,6 +56,10 @@ pub struct FamilySpec {
     pub help: &'static str,
     pub kind: Kind,
     pub scope: Scope,
+    /// Whether the family's series carry the pod labels the operator configured
+    /// (`--pod-label tenant=…`): the GPU families do, so that a tenant's GPU use and cost add
+    /// up without a join; the rest reach them through `gpufeed_pod_info`.
+    pub pod_labels: bool,
 }
 
 /// A delta (or, in the accumulators, a running total) of one series.

@@ -88,18 +88,21 @@ static FAMILIES: [FamilySpec; 3] = [
         help: "Bytes passing the tc layer of the pod's host-side interface; direction from the pod's point of view",
         kind: Kind::Counter,
         scope: Scope::Pod,
+        pod_labels: false,
     },
     FamilySpec {
         name: DROPS_FAMILY,
         help: "Packets dropped in the tc/qdisc layer, by the kernel's drop reason",
         kind: Kind::Counter,
         scope: Scope::Pod,
+        pod_labels: false,
     },
     FamilySpec {
         name: BW_LIMIT_FAMILY,
         help: "Bandwidth cap from the pod's kubernetes.io/{egress,ingress}-bandwidth annotation",
         kind: Kind::Gauge,
         scope: Scope::Pod,
+        pod_labels: false,
     },
 ];
 
