@@ -29,7 +29,7 @@ use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    self, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope,
+    self, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Probe, Scope,
     SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
 use super::{decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
@@ -611,37 +611,13 @@ impl Probe for CudaProbe {
     fn stats(&self) -> UnitStats {
         let [failures, full, unknown, untracked] = self.kernel_stats();
         UnitStats {
-            maps: vec![MapFill {
-                map: "cuda_cgroup",
-                entries: self.cgroups.entries(),
-                capacity: None,
-            }],
+            maps: vec![self.cgroups.map_fill()],
             storage_failures: Some((NAME, failures)),
             series: vec![
-                SelfSeries {
-                    name: "gpufeed_cuda_libraries",
-                    help: "Distinct libcuda files (device, inode) the CUDA probes are attached to",
-                    kind: Kind::Gauge,
-                    value: self.files() as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_cuda_objects_dropped_total",
-                    help: "CUDA allocations not tracked because the object map was full",
-                    kind: Kind::Counter,
-                    value: full as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_cuda_launches_untracked_total",
-                    help: "Kernel launches left out of the busy estimate (stream map full, launch stack unreadable)",
-                    kind: Kind::Counter,
-                    value: untracked as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_cuda_unknown_frees_total",
-                    help: "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)",
-                    kind: Kind::Counter,
-                    value: unknown as f64,
-                },
+                SelfSeries::gauge("gpufeed_cuda_libraries", "Distinct libcuda files (device, inode) the CUDA probes are attached to", self.files() as f64),
+                SelfSeries::counter("gpufeed_cuda_objects_dropped_total", "CUDA allocations not tracked because the object map was full", full),
+                SelfSeries::counter("gpufeed_cuda_launches_untracked_total", "Kernel launches left out of the busy estimate (stream map full, launch stack unreadable)", untracked),
+                SelfSeries::counter("gpufeed_cuda_unknown_frees_total", "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)", unknown),
             ],
             node: self.cgroups.series.compute.iter().map(ComputeSeries::info).collect(),
         }

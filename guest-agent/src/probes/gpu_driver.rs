@@ -37,7 +37,7 @@ use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope, SelfSeries,
+    self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, Probe, Scope, SelfSeries,
     TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
 use super::{attach_all, decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
@@ -803,37 +803,13 @@ impl Probe for GpuDriverProbe {
     fn stats(&self) -> UnitStats {
         let [failures, learned, untracked, moved] = self.kernel_stats();
         UnitStats {
-            maps: vec![MapFill {
-                map: "gpu_cgroup",
-                entries: self.cgroups.entries(),
-                capacity: None,
-            }],
+            maps: vec![self.cgroups.map_fill()],
             storage_failures: Some((NAME, failures)),
             series: vec![
-                SelfSeries {
-                    name: "gpufeed_gpu_fds_learned_total",
-                    help: "GPU device files the kernel saw being opened",
-                    kind: Kind::Counter,
-                    value: learned as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_gpu_fds_untracked_total",
-                    help: "GPU device files opened at an fd number too high to track (not timed)",
-                    kind: Kind::Counter,
-                    value: untracked as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_gpu_ioctl_processes_probed",
-                    help: "Processes whose C library carries the GPU driver time uprobes (uprobe mode)",
-                    kind: Kind::Gauge,
-                    value: self.probed.len() as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_gpu_ioctl_cgroup_moves_total",
-                    help: "GPU ioctls that ended in another cgroup than they began (timed, not counted busy)",
-                    kind: Kind::Counter,
-                    value: moved as f64,
-                },
+                SelfSeries::counter("gpufeed_gpu_fds_learned_total", "GPU device files the kernel saw being opened", learned),
+                SelfSeries::counter("gpufeed_gpu_fds_untracked_total", "GPU device files opened at an fd number too high to track (not timed)", untracked),
+                SelfSeries::gauge("gpufeed_gpu_ioctl_processes_probed", "Processes whose C library carries the GPU driver time uprobes (uprobe mode)", self.probed.len() as f64),
+                SelfSeries::counter("gpufeed_gpu_ioctl_cgroup_moves_total", "GPU ioctls that ended in another cgroup than they began (timed, not counted busy)", moved),
             ],
             node: self.cgroups.series.compute.iter().map(ComputeSeries::info).collect(),
         }

@@ -315,24 +315,21 @@ impl Probe for NvmlUnit {
         node.extend(self.compute.iter().map(ComputeSeries::info));
         UnitStats {
             series: vec![
-                SelfSeries {
-                    name: "gpufeed_nvml_gpus",
-                    help: "GPUs NVML reports (0: no NVML library on the node)",
-                    kind: Kind::Gauge,
-                    value: self.gpus.len() as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_nvml_errors_total",
-                    help: "NVML reads that failed (the first is logged)",
-                    kind: Kind::Counter,
-                    value: self.failures as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_nvml_invalid_samples_total",
-                    help: "NVML utilisation samples above 100%, counted as 0",
-                    kind: Kind::Counter,
-                    value: self.clock.invalid_samples() as f64,
-                },
+                SelfSeries::gauge(
+                    "gpufeed_nvml_gpus",
+                    "GPUs NVML reports (0: no NVML library on the node)",
+                    self.gpus.len() as f64,
+                ),
+                SelfSeries::counter(
+                    "gpufeed_nvml_errors_total",
+                    "NVML reads that failed (the first is logged)",
+                    self.failures,
+                ),
+                SelfSeries::counter(
+                    "gpufeed_nvml_invalid_samples_total",
+                    "NVML utilisation samples above 100%, counted as 0",
+                    self.clock.invalid_samples(),
+                ),
             ],
             node,
             ..UnitStats::default()

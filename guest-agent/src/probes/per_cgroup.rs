@@ -15,7 +15,7 @@ use libbpf_rs::{Link, MapCore, Object, OpenObject};
 use super::cgroup_batch::{self, BatchRead};
 use super::cgroup_maps::{ActiveSet, Drained};
 use super::cgroup_storage::{CgroupValues, Storage};
-use super::unit::{Delta, LastRead};
+use super::unit::{Delta, LastRead, MapFill};
 use super::{err, handle, ProbeError};
 use crate::cgroups::CgroupTree;
 
@@ -151,6 +151,7 @@ impl Prepared {
         };
         Ok(PerCgroup {
             probe,
+            value,
             values: CgroupValues::new(values, storage),
             active: ActiveSet::new(probe, map("active_epoch")?, map("active_cgroups")?)?,
             drained: Drained::new(
@@ -177,6 +178,8 @@ fn missing(probe: &'static str, what: &str, name: &str) -> ProbeError {
 /// A unit's per-cgroup values and what reading them needs.
 pub struct PerCgroup<S: CgroupSeries> {
     probe: &'static str,
+    /// The value's name in the object (`gpufeed_map_entries{map}`).
+    value: &'static str,
     values: CgroupValues,
     active: ActiveSet,
     drained: Drained,
@@ -199,9 +202,14 @@ impl<S: CgroupSeries> PerCgroup<S> {
         self.batch.is_some()
     }
 
-    /// Cgroups read at least once and not gone (`gpufeed_map_entries`).
-    pub fn entries(&self) -> usize {
-        self.last.len()
+    /// The value map's fill: cgroups read at least once and not gone
+    /// (`gpufeed_map_entries`; cgroup storage has no capacity of its own).
+    pub fn map_fill(&self) -> MapFill {
+        MapFill {
+            map: self.value,
+            entries: self.last.len(),
+            capacity: None,
+        }
     }
 
     /// The value of the cgroup whose directory `dir` is, if it has one (no

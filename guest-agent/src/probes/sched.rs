@@ -276,21 +276,16 @@ impl Probe for SchedProbe {
     fn stats(&self) -> UnitStats {
         // [0] negative deltas dropped, [1] storage allocation failures
         UnitStats {
-            maps: vec![super::unit::MapFill {
-                map: "sched_hist",
-                entries: self.hist.entries(),
-                capacity: None,
-            }],
+            maps: vec![self.hist.map_fill()],
             storage_failures: Some((
                 NAME,
                 percpu_sum(&self.stats, counters::STAT_NO_STORAGE as u32),
             )),
-            series: vec![SelfSeries {
-                name: "gpufeed_sched_negative_deltas_total",
-                help: "Run-queue waits dropped because the clock went backwards across CPUs",
-                kind: Kind::Counter,
-                value: percpu_sum(&self.stats, counters::STAT_NEGATIVE_DELTA as u32) as f64,
-            }],
+            series: vec![SelfSeries::counter(
+                "gpufeed_sched_negative_deltas_total",
+                "Run-queue waits dropped because the clock went backwards across CPUs",
+                percpu_sum(&self.stats, counters::STAT_NEGATIVE_DELTA as u32),
+            )],
             node: Vec::new(),
         }
     }

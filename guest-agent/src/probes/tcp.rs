@@ -383,11 +383,7 @@ impl Probe for TcpProbe {
     fn stats(&self) -> UnitStats {
         UnitStats {
             maps: vec![
-                MapFill {
-                    map: "tcp_stats",
-                    entries: self.stats.entries(),
-                    capacity: None,
-                },
+                self.stats.map_fill(),
                 MapFill {
                     map: "dst_cidrs",
                     entries: self.dst_entries,

@@ -136,6 +136,28 @@ pub struct SelfSeries {
     pub value: f64,
 }
 
+impl SelfSeries {
+    /// A count the unit's programs keep (failures, drops, things learned).
+    pub fn counter(name: &'static str, help: &'static str, value: u64) -> SelfSeries {
+        SelfSeries {
+            name,
+            help,
+            kind: Kind::Counter,
+            value: value as f64,
+        }
+    }
+
+    /// A level the unit reads at the tick (attached files, probed processes).
+    pub fn gauge(name: &'static str, help: &'static str, value: f64) -> SelfSeries {
+        SelfSeries {
+            name,
+            help,
+            kind: Kind::Gauge,
+            value,
+        }
+    }
+}
+
 /// A unit's self-observation, taken at the end of each tick.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct UnitStats {

@@ -431,18 +431,16 @@ impl Probe for TcUnit {
             ],
             storage_failures: None,
             series: vec![
-                SelfSeries {
-                    name: "gpufeed_tc_interfaces",
-                    help: "Pod interfaces the tc programs are attached to",
-                    kind: Kind::Gauge,
-                    value: self.by_host.len() as f64,
-                },
-                SelfSeries {
-                    name: "gpufeed_tc_drop_overflow_total",
-                    help: "tc/qdisc drops not recorded because the drop map was full",
-                    kind: Kind::Counter,
-                    value: self.probe.overflow() as f64,
-                },
+                SelfSeries::gauge(
+                    "gpufeed_tc_interfaces",
+                    "Pod interfaces the tc programs are attached to",
+                    self.by_host.len() as f64,
+                ),
+                SelfSeries::counter(
+                    "gpufeed_tc_drop_overflow_total",
+                    "tc/qdisc drops not recorded because the drop map was full",
+                    self.probe.overflow(),
+                ),
             ],
             node: Vec::new(),
         }
