@@ -228,7 +228,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         lockdown: lockdown.as_deref(),
     };
     let (mut units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
-    probes::gpu_compute::elect(&mut units, Duration::from_secs(30));
+    probes::elect_compute(&mut units, Duration::from_secs(30));
     for s in statuses.iter().filter(|s| !s.up) {
         println!(
             "{}: not loaded ({})",
@@ -295,7 +295,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         lockdown: lockdown.as_deref(),
     };
     let (mut units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
-    probes::gpu_compute::elect(&mut units, args.gpu_duty_window);
+    probes::elect_compute(&mut units, args.gpu_duty_window);
     let probes_up: Vec<&'static str> = statuses.iter().filter(|s| s.up).map(|s| s.name).collect();
     for s in &statuses {
         match &s.reason {

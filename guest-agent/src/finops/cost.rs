@@ -20,7 +20,73 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use super::config::{GpuCapacity, Weights};
+use super::error::ConfigError;
+
+/// How the three dimensions of use weigh in a pod's cost. They sum to 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    pub compute: f64,
+    pub vram: f64,
+    pub pcie: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            compute: 0.55,
+            vram: 0.35,
+            pcie: 0.10,
+        }
+    }
+}
+
+/// Tolerance on the weights' sum: "0.33,0.33,0.34" is meant as 1.
+const WEIGHT_SUM_TOLERANCE: f64 = 1e-6;
+
+impl Weights {
+    /// `COMPUTE,VRAM,PCIE`, each ≥ 0, summing to 1.
+    pub fn parse(s: &str) -> Result<Weights, ConfigError> {
+        let v: Vec<f64> = s
+            .split(',')
+            .map(|p| p.trim().parse::<f64>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| ConfigError::WeightsSyntax(s.to_string()))?;
+        let [compute, vram, pcie] = v[..] else {
+            return Err(ConfigError::WeightsSyntax(s.to_string()));
+        };
+        if v.iter().any(|w| !w.is_finite()) {
+            return Err(ConfigError::WeightsSyntax(s.to_string()));
+        }
+        if v.iter().any(|w| *w < 0.0) {
+            return Err(ConfigError::NegativeWeight(s.to_string()));
+        }
+        let sum = compute + vram + pcie;
+        if (sum - 1.0).abs() > WEIGHT_SUM_TOLERANCE {
+            return Err(ConfigError::WeightsSum {
+                given: s.to_string(),
+                sum,
+            });
+        }
+        Ok(Weights {
+            compute,
+            vram,
+            pcie,
+        })
+    }
+}
+
+/// The node's GPUs' size: what the shares divide by.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuCapacity {
+    /// Total memory of the node's GPUs (bytes).
+    pub memory_bytes: u64,
+    /// Host link bandwidth of the node's GPUs together, one direction (bytes/s): PCIe
+    /// generation × width at their maxima, as NVML reports them.
+    pub link_bytes_per_second: u64,
+    /// How many GPUs the node has (NVML's count; 1 without NVML): each is an equal part of
+    /// the node's compute.
+    pub gpus: u32,
+}
 
 /// Compute time per GPU (NVML's index; `None`: the source does not say which).
 pub type PerGpu = BTreeMap<Option<u32>, f64>;

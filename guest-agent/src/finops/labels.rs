@@ -2,7 +2,7 @@
 //! series labels: on every GPU series, on the cost series, and on `gpufeed_pod_info`, which
 //! joins them to every other per-pod series in PromQL.
 
-use super::config::{ConfigError, LABEL_NAMES};
+use super::error::{ConfigError, LABEL_NAMES};
 use crate::pods::PodMeta;
 use crate::probes::unit::Labels;
 

@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod cost;
+pub mod error;
 pub mod labels;
 pub mod mps;
 

@@ -6,6 +6,7 @@
 
 pub mod annotations;
 pub mod explain;
+pub mod link;
 pub mod profile;
 pub mod timeline;
 
@@ -16,6 +17,7 @@ use crate::correlate::export::SpikeView;
 use crate::correlate::LinkCondition;
 
 pub use explain::explain;
+pub use link::LinkView;
 pub use profile::ProfileTemplate;
 pub use timeline::{Picture, Strip, Timeline, TimelineConfig};
 
@@ -54,22 +56,6 @@ pub struct HostView {
     pub simulated: bool,
     /// The PCIe links the host reports for this guest, from its last state.
     pub links: Vec<LinkView>,
-}
-
-/// A PCIe link as the host agent's gauges have it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LinkView {
-    pub bdf: String,
-    /// The VM the device is passed through to ("" for a bridge above it).
-    pub vmid: String,
-    pub speed_gts: f64,
-    pub width: f64,
-    pub max_speed_gts: f64,
-    pub max_width: f64,
-    /// How it reads beside the GPU's activity now (the join sets it; below the maximum speed
-    /// at full width is a GPU saving power unless the GPU works).
-    #[serde(default)]
-    pub condition: LinkCondition,
 }
 
 /// The links in a host's state, by BDF.

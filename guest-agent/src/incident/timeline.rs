@@ -27,7 +27,7 @@ use serde::Serialize;
 
 use gpufeed_shared::event::{HostEvent, PcieLinkChange};
 
-use super::LinkView;
+use super::link::LinkView;
 use crate::correlate::events::Classified;
 use crate::correlate::join::{EventRecord, SpikeRecord};
 use crate::correlate::{Observed, PodKey, WindowRef};

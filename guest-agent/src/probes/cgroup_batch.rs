@@ -13,9 +13,9 @@ use std::sync::OnceLock;
 use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{MapCore, MapFlags, MapHandle};
 
-use super::cgroup_maps::Mapped;
-use super::unit::Delta;
-use super::{err, ProbeError};
+use super::model::Delta;
+use crate::ebpf::cgroup_maps::Mapped;
+use crate::ebpf::{err, ProbeError};
 
 mod skel {
     include!(concat!(env!("OUT_DIR"), "/cgroup_batch.skel.rs"));
@@ -80,7 +80,7 @@ fn check() -> Result<(), ProbeError> {
     let open = skel::CgroupBatchSkelBuilder::default()
         .open(&mut storage)
         .map_err(err(NAME, "open"))?;
-    let skel = crate::probes::object::load(NAME, open)?;
+    let skel = crate::ebpf::object::load(NAME, open)?;
     const MARK: u64 = 0x6770_7566_6565_6401;
     skel.maps
         .batch_check
@@ -275,7 +275,7 @@ mod tests {
         let open = skel::CgroupBatchSkelBuilder::default()
             .open(&mut storage)
             .unwrap();
-        let skel = crate::probes::object::load("sched_latency", open).unwrap();
+        let skel = crate::ebpf::object::load("sched_latency", open).unwrap();
         let values = MapHandle::try_from(&skel.maps.batch_check).unwrap();
         let mut ids = Vec::new();
         for i in 0..3u64 {

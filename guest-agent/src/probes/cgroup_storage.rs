@@ -12,8 +12,8 @@ use std::sync::OnceLock;
 
 use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenObject};
 
-use super::libbpf_log::Capture;
-use super::{err, ProbeError};
+use crate::ebpf::libbpf_log::Capture;
+use crate::ebpf::{err, ProbeError};
 
 /// `--cgroup-storage`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -28,11 +28,12 @@ use super::lookout::Lookout;
 use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
+use super::status::ProbeStatus;
 use super::unit::{
     self, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Probe, Scope,
     SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::{decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use crate::ebpf::{decode, err, handle, percpu_sum, KernelBtf, ProbeError};
 use crate::owner::Owner;
 
 /// The counters of bpf/cuda.h, generated from it by build.rs.
@@ -389,8 +390,8 @@ impl CudaProbe {
             ro.busy_estimate = opts.launches;
             ro.cgroup_storage_by_id = storage.by_id();
         }
-        let skel = crate::probes::object::load(NAME, open)?;
-        let links = super::attach_all(NAME, [(&skel.progs.cuda_exit, "sched_process_exit")])?;
+        let skel = crate::ebpf::object::load(NAME, open)?;
+        let links = crate::ebpf::attach_all(NAME, [(&skel.progs.cuda_exit, "sched_process_exit")])?;
         let skel: &'static skel::CudaSkel<'static> = Box::leak(Box::new(skel));
         let series = CudaSeries {
             launches: opts.launches,

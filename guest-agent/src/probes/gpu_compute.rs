@@ -5,7 +5,7 @@
 //! units can measure it, with falling accuracy ([`ComputeSource`]): NVML's per-process SM
 //! utilisation (`nvml`), the launch-to-completion busy estimate of the CUDA uprobes (`cuda`
 //! with `--cuda-launches`), and time inside the GPU driver (`gpu_driver`), which stays near 0
-//! while a server launches asynchronously and polls. After loading, [`elect`] asks each unit
+//! while a server launches asynchronously and polls. After loading, `registry::elect_compute` asks each unit
 //! which source it can be and tells the best one to publish both series (and
 //! `gpufeed_gpu_compute_source`, the info series naming it); the others keep only their own
 //! series. [`ComputeSeries`] is what the elected unit holds: it turns the unit's compute time
@@ -14,9 +14,8 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::unit::{
-    Delta, FamilySpec, GaugeValue, Kind, Labels, NodeFamily, Scope, TickContext, Units, Value,
-};
+use super::model::{Delta, FamilySpec, GaugeValue, Kind, Labels, NodeFamily, Scope, Value};
+use super::tick::TickContext;
 use crate::owner::Owner;
 
 pub const COMPUTE: &str = "ebpf_gpu_compute_time_seconds_total";
@@ -63,16 +62,6 @@ impl ComputeSource {
             ComputeSource::DriverTime => "driver_time",
         }
     }
-}
-
-/// Tells the unit offering the best source to publish the compute series; returns the source.
-pub fn elect(units: &mut Units, duty_window: Duration) -> Option<ComputeSource> {
-    let best = units.iter().filter_map(|u| u.compute_source()).min()?;
-    if let Some(u) = units.iter_mut().find(|u| u.compute_source() == Some(best)) {
-        u.publish_compute(ComputeSeries::new(best, duty_window));
-    }
-    tracing::info!(source = best.label(), "GPU compute time source");
-    Some(best)
 }
 
 /// The compute series of the elected unit: what it adds each tick, turned into counter

@@ -36,11 +36,12 @@ use super::lookout::Lookout;
 use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
+use super::status::ProbeStatus;
 use super::unit::{
     self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, Probe, Scope, SelfSeries,
     TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::{attach_all, decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use crate::ebpf::{attach_all, decode, err, handle, percpu_sum, KernelBtf, ProbeError};
 
 pub const NAME: &str = "gpu_driver";
 pub const IOCTL: &str = "ebpf_gpu_ioctl_latency_microseconds";
@@ -518,7 +519,7 @@ impl GpuDriverProbe {
         ] {
             prog.set_autoload(uprobes);
         }
-        let skel = crate::probes::object::load(NAME, open)?;
+        let skel = crate::ebpf::object::load(NAME, open)?;
         let skel: &'static skel::GpuDriverSkel<'static> = Box::leak(Box::new(skel));
         let p = &skel.progs;
         let mut progs = vec![

@@ -21,7 +21,7 @@ use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, NodeFamily, Probe, Scope,
     SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats,
 };
-use super::ProbeError;
+use crate::ebpf::ProbeError;
 use crate::nvml::sm_time::SmClock;
 use crate::nvml::{GpuCapacity, LinkState, Nvml};
 use crate::owner::Owner;

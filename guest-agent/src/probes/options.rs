@@ -2,8 +2,9 @@
 //!
 //! A unit declares its flags as a `clap::Args` struct beside its loader and
 //! names it in its registry entry ([`OptionsSpec::of`]); `gpufeed-guest run`
-//! flattens [`UnitOptions`], which asks every unit of `probes::UNITS` for its
-//! flags and parses them, and the unit's loader takes its own back with
+//! flattens [`UnitOptions`], whose `clap` side (in `probes::registry`, which
+//! lists the units) asks every unit of `probes::UNITS` for its flags and
+//! parses them, and the unit's loader takes its own back with
 //! [`UnitOptions::get`]. So adding a probe with a flag touches the probe's
 //! unit and the registry line, not `main.rs` or a configuration type that
 //! lists every unit.
@@ -51,6 +52,11 @@ impl OptionsSpec {
     {
         OptionsSpec::of::<T, T>()
     }
+
+    /// Adds the unit's flags to `cmd`.
+    pub fn add_flags(&self, cmd: Command) -> Command {
+        (self.augment)(cmd)
+    }
 }
 
 fn no_flags(cmd: Command) -> Command {
@@ -86,16 +92,6 @@ impl std::fmt::Debug for UnitOptions {
 }
 
 impl UnitOptions {
-    /// Every unit's options as the command line has them when none of their
-    /// flags is given.
-    pub fn defaults() -> UnitOptions {
-        let cmd = UnitOptions::augment_args(Command::new("defaults").no_binary_name(true));
-        let m = cmd
-            .try_get_matches_from(std::iter::empty::<&str>())
-            .expect("every unit's flags have defaults");
-        UnitOptions::from_arg_matches(&m).expect("every unit's defaults are valid")
-    }
-
     /// A unit's options (its registry entry names their type).
     ///
     /// # Panics
@@ -113,38 +109,18 @@ impl UnitOptions {
             })
     }
 
+    /// Adds the options of the unit `spec` from the parsed command line (its
+    /// flags' conversion may refuse them: a command-line error).
+    pub fn parse_unit(&mut self, spec: &OptionsSpec, m: &ArgMatches) -> Result<(), clap::Error> {
+        self.values.extend((spec.parse)(m)?);
+        Ok(())
+    }
+
     /// Replaces a unit's options (tests, and callers that load units for
     /// another purpose than `run`, such as the selftest).
     pub fn set<T: Send + Sync + 'static>(&mut self, options: T) {
         self.values.retain(|v| !v.is::<T>());
         self.values.push(Box::new(options));
-    }
-}
-
-impl FromArgMatches for UnitOptions {
-    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
-        let mut values = Vec::new();
-        for unit in super::UNITS {
-            values.extend((unit.options.parse)(m)?);
-        }
-        Ok(UnitOptions { values })
-    }
-
-    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
-        *self = UnitOptions::from_arg_matches(m)?;
-        Ok(())
-    }
-}
-
-impl Args for UnitOptions {
-    fn augment_args(cmd: Command) -> Command {
-        super::UNITS
-            .iter()
-            .fold(cmd, |cmd, unit| (unit.options.augment)(cmd))
-    }
-
-    fn augment_args_for_update(cmd: Command) -> Command {
-        UnitOptions::augment_args(cmd)
     }
 }
 

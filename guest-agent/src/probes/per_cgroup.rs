@@ -13,11 +13,11 @@ use std::os::fd::{AsFd, BorrowedFd};
 use libbpf_rs::{Link, MapCore, Object, OpenObject};
 
 use super::cgroup_batch::{self, BatchRead};
-use super::cgroup_maps::{ActiveSet, Drained};
 use super::cgroup_storage::{CgroupValues, Storage};
-use super::unit::{Delta, LastRead, MapFill};
-use super::{err, handle, ProbeError};
+use super::model::{Delta, LastRead, MapFill};
 use crate::cgroups::CgroupTree;
+use crate::ebpf::cgroup_maps::{ActiveSet, Drained};
+use crate::ebpf::{err, handle, ProbeError};
 
 /// What a unit knows about its per-cgroup value.
 pub trait CgroupSeries: Send {

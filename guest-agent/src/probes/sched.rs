@@ -16,11 +16,12 @@ use super::hist::{Hist, HIST_BYTES};
 use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
+use super::status::ProbeStatus;
 use super::unit::{
     Delta, FamilySpec, Kind, LoadContext, Loaded, Probe, Scope, SelfSeries, UnitSpec, UnitStats,
     Value,
 };
-use super::{decode, err, handle, percpu_sum, KernelBtf, ProbeError, ProbeStatus};
+use crate::ebpf::{decode, err, handle, percpu_sum, KernelBtf, ProbeError};
 
 /// The counters of bpf/sched.h, generated from it by build.rs.
 mod counters {
@@ -169,7 +170,7 @@ impl SchedProbe {
         let hist = Prepared::new(NAME, "sched_hist", storage, rmdir, open.open_object_mut())?;
         open.progs.sched_wakeup.set_autoload(!use_sched_info);
         open.progs.sched_wakeup_new.set_autoload(!use_sched_info);
-        let skel = crate::probes::object::load(NAME, open)?;
+        let skel = crate::ebpf::object::load(NAME, open)?;
         let mut links = vec![skel
             .progs
             .sched_switch

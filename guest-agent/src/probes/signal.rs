@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use super::hist::{Hist, BUCKETS, MIN_SHIFT};
-use super::unit::Labels;
+use super::model::Labels;
 use crate::owner::Owner;
 
 /// What kind of window a signal gives.

@@ -16,12 +16,13 @@ use super::hist::{Hist, HIST_BYTES};
 use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
 use super::signal::{SignalKind, SignalSpec};
+use super::status::ProbeStatus;
 use super::unit::{
     self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope, UnitSpec,
     UnitStats, Value,
 };
-use super::{decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError, ProbeStatus};
 use crate::dst::{DstTable, MAX_DST};
+use crate::ebpf::{decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError};
 
 pub const RTT: &str = "tcp_rtt";
 pub const RETRANS: &str = "tcp_retransmit";
@@ -266,7 +267,7 @@ impl TcpProbe {
         let lpm = dst.lpm_entries();
         // exactly the prefixes --dst names (an LPM trie needs at least one slot)
         set_max_entries(OBJ, &mut open.maps.dst_cidrs, lpm.len().max(1) as u32)?;
-        let skel = crate::probes::object::load(OBJ, open)?;
+        let skel = crate::ebpf::object::load(OBJ, open)?;
         // The table before the hooks: a socket is classified once, at its
         // first segment, and keeps that class for its lifetime, so one seen
         // before the table was filled would stay `other`.

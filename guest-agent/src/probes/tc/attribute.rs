@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 
 use super::loader::DropKey;
-use super::Direction;
 use crate::ifaces::PodIface;
 use crate::owner::Owner;
 
@@ -29,6 +28,22 @@ fn pod(uid: String) -> Owner {
     Owner::Pod {
         uid,
         container_id: None,
+    }
+}
+
+/// Direction from the pod's point of view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    Ingress,
+    Egress,
+}
+
+impl Direction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
     }
 }
 

@@ -19,10 +19,9 @@ use libbpf_rs::btf::types::Enum;
 use libbpf_rs::skel::SkelBuilder;
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, TcHook, TcHookBuilder};
 
-use crate::probes::cgroup_maps::MappedWords;
-use crate::probes::{
-    decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError, ProbeStatus,
-};
+use crate::ebpf::cgroup_maps::MappedWords;
+use crate::ebpf::{decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError};
+use crate::probes::status::ProbeStatus;
 
 pub const BYTES: &str = "tc_bytes";
 pub const DROPS: &str = "tc_drops";
@@ -187,7 +186,7 @@ impl TcProbe {
                 .map(|m| std::os::unix::fs::MetadataExt::ino(&m) as u32)
                 .unwrap_or(0);
         }
-        let skel = crate::probes::object::load(OBJ, open)?;
+        let skel = crate::ebpf::object::load(OBJ, open)?;
         let drop_link = if drops_up {
             for r in reasons.keys() {
                 skel.maps

@@ -12,6 +12,7 @@ mod loader;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+pub use attribute::Direction;
 pub use loader::{tc_drop_reasons, AttachMode, DropKey, IfBytes, TcProbe, BYTES, DROPS};
 
 use super::options::{OptionsSpec, UnitOptions};
@@ -20,8 +21,8 @@ use super::unit::{
     Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, MapFill, Probe, Scope,
     SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
 };
-use super::ProbeError;
 use crate::bandwidth;
+use crate::ebpf::ProbeError;
 use crate::ifaces::{self, NodeDevices, PodIface};
 use crate::owner::Owner;
 use crate::pods::PodStore;
@@ -64,22 +65,6 @@ pub fn pod_interfaces_only(options: &mut UnitOptions) {
     let mut tc = options.get::<Config>().clone();
     tc.node_devices = NodeDevices::None;
     options.set(tc);
-}
-
-/// Direction from the pod's point of view.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Direction {
-    Ingress,
-    Egress,
-}
-
-impl Direction {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Direction::Ingress => "ingress",
-            Direction::Egress => "egress",
-        }
-    }
 }
 
 static FAMILIES: [FamilySpec; 3] = [
