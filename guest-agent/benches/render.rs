@@ -34,7 +34,7 @@ use gpufeed_guest::probes::hist::Hist;
 use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
 use gpufeed_guest::probes::unit::{FamilySpec, GaugeValue, Kind, Labels, Scope, Value};
 use gpufeed_guest::probes::{cuda, gpu_compute, gpu_driver, sched, tc, tcp, ProbeStatus};
-use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
+use gpufeed_shared::event::{samples, HostEvent, LinkChangeClass};
 
 /// The families the loaded units declare, as they declare them.
 static FAMILIES: [FamilySpec; 12] = [
@@ -281,25 +281,17 @@ fn link_event(seq: u64) -> ReceivedEvent {
         host_monotonic_ns: 0,
         received_realtime_ns: now,
         clock_offset_ns: Some(0),
-        event: HostEvent::PcieLinkChange(PcieLinkChange {
-            bdf: "0000:0a:00.0".into(),
-            upstream_bdf: Some("0000:09:01.0".into()),
-            target_bdf: Some("0000:0a:00.0".into()),
-            vmid: Some(100),
-            old_speed_mts: old.0,
-            new_speed_mts: new.0,
-            old_width: old.1,
-            new_width: new.1,
-            max_speed_mts: Some(16000),
-            max_width: 4,
-            class: if seq.is_multiple_of(2) {
+        event: HostEvent::PcieLinkChange(samples::gpu_link_change(
+            "0000:0a:00.0",
+            "0000:09:01.0",
+            old,
+            new,
+            if seq.is_multiple_of(2) {
                 LinkChangeClass::WidthReduction
             } else {
                 LinkChangeClass::WidthIncrease
             },
-            degraded: seq.is_multiple_of(2),
-            source: Source::Poll,
-        }),
+        )),
     }
 }
 

@@ -357,6 +357,7 @@ fn vm_kind(v: &VmStateChange) -> EventKind {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use gpufeed_shared::event::samples;
     use gpufeed_shared::event::{
         AerCounter, AerRootPortTotal, KmsgClass, KmsgRecord, PciHotplug, Source, ThunderboltTunnel,
     };
@@ -367,21 +368,13 @@ pub(crate) mod tests {
         old: (Option<u32>, u8),
         new: (Option<u32>, u8),
     ) -> HostEvent {
-        HostEvent::PcieLinkChange(PcieLinkChange {
-            bdf: "0000:09:00.0".into(),
-            upstream_bdf: Some("0000:08:01.0".into()),
-            target_bdf: Some("0000:09:00.0".into()),
-            vmid: Some(100),
-            old_speed_mts: old.0,
-            new_speed_mts: new.0,
-            old_width: old.1,
-            new_width: new.1,
-            max_speed_mts: Some(16000),
-            max_width: 4,
+        HostEvent::PcieLinkChange(samples::gpu_link_change(
+            "0000:09:00.0",
+            "0000:08:01.0",
+            old,
+            new,
             class,
-            degraded: new.0 < Some(16000) || new.1 < 4,
-            source: Source::Poll,
-        })
+        ))
     }
 
     pub(crate) fn aer(severity: AerSeverity) -> HostEvent {

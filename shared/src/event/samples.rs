@@ -3,6 +3,33 @@
 
 use super::*;
 
+/// A change of the link of a GPU at `bdf` (below the port `upstream_bdf`, passed through to VM
+/// 100, at most 16 GT/s x4) from `old` to `new` (speed in MT/s, width), read by the poll;
+/// degraded when `new` is below the maximum.
+pub fn gpu_link_change(
+    bdf: &str,
+    upstream_bdf: &str,
+    old: (Option<u32>, u8),
+    new: (Option<u32>, u8),
+    class: LinkChangeClass,
+) -> PcieLinkChange {
+    PcieLinkChange {
+        bdf: bdf.into(),
+        upstream_bdf: Some(upstream_bdf.into()),
+        target_bdf: Some(bdf.into()),
+        vmid: Some(100),
+        old_speed_mts: old.0,
+        new_speed_mts: new.0,
+        old_width: old.1,
+        new_width: new.1,
+        max_speed_mts: Some(16000),
+        max_width: 4,
+        class,
+        degraded: new.0 < Some(16000) || new.1 < 4,
+        source: Source::Poll,
+    }
+}
+
 /// One event of every kind (the match below has no wildcard: a new kind is a compile
 /// error here until it has a sample).
 pub fn one_of_each() -> Vec<HostEvent> {
