@@ -7,6 +7,20 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Names of the host's families that the guest reads from a state, not only forwards: the host
+/// agent registers its series under them and the guest's incident view finds a link's speed
+/// and width by them, so the two cannot drift apart.
+pub mod names {
+    /// Current PCIe link speed in GT/s (0 = down), by `bdf`, `vmid`.
+    pub const PCIE_LINK_SPEED: &str = "gpufeed_host_pcie_link_speed_gts";
+    /// Current PCIe link width in lanes (0 = down).
+    pub const PCIE_LINK_WIDTH: &str = "gpufeed_host_pcie_link_width";
+    /// The link's maximum speed in GT/s.
+    pub const PCIE_LINK_MAX_SPEED: &str = "gpufeed_host_pcie_link_max_speed_gts";
+    /// The link's maximum width in lanes.
+    pub const PCIE_LINK_MAX_WIDTH: &str = "gpufeed_host_pcie_link_max_width";
+}
+
 /// The series of one scrape of the host agent that concern a guest.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostState {

@@ -10,7 +10,7 @@ pub mod link;
 pub mod profile;
 pub mod timeline;
 
-use gpufeed_shared::hoststate::HostState;
+use gpufeed_shared::hoststate::{names, HostState};
 use serde::{Deserialize, Serialize};
 
 use crate::correlate::export::SpikeView;
@@ -63,10 +63,10 @@ pub fn links_of(state: &HostState) -> Vec<LinkView> {
     let mut links: std::collections::BTreeMap<String, LinkView> = Default::default();
     for fam in &state.families {
         let field: fn(&mut LinkView) -> &mut f64 = match fam.name.as_str() {
-            "gpufeed_host_pcie_link_speed_gts" => |l| &mut l.speed_gts,
-            "gpufeed_host_pcie_link_width" => |l| &mut l.width,
-            "gpufeed_host_pcie_link_max_speed_gts" => |l| &mut l.max_speed_gts,
-            "gpufeed_host_pcie_link_max_width" => |l| &mut l.max_width,
+            names::PCIE_LINK_SPEED => |l| &mut l.speed_gts,
+            names::PCIE_LINK_WIDTH => |l| &mut l.width,
+            names::PCIE_LINK_MAX_SPEED => |l| &mut l.max_speed_gts,
+            names::PCIE_LINK_MAX_WIDTH => |l| &mut l.max_width,
             _ => continue,
         };
         for s in &fam.series {

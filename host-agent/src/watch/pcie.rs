@@ -10,6 +10,7 @@ use crate::metrics::{self, vmid_label};
 use crate::roots::Roots;
 use crate::sysfs::{fmt_speed, parse_link_speed, parse_link_width, read_attr};
 use gpufeed_shared::event::{HostEvent, LinkChangeClass, PcieLinkChange, Source};
+use gpufeed_shared::hoststate::names;
 use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Registry};
 use serde::Deserialize;
 use std::collections::{HashMap, HashSet};
@@ -516,25 +517,25 @@ impl PcieMetrics {
         PcieMetrics {
             speed: metrics::gauge_vec(
                 r,
-                "gpufeed_host_pcie_link_speed_gts",
+                names::PCIE_LINK_SPEED,
                 "Current PCIe link speed in GT/s (0 = down)",
                 &["bdf", "vmid"],
             ),
             width: metrics::int_gauge_vec(
                 r,
-                "gpufeed_host_pcie_link_width",
+                names::PCIE_LINK_WIDTH,
                 "Current PCIe link width in lanes (0 = down)",
                 &["bdf", "vmid"],
             ),
             max_speed: metrics::gauge_vec(
                 r,
-                "gpufeed_host_pcie_link_max_speed_gts",
+                names::PCIE_LINK_MAX_SPEED,
                 "Maximum PCIe link speed in GT/s",
                 &["bdf", "vmid"],
             ),
             max_width: metrics::int_gauge_vec(
                 r,
-                "gpufeed_host_pcie_link_max_width",
+                names::PCIE_LINK_MAX_WIDTH,
                 "Maximum PCIe link width in lanes",
                 &["bdf", "vmid"],
             ),
