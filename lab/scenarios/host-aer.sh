@@ -63,9 +63,14 @@ while cmd=$(lab_command); do
 			report "$name-metric" "$line"
 		done < <(curl -sf -m 10 http://127.0.0.1:9847/metrics | grep -E '^gpufeed_host_(aer_errors_total|aer_rootport_errors_total|pcie_link_width|events_total|watcher_enabled)' || true)
 		total=$(wc -l </tmp/events.jsonl)
-		while read -r line; do
-			report "$name-event" "$line"
-		done < <(tail -n +$((seen + 1)) /tmp/events.jsonl | head -n $((total - seen)))
+		# the lines after those seen, up to the count just taken, by one reader and no pipe: a
+		# head that stops early leaves tail a SIGPIPE while events keep arriving, and pipefail
+		# fails the scenario on it
+		if [ "$total" -gt "$seen" ]; then
+			while read -r line; do
+				report "$name-event" "$line"
+			done < <(sed -n "$((seen + 1)),${total}p" /tmp/events.jsonl)
+		fi
 		seen=$total
 		report "$name-kmsg" "$(dmesg | grep -c 'PCIe Bus Error' || true)"
 		report "$name-pciehp" "$(dmesg | grep -i 'pciehp' | tail -n 2 | tr '\n' ' ' || true)"
