@@ -76,6 +76,16 @@ fn errno_of(e: &libbpf_rs::Error) -> Option<i32> {
     n.parse().ok()
 }
 
+/// The object lacks a map or program (`what`) its loader names: an object built from
+/// other sources than the loader's, reported at load.
+pub(crate) fn not_in_object(probe: &'static str, what: &str, name: &str) -> ProbeError {
+    ProbeError::Io {
+        probe,
+        what: "finding the object's maps and programs",
+        source: std::io::Error::other(format!("the object has no {what} {name}")),
+    }
+}
+
 pub(crate) fn err(
     probe: &'static str,
     what: &'static str,

@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, OpenObject};
 
 use crate::ebpf::libbpf_log::Capture;
-use crate::ebpf::{err, ProbeError};
+use crate::ebpf::{err, not_in_object, ProbeError};
 
 /// `--cgroup-storage`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -75,11 +75,7 @@ impl Storage {
             let mut m = open
                 .maps_mut()
                 .find(|m| m.name() == map_name.as_str())
-                .ok_or_else(|| ProbeError::Io {
-                    probe,
-                    what: "choosing the cgroup storage",
-                    source: std::io::Error::other(format!("the object has no map {map_name}")),
-                })?;
+                .ok_or_else(|| not_in_object(probe, "map", &map_name))?;
             m.set_autocreate(used)
                 .map_err(err(probe, "choosing the cgroup storage"))?;
             if used && suffix == "_by_id" {

@@ -17,7 +17,7 @@ use super::cgroup_storage::{CgroupValues, Storage};
 use super::model::{Delta, LastRead, MapFill};
 use crate::cgroups::CgroupTree;
 use crate::ebpf::cgroup_maps::{ActiveSet, Drained};
-use crate::ebpf::{err, handle, ProbeError};
+use crate::ebpf::{err, handle, not_in_object, ProbeError};
 
 /// What a unit knows about its per-cgroup value.
 pub trait CgroupSeries: Send {
@@ -93,7 +93,7 @@ impl Prepared {
             let mut prog = open
                 .progs_mut()
                 .find(|p| p.name() == name.as_str())
-                .ok_or_else(|| missing(probe, "program", &name))?;
+                .ok_or_else(|| not_in_object(probe, "program", &name))?;
             prog.set_autoload(load);
         }
         Ok(Prepared {
@@ -123,13 +123,13 @@ impl Prepared {
             let m = obj
                 .maps()
                 .find(|m| m.name() == name)
-                .ok_or_else(|| missing(probe, "map", name))?;
+                .ok_or_else(|| not_in_object(probe, "map", name))?;
             handle(probe, &m)
         };
         let prog = |name: &str| {
             obj.progs_mut()
                 .find(|p| p.name() == name)
-                .ok_or_else(|| missing(probe, "program", name))
+                .ok_or_else(|| not_in_object(probe, "program", name))
         };
         let values = map(&match storage {
             Storage::Local => value.to_string(),
@@ -164,14 +164,6 @@ impl Prepared {
             series,
             _rmdir: rmdir,
         })
-    }
-}
-
-fn missing(probe: &'static str, what: &str, name: &str) -> ProbeError {
-    ProbeError::Io {
-        probe,
-        what: "finding the per-cgroup value's maps",
-        source: std::io::Error::other(format!("the object has no {what} {name}")),
     }
 }
 
@@ -278,5 +270,47 @@ impl<S: CgroupSeries> CgroupReads for PerCgroup<S> {
         self.last.forget(id);
         self.series.forget(id);
         self.values.forget(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::mem::MaybeUninit;
+
+    use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+
+    use super::*;
+    use crate::probes::sched::skel;
+
+    /// The names are the C macros': a value the object lacks fails at once, naming what is
+    /// missing, and the unit's real value prepares (opening needs no privilege).
+    #[test]
+    fn a_value_the_object_lacks_is_named_and_the_real_one_prepares() {
+        let mut mem = MaybeUninit::uninit();
+        let mut open = skel::SchedSkelBuilder::default().open(&mut mem).unwrap();
+        let e = Prepared::new(
+            "sched_latency",
+            "sched_hits",
+            Storage::Local,
+            true,
+            open.open_object_mut(),
+        )
+        .err()
+        .expect("no such value");
+        assert_eq!(
+            e.to_string(),
+            "sched_latency: finding the object's maps and programs failed: the object has no map sched_hits"
+        );
+        let p = Prepared::new(
+            "sched_latency",
+            "sched_hist",
+            Storage::ById,
+            false,
+            open.open_object_mut(),
+        )
+        .unwrap();
+        assert!(!p.batched, "no batch read of the id map");
+        assert!(!open.progs.sched_hist_rmdir.autoload());
+        assert!(!open.progs.sched_hist_batch_read.autoload());
     }
 }
