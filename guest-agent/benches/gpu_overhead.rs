@@ -30,6 +30,7 @@ mod common;
 use common::{pingpong_us, Killed};
 use gpufeed_guest::probes::cuda::{CudaOptions, CudaProbe};
 use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook};
+use gpufeed_guest::probes::gpu_process::GpuProcessUnit;
 use gpufeed_guest::probes::KernelBtf;
 
 const ROUNDS: usize = 7;
@@ -113,7 +114,7 @@ fn driver_time(dir: &Path) {
             let mut p = GpuDriverProbe::load(&devices, h, &btf)
                 .expect("gpu_driver loads")
                 .expect("the kernel has the hooks");
-            p.seed_new(&pids.iter().copied().collect::<HashSet<i32>>(), None);
+            p.scan(&pids.iter().copied().collect::<HashSet<i32>>(), None);
             p
         })
     };

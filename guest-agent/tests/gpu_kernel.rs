@@ -25,6 +25,7 @@ use gpufeed_guest::probes::cuda::{self, CudaCgroup, CudaOptions, CudaProbe};
 use gpufeed_guest::probes::gpu_driver::{
     self, GpuDevices, GpuDriverProbe, Hook, Mode, CMD_CLASSES,
 };
+use gpufeed_guest::probes::gpu_process::GpuProcessUnit;
 use gpufeed_guest::probes::hist::Hist;
 use gpufeed_guest::probes::unit::{Delta, Probe, Value};
 use gpufeed_guest::probes::KernelBtf;
@@ -152,12 +153,12 @@ fn driver_time_case(hook: Hook) {
     let mut probe = rig.driver_probe(hook);
     let uprobes = probe.mode() == Mode::Uprobes;
     assert_eq!(
-        probe.seed_new(&pids(&[&a, &b]), None),
+        probe.scan(&pids(&[&a, &b]), None),
         1,
         "a's one device fd seeded"
     );
     assert_eq!(
-        probe.seed_new(&pids(&[&a, &b]), None),
+        probe.scan(&pids(&[&a, &b]), None),
         0,
         "a process is seeded once"
     );
@@ -182,11 +183,7 @@ fn driver_time_case(hook: Hook) {
     if uprobes {
         // what the agent's next tick does: the processes that hold a GPU
         // file since the last look get the uprobes (b, its child, c)
-        assert_eq!(
-            probe.seed_new(&pids(&[&a, &b, &c]), None),
-            3,
-            "b, its child, c"
-        );
+        assert_eq!(probe.scan(&pids(&[&a, &b, &c]), None), 3, "b, its child, c");
         assert_eq!(probe.probed(), 4, "a, b, b's child and c are probed");
     }
     File::create(&go).unwrap();
@@ -674,9 +671,9 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
         .is_some(),
         "the shell runs in the pod"
     );
-    assert_eq!(probe.seed_new(&pids(&[&pod]), None), 0, "no GPU file yet");
+    assert_eq!(probe.scan(&pids(&[&pod]), None), 0, "no GPU file yet");
     assert_eq!(
-        probe.seed_new(&pids(&[&pod]), None),
+        probe.scan(&pids(&[&pod]), None),
         0,
         "unchanged: not looked at again"
     );
@@ -687,7 +684,7 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
         &dev.node,
         "the same pid, now the client, opened the device",
     );
-    assert_eq!(probe.seed_new(&pids(&[&pod]), None), 1, "looked at again");
+    assert_eq!(probe.scan(&pids(&[&pod]), None), 1, "looked at again");
     assert_eq!(probe.probed(), 1);
     File::create(&go).unwrap();
     wait_file(&out, "the client's calls");
@@ -702,7 +699,7 @@ fn driver_time_uprobes_follow_a_process_that_opens_its_device_later() {
     );
     // the process is gone from the pod: its probes go
     pod.wait_exit(pid as u32, Duration::from_secs(10));
-    probe.seed_new(&pids(&[&pod]), None);
+    probe.scan(&pids(&[&pod]), None);
     assert_eq!(probe.probed(), 0, "probes of a gone process dropped");
 }
 
@@ -748,11 +745,7 @@ fn gpu_numbers_of_a_container_removed_between_reads_are_drained() {
     let out_a = dir.join("a.out");
     let pid_a = a.spawn(&dev.command(2, 1, &go, &out_a, ""));
     wait_open(pid_a as i32, &dev.node, "pod a opened the device");
-    assert_eq!(
-        driver.seed_new(&pids(&[&a]), None),
-        1,
-        "a's device fd seeded"
-    );
+    assert_eq!(driver.scan(&pids(&[&a]), None), 1, "a's device fd seeded");
     let mut b = Pod::random(sb, Layout::Systemd, "besteffort");
     let out_b = dir.join("b.out");
     let pid_b = b.spawn(&client.command(&cuda, &go, &out_b, 1));

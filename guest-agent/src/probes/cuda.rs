@@ -13,25 +13,25 @@ mod skel {
 }
 
 use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasher;
 use std::mem::MaybeUninit;
-use std::os::fd::BorrowedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapHandle, OpenObject, ProgramMut, UprobeOpts};
 
-use super::cgroup_storage::{self, Storage};
+use super::cgroup_storage::Storage;
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
+use super::gpu_process::{self, ComputeSlot, GpuProcessUnit, GpuProcesses};
 use super::hist::Hist;
-use super::lookout::Lookout;
 use super::options::OptionsSpec;
-use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
+use super::per_cgroup::{CgroupSeries, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::status::ProbeStatus;
 use super::unit::{
-    self, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Probe, Scope,
-    SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats, Value,
+    Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Scope, SelfSeries,
+    TickContext, UnitSpec, Value,
 };
 use crate::ebpf::{decode, err, handle, percpu_sum, KernelBtf, ProbeError};
 use crate::owner::Owner;
@@ -90,24 +90,6 @@ const SYNC_WAIT_FAMILY: FamilySpec = FamilySpec {
     scope: Scope::Container,
     pod_labels: true,
 };
-static FAMILIES: [FamilySpec; 5] = [
-    VRAM_FAMILY,
-    PCIE_FAMILY,
-    LAUNCHES_FAMILY,
-    BUSY_FAMILY,
-    SYNC_WAIT_FAMILY,
-];
-/// When the busy estimate is the node's compute time (launches probed, no NVML).
-static FAMILIES_COMPUTE: [FamilySpec; 7] = [
-    VRAM_FAMILY,
-    PCIE_FAMILY,
-    LAUNCHES_FAMILY,
-    BUSY_FAMILY,
-    SYNC_WAIT_FAMILY,
-    gpu_compute::COMPUTE_FAMILY,
-    gpu_compute::DUTY_FAMILY,
-];
-
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
     Ok(Loaded::single(
         NAME,
@@ -341,19 +323,14 @@ pub struct CudaProbe {
     // the skeleton is leaked once (one probe per agent).
     skel: &'static skel::CudaSkel<'static>,
     _links: Vec<Link>,
-    cgroups: PerCgroup<CudaSeries>,
+    parts: GpuProcesses<CudaSeries>,
     stats: MapHandle,
     opts: CudaOptions,
     /// Library files already attached, by (dev, inode), and their links.
     attached: HashMap<(u64, u64), Vec<Link>>,
-    /// Processes whose maps held the library (not scanned again).
+    /// Processes whose maps held the library (not scanned again; the others'
+    /// maps are read again only when they may have mapped it).
     done: HashSet<i32>,
-    /// The others: maps is read again only when they may have mapped it.
-    lookout: Lookout,
-    /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
-    pids_seen: Option<u64>,
-    /// how it runs here (`gpufeed_probe_info`)
-    status: ProbeStatus,
 }
 
 impl CudaProbe {
@@ -361,17 +338,9 @@ impl CudaProbe {
         opts: CudaOptions,
         btf: &KernelBtf,
     ) -> Result<Result<CudaProbe, ProbeStatus>, ProbeError> {
-        let chosen = cgroup_storage::load_first(NAME, |storage| {
+        let probe = gpu_process::load_first("uprobe libcuda.so.1 (per library file)", |storage| {
             CudaProbe::load_with(opts.clone(), btf, storage)
         })?;
-        let mut probe = chosen.loaded;
-        probe.status = unit::status_of(
-            NAME,
-            "uprobe libcuda.so.1 (per library file)",
-            probe.cgroups.storage(),
-            probe.cgroups.batched(),
-            chosen.fell_back,
-        );
         Ok(Ok(probe))
     }
 
@@ -400,60 +369,13 @@ impl CudaProbe {
         };
         Ok(CudaProbe {
             _links: links,
-            cgroups: values.reader(skel.object(), series)?,
+            parts: GpuProcesses::new(NAME, values.reader(skel.object(), series)?),
             stats: handle(NAME, &skel.maps.cuda_stats)?,
             skel,
             opts,
             attached: HashMap::new(),
             done: HashSet::new(),
-            lookout: Lookout::default(),
-            pids_seen: None,
-            status: ProbeStatus::up(NAME),
         })
-    }
-
-    /// Looks for the driver library in the processes `tgids` not yet known to
-    /// map it (new ones, and those that may have mapped something since: see
-    /// [`Lookout::look`] for `changed`), and attaches to every new library
-    /// file. Returns the number of files newly attached.
-    pub fn scan<S: std::hash::BuildHasher>(
-        &mut self,
-        tgids: &HashSet<i32, S>,
-        changed: Option<&HashSet<i32>>,
-    ) -> usize {
-        self.done.retain(|t| tgids.contains(t));
-        self.lookout.retain(tgids);
-        self.look_at(tgids.iter().copied(), changed)
-    }
-
-    /// [`CudaProbe::scan`] for some of the processes, forgetting none.
-    fn look_at(
-        &mut self,
-        tgids: impl Iterator<Item = i32>,
-        changed: Option<&HashSet<i32>>,
-    ) -> usize {
-        let mut new = 0;
-        for tgid in tgids {
-            if self.done.contains(&tgid) || !self.lookout.look(tgid, changed) {
-                continue;
-            }
-            let Ok(maps) = std::fs::read_to_string(format!("/proc/{tgid}/maps")) else {
-                continue;
-            };
-            let libs = find_libs(&maps, &self.opts.library_prefix);
-            if libs.is_empty() {
-                continue;
-            }
-            self.done.insert(tgid);
-            for lib in libs {
-                match self.attach_file(tgid, &lib) {
-                    Ok(true) => new += 1,
-                    Ok(false) => {}
-                    Err(e) => tracing::warn!(tgid, path = %lib.path, "cuda: {e}"),
-                }
-            }
-        }
-        new
     }
 
     /// Attaches to one mapped library unless its file is attached already.
@@ -519,12 +441,6 @@ impl CudaProbe {
         self.attached.len()
     }
 
-    /// A cgroup's reading: its deltas, and its VRAM now.
-    /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
-    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<CudaCgroup> {
-        self.cgroups.value_by_dir(cgroup_dir)
-    }
-
     /// (cgroup storage unavailable, object map full, frees of unknown
     /// objects, launches whose stream was not tracked)
     pub fn kernel_stats(&self) -> [u64; limits::STATS] {
@@ -538,103 +454,131 @@ impl CudaProbe {
     }
 }
 
-impl Probe for CudaProbe {
-    fn families(&self) -> &'static [FamilySpec] {
-        match self.cgroups.series.compute {
-            Some(_) => &FAMILIES_COMPUTE,
-            None => &FAMILIES,
-        }
+impl GpuProcessUnit for CudaProbe {
+    type Series = CudaSeries;
+    const NAME: &'static str = NAME;
+    const FAMILIES: &'static [FamilySpec] = &[
+        VRAM_FAMILY,
+        PCIE_FAMILY,
+        LAUNCHES_FAMILY,
+        BUSY_FAMILY,
+        SYNC_WAIT_FAMILY,
+    ];
+    /// When the busy estimate is the node's compute time (launches probed, no NVML).
+    const FAMILIES_COMPUTE: &'static [FamilySpec] = &[
+        VRAM_FAMILY,
+        PCIE_FAMILY,
+        LAUNCHES_FAMILY,
+        BUSY_FAMILY,
+        SYNC_WAIT_FAMILY,
+        gpu_compute::COMPUTE_FAMILY,
+        gpu_compute::DUTY_FAMILY,
+    ];
+    const SIGNAL: SignalSpec = SignalSpec {
+        name: "gpu_sync_wait",
+        family: SYNC_WAIT,
+        kind: SignalKind::Latency,
+    };
+
+    fn parts(&self) -> &GpuProcesses<CudaSeries> {
+        &self.parts
+    }
+
+    fn parts_mut(&mut self) -> &mut GpuProcesses<CudaSeries> {
+        &mut self.parts
     }
 
     /// The busy estimate needs the launch probes.
-    fn compute_source(&self) -> Option<ComputeSource> {
+    fn source(&self) -> Option<ComputeSource> {
         self.opts.launches.then_some(ComputeSource::LaunchEstimate)
     }
 
-    fn publish_compute(&mut self, series: ComputeSeries) {
-        self.cgroups.series.compute = Some(series);
+    fn forget<H: BuildHasher>(&mut self, tgids: &HashSet<i32, H>) {
+        self.done.retain(|t| tgids.contains(t));
     }
 
-    fn signals(&self) -> Vec<SignalSpec> {
-        vec![SignalSpec {
-            name: "gpu_sync_wait",
-            family: SYNC_WAIT,
-            kind: SignalKind::Latency,
-        }]
+    /// Looks for the driver library in the processes not yet known to map it,
+    /// and attaches to every new library file. Returns the number of files
+    /// newly attached.
+    fn look_at(
+        &mut self,
+        tgids: impl Iterator<Item = i32>,
+        changed: Option<&HashSet<i32>>,
+    ) -> usize {
+        let mut new = 0;
+        for tgid in tgids {
+            if self.done.contains(&tgid) || !self.parts.lookout.look(tgid, changed) {
+                continue;
+            }
+            let Ok(maps) = std::fs::read_to_string(format!("/proc/{tgid}/maps")) else {
+                continue;
+            };
+            let libs = find_libs(&maps, &self.opts.library_prefix);
+            if libs.is_empty() {
+                continue;
+            }
+            self.done.insert(tgid);
+            for lib in libs {
+                match self.attach_file(tgid, &lib) {
+                    Ok(true) => new += 1,
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(tgid, path = %lib.path, "cuda: {e}"),
+                }
+            }
+        }
+        new
     }
 
-    fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
-        Some(&mut self.cgroups)
-    }
-
-    fn how(&self) -> Vec<(&'static str, String)> {
-        self.status.how.clone()
-    }
-
-    fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
-        let changed = ctx.processes_changed();
-        match ctx.pod_pids_named(&mut self.pids_seen) {
-            Some(named) => self.look_at(named.into_iter(), changed),
-            None => self.scan(&ctx.pod_pid_set().1, changed),
-        };
+    /// The VRAM each owner's cgroups hold now.
+    fn gauges(&mut self, ctx: &TickContext<'_>) -> Vec<(&'static str, Vec<GaugeValue>)> {
         let mut per_owner: HashMap<&Owner, i64> = HashMap::new();
-        for (id, bytes) in &self.cgroups.series.vram {
+        for (id, bytes) in &self.parts.cgroups.series.vram {
             if let Some(owner) = ctx.owners.get(id) {
                 *per_owner.entry(owner).or_default() += bytes;
             }
         }
-        let duty = self
-            .cgroups
-            .series
-            .compute
-            .as_mut()
-            .map(|c| c.duty_gauges(ctx));
-        TickOutput {
-            deltas: Vec::new(),
-            gauges: std::iter::once((
-                VRAM,
-                per_owner
-                    .into_iter()
-                    .map(|(owner, bytes)| GaugeValue {
-                        owner: owner.clone(),
-                        labels: Labels::new(),
-                        // memory allocated before the probe attached and freed
-                        // after it makes a cgroup's balance negative
-                        value: bytes.max(0) as f64,
-                    })
-                    .collect(),
-            ))
-            .chain(duty)
-            .collect(),
-        }
+        let vram = per_owner
+            .into_iter()
+            .map(|(owner, bytes)| GaugeValue {
+                owner: owner.clone(),
+                labels: Labels::new(),
+                // memory allocated before the probe attached and freed
+                // after it makes a cgroup's balance negative
+                value: bytes.max(0) as f64,
+            })
+            .collect();
+        vec![(VRAM, vram)]
     }
 
-    fn stats(&self) -> UnitStats {
+    fn self_series(&self) -> (u64, Vec<SelfSeries>) {
         let [failures, full, unknown, untracked] = self.kernel_stats();
-        UnitStats {
-            maps: vec![self.cgroups.map_fill()],
-            storage_failures: Some((NAME, failures)),
-            series: vec![
-                SelfSeries::gauge("gpufeed_cuda_libraries", "Distinct libcuda files (device, inode) the CUDA probes are attached to", self.files() as f64),
-                SelfSeries::counter("gpufeed_cuda_objects_dropped_total", "CUDA allocations not tracked because the object map was full", full),
-                SelfSeries::counter("gpufeed_cuda_launches_untracked_total", "Kernel launches left out of the busy estimate (stream map full, launch stack unreadable)", untracked),
-                SelfSeries::counter("gpufeed_cuda_unknown_frees_total", "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)", unknown),
-            ],
-            node: self.cgroups.series.compute.iter().map(ComputeSeries::info).collect(),
-        }
+        (failures, vec![
+            SelfSeries::gauge("gpufeed_cuda_libraries", "Distinct libcuda files (device, inode) the CUDA probes are attached to", self.files() as f64),
+            SelfSeries::counter("gpufeed_cuda_objects_dropped_total", "CUDA allocations not tracked because the object map was full", full),
+            SelfSeries::counter("gpufeed_cuda_launches_untracked_total", "Kernel launches left out of the busy estimate (stream map full, launch stack unreadable)", untracked),
+            SelfSeries::counter("gpufeed_cuda_unknown_frees_total", "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)", unknown),
+        ])
     }
 }
 
-/// The deltas of cgroup `id`'s interval `d`; its busy estimate is also the compute time when
-/// this unit publishes it.
 /// A cgroup's PCIe bytes, sync waits and (with `--cuda-launches`) launches
 /// and busy estimate; its VRAM balance, set whole by the tick; its compute
 /// time where the busy estimate is the node's compute source.
-struct CudaSeries {
+pub struct CudaSeries {
     launches: bool,
     /// VRAM per cgroup at its last read.
     vram: HashMap<u64, i64>,
     compute: Option<ComputeSeries>,
+}
+
+impl ComputeSlot for CudaSeries {
+    fn compute(&self) -> Option<&ComputeSeries> {
+        self.compute.as_ref()
+    }
+
+    fn compute_mut(&mut self) -> &mut Option<ComputeSeries> {
+        &mut self.compute
+    }
 }
 
 impl CgroupSeries for CudaSeries {

@@ -10,8 +10,8 @@
 //! ([`Hook::Uprobes`]) no syscall hook is attached at all: each pod process
 //! that holds a GPU file gets uprobes on its C library's `ioctl()`,
 //! `close()`, `dup2()`, `dup3()` and `close_range()`, filtered to that
-//! process ([`GpuDriverProbe::seed_new`], every tick), so every other process
-//! keeps its syscalls on the kernel's fast path.
+//! process (found every tick: [`GpuProcessUnit::scan`]), so every other
+//! process keeps its syscalls on the kernel's fast path.
 
 mod skel {
     include!(concat!(env!("OUT_DIR"), "/gpu_driver.skel.rs"));
@@ -21,25 +21,24 @@ use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
-use super::cgroup_storage::{self, Storage};
+use super::cgroup_storage::Storage;
 use super::cuda::{attach_uprobe, find_libs, reachable};
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
+use super::gpu_process::{self, ComputeSlot, GpuProcessUnit, GpuProcesses};
 use super::hist::{Hist, HIST_BYTES};
-use super::lookout::Lookout;
 use super::options::OptionsSpec;
-use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup, Prepared};
+use super::per_cgroup::{CgroupSeries, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::status::ProbeStatus;
 use super::unit::{
-    self, Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, Probe, Scope, SelfSeries,
-    TickContext, TickOutput, UnitSpec, UnitStats, Value,
+    Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, Scope, SelfSeries, UnitSpec, Value,
 };
 use crate::ebpf::{attach_all, decode, err, handle, percpu_sum, KernelBtf, ProbeError};
 
@@ -116,14 +115,6 @@ const DRIVER_TIME_FAMILY: FamilySpec = FamilySpec {
     scope: Scope::Container,
     pod_labels: true,
 };
-static FAMILIES: [FamilySpec; 2] = [IOCTL_FAMILY, DRIVER_TIME_FAMILY];
-/// When driver time is the node's compute time (no better source).
-static FAMILIES_COMPUTE: [FamilySpec; 4] = [
-    IOCTL_FAMILY,
-    DRIVER_TIME_FAMILY,
-    gpu_compute::COMPUTE_FAMILY,
-    gpu_compute::DUTY_FAMILY,
-];
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
     let cfg = ctx.options.get::<Config>();
@@ -275,14 +266,23 @@ impl GpuDriverCgroup {
     }
 }
 
-/// The deltas of cgroup `id`'s interval `d`; its driver time is also the compute time when
-/// this unit publishes it. A cgroup whose calls returned while it stayed inside the driver
-/// (calls overlapping without a break: no busy interval closed) computed throughout.
 /// A cgroup's driver time and ioctl latencies, and its compute time where
-/// driver time is the node's compute source.
+/// driver time is the node's compute source. A cgroup whose calls returned
+/// while it stayed inside the driver (calls overlapping without a break: no
+/// busy interval closed) computed throughout.
 #[derive(Default)]
-struct DriverSeries {
+pub struct DriverSeries {
     compute: Option<ComputeSeries>,
+}
+
+impl ComputeSlot for DriverSeries {
+    fn compute(&self) -> Option<&ComputeSeries> {
+        self.compute.as_ref()
+    }
+
+    fn compute_mut(&mut self) -> &mut Option<ComputeSeries> {
+        &mut self.compute
+    }
 }
 
 impl CgroupSeries for DriverSeries {
@@ -332,21 +332,17 @@ pub struct GpuDriverProbe {
     // lives as long as the agent (one probe per agent; tests load a few).
     skel: &'static skel::GpuDriverSkel<'static>,
     mode: Mode,
-    cgroups: PerCgroup<DriverSeries>,
+    parts: GpuProcesses<DriverSeries>,
     fds: MapHandle,
     stats: MapHandle,
     majors: Vec<u32>,
+    /// Processes seeded (in uprobe mode /proc/<pid>/fd is read again when the
+    /// process may have mapped something: opening a GPU device comes with
+    /// mapping it).
     seeded: HashSet<i32>,
-    /// Uprobe mode: /proc/<pid>/fd is read again when the process may have
-    /// mapped something (opening a GPU device comes with mapping it).
-    lookout: Lookout,
     /// Uprobe mode: the links on each probed process's C library.
     probed: HashMap<i32, Vec<Link>>,
     _links: Vec<Link>,
-    /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
-    pids_seen: Option<u64>,
-    /// how it runs here (`gpufeed_probe_info`)
-    status: ProbeStatus,
 }
 
 /// The hooks a loaded probe uses.
@@ -450,17 +446,9 @@ impl GpuDriverProbe {
             .map(|t| char_majors(&t, &devices.driver_names))
             .unwrap_or_default();
 
-        let chosen = cgroup_storage::load_first(NAME, |storage| {
+        let probe = gpu_process::load_first(mode.hooks(), |storage| {
             GpuDriverProbe::load_with(devices, mode, btf, majors.clone(), storage)
         })?;
-        let mut probe = chosen.loaded;
-        probe.status = unit::status_of(
-            NAME,
-            mode.hooks(),
-            probe.cgroups.storage(),
-            probe.cgroups.batched(),
-            chosen.fell_back,
-        );
         Ok(Ok(probe))
     }
 
@@ -565,16 +553,13 @@ impl GpuDriverProbe {
         Ok(GpuDriverProbe {
             skel,
             mode,
-            cgroups: values.reader(skel.object(), DriverSeries::default())?,
+            parts: GpuProcesses::new(NAME, values.reader(skel.object(), DriverSeries::default())?),
             fds: handle(NAME, &skel.maps.gpu_fds)?,
             stats: handle(NAME, &skel.maps.gpu_stats)?,
             majors,
             seeded: HashSet::new(),
-            lookout: Lookout::default(),
             probed: HashMap::new(),
             _links: links,
-            pids_seen: None,
-            status: ProbeStatus::up(NAME),
         })
     }
 
@@ -586,61 +571,6 @@ impl GpuDriverProbe {
     /// Processes whose C library carries the uprobes now (uprobe mode).
     pub fn probed(&self) -> usize {
         self.probed.len()
-    }
-
-    /// A cgroup's reading: its deltas.
-    /// The value of the cgroup whose directory `cgroup_dir` is, if it has one.
-    pub fn read(&self, cgroup_dir: BorrowedFd<'_>) -> Option<GpuDriverCgroup> {
-        self.cgroups.value_by_dir(cgroup_dir)
-    }
-
-    /// Seeds the processes in `tgids` not seen before, and forgets those no
-    /// longer listed. Returns how many GPU fds were found.
-    ///
-    /// In uprobe mode a process is looked at again whenever it may have
-    /// mapped something (see [`Lookout::look`] for `changed`), and one found
-    /// holding a GPU file gets the uprobes on its C library.
-    pub fn seed_new<S: BuildHasher>(
-        &mut self,
-        tgids: &HashSet<i32, S>,
-        changed: Option<&HashSet<i32>>,
-    ) -> usize {
-        self.seeded.retain(|t| tgids.contains(t));
-        self.lookout.retain(tgids);
-        self.probed.retain(|t, _| tgids.contains(t));
-        self.look_at(tgids.iter().copied(), changed)
-    }
-
-    /// [`GpuDriverProbe::seed_new`] for some of the processes, forgetting none.
-    fn look_at(
-        &mut self,
-        tgids: impl Iterator<Item = i32>,
-        changed: Option<&HashSet<i32>>,
-    ) -> usize {
-        let mut found = 0;
-        for tgid in tgids {
-            let new = self.seeded.insert(tgid);
-            if self.mode != Mode::Uprobes {
-                if new {
-                    found += self.seed(tgid).unwrap_or(0);
-                }
-                continue;
-            }
-            if !self.lookout.look(tgid, changed) {
-                continue;
-            }
-            let n = self.seed(tgid).unwrap_or(0);
-            found += n;
-            if n > 0 && !self.probed.contains_key(&tgid) {
-                match self.probe_process(tgid) {
-                    Ok(links) => {
-                        self.probed.insert(tgid, links);
-                    }
-                    Err(e) => tracing::warn!(tgid, "GPU driver time: {e}"),
-                }
-            }
-        }
-        found
     }
 
     /// Attaches the per-process uprobes to the C library functions process
@@ -748,72 +678,83 @@ impl GpuDriverProbe {
     }
 }
 
-impl Probe for GpuDriverProbe {
-    fn families(&self) -> &'static [FamilySpec] {
-        match self.cgroups.series.compute {
-            Some(_) => &FAMILIES_COMPUTE,
-            None => &FAMILIES,
-        }
+impl GpuProcessUnit for GpuDriverProbe {
+    type Series = DriverSeries;
+    const NAME: &'static str = NAME;
+    const FAMILIES: &'static [FamilySpec] = &[IOCTL_FAMILY, DRIVER_TIME_FAMILY];
+    /// When driver time is the node's compute time (no better source).
+    const FAMILIES_COMPUTE: &'static [FamilySpec] = &[
+        IOCTL_FAMILY,
+        DRIVER_TIME_FAMILY,
+        gpu_compute::COMPUTE_FAMILY,
+        gpu_compute::DUTY_FAMILY,
+    ];
+    const SIGNAL: SignalSpec = SignalSpec {
+        name: "gpu_ioctl",
+        family: IOCTL,
+        kind: SignalKind::Latency,
+    };
+
+    fn parts(&self) -> &GpuProcesses<DriverSeries> {
+        &self.parts
     }
 
-    fn compute_source(&self) -> Option<ComputeSource> {
+    fn parts_mut(&mut self) -> &mut GpuProcesses<DriverSeries> {
+        &mut self.parts
+    }
+
+    fn source(&self) -> Option<ComputeSource> {
         Some(ComputeSource::DriverTime)
     }
 
-    fn publish_compute(&mut self, series: ComputeSeries) {
-        self.cgroups.series.compute = Some(series);
+    fn forget<H: BuildHasher>(&mut self, tgids: &HashSet<i32, H>) {
+        self.seeded.retain(|t| tgids.contains(t));
+        self.probed.retain(|t, _| tgids.contains(t));
     }
 
-    fn signals(&self) -> Vec<SignalSpec> {
-        vec![SignalSpec {
-            name: "gpu_ioctl",
-            family: IOCTL,
-            kind: SignalKind::Latency,
-        }]
-    }
-
-    fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
-        Some(&mut self.cgroups)
-    }
-
-    fn how(&self) -> Vec<(&'static str, String)> {
-        self.status.how.clone()
-    }
-
-    fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
-        let changed = ctx.processes_changed();
-        let seeded = match ctx.pod_pids_named(&mut self.pids_seen) {
-            Some(named) => self.look_at(named.into_iter(), changed),
-            None => self.seed_new(&ctx.pod_pid_set().1, changed),
-        };
-        if seeded > 0 {
-            tracing::debug!(fds = seeded, "GPU fds seeded from /proc");
+    /// Seeds the processes not seen before. In uprobe mode a process is
+    /// looked at again whenever it may have mapped something, and one found
+    /// holding a GPU file gets the uprobes on its C library. Returns how many
+    /// GPU fds were found.
+    fn look_at(
+        &mut self,
+        tgids: impl Iterator<Item = i32>,
+        changed: Option<&HashSet<i32>>,
+    ) -> usize {
+        let mut found = 0;
+        for tgid in tgids {
+            let new = self.seeded.insert(tgid);
+            if self.mode != Mode::Uprobes {
+                if new {
+                    found += self.seed(tgid).unwrap_or(0);
+                }
+                continue;
+            }
+            if !self.parts.lookout.look(tgid, changed) {
+                continue;
+            }
+            let n = self.seed(tgid).unwrap_or(0);
+            found += n;
+            if n > 0 && !self.probed.contains_key(&tgid) {
+                match self.probe_process(tgid) {
+                    Ok(links) => {
+                        self.probed.insert(tgid, links);
+                    }
+                    Err(e) => tracing::warn!(tgid, "GPU driver time: {e}"),
+                }
+            }
         }
-        TickOutput {
-            deltas: Vec::new(),
-            gauges: self
-                .cgroups
-                .series
-                .compute
-                .iter_mut()
-                .map(|c| c.duty_gauges(ctx))
-                .collect(),
-        }
+        found
     }
 
-    fn stats(&self) -> UnitStats {
+    fn self_series(&self) -> (u64, Vec<SelfSeries>) {
         let [failures, learned, untracked, moved] = self.kernel_stats();
-        UnitStats {
-            maps: vec![self.cgroups.map_fill()],
-            storage_failures: Some((NAME, failures)),
-            series: vec![
-                SelfSeries::counter("gpufeed_gpu_fds_learned_total", "GPU device files the kernel saw being opened", learned),
-                SelfSeries::counter("gpufeed_gpu_fds_untracked_total", "GPU device files opened at an fd number too high to track (not timed)", untracked),
-                SelfSeries::gauge("gpufeed_gpu_ioctl_processes_probed", "Processes whose C library carries the GPU driver time uprobes (uprobe mode)", self.probed.len() as f64),
-                SelfSeries::counter("gpufeed_gpu_ioctl_cgroup_moves_total", "GPU ioctls that ended in another cgroup than they began (timed, not counted busy)", moved),
-            ],
-            node: self.cgroups.series.compute.iter().map(ComputeSeries::info).collect(),
-        }
+        (failures, vec![
+            SelfSeries::counter("gpufeed_gpu_fds_learned_total", "GPU device files the kernel saw being opened", learned),
+            SelfSeries::counter("gpufeed_gpu_fds_untracked_total", "GPU device files opened at an fd number too high to track (not timed)", untracked),
+            SelfSeries::gauge("gpufeed_gpu_ioctl_processes_probed", "Processes whose C library carries the GPU driver time uprobes (uprobe mode)", self.probed.len() as f64),
+            SelfSeries::counter("gpufeed_gpu_ioctl_cgroup_moves_total", "GPU ioctls that ended in another cgroup than they began (timed, not counted busy)", moved),
+        ])
     }
 }
 

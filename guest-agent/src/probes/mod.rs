@@ -21,6 +21,7 @@ pub mod cgroup_storage;
 pub mod cuda;
 pub mod gpu_compute;
 pub mod gpu_driver;
+pub mod gpu_process;
 pub mod hist;
 pub mod lookout;
 pub mod model;
