@@ -242,6 +242,19 @@ static __always_inline int stash(__u32 call, __u64 out, __u64 out2, __u64 size)
 	return 0;
 }
 
+/* Takes the call thread `id` stashed at entry; false when there is none (the
+ * probes attached while the call was in flight). */
+static __always_inline bool take_pending(__u64 id, struct pending *out)
+{
+	struct pending *p = bpf_map_lookup_elem(&cuda_pending, &id);
+
+	if (!p)
+		return false;
+	*out = *p;
+	bpf_map_delete_elem(&cuda_pending, &id);
+	return true;
+}
+
 /* CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) */
 SEC("uprobe")
 int BPF_UPROBE(cu_mem_alloc, __u64 *dptr, __u64 bytesize)
@@ -291,32 +304,24 @@ int BPF_UPROBE(cu_mem_import, __u64 *handle)
 SEC("uretprobe")
 int BPF_URETPROBE(cu_alloc_ret, int ret)
 {
-	__u64 id = bpf_get_current_pid_tgid(), out = 0, pitch = 0;
-	struct pending *p = bpf_map_lookup_elem(&cuda_pending, &id);
+	__u64 out = 0, pitch = 0, size;
 	struct obj o = {};
-	__u64 size;
-	__u32 call;
+	struct pending p;
 
-	if (!p)
+	if (!take_pending(bpf_get_current_pid_tgid(), &p))
 		return 0;
-	call = p->call;
-	size = p->size;
-	if (ret != CUDA_SUCCESS || bpf_probe_read_user(&out, sizeof(out), (void *)p->out)) {
-		bpf_map_delete_elem(&cuda_pending, &id);
+	size = p.size;
+	if (ret != CUDA_SUCCESS || bpf_probe_read_user(&out, sizeof(out), (void *)p.out))
 		return 0;
-	}
-	if (call == CALL_PITCH) {
-		if (bpf_probe_read_user(&pitch, sizeof(pitch), (void *)p->out2)) {
-			bpf_map_delete_elem(&cuda_pending, &id);
+	if (p.call == CALL_PITCH) {
+		if (bpf_probe_read_user(&pitch, sizeof(pitch), (void *)p.out2))
 			return 0;
-		}
 		size = pitch * size; /* pitch x height */
 	}
-	bpf_map_delete_elem(&cuda_pending, &id);
-	if (call == CALL_IMPORT)
+	if (p.call == CALL_IMPORT)
 		size = 0; /* counted by the process that created it */
 	o.size = size;
-	remember(call == CALL_CREATE || call == CALL_IMPORT ? KIND_HANDLE : KIND_DPTR, out, &o);
+	remember(p.call == CALL_CREATE || p.call == CALL_IMPORT ? KIND_HANDLE : KIND_DPTR, out, &o);
 	charge(size);
 	return 0;
 }
@@ -622,20 +627,15 @@ static __always_inline void event_done(struct cuda_cgroup *cg, __u32 pid, __u64 
 SEC("uretprobe")
 int BPF_URETPROBE(cu_sync_ret, int ret)
 {
-	__u64 id = bpf_get_current_pid_tgid(), now = bpf_ktime_get_ns(), handle;
-	struct pending *p = bpf_map_lookup_elem(&cuda_pending, &id);
+	__u64 id = bpf_get_current_pid_tgid(), now = bpf_ktime_get_ns();
 	struct cuda_cgroup *cg;
-	__u64 entered;
+	struct pending p;
 	bool blocking;
-	__u32 call;
 
-	if (!p)
+	/* p.out: the stream or event handle; p.size: when the call began */
+	if (!take_pending(id, &p))
 		return 0;
-	call = p->call;
-	handle = p->out;
-	entered = p->size;
-	bpf_map_delete_elem(&cuda_pending, &id);
-	blocking = call == CALL_STREAM_SYNC || call == CALL_CTX_SYNC || call == CALL_EVENT_SYNC;
+	blocking = p.call == CALL_STREAM_SYNC || p.call == CALL_CTX_SYNC || p.call == CALL_EVENT_SYNC;
 	if (ret != CUDA_SUCCESS && !blocking)
 		return 0; /* a query answering "not ready" */
 	cg = my_cgroup();
@@ -643,21 +643,21 @@ int BPF_URETPROBE(cu_sync_ret, int ret)
 		return 0;
 	/* The host thread waited this long for the GPU, whatever the outcome:
 	 * the latency signal a pod feels when the GPU (or its link) is slow. */
-	if (blocking && now > entered)
-		hist_record(&cg->sync_wait, now - entered);
+	if (blocking && now > p.size)
+		hist_record(&cg->sync_wait, now - p.size);
 	if (ret != CUDA_SUCCESS || !busy_estimate)
 		return 0; /* an error (nothing is known complete), or no busy estimate */
-	switch (call) {
+	switch (p.call) {
 	case CALL_STREAM_SYNC:
 	case CALL_STREAM_QUERY:
-		stream_done(cg, id >> 32, handle, now);
+		stream_done(cg, id >> 32, p.out, now);
 		break;
 	case CALL_CTX_SYNC:
 		all_done(cg, id >> 32, now);
 		break;
 	case CALL_EVENT_SYNC:
 	case CALL_EVENT_QUERY:
-		event_done(cg, id >> 32, handle, now);
+		event_done(cg, id >> 32, p.out, now);
 		break;
 	}
 	return 0;

@@ -23,47 +23,12 @@
  * usage: gpu-check CTL_DIR
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
+/* the driver API's types and the clients' helpers, shared with the stand-in
+ * library's test clients (gpu-check.sh passes their directory with -I) */
+#include "cuda_client.h"
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUmod_st *CUmodule;
-typedef struct CUfunc_st *CUfunction;
-typedef struct CUstream_st *CUstream;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long CUmemGenericAllocationHandle;
-
-typedef struct {
-	int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
-	int id;
-} CUmemLocation;
-
-typedef struct {
-	int type;		  /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
-	int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_NONE = 0 */
-	CUmemLocation location;
-	void *win32HandleMetaData;
-	struct {
-		unsigned char compressionType;
-		unsigned char gpuDirectRDMACapable;
-		unsigned short usage;
-		unsigned char reserved[4];
-	} allocFlags;
-} CUmemAllocationProp;
-
-typedef struct {
-	CUmemLocation location;
-	int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
-} CUmemAccessDesc;
-
-#define CU_DEVICE_ATTRIBUTE_CLOCK_RATE 13 /* kHz */
 #define MIB (1024ULL * 1024)
 #define LAUNCHES 50
 #define SPIN_MS 2
@@ -85,20 +50,6 @@ static const char ptx[] = ".version 7.0\n"
 			  "  @%p bra LOOP;\n"
 			  "  ret;\n"
 			  "}\n";
-
-static void *lib;
-static const char *ctl;
-
-static void *sym(const char *name)
-{
-	void *p = dlsym(lib, name);
-
-	if (!p) {
-		fprintf(stderr, "gpu-check: %s: %s\n", name, dlerror());
-		exit(1);
-	}
-	return p;
-}
 
 /* The driver API functions used, with cuda.h's signatures. */
 #define CU_FUNCTIONS(X)                                                                    \
@@ -130,14 +81,7 @@ static void *sym(const char *name)
 	X(cuStreamSynchronize, CUstream)                                                   \
 	X(cuCtxSynchronize, void)
 
-#define DECLARE(name, ...) static CUresult (*name##_p)(__VA_ARGS__);
-CU_FUNCTIONS(DECLARE)
-
-static void resolve(void)
-{
-#define RESOLVE(name, ...) name##_p = (CUresult(*)(__VA_ARGS__))sym(#name);
-	CU_FUNCTIONS(RESOLVE)
-}
+CU_FUNCTIONS(CUDA_DECLARE)
 
 /* Calls a driver function; any error ends the program with its name. */
 #define CALL(name, ...)                                                                    \
@@ -148,36 +92,6 @@ static void resolve(void)
 			exit(1);                                                           \
 		}                                                                          \
 	} while (0)
-
-static long long now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static void touch(const char *name)
-{
-	char path[4096];
-	FILE *f;
-
-	snprintf(path, sizeof(path), "%s/%s", ctl, name);
-	f = fopen(path, "w");
-	if (!f || fclose(f) != 0) {
-		perror(path);
-		exit(1);
-	}
-}
-
-static void await(const char *name)
-{
-	char path[4096];
-
-	snprintf(path, sizeof(path), "%s/%s", ctl, name);
-	while (access(path, F_OK) != 0)
-		usleep(10000);
-}
 
 /* cuStreamSynchronize / cuCtxSynchronize, timed. */
 static long long sync_ns;
@@ -217,13 +131,9 @@ int main(int argc, char **argv)
 		fprintf(stderr, "usage: gpu-check CTL_DIR\n");
 		return 2;
 	}
-	ctl = argv[1];
-	lib = dlopen("libcuda.so.1", RTLD_NOW);
-	if (!lib) {
-		fprintf(stderr, "gpu-check: %s\n", dlerror());
-		return 1;
-	}
-	resolve();
+	ctl_dir = argv[1];
+	cuda_open();
+	CU_FUNCTIONS(CUDA_RESOLVE)
 	CALL(cuInit, 0u);
 	CALL(cuDeviceGet, &dev, 0);
 	CALL(cuDeviceGetAttribute, &khz, CU_DEVICE_ATTRIBUTE_CLOCK_RATE, dev);
@@ -234,9 +144,9 @@ int main(int argc, char **argv)
 	host = calloc(1, 64 * MIB);
 	if (!host)
 		return 1;
-	touch("ready");
+	ctl_touch("ready");
 
-	await("go");
+	ctl_await(10000, "go");
 	CALL(cuMemAlloc_v2, &a, (size_t)(64 * MIB));
 	CALL(cuMemAlloc_v2, &b, (size_t)(16 * MIB));
 	memset(&prop, 0, sizeof(prop));
@@ -272,7 +182,7 @@ int main(int argc, char **argv)
 	}
 	busy_ns = now_ns() - first_launch;
 
-	snprintf(path, sizeof(path), "%s/result", ctl);
+	snprintf(path, sizeof(path), "%s/result", ctl_dir);
 	out = fopen(path, "w");
 	if (!out)
 		return 1;
@@ -286,15 +196,15 @@ int main(int argc, char **argv)
 	fprintf(out, "kernel_ns %lld\n", (long long)LAUNCHES * SPIN_MS * 1000000LL);
 	if (fclose(out) != 0)
 		return 1;
-	touch("peak");
+	ctl_touch("peak");
 
-	await("release");
+	ctl_await(10000, "release");
 	CALL(cuMemUnmap, va, vmm);
 	CALL(cuMemAddressFree, va, vmm);
 	CALL(cuMemRelease, handle);
 	CALL(cuMemFree_v2, b);
 	CALL(cuMemFree_v2, a);
-	touch("freed");
-	await("exit");
+	ctl_touch("freed");
+	ctl_await(10000, "exit");
 	return 0;
 }

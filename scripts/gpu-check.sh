@@ -68,7 +68,7 @@ trap cleanup EXIT
 if [ -z "$client" ]; then
   command -v cc >/dev/null || die "no C compiler to build gpu-check.c (install one or pass --client)"
   client="$work/gpu-check"
-  cc -O2 -o "$client" "$here/gpu-check.c" -ldl
+  cc -O2 -I "$here/../guest-agent/tests/fixtures/cuda" -o "$client" "$here/gpu-check.c" -ldl
 fi
 mkdir -p "$ctr" "$work/ctl"
 
