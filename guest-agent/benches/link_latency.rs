@@ -24,41 +24,13 @@ use std::time::{Duration, Instant};
 
 use common::host_agent::{demo, start_host, HostIntervals, GPU, HOST};
 use common::{find, free_port, parse_metrics, value, wait_for, Agent};
+use gpufeed_shared::procstat::{cpu_ns, switches};
 
 /// The enclosure's downstream port: the other end of the GPU's link.
 const PORT: &str = "0000:09:01.0";
 
 fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_string())
-}
-
-/// CPU time of all threads, ns (schedstat run time).
-fn cpu_ns(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|d| {
-            d.flatten()
-                .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-                .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-                .sum()
-        })
-        .unwrap_or(0)
-}
-
-/// Context switches of all threads.
-fn switches(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|d| {
-            d.flatten()
-                .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
-                .flat_map(|s| {
-                    s.lines()
-                        .filter(|l| l.contains("ctxt_switches:"))
-                        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                        .collect::<Vec<_>>()
-                })
-                .sum()
-        })
-        .unwrap_or(0)
 }
 
 /// Writes a sysfs value the way the kernel's file changes for a reader: whole, at once.

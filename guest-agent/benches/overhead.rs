@@ -12,7 +12,8 @@
 
 mod common;
 
-use common::{cpu_ns, rss_kb, Killed};
+use common::Killed;
+use gpufeed_shared::procstat::{cpu_ns, rss_kib};
 
 mod empty {
     include!(concat!(env!("OUT_DIR"), "/bench_empty.skel.rs"));
@@ -255,7 +256,7 @@ fn main() {
     std::thread::sleep(Duration::from_secs(30));
     let used = cpu_ns(pid) - t0.1;
     let cpu_pct = used as f64 / 1e9 / t0.0.elapsed().as_secs_f64() * 100.0;
-    let rss = rss_kb(pid);
+    let rss = rss_kib(pid);
     drop(agent);
 
     println!("| configuration | ping-pong µs/op | slowdown | BPF ns/wakeup | BPF ns/switch |");

@@ -24,7 +24,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{cpu_ns, rss_kb, Killed};
+use common::Killed;
+use gpufeed_shared::procstat::{cpu_ns, rss_kib};
 
 /// A private subtree of the cgroup2 root holding the pods; removed on drop.
 struct Node {
@@ -217,7 +218,7 @@ fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: 
         std::thread::sleep(Duration::from_millis(1100));
     }
     renders.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let rss_mb = rss_kb(pid) as f64 / 1024.0;
+    let rss_mb = rss_kib(pid) as f64 / 1024.0;
     drop(agent);
     let r = Row {
         name,

@@ -64,16 +64,16 @@ fn signal_windows(r: &TickReport, signal: &str, uid: &str) -> Vec<Window> {
         .map(|w| match w.value {
             WindowValue::Latency {
                 count,
-                sum_us,
-                p50_us,
-                p99_us,
-                max_us,
+                sum_us: sum,
+                p50_us: p50,
+                p99_us: p99,
+                max_us: max,
             } => Window {
                 count,
-                sum: sum_us,
-                p50: p50_us,
-                p99: p99_us,
-                max: max_us,
+                sum,
+                p50,
+                p99,
+                max,
                 length: w.window,
             },
             WindowValue::Rate { .. } | WindowValue::Level { .. } => {

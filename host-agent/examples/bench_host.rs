@@ -19,50 +19,7 @@ use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn proc_cpu_ticks(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let after = &s[s.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = after.split_whitespace().collect();
-    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .unwrap()
-        .split_whitespace()
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap()
-}
-
-/// CPU time of all live threads in ns (`/proc/<pid>/task/*/schedstat`, first field): exact,
-/// where utime + stime are sampled at the scheduler tick (100 Hz here).
-fn proc_cpu_ns(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
-}
-
-/// Wake-ups (voluntary + involuntary context switches) of all live threads.
-fn proc_switches(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
-        .flat_map(|s| {
-            s.lines()
-                .filter(|l| l.contains("ctxt_switches:"))
-                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-                .collect::<Vec<_>>()
-        })
-        .sum()
-}
+use gpufeed_shared::procstat::{cpu_ns, cpu_ticks, rss_kib, switches};
 
 /// A network namespace with a Proxmox-like `vmbr0` and three ports (a VM tap, a firewall
 /// port, a container veth), removed on drop.
@@ -168,18 +125,18 @@ fn main() {
     let pid = child.0.id();
     std::thread::sleep(Duration::from_secs(5));
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let c0 = proc_cpu_ticks(pid);
-    let (ns0, sw0) = (proc_cpu_ns(pid), proc_switches(pid));
+    let c0 = cpu_ticks(pid);
+    let (ns0, sw0) = (cpu_ns(pid), switches(pid));
     let t0 = Instant::now();
     let mut rss_max = 0;
     while t0.elapsed() < Duration::from_secs(idle_s) {
         std::thread::sleep(Duration::from_secs(1));
         rss_max = rss_max.max(rss_kib(pid));
     }
-    let cpu = (proc_cpu_ticks(pid) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
+    let cpu = (cpu_ticks(pid) - c0) as f64 / hz / t0.elapsed().as_secs_f64();
     let wall = t0.elapsed().as_secs_f64();
-    let cpu_exact = (proc_cpu_ns(pid) - ns0) as f64 / 1e9 / wall;
-    let wakeups = (proc_switches(pid) - sw0) as f64 / wall;
+    let cpu_exact = (cpu_ns(pid) - ns0) as f64 / 1e9 / wall;
+    let wakeups = (switches(pid) - sw0) as f64 / wall;
     drop(child);
 
     // Link change → event latency at the default 1000 ms poll.

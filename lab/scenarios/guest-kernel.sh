@@ -6,6 +6,34 @@
 . /payload/lab.sh
 agent=/payload/gpufeed-guest
 
+# Starts the agent serving on PORT with FLAGS, its log in LOG, and waits (up to 2 minutes
+# under TCG) for its first page: sets pid, and page (empty when it exited before serving).
+start_agent() { # PORT LOG FLAGS...
+	local port=$1 log=$2
+	shift 2
+	$agent run --no-kube --metrics-listen "127.0.0.1:$port" --interval 1s "$@" >"$log" 2>&1 &
+	pid=$!
+	page=""
+	for _ in $(seq 1 1200); do
+		kill -0 "$pid" 2>/dev/null || break
+		if page=$(curl -sf "http://127.0.0.1:$port/metrics"); then break; fi
+		sleep 0.1
+	done
+}
+
+stop_agent() {
+	kill "$pid" 2>/dev/null || true
+	while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+}
+
+# Reports each gpufeed_probe_up and gpufeed_probe_info series of PAGE under KEY.
+report_probes() { # KEY PAGE
+	local series value
+	while read -r series value; do
+		report "$1" "$series $value"
+	done < <(grep -E '^gpufeed_probe_(up|info)\{' <<<"$2" || true)
+}
+
 report kernel "$(uname -r)"
 report lockdown "$(sed -n 's/.*\[\(.*\)\].*/\1/p' /sys/kernel/security/lockdown)"
 
@@ -15,14 +43,8 @@ while IFS= read -r l; do report doctor "$l"; done <<<"$out"
 report doctor_exit "$rc"
 
 report phase agent
-$agent run --no-kube --metrics-listen 127.0.0.1:9745 --interval 1s >/tmp/agent.log 2>&1 &
-pid=$!
-metrics=""
-for _ in $(seq 1 1200); do
-	kill -0 "$pid" 2>/dev/null || break
-	if metrics=$(curl -sf http://127.0.0.1:9745/metrics); then break; fi
-	sleep 0.1
-done
+start_agent 9745 /tmp/agent.log
+metrics=$page
 if kill -0 "$pid" 2>/dev/null; then
 	report agent running
 	# one tick more, so that the probes' own series are there
@@ -30,34 +52,20 @@ if kill -0 "$pid" 2>/dev/null; then
 	metrics=$(curl -sf http://127.0.0.1:9745/metrics)
 	ready=$(curl -s http://127.0.0.1:9745/readyz || true)
 	report readyz "$(tr '\n' ' ' <<<"$ready")"
-	kill "$pid"
-	while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+	stop_agent
 else
 	wait "$pid" && rc=0 || rc=$?
 	report agent "exited $rc"
 fi
 while IFS= read -r l; do report agent_log "$l"; done < <(tail -n 40 /tmp/agent.log)
-while read -r series value; do
-	report probe_up "$series $value"
-done < <(grep -E '^gpufeed_probe_(up|info)\{' <<<"$metrics" || true)
+report_probes probe_up "$metrics"
 
 # Forced refusal (the test asks for it on 6.1): cgroup-local storage on a kernel without it.
 # The units that need it are down with the kernel's reason; the others run and are served.
 if [ -e /payload/force-local-storage ]; then
-	$agent run --no-kube --metrics-listen 127.0.0.1:9747 --interval 1s --cgroup-storage local \
-		>/tmp/forced.log 2>&1 &
-	pid=$!
-	forced=""
-	for _ in $(seq 1 1200); do
-		kill -0 "$pid" 2>/dev/null || break
-		if forced=$(curl -sf http://127.0.0.1:9747/metrics); then break; fi
-		sleep 0.1
-	done
-	kill "$pid" 2>/dev/null || true
-	while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-	while read -r series value; do
-		report forced "$series $value"
-	done < <(grep -E '^gpufeed_probe_(up|info)\{' <<<"$forced" || true)
+	start_agent 9747 /tmp/forced.log --cgroup-storage local
+	stop_agent
+	report_probes forced "$page"
 fi
 
 # The truth checks run where the programs differ (the test asks for them with

@@ -40,30 +40,3 @@ pub fn thread_cpu_ns() -> i64 {
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 }
-
-/// CPU time of all the process's threads in ns (schedstat: exact, not tick-sampled).
-pub fn cpu_ns(pid: u32) -> u64 {
-    let mut total = 0;
-    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .flatten()
-    {
-        if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
-            total += s
-                .split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    total
-}
-
-pub fn rss_kb(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}

@@ -24,16 +24,12 @@ use libbpf_sys::bpf_insn;
 
 use super::ProbeError;
 
-/// Helper ids (`enum bpf_func_id`, include/uapi/linux/bpf.h).
-const PROBE_READ: i32 = 4;
-const PROBE_READ_STR: i32 = 45;
-const PROBE_READ_USER: i32 = 112;
-const PROBE_READ_KERNEL: i32 = 113;
-const PROBE_READ_USER_STR: i32 = 114;
-const PROBE_READ_KERNEL_STR: i32 = 115;
+/// Helper ids (`enum bpf_func_id`, include/uapi/linux/bpf.h), as libbpf-sys binds them.
+const PROBE_READ: i32 = libbpf_sys::BPF_FUNC_probe_read as i32;
+const PROBE_READ_STR: i32 = libbpf_sys::BPF_FUNC_probe_read_str as i32;
 
 /// `BPF_JMP | BPF_CALL`.
-const CALL: u8 = 0x85;
+const CALL: u8 = (libbpf_sys::BPF_JMP | libbpf_sys::BPF_CALL) as u8;
 
 fn helper(insn: &bpf_insn) -> Option<i32> {
     (insn.code == CALL && insn.src_reg() == 0 && insn.dst_reg() == 0).then_some(insn.imm)
@@ -41,9 +37,13 @@ fn helper(insn: &bpf_insn) -> Option<i32> {
 
 /// What libbpf turns `id` into without kernel support for the split helpers.
 fn downgraded(id: i32) -> Option<i32> {
-    match id {
-        PROBE_READ_USER | PROBE_READ_KERNEL => Some(PROBE_READ),
-        PROBE_READ_USER_STR | PROBE_READ_KERNEL_STR => Some(PROBE_READ_STR),
+    match id as libbpf_sys::bpf_func_id {
+        libbpf_sys::BPF_FUNC_probe_read_user | libbpf_sys::BPF_FUNC_probe_read_kernel => {
+            Some(PROBE_READ)
+        }
+        libbpf_sys::BPF_FUNC_probe_read_user_str | libbpf_sys::BPF_FUNC_probe_read_kernel_str => {
+            Some(PROBE_READ_STR)
+        }
         _ => None,
     }
 }
@@ -184,6 +184,10 @@ fn program_name(prog: *mut libbpf_sys::bpf_program) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const PROBE_READ_USER: i32 = libbpf_sys::BPF_FUNC_probe_read_user as i32;
+    const PROBE_READ_KERNEL: i32 = libbpf_sys::BPF_FUNC_probe_read_kernel as i32;
+    const PROBE_READ_USER_STR: i32 = libbpf_sys::BPF_FUNC_probe_read_user_str as i32;
 
     fn call(id: i32) -> bpf_insn {
         bpf_insn {
