@@ -75,13 +75,15 @@ if [ ! -f "$state/certs/ca/ca.pem" ]; then
   "$bin/gpufeed-guest" certs init --out "$state/certs" --guest-addr "$quic" --host "$host" \
     --host "$demo_host" >/dev/null
 fi
-# The generated host bundle's configuration (laid out for /etc/gpufeed), pointed at the bundle
-# where it lies, with the spool in the state directory and the metrics address of this stack.
-bundle="$state/certs/hosts/$host"
+# A generated host bundle's configuration (laid out for /etc/gpufeed) as it would be installed,
+# but pointed at the bundle where it lies, its spool at SPOOL ("": memory only).
+bundle_config() { # HOST SPOOL
+  local bundle="$state/certs/hosts/$1"
+  sed -e "s#^spool_dir = .*#spool_dir = \"$2\"#" -e "s#/etc/gpufeed/#$bundle/#" "$bundle/host.toml"
+}
 {
   echo "metrics_listen = \"$host_metrics\""
-  sed -e "s#^spool_dir = .*#spool_dir = \"$state/spool\"#" -e "s#/etc/gpufeed/#$bundle/#" \
-    "$bundle/host.toml"
+  bundle_config "$host" "$state/spool"
 } >"$state/host.toml"
 
 "$bin/gpufeed-host" run --config "$state/host.toml" >"$state/host.log" 2>&1 &
@@ -94,28 +96,16 @@ pids+=($!)
 if [ "$demo" = 1 ]; then
   # The simulated host: the recorded eGPU tree as its root, nothing of this machine's own.
   ./scripts/demo-egpu.sh tree "$state/demo-root"
-  cat >"$state/demo-host.toml" <<TOML
-host_id = "$demo_host"
-root = "$state/demo-root"
-metrics_listen = "127.0.0.1:9848"
-devices = ["0000:0a:00.0"]
-[pcie]
-poll_interval_ms = 200
-[bridge]
-enabled = false
-[host]
-enabled = false
-[thunderbolt]
-uevents = false
-[stream]
-ca = "$state/certs/hosts/$demo_host/tls/ca.pem"
-cert = "$state/certs/hosts/$demo_host/tls/host.pem"
-key = "$state/certs/hosts/$demo_host/tls/host-key.pem"
-spool_dir = ""
-[[stream.guests]]
-name = "guest"
-endpoint = "$quic"
-TOML
+  # Its bundle's configuration, with a link poll fast enough to see the demo's steps and none
+  # of the watchers that would read this machine's bridges, load or Thunderbolt events.
+  {
+    echo "root = \"$state/demo-root\""
+    echo 'metrics_listen = "127.0.0.1:9848"'
+    echo 'devices = ["0000:0a:00.0"]'
+    bundle_config "$demo_host" ""
+    printf '%s\n' '[pcie]' 'poll_interval_ms = 200' '[bridge]' 'enabled = false' \
+      '[host]' 'enabled = false' '[thunderbolt]' 'uevents = false'
+  } >"$state/demo-host.toml"
   "$bin/gpufeed-host" run --config "$state/demo-host.toml" >"$state/demo-host.log" 2>&1 &
   pids+=($!)
   cg=$(awk '$3 == "cgroup2" { print $2; exit }' /proc/self/mounts)

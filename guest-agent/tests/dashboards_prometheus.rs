@@ -693,10 +693,7 @@ fn host_rows_and_annotations_show_the_provoked_host() {
     let _host = start_host_with(
         dir.path(),
         quic,
-        HostIntervals {
-            pcie_poll_ms: Some(200),
-            state_ms: Some(200),
-        },
+        HostIntervals::FAST,
         &format!(
             "enabled = true\nbridges = [\"vmbr0\"]\nnetns = \"/run/netns/{}\"\n",
             br_ns.0

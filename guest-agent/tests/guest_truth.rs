@@ -134,8 +134,7 @@ fn connections_older_than_the_agent_get_their_destination() {
     let sb = CgroupSandbox::new();
     let mut net = TestNet::new();
     let (srv_ns, srv_ip, _) = net.server();
-    let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
-    iperf3_listening(&srv_ns);
+    let _server = iperf3_server(&srv_ns, "-1");
     let mut talker = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     net.join(&mut talker);
     std::thread::sleep(Duration::from_millis(300));
@@ -216,8 +215,7 @@ fn rtt_of_a_pod_weighs_its_connections_by_their_busy_time() {
     sh(&format!(
         "tc qdisc add dev {srv_if} root tbf rate 20mbit burst 16kb latency 25ms"
     ));
-    let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
-    iperf3_listening(&srv_ns);
+    let _server = iperf3_server(&srv_ns, "-1");
     let dir = tempfile::tempdir().unwrap();
     let script = |name: &str, text: &str| {
         let p = dir.path().join(name);
@@ -381,20 +379,7 @@ async fn counters_stay_monotonic_through_a_container_restart() {
     let sb = CgroupSandbox::new();
     let mut old = Pod::new(&sb, Layout::Systemd, "burstable", VLLM_UID, &cid_old);
     old.spawn("exec perl -e 'select(undef, undef, undef, 0.002) while 1'");
-    let (agent, _kc) = agent_with_kube(
-        &kube,
-        &[
-            "--interval",
-            "200ms",
-            "--probes",
-            "sched_latency",
-            "--node-name",
-            NODE,
-            "--pod-grace",
-            "1s",
-        ],
-    )
-    .await;
+    let (agent, _kc) = agent_with_kube(&kube, &sched_on_node(NODE, "1s")).await;
     let want = [
         ("namespace", "inference"),
         ("pod", VLLM_NAME),
@@ -494,8 +479,7 @@ fn redirected_pod_egress_is_not_counted_again_on_the_node_device() {
             &[libbpf_sys::BPF_TCX_INGRESS],
         ));
     }
-    let _srv = spawn_in_ns(&far_ns, "exec iperf3 -s");
-    iperf3_listening(&far_ns);
+    let _srv = iperf3_server(&far_ns, "");
     let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
     pod.netns = Some(pod_ns.clone());
     pod.ip = Some(pod_ip.clone());
@@ -560,8 +544,7 @@ fn containers_shorter_than_an_interval_still_count_after_their_cgroups_are_remov
     let sb = CgroupSandbox::new();
     let mut net = TestNet::new();
     let (srv_ns, srv_ip, _) = net.server();
-    let _server = spawn_in_ns(&srv_ns, "exec iperf3 -s -1");
-    iperf3_listening(&srv_ns);
+    let _server = iperf3_server(&srv_ns, "-1");
     let agent = Agent::no_kube(
         "5s",
         "sched_latency,tcp_rtt,tcp_retransmit",
@@ -715,13 +698,16 @@ fn sched_sum_matches_schedstat_among_hundreds_of_pods() {
     );
 }
 
-/// Waits until the iperf3 server in `ns` listens: on a loaded CI machine an upload once came
-/// first, was refused, and its test saw 0 retransmits.
-fn iperf3_listening(ns: &str) {
+/// An iperf3 server in `ns` (with `flags`: `-1` serves one test), listening when this
+/// returns: on a loaded CI machine an upload once came first, was refused, and its test saw 0
+/// retransmits.
+fn iperf3_server(ns: &str, flags: &str) -> Proc {
+    let server = spawn_in_ns(ns, &format!("exec iperf3 -s {flags}"));
     wait_for(Duration::from_secs(10), || {
         sh(&format!("ip netns exec {ns} ss -ltnH sport = :5201"))
             .contains("5201")
             .then_some(())
     })
     .expect("iperf3 listening in its namespace");
+    server
 }

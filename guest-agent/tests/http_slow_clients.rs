@@ -279,14 +279,7 @@ async fn the_agent_binary_under_the_flood_keeps_its_probes_series_memory_and_hos
     let quic = common::free_port();
     let (agent, host, sb, pod) = tokio::task::block_in_place(|| {
         demo(&["tree", dir.path().join("root").to_str().unwrap()]);
-        let host = start_host(
-            dir.path(),
-            quic,
-            HostIntervals {
-                pcie_poll_ms: Some(200),
-                state_ms: Some(200),
-            },
-        );
+        let host = start_host(dir.path(), quic, HostIntervals::FAST);
         let agent = guest_of_host(dir.path(), quic, "1s", "sched_latency", &[]);
         let sb = common::CgroupSandbox::new();
         let mut pod = common::Pod::random(&sb, common::Layout::Cgroupfs, "burstable");

@@ -57,14 +57,7 @@ fn the_page_draws_the_link_and_the_pods_windows_around_the_event() {
     let root = dir.path().join("root");
     demo(&["tree", root.to_str().unwrap()]);
     let quic = free_port();
-    let _host = start_host(
-        dir.path(),
-        quic,
-        HostIntervals {
-            pcie_poll_ms: Some(200),
-            state_ms: Some(200),
-        },
-    );
+    let _host = start_host(dir.path(), quic, HostIntervals::FAST);
     let agent = guest_of_host(
         dir.path(),
         quic,

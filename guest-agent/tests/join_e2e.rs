@@ -69,14 +69,7 @@ impl Scene {
         before(dir.path());
         let quic = free_port();
         // A fast link poll and state interval: the scenario's timing is not the defaults' test.
-        let host = start_host(
-            dir.path(),
-            quic,
-            HostIntervals {
-                pcie_poll_ms: Some(200),
-                state_ms: Some(200),
-            },
-        );
+        let host = start_host(dir.path(), quic, HostIntervals::FAST);
         let tls = dir.path().join("certs/guest");
         let mut args = vec![
             "--quic-listen".to_string(),

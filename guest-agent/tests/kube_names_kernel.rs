@@ -57,20 +57,7 @@ async fn pods_get_kubernetes_names_and_deleted_pods_vanish_after_grace() {
     vllm.spawn("while :; do sleep 0.01; done");
     stranger.spawn("while :; do sleep 0.01; done");
 
-    let (agent, _kc) = agent_with_kube(
-        &kube,
-        &[
-            "--interval",
-            "200ms",
-            "--probes",
-            "sched_latency",
-            "--node-name",
-            NODE,
-            "--pod-grace",
-            "3s",
-        ],
-    )
-    .await;
+    let (agent, _kc) = agent_with_kube(&kube, &sched_on_node(NODE, "3s")).await;
 
     let sched_count = "ebpf_sched_latency_microseconds_count";
     let want = [

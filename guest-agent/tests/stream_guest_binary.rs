@@ -7,13 +7,12 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{http_get, value, wait_for, Agent};
+use common::{certs_init, http_get, value, wait_for, Agent};
 use gpufeed_shared::event::HostEvent;
-use gpufeed_shared::proto::{encode, ClientSession, EventFrame, FrameDecoder, Message, Welcome};
+use gpufeed_shared::proto::{encode, EventFrame, Message, Welcome};
+use gpufeed_shared::stream::by_hand;
 use gpufeed_shared::{certs, tls};
 
 fn frame(seq: u64) -> Vec<u8> {
@@ -43,23 +42,6 @@ fn free_udp() -> SocketAddr {
     s.local_addr().unwrap()
 }
 
-/// `certs init` for host pve1 into `out`.
-fn certs_init(out: &std::path::Path, quic: SocketAddr, extra: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
-        .args(["certs", "init", "--out"])
-        .arg(out)
-        .args(["--guest-addr", &quic.to_string(), "--host", "pve1"])
-        .args(extra)
-        .output()
-        .unwrap()
-}
-
-fn client(cfg: rustls::ClientConfig) -> (quinn::Endpoint, quinn::ClientConfig) {
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
-    let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    (ep, quinn::ClientConfig::new(Arc::new(quic)))
-}
-
 /// Connects as pve1 (boot 5), returns the connection and the Welcome.
 /// The control stream halves are returned: dropping the receive half would stop the hub's
 /// acks and probes, which ends the connection.
@@ -79,23 +61,8 @@ async fn connect(
         &rd(certs::BUNDLE_KEY),
     )
     .unwrap();
-    let (ep, cc) = client(cfg);
-    let conn = ep
-        .connect_with(cc, addr, "127.0.0.1")
-        .unwrap()
-        .await
-        .unwrap();
-    let (mut s, mut r) = conn.open_bi().await.unwrap();
-    let mut b = Vec::new();
-    encode(&ClientSession::new("pve1", 5).hello(), &mut b).unwrap();
-    s.write_all(&b).await.unwrap();
-    let mut d = FrameDecoder::default();
-    loop {
-        if let Some(Message::Welcome(w)) = d.next_frame().unwrap() {
-            return (conn, (s, r), w);
-        }
-        d.push(&r.read_chunk(1 << 16, true).await.unwrap().unwrap().bytes);
-    }
+    let (conn, s, r, w) = by_hand::hello(cfg, addr, "pve1", 5).await.unwrap();
+    (conn, (s, r), w)
 }
 
 fn metric(agent: &Agent, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -107,7 +74,7 @@ async fn guest_binary_hub() {
     let work = tempfile::tempdir().unwrap();
     let quic = free_udp();
     let out = work.path().join("deploy");
-    let init = |extra: &[&str]| certs_init(&out, quic, extra);
+    let init = |extra: &[&str]| certs_init(&out, &quic.to_string(), "pve1", extra);
     let o = init(&[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("hosts/pve1/host.toml"));
@@ -202,7 +169,7 @@ async fn guest_binary_hub() {
     // No client certificate: rejected, logged, counted.
     let rd = |f: &str| std::fs::read(out.join("guest").join(f)).unwrap();
     let cfg = tls::client_config_with(&rd(tls::CA_FILE), None, vec![tls::ALPN.to_vec()]).unwrap();
-    let (ep, cc) = client(cfg);
+    let (ep, cc) = by_hand::client_endpoint(cfg).unwrap();
     if let Ok(c) = ep.connect_with(cc, quic, "127.0.0.1").unwrap().await {
         let _ = tokio::time::timeout(Duration::from_secs(2), c.closed()).await;
     }
@@ -223,7 +190,7 @@ async fn a_kind_from_a_newer_host_is_counted_and_listed_as_unknown() {
     let work = tempfile::tempdir().unwrap();
     let quic = free_udp();
     let out = work.path().join("deploy");
-    let o = certs_init(&out, quic, &[]);
+    let o = certs_init(&out, &quic.to_string(), "pve1", &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let tls_dir = out.join("guest").display().to_string();
     let agent = Agent::start(

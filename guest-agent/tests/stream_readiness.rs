@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{http_get_status, value, wait_for, Agent};
+use common::{certs_init_ok, http_get_status, value, wait_for, Agent};
 
 fn udp_addr() -> SocketAddr {
     let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -111,13 +111,7 @@ fn missing_then_valid_tls_files() {
 
     // The Secret appears: the kubelet fills the volume, the agent starts the stream.
     let out = work.path().join("certs");
-    let o = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
-        .args(["certs", "init", "--out"])
-        .arg(&out)
-        .args(["--guest-addr", &quic.to_string(), "--host", "pve1"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    certs_init_ok(&out, &quic.to_string(), "pve1");
     for f in std::fs::read_dir(out.join("guest")).unwrap() {
         let f = f.unwrap();
         std::fs::copy(f.path(), tls.join(f.file_name())).unwrap();

@@ -42,6 +42,19 @@ fn repo() -> PathBuf {
         .to_path_buf()
 }
 
+/// Shell lines (in a private mount namespace) that make /usr, /etc and /var overlays whose
+/// writes stay below `t`: this machine is not changed.
+fn overlay_root(t: &Path) -> String {
+    format!(
+        r#"mount --make-rprivate /
+for d in usr etc var; do
+  mkdir -p {t}/o/$d/u {t}/o/$d/w
+  mount -t overlay overlay -o lowerdir=/$d,upperdir={t}/o/$d/u,workdir={t}/o/$d/w /$d
+done"#,
+        t = t.display()
+    )
+}
+
 /// Builds the package from `binary` into `out`; returns the .deb's path.
 fn build_deb(binary: &Path, out: &Path, version: Option<&str>) -> String {
     let mut c = Command::new(repo().join("systemd/build-deb.sh"));
@@ -318,11 +331,7 @@ fn dpkg_install_upgrade_purge_runs_the_new_binary() {
 
     let script = format!(
         r#"set -eu
-mount --make-rprivate /
-for d in usr etc var; do
-  mkdir -p {t}/o/$d/u {t}/o/$d/w
-  mount -t overlay overlay -o lowerdir=/$d,upperdir={t}/o/$d/u,workdir={t}/o/$d/w /$d
-done
+{overlay}
 mount -t tmpfs tmpfs /run
 mkdir -p /run/systemd/system
 export PATH={t}/bin:$PATH
@@ -350,6 +359,7 @@ mark install-without-systemd
 dpkg --force-depends -i {old} >/dev/null
 "#,
         t = t.display(),
+        overlay = overlay_root(t),
         log = log.display(),
     );
     let o = Command::new("unshare")
@@ -472,11 +482,7 @@ async fn certs_bundle_in_etc_gpufeed_runs_with_the_unit_command_line() {
     std::fs::create_dir(&root).unwrap();
     let script = format!(
         r#"set -eu
-mount --make-rprivate /
-for d in usr etc var; do
-  mkdir -p {t}/o/$d/u {t}/o/$d/w
-  mount -t overlay overlay -o lowerdir=/$d,upperdir={t}/o/$d/u,workdir={t}/o/$d/w /$d
-done
+{overlay}
 cp {bin} /usr/bin/gpufeed-host
 rm -rf /etc/gpufeed /var/lib/gpufeed
 mkdir -p /etc/gpufeed
@@ -485,6 +491,7 @@ cp -a {certs}/hosts/pve1/. /etc/gpufeed/
 exec {exec} --root {root} --metrics-listen 127.0.0.1:0
 "#,
         t = t.display(),
+        overlay = overlay_root(t),
         bin = env!("CARGO_BIN_EXE_gpufeed-host"),
         certs = certs.display(),
         root = root.display(),

@@ -220,15 +220,7 @@ async fn a_restarted_host_reconnects_within_3s_through_a_flood_from_64_addresses
         )
     };
     // Production reconnect timing for the host (from 127.0.0.1).
-    let d = gpufeed_host::stream::StreamConfig::default();
-    let sc = gpufeed_host::stream::StreamConfig {
-        reconnect_min_ms: d.reconnect_min_ms,
-        reconnect_max_ms: d.reconnect_max_ms,
-        idle_timeout_ms: d.idle_timeout_ms,
-        keep_alive_ms: d.keep_alive_ms,
-        connect_timeout_ms: d.connect_timeout_ms,
-        ..fx.stream_config("pve1", addr, None)
-    };
+    let sc = fx.production_stream_config("pve1", addr);
     let h = stream::start(sc.clone(), "pve1".into(), &prometheus::Registry::new()).unwrap();
     h.push_raw(0, kmsg_lost_raw(0, 100));
     assert!(wait_for(Duration::from_secs(10), || received() == 100.0).await);

@@ -8,9 +8,8 @@ mod stream_support;
 use std::time::Duration;
 
 use gpufeed_shared::event::HostEvent;
-use gpufeed_shared::proto::{
-    encode, ClientSession, EventFrame, FrameDecoder, Message, Welcome, MAX_FRAME_LEN,
-};
+use gpufeed_shared::proto::{encode, ClientSession, EventFrame, Message, Welcome, MAX_FRAME_LEN};
+use gpufeed_shared::stream::by_hand;
 use gpufeed_shared::tls;
 use stream_support::*;
 
@@ -49,24 +48,8 @@ async fn connect(
     Welcome,
 ) {
     let (c, k) = fx.host_pems("pve1");
-    let (ep, cc) = raw_client(tls::client_config(&fx.ca_pem(), &c, &k).unwrap());
-    let conn = ep
-        .connect_with(cc, addr, "127.0.0.1")
-        .unwrap()
-        .await
-        .unwrap();
-    let (mut s, mut r) = conn.open_bi().await.unwrap();
-    let mut buf = Vec::new();
-    encode(&ClientSession::new("pve1", boot).hello(), &mut buf).unwrap();
-    s.write_all(&buf).await.unwrap();
-    let mut d = FrameDecoder::default();
-    loop {
-        if let Some(Message::Welcome(w)) = d.next_frame().unwrap() {
-            return (conn, s, r, w);
-        }
-        let c = r.read_chunk(1 << 16, true).await.unwrap().unwrap();
-        d.push(&c.bytes);
-    }
+    let cfg = tls::client_config(&fx.ca_pem(), &c, &k).unwrap();
+    by_hand::hello(cfg, addr, "pve1", boot).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

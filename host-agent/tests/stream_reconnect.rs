@@ -10,7 +10,7 @@ mod stream_support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpufeed_host::stream::{self, StreamConfig};
+use gpufeed_host::stream;
 use stream_support::*;
 
 /// Entry point of the child processes; does nothing in a normal test run.
@@ -51,15 +51,7 @@ async fn restart_after(down: Duration, fx: &Fixture, work: &Path) -> Duration {
     ];
     let mut guest = spawn_child("guest", work, 0, &envs);
     // Production timing: only the certificates and the guest differ from the defaults.
-    let d = StreamConfig::default();
-    let cfg = StreamConfig {
-        reconnect_min_ms: d.reconnect_min_ms,
-        reconnect_max_ms: d.reconnect_max_ms,
-        idle_timeout_ms: d.idle_timeout_ms,
-        keep_alive_ms: d.keep_alive_ms,
-        connect_timeout_ms: d.connect_timeout_ms,
-        ..fx.stream_config("pve1", addr, None)
-    };
+    let cfg = fx.production_stream_config("pve1", addr);
     let h = stream::start(cfg, "pve1".into(), &prometheus::Registry::new()).unwrap();
     h.push_raw(0, kmsg_lost_raw(0, 100));
     assert!(acked(&h, 99, Duration::from_secs(10)).await.is_some());

@@ -6,20 +6,6 @@ use gpufeed_shared::proto::{
     HEADER_LEN, MAX_FRAME_LEN,
 };
 
-/// xorshift64*, enough for test input.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
 /// Same body as the fuzz target; returns (messages, garbage frames, fatal error seen).
 fn drive(data: &[u8], split: usize) -> (usize, usize, bool) {
     let _ = decode_one(data);
@@ -44,22 +30,22 @@ fn drive(data: &[u8], split: usize) -> (usize, usize, bool) {
     (msgs, garbage, false)
 }
 
-fn valid_stream(rng: &mut Rng, n: usize) -> Vec<u8> {
+fn valid_stream(rng: &mut fastrand::Rng, n: usize) -> Vec<u8> {
     let mut out = Vec::new();
     for i in 0..n {
-        let m = match rng.below(3) {
+        let m = match rng.u64(..3) {
             0 => Message::Event(EventFrame {
                 seq: i as u64,
-                host_realtime_ns: rng.next() as i64,
-                host_monotonic_ns: rng.next(),
-                kind: rng.below(20) as u16,
-                payload: (0..rng.below(200)).map(|_| rng.next() as u8).collect(),
+                host_realtime_ns: rng.i64(..),
+                host_monotonic_ns: rng.u64(..),
+                kind: rng.u16(..20),
+                payload: (0..rng.u64(..200)).map(|_| rng.u8(..)).collect(),
             }),
-            1 => Message::Ack(Ack { up_to: rng.next() }),
+            1 => Message::Ack(Ack { up_to: rng.u64(..) }),
             _ => Message::SpoolLoss(SpoolLoss {
-                dropped: rng.below(1000),
+                dropped: rng.u64(..1000),
                 first_seq: i as u64,
-                last_seq: i as u64 + rng.below(1000),
+                last_seq: i as u64 + rng.u64(..1000),
             }),
         };
         encode(&m, &mut out).unwrap();
@@ -69,20 +55,20 @@ fn valid_stream(rng: &mut Rng, n: usize) -> Vec<u8> {
 
 #[test]
 fn random_bytes_never_panic() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = fastrand::Rng::with_seed(0x9E37_79B9_7F4A_7C15);
     for _ in 0..3000 {
-        let len = rng.below(512) as usize;
-        let data: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-        let split = 1 + rng.below(64) as usize;
+        let len = rng.usize(..512);
+        let data: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
+        let split = 1 + rng.usize(..64);
         drive(&data, split);
     }
 }
 
 #[test]
 fn mutated_valid_streams_never_panic_and_clean_ones_decode_fully() {
-    let mut rng = Rng(42);
+    let mut rng = fastrand::Rng::with_seed(42);
     for round in 0..500 {
-        let n = 1 + rng.below(20) as usize;
+        let n = 1 + rng.usize(..20);
         let clean = valid_stream(&mut rng, n);
         let n_frames = {
             let mut d = FrameDecoder::default();
@@ -96,20 +82,20 @@ fn mutated_valid_streams_never_panic_and_clean_ones_decode_fully() {
         };
         assert_eq!(drive(&clean, 1 + round % 17), (n_frames, 0, false));
         let mut data = clean.clone();
-        for _ in 0..1 + rng.below(8) {
-            let i = rng.below(data.len() as u64) as usize;
-            match rng.below(3) {
-                0 => data[i] = rng.next() as u8,
+        for _ in 0..1 + rng.u64(..8) {
+            let i = rng.usize(..data.len());
+            match rng.u64(..3) {
+                0 => data[i] = rng.u8(..),
                 1 => {
                     data.truncate(i);
                 }
-                _ => data.insert(i, rng.next() as u8),
+                _ => data.insert(i, rng.u8(..)),
             }
             if data.is_empty() {
                 break;
             }
         }
-        drive(&data, 1 + rng.below(100) as usize);
+        drive(&data, 1 + rng.usize(..100));
     }
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use super::{free_port, http_get, wait_for, Proc};
+use super::{certs_init_ok, free_port, http_get, wait_for, Proc};
 
 /// The GPU of the recorded tree.
 pub const GPU: &str = "0000:0a:00.0";
@@ -50,6 +50,15 @@ pub struct HostIntervals {
     pub state_ms: Option<u64>,
 }
 
+impl HostIntervals {
+    /// A link poll and state interval of 200 ms: for a scenario whose subject is not the
+    /// defaults' timing.
+    pub const FAST: HostIntervals = HostIntervals {
+        pcie_poll_ms: Some(200),
+        state_ms: Some(200),
+    };
+}
+
 pub struct HostAgent {
     pub proc: Proc,
     pub metrics: SocketAddr,
@@ -65,18 +74,7 @@ pub fn start_host(dir: &Path, quic: u16, iv: HostIntervals) -> HostAgent {
 /// [`start_host`] with `bridge` as the body of the config's `[bridge]` section (the default
 /// reads no bridge: this machine's own are not the test's).
 pub fn start_host_with(dir: &Path, quic: u16, iv: HostIntervals, bridge: &str) -> HostAgent {
-    let guest = Path::new(env!("CARGO_BIN_EXE_gpufeed-guest"));
-    let out = Command::new(guest)
-        .args(["certs", "init", "--out"])
-        .arg(dir.join("certs"))
-        .args(["--guest-addr", &format!("127.0.0.1:{quic}"), "--host", HOST])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    certs_init_ok(&dir.join("certs"), &format!("127.0.0.1:{quic}"), HOST);
     let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let certs = dir.join("certs");
     let line = |k: &str, v: Option<u64>| v.map(|v| format!("{k} = {v}\n")).unwrap_or_default();

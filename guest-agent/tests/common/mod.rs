@@ -593,6 +593,39 @@ impl Agent {
     }
 }
 
+/// `gpufeed-guest certs init` into `out` for a guest at `guest` and host `host`, with
+/// `extra` flags, as a user runs it.
+pub fn certs_init(out: &Path, guest: &str, host: &str, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args(["certs", "init", "--out"])
+        .arg(out)
+        .args(["--guest-addr", guest, "--host", host])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// [`certs_init`] that must succeed (its error output in the failure).
+pub fn certs_init_ok(out: &Path, guest: &str, host: &str) {
+    let o = certs_init(out, guest, host, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Flags for [`agent_with_kube`]: the scheduler probe at a 200 ms tick on node `node`, a
+/// pod's series kept for `grace` after it is gone.
+pub fn sched_on_node<'a>(node: &'a str, grace: &'a str) -> [&'a str; 8] {
+    [
+        "--interval",
+        "200ms",
+        "--probes",
+        "sched_latency",
+        "--node-name",
+        node,
+        "--pod-grace",
+        grace,
+    ]
+}
+
 /// The agent pointed at a fake API server (its kubeconfig lives in the
 /// returned directory, which must outlive the agent).
 pub async fn agent_with_kube(

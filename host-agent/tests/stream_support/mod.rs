@@ -54,6 +54,20 @@ impl Fixture {
     ) -> StreamConfig {
         stream_config_in(self.path(), host, endpoint, spool)
     }
+
+    /// [`Fixture::stream_config`] with the defaults' reconnect and timeout timing: only the
+    /// certificates, the guest and the spool differ from what a user runs.
+    pub fn production_stream_config(&self, host: &str, endpoint: SocketAddr) -> StreamConfig {
+        let d = StreamConfig::default();
+        StreamConfig {
+            reconnect_min_ms: d.reconnect_min_ms,
+            reconnect_max_ms: d.reconnect_max_ms,
+            idle_timeout_ms: d.idle_timeout_ms,
+            keep_alive_ms: d.keep_alive_ms,
+            connect_timeout_ms: d.connect_timeout_ms,
+            ..self.stream_config(host, endpoint, None)
+        }
+    }
 }
 
 /// Host stream configuration using the certificates in `dir`; quick reconnects and timeouts.
@@ -237,9 +251,7 @@ pub fn log_lines(buf: &Arc<Mutex<Vec<u8>>>, needles: &[&str]) -> Vec<String> {
 
 /// A raw QUIC client with the given rustls config (for hostile-peer tests).
 pub fn raw_client(cfg: rustls::ClientConfig) -> (quinn::Endpoint, quinn::ClientConfig) {
-    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap();
-    let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    (ep, quinn::ClientConfig::new(Arc::new(quic)))
+    gpufeed_shared::stream::by_hand::client_endpoint(cfg).unwrap()
 }
 
 /// A tmpfs of `size` KiB mounted on a fresh temporary directory: a disk that fills up. Needs

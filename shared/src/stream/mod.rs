@@ -10,5 +10,7 @@
 //! Behind the `stream` feature, so that users of the wire format alone do not pull in quinn
 //! and tokio.
 
+#[cfg(feature = "samples")]
+pub mod by_hand;
 pub mod client;
 pub mod hub;
