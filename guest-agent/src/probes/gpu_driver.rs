@@ -156,21 +156,21 @@ pub const CMD_CLASSES: [&str; CMD_SLOTS] = [
 #[group(id = "gpu devices")]
 pub struct GpuDevices {
     /// Path prefixes that make a file a GPU device file when it is opened
-    /// (at most 4, each under 64 bytes).
+    /// (comma-separated; at most 4, each under 64 bytes).
     #[arg(
         long = "gpu-device-prefix",
         value_name = "PATH",
         value_delimiter = ',',
-        default_value = "/dev/nvidia"
+        default_values = ["/dev/nvidia"]
     )]
     pub path_prefixes: Vec<String>,
-    /// Character-device drivers (names in /proc/devices) whose files, already
-    /// open when the agent starts, are GPU device files.
+    /// Character-device drivers (comma-separated names in /proc/devices) whose
+    /// files, already open when the agent starts, are GPU device files.
     #[arg(
         long = "gpu-driver-name",
         value_name = "NAME",
         value_delimiter = ',',
-        default_value = "nvidia-frontend,nvidia-uvm,nvidia-caps"
+        default_values = ["nvidia-frontend", "nvidia-uvm", "nvidia-caps"]
     )]
     pub driver_names: Vec<String>,
 }
@@ -800,6 +800,19 @@ Block devices:
   7 loop
 195 nvidia-frontend
 ";
+
+    #[test]
+    fn the_command_line_defaults_are_the_default_devices_and_lists_split_at_commas() {
+        use clap::{Args, FromArgMatches};
+        let parse = |args: &[&str]| {
+            let cmd = GpuDevices::augment_args(clap::Command::new("t").no_binary_name(true));
+            GpuDevices::from_arg_matches(&cmd.try_get_matches_from(args).unwrap()).unwrap()
+        };
+        assert_eq!(parse(&[]), GpuDevices::default());
+        let given = parse(&["--gpu-driver-name", "a,b", "--gpu-device-prefix", "/dev/x"]);
+        assert_eq!(given.driver_names, ["a", "b"]);
+        assert_eq!(given.path_prefixes, ["/dev/x"]);
+    }
 
     #[test]
     fn majors_from_proc_devices() {
