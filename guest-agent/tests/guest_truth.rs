@@ -555,14 +555,17 @@ fn containers_shorter_than_an_interval_still_count_after_their_cgroups_are_remov
     let mut talk = Pod::new(&sb, Layout::Cgroupfs, "burstable", &uid, &random_cid());
     net.join(&mut talk);
     let ns = talk.netns.clone().unwrap();
-    // every 5th outgoing data packet of the container is lost (this kernel
-    // has no netem; the namespace is the test's own). Counted, not random: a
-    // CPU-starved one-second upload sends only some dozens of (GSO) packets,
-    // and 3% random loss left all of them through in one run of ten. Small
-    // packets (handshakes, iperf's control messages) pass, so no connection
-    // waits out a SYN timeout.
+    // every 5th data packet of the upload is lost on arrival at the server
+    // (this kernel has no netem; the namespace is the test's own). On
+    // arrival, not in the container's OUTPUT chain: a packet dropped there is
+    // a local send error that TCP sends again as new data, without counting
+    // a retransmit (one CI run saw 0). Counted, not random: a CPU-starved
+    // one-second upload sends only some dozens of (GSO) packets, and 3%
+    // random loss left all of them through in one run of ten. Small packets
+    // (handshakes, iperf's control messages) pass, so no connection waits out
+    // a SYN timeout.
     sh(&format!(
-        "ip netns exec {ns} iptables -A OUTPUT -p tcp -m length --length 500:65535 \
+        "ip netns exec {srv_ns} iptables -A INPUT -p tcp --dport 5201 -m length --length 500:65535 \
          -m statistic --mode nth --every 5 --packet 0 -j DROP"
     ));
     let cpus = std::thread::available_parallelism()
@@ -630,7 +633,7 @@ fn containers_shorter_than_an_interval_still_count_after_their_cgroups_are_remov
     );
     assert!(
         kernel_retrans >= 5,
-        "losing every 5th data packet made retransmits ({kernel_retrans})"
+        "losing every 5th data packet on arrival made retransmits ({kernel_retrans})"
     );
     let ratio = retrans / kernel_retrans as f64;
     assert!(
