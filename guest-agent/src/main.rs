@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -362,10 +363,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     joined.set_probes_up(probes_up);
     registry.register(Box::new(join::JoinCollector::new(joined.clone())))?;
 
-    // The tick runs on its own thread: it is all blocking syscalls.
+    // The tick runs on its own thread: it is all blocking syscalls. At shutdown
+    // it is stopped and joined so that the units are dropped: clsact filters
+    // (kernels before tcx) outlive the process unless detached.
     let started = Instant::now();
     let last_tick_ms = Arc::new(AtomicU64::new(0));
-    {
+    let (stop_ticks, stopped) = std::sync::mpsc::channel::<()>();
+    let ticks = {
         let last = last_tick_ms.clone();
         let interval = args.interval;
         let joined = joined.clone();
@@ -374,7 +378,10 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             .spawn(move || {
                 let mut next = Instant::now() + interval;
                 loop {
-                    std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                    let wait = next.saturating_duration_since(Instant::now());
+                    if stopped.recv_timeout(wait) != Err(RecvTimeoutError::Timeout) {
+                        break; // asked to stop (or the agent is gone)
+                    }
                     next += interval;
                     let report = match collector.tick() {
                         Ok(report) => report,
@@ -388,14 +395,15 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                     join::hand_off(&report, &collector.store, &joined, &finops);
                     last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
-            })?;
-    }
+                drop(collector);
+            })?
+    };
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         if !args.no_kube {
             let cfg = pods::WatchConfig {
                 node_name: node_name(args.node_name),
@@ -451,7 +459,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
                 Ok(())
             }
         }
-    })
+    });
+    // the tick in progress ends first; then its thread drops the units
+    let _ = stop_ticks.send(());
+    if ticks.join().is_err() {
+        tracing::warn!("the tick thread panicked; its probes were not detached");
+    }
+    served
 }
 
 /// The running agent's doctor: every check at start and every [`doctor::PERIOD`], the

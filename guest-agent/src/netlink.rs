@@ -2,8 +2,9 @@
 //! The few rtnetlink queries the agent needs, synchronously: the host's links
 //! (which veth leads into which network namespace), the addresses of another
 //! namespace (read from here, by its id), the id this namespace gives to
-//! another one, and for the doctor the routes' congestion control and the
-//! qdiscs. Messages are built and parsed by netlink-packet-route.
+//! another one, for the doctor the routes' congestion control and the
+//! qdiscs, and for the tc probe the BPF filters on a clsact hook. Messages are
+//! built and parsed by netlink-packet-route.
 
 use std::io;
 use std::net::IpAddr;
@@ -16,7 +17,7 @@ use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
 use netlink_packet_route::nsid::{NsidAttribute, NsidMessage};
 use netlink_packet_route::route::{RouteAttribute, RouteMessage, RouteMetric};
-use netlink_packet_route::tc::{TcAttribute, TcHandle, TcMessage};
+use netlink_packet_route::tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcMessage, TcOption};
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 
@@ -230,6 +231,64 @@ pub fn qdiscs() -> io::Result<Vec<Qdisc>> {
             _ => None,
         })
         .collect())
+}
+
+/// One filter on a clsact hook, as `tc filter show dev X ingress` lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Filter {
+    pub priority: u16,
+    /// The filter's handle (the `handle 0x1` of tc's listing).
+    pub handle: u32,
+    /// The classifier: "bpf", "matchall", "flower", …
+    pub kind: String,
+    /// For a BPF filter, the name its attacher gave it (libbpf:
+    /// `<program>:[<id>]`); empty otherwise.
+    pub name: String,
+}
+
+/// The filters on an interface's clsact ingress (or egress) hook. Read from
+/// rtnetlink, so that CAP_NET_ADMIN is enough (asking the kernel about a BPF
+/// program by its id would take CAP_SYS_ADMIN).
+pub fn clsact_filters(ifindex: u32, egress: bool) -> io::Result<Vec<Filter>> {
+    let mut m = TcMessage::default();
+    m.header.index = ifindex as i32;
+    m.header.parent = TcHandle {
+        major: 0xffff,
+        minor: if egress {
+            TcHandle::MIN_EGRESS
+        } else {
+            TcHandle::MIN_INGRESS
+        },
+    };
+    let msgs = request(RouteNetlinkMessage::GetTrafficFilter(m), NLM_F_DUMP)?;
+    let mut out = Vec::new();
+    for msg in msgs {
+        let RouteNetlinkMessage::NewTrafficFilter(f) = msg else {
+            continue;
+        };
+        let mut filter = Filter {
+            // tcm_info: priority in the upper half, protocol in the lower
+            priority: (f.header.info >> 16) as u16,
+            handle: u32::from(f.header.handle),
+            kind: String::new(),
+            name: String::new(),
+        };
+        for a in f.attributes {
+            match a {
+                TcAttribute::Kind(k) => filter.kind = k,
+                TcAttribute::Options(opts) => {
+                    for o in opts {
+                        if let TcOption::Bpf(TcFilterBpfOption::ProgName(n)) = o {
+                            filter.name = n;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        out.push(filter);
+    }
+    Ok(out)
 }
 
 /// The addresses, as (ifindex, address), of the namespace this one calls `nsid`

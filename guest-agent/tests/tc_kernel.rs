@@ -1,7 +1,8 @@
 //! Per-pod bytes and drops at the tc layer on the real kernel: a shaped pod's
 //! rate as a real Prometheus sees it, agreement with the veth's own counters,
 //! qdisc drops against the qdisc's own counter, a foreign tc program that keeps
-//! running and keeps its verdicts, and bandwidth annotations.
+//! running and keeps its verdicts, clsact filters a killed agent left, and
+//! bandwidth annotations.
 
 mod common;
 
@@ -445,6 +446,154 @@ fn foreign_tcx_program_keeps_running_and_keeps_its_verdicts() {
 fn foreign_clsact_filter_keeps_running_and_keeps_its_verdicts() {
     let Some(_lock) = require_root() else { return };
     foreign_program_case("clsact");
+}
+
+/// Our clsact priority (0xfee1) as `tc filter show` prints it.
+const OUR_PREF: &str = "pref 65249 ";
+
+/// The filters at our clsact priority on one hook of `dev`, as tc lists them
+/// (the classifier's head line aside).
+fn our_filters(dev: &str, hook: &str) -> Vec<String> {
+    sh(&format!("tc filter show dev {dev} {hook}"))
+        .lines()
+        .filter(|l| l.contains(OUR_PREF) && l.contains(" handle "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A pod with its own namespace on the test bridge, an iperf3 server beside it
+/// and something running in it (so the agent finds its interface).
+fn pod_on_a_bridge(sb: &CgroupSandbox, net: &mut TestNet) -> (Pod, String, Proc) {
+    let (srv, srv_ip, _) = net.server();
+    let server = spawn_in_ns(&srv, "exec iperf3 -s");
+    let mut pod = Pod::random(sb, Layout::Cgroupfs, "burstable");
+    net.join(&mut pod);
+    pod.spawn("exec sleep 60");
+    (pod, srv_ip, server)
+}
+
+/// Before tcx (6.6) the byte programs are clsact filters, and a filter
+/// outlives the agent that added it: one killed with SIGKILL (OOM, a forced
+/// pod delete) leaves its two filters at our priority, counting into maps
+/// nobody reads. The next agent replaces them (it does not fail on the taken
+/// priority) and counts the pod's bytes as the interface does; stopped cleanly,
+/// it leaves no filter behind.
+#[test]
+fn a_killed_agents_clsact_filters_are_replaced_by_the_next_agent() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (mut pod, srv_ip, _server) = pod_on_a_bridge(&sb, &mut net);
+    let hif = pod.host_if.clone().unwrap();
+
+    let killed = Agent::no_kube("300ms", "tc", &["--tc-attach", "clsact"]);
+    wait_attached(&killed, 1.0);
+    // SIGKILL: no chance to detach. Not reaped until the drop, so its pid
+    // stays its own.
+    unsafe { libc::kill(killed.child.id() as i32, libc::SIGKILL) };
+    std::thread::sleep(Duration::from_millis(300));
+    let left: Vec<_> = ["ingress", "egress"]
+        .iter()
+        .flat_map(|h| our_filters(&hif, h))
+        .collect();
+    eprintln!("left by the killed agent: {left:#?}");
+    assert_eq!(left.len(), 2, "the killed agent's filters stay: {left:?}");
+    assert!(left[0].contains("tc_host_ingress") && left[1].contains("tc_host_egress"));
+    drop(killed);
+
+    let next = Agent::no_kube("300ms", "tc", &["--tc-attach", "clsact"]);
+    wait_attached(&next, 1.0);
+    assert!(
+        next.log
+            .lock()
+            .unwrap()
+            .contains("replacing a clsact filter an earlier agent left"),
+        "the next agent says what it replaced"
+    );
+    for hook in ["ingress", "egress"] {
+        let now = our_filters(&hif, hook);
+        assert_eq!(now.len(), 1, "one filter of ours on {hook}: {now:?}");
+        assert!(
+            !left.contains(&now[0]),
+            "the filter on {hook} is the new agent's program, not the old one: {now:?}"
+        );
+    }
+    let rx0 = if_stat(&hif, "rx_bytes");
+    let t = pod.spawn(&format!("exec iperf3 -c {srv_ip} -t 2"));
+    pod.wait_exit(t, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(900));
+    let theirs = (if_stat(&hif, "rx_bytes") - rx0) as f64;
+    let ours = value(
+        &next.scrape(),
+        BYTES,
+        &[("pod", &pod.uid), ("direction", "egress")],
+    )
+    .expect("the pod's egress bytes");
+    eprintln!("after the replacement: ours {ours} bytes, interface {theirs}");
+    assert!(theirs > 1_000_000.0, "the upload ran ({theirs} bytes)");
+    assert!(
+        (ours - theirs).abs() / theirs < 0.01,
+        "ours {ours} vs interface {theirs}"
+    );
+    drop(next);
+    for hook in ["ingress", "egress"] {
+        let after = our_filters(&hif, hook);
+        assert!(
+            after.is_empty(),
+            "a clean stop detaches on {hook}: {after:?}"
+        );
+    }
+}
+
+/// Our priority is only ever taken back from our own programs: another
+/// filter there (here another BPF program on egress) stays, the interface is not
+/// counted, the agent says why, and it does not leave its ingress half
+/// attached.
+#[test]
+fn another_filter_at_our_clsact_priority_is_left_alone() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (pod, _srv_ip, _server) = pod_on_a_bridge(&sb, &mut net);
+    let hif = pod.host_if.clone().unwrap();
+    // another tool's program on egress, at the priority we use
+    let mut storage = MaybeUninit::uninit();
+    let open = foreign::TcForeignSkelBuilder::default()
+        .open(&mut storage)
+        .unwrap();
+    let skel = gpufeed_guest::probes::object::load("tc_foreign", open).unwrap();
+    let mut theirs = libbpf_rs::TcHookBuilder::new(skel.progs.foreign.as_fd())
+        .ifindex(ifindex_of(&hif) as i32)
+        .replace(false)
+        .handle(1)
+        .priority(0xfee1)
+        .hook(libbpf_rs::TC_EGRESS);
+    let _ = theirs.create();
+    theirs.attach().unwrap();
+    let agent = Agent::no_kube("300ms", "tc", &["--tc-attach", "clsact"]);
+    wait_for(Duration::from_secs(15), || {
+        agent
+            .log
+            .lock()
+            .unwrap()
+            .contains("a bpf filter of another program (foreign:[")
+            .then_some(())
+    })
+    .expect("the agent says which filter holds its priority");
+    let egress = our_filters(&hif, "egress");
+    assert_eq!(egress.len(), 1, "{egress:?}");
+    assert!(egress[0].contains("foreign"), "theirs stays: {egress:?}");
+    assert!(
+        our_filters(&hif, "ingress").is_empty(),
+        "no half attachment on ingress"
+    );
+    assert_eq!(
+        value(&agent.scrape(), "gpufeed_tc_interfaces", &[]),
+        Some(0.0),
+        "the interface is not counted"
+    );
+    drop(agent);
+    let _ = theirs.detach();
 }
 
 /// A "node device" in the root namespace (a veth whose other end is a server

@@ -4,7 +4,8 @@
 //! this module keeps the two program fds and creates one tcx link per
 //! (interface, direction) with BPF_LINK_CREATE; closing the link fd detaches.
 //! Where the kernel has no tcx (before 6.6), a clsact filter is added instead,
-//! at a priority of its own, never replacing an existing filter.
+//! at a priority of its own, never replacing another program's filter (only
+//! one an earlier, killed agent left at that priority).
 
 pub(crate) mod skel {
     include!(concat!(env!("OUT_DIR"), "/tc.skel.rs"));
@@ -21,6 +22,7 @@ use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, TcHook, TcHookBuilder};
 
 use crate::ebpf::cgroup_maps::MappedWords;
 use crate::ebpf::{decode, err, handle, percpu_sum, set_max_entries, KernelBtf, ProbeError};
+use crate::netlink;
 use crate::probes::status::ProbeStatus;
 
 pub const BYTES: &str = "tc_bytes";
@@ -76,6 +78,61 @@ pub struct DropKey {
 enum Attachment {
     Tcx(Vec<OwnedFd>),
     Clsact(Vec<ClsactHook>),
+}
+
+/// The byte programs' names as the kernel keeps them (at most 15 characters):
+/// a clsact filter at our priority running one of these was left by an
+/// earlier agent.
+const OUR_TC_PROGS: [&str; 4] = [
+    "tc_host_ingress",
+    "tc_host_egress",
+    "tc_node_ingress",
+    "tc_node_egress",
+];
+
+/// Prepares our filter on one clsact hook of an interface (creating the
+/// clsact qdisc if needed). Unlike a tcx link, a clsact filter outlives the
+/// process that added it: an agent that was killed (OOM, SIGKILL, a forced
+/// pod delete) leaves its filters behind, counting into maps nobody reads and
+/// holding our priority. Such a filter is to be replaced; one of another
+/// program at our priority is left alone and the interface refused.
+fn clsact_hook(
+    prog: &OwnedFd,
+    ifindex: u32,
+    point: libbpf_rs::TcAttachPoint,
+) -> io::Result<ClsactHook> {
+    let mut h = TcHookBuilder::new(prog.as_fd())
+        .ifindex(ifindex as i32)
+        .replace(false)
+        .handle(1)
+        .priority(CLSACT_PRIO)
+        .hook(point);
+    // creating clsact fails with EEXIST when it is there already: fine
+    let _ = h.create();
+    // the dump also lists a classifier's head (handle 0) at each priority
+    let held = netlink::clsact_filters(ifindex, point == libbpf_rs::TC_EGRESS)?
+        .into_iter()
+        .filter(|f| u32::from(f.priority) == CLSACT_PRIO)
+        .find(|f| f.handle != 0 || f.kind != "bpf");
+    if let Some(f) = held {
+        // libbpf names a filter "<program>:[<id>]"
+        let program = f.name.split(':').next().unwrap_or_default();
+        if f.kind != "bpf" || !OUR_TC_PROGS.contains(&program) {
+            return Err(io::Error::other(format!(
+                "a {} filter of another program ({}) holds clsact priority {CLSACT_PRIO:#x}; \
+                 left in place, this interface is not counted",
+                f.kind,
+                if f.name.is_empty() {
+                    "unnamed"
+                } else {
+                    &f.name
+                }
+            )));
+        }
+        tracing::info!(ifindex, filter = %f.name, "replacing a clsact filter an earlier agent left");
+        h.replace(true);
+    }
+    Ok(ClsactHook(h))
 }
 
 /// A clsact filter libbpf attached. libbpf's hook struct carries a `const char *` (the
@@ -336,23 +393,21 @@ impl TcProbe {
         let [ingress_prog, egress_prog] = &progs;
         let att = match self.mode {
             AttachMode::Clsact => {
-                let mut hooks = Vec::new();
-                for (fd, point) in [
-                    (ingress_prog, libbpf_rs::TC_INGRESS),
-                    (egress_prog, libbpf_rs::TC_EGRESS),
-                ] {
-                    let mut h = TcHookBuilder::new(fd.as_fd())
-                        .ifindex(ifindex as i32)
-                        .replace(false)
-                        .handle(1)
-                        .priority(CLSACT_PRIO)
-                        .hook(point);
-                    // creating clsact fails with EEXIST when it is there already: fine
-                    let _ = h.create();
-                    h.attach().map_err(io::Error::other)?;
-                    hooks.push(ClsactHook(h));
+                // both hooks checked before either is attached, so that a refusal
+                // leaves nothing half attached
+                let mut hooks = [
+                    clsact_hook(ingress_prog, ifindex, libbpf_rs::TC_INGRESS)?,
+                    clsact_hook(egress_prog, ifindex, libbpf_rs::TC_EGRESS)?,
+                ];
+                for i in 0..hooks.len() {
+                    if let Err(e) = hooks[i].0.attach() {
+                        for h in &mut hooks[..i] {
+                            let _ = h.0.detach();
+                        }
+                        return Err(io::Error::other(e));
+                    }
                 }
-                Attachment::Clsact(hooks)
+                Attachment::Clsact(hooks.into())
             }
             _ => {
                 let mut links = Vec::new();
