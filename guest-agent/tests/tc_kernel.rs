@@ -326,6 +326,25 @@ fn root_qdiscs_dropped() -> u64 {
         .sum()
 }
 
+/// The foreign program as a clsact filter (handle 1) at `priority` on one hook
+/// of an interface; detached by the caller.
+fn foreign_clsact(
+    skel: &foreign::TcForeignSkel<'_>,
+    ifindex: u32,
+    priority: u32,
+    hook: libbpf_rs::TcAttachPoint,
+) -> libbpf_rs::TcHook {
+    let mut h = libbpf_rs::TcHookBuilder::new(skel.progs.foreign.as_fd())
+        .ifindex(ifindex as i32)
+        .replace(false)
+        .handle(1)
+        .priority(priority)
+        .hook(hook);
+    let _ = h.create();
+    h.attach().unwrap();
+    h
+}
+
 fn foreign_program_case(attach: &str) {
     let sb = CgroupSandbox::new();
     let mut net = TestNet::new();
@@ -362,16 +381,8 @@ fn foreign_program_case(attach: &str) {
         ));
         _hook_guard = None;
     } else {
-        let mut h = libbpf_rs::TcHookBuilder::new(skel.progs.foreign.as_fd())
-            .ifindex(ifindex as i32)
-            .replace(false)
-            .handle(1)
-            .priority(1)
-            .hook(libbpf_rs::TC_INGRESS);
-        let _ = h.create();
-        h.attach().unwrap();
         _link = None;
-        _hook_guard = Some(h);
+        _hook_guard = Some(foreign_clsact(&skel, ifindex, 1, libbpf_rs::TC_INGRESS));
     }
     let counts = |i: u32| -> u64 {
         let v = skel
@@ -562,14 +573,7 @@ fn another_filter_at_our_clsact_priority_is_left_alone() {
         .open(&mut storage)
         .unwrap();
     let skel = gpufeed_guest::probes::object::load("tc_foreign", open).unwrap();
-    let mut theirs = libbpf_rs::TcHookBuilder::new(skel.progs.foreign.as_fd())
-        .ifindex(ifindex_of(&hif) as i32)
-        .replace(false)
-        .handle(1)
-        .priority(0xfee1)
-        .hook(libbpf_rs::TC_EGRESS);
-    let _ = theirs.create();
-    theirs.attach().unwrap();
+    let mut theirs = foreign_clsact(&skel, ifindex_of(&hif), 0xfee1, libbpf_rs::TC_EGRESS);
     let agent = Agent::no_kube("300ms", "tc", &["--tc-attach", "clsact"]);
     wait_for(Duration::from_secs(15), || {
         agent
