@@ -558,8 +558,8 @@ fn a_killed_agents_clsact_filters_are_replaced_by_the_next_agent() {
 
 /// Our priority is only ever taken back from our own programs: another
 /// filter there (here another BPF program on egress) stays, the interface is not
-/// counted, the agent says why, and it does not leave its ingress half
-/// attached.
+/// counted, the agent says why (once, though it tries again at each look), and
+/// it does not leave its ingress half attached.
 #[test]
 fn another_filter_at_our_clsact_priority_is_left_alone() {
     let Some(_lock) = require_root() else { return };
@@ -584,6 +584,18 @@ fn another_filter_at_our_clsact_priority_is_left_alone() {
             .then_some(())
     })
     .expect("the agent says which filter holds its priority");
+    // the agent looks at the interfaces again every 5 s and on each cgroup
+    // change: it tries again, but says so once
+    let mut other = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+    other.spawn("exec sleep 60");
+    std::thread::sleep(Duration::from_millis(5500));
+    let said = agent
+        .log
+        .lock()
+        .unwrap()
+        .matches("a bpf filter of another program (foreign:[")
+        .count();
+    assert_eq!(said, 1, "the refusal is logged once, not at every look");
     let egress = our_filters(&hif, "egress");
     assert_eq!(egress.len(), 1, "{egress:?}");
     assert!(egress[0].contains("foreign"), "theirs stays: {egress:?}");

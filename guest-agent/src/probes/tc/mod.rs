@@ -143,6 +143,9 @@ pub struct TcUnit {
     drained: usize,
     /// (pod uid, annotation value) pairs already warned about, of live pods only
     warned: HashSet<(String, String)>,
+    /// interfaces whose attach failed, with the reason last warned about: each
+    /// look tries again, but a reason is logged once, not at every look
+    refused: HashMap<u32, String>,
 }
 
 impl TcUnit {
@@ -159,6 +162,7 @@ impl TcUnit {
             last_cg: HashMap::new(),
             drained: 0,
             warned: HashSet::new(),
+            refused: HashMap::new(),
         })
     }
 
@@ -210,9 +214,12 @@ impl TcUnit {
                 Ok(()) => {
                     tracing::debug!(ifindex = i, pod = %pi.uid, "counting pod interface");
                     self.by_host.insert(*i, pi.clone());
+                    self.refused.remove(i);
                 }
                 Err(e) => {
-                    tracing::warn!(ifindex = i, pod = %pi.uid, "cannot attach tc programs: {e}")
+                    if self.refuse(*i, &e) {
+                        tracing::warn!(ifindex = i, pod = %pi.uid, "cannot attach tc programs: {e}")
+                    }
                 }
             }
         }
@@ -240,10 +247,28 @@ impl TcUnit {
                 Ok(()) => {
                     tracing::info!(device = %name, "counting hostNetwork pods' bytes on node device");
                     self.node_devices.insert(*i);
+                    self.refused.remove(i);
                 }
-                Err(e) => tracing::warn!(device = %name, "cannot attach tc programs: {e}"),
+                Err(e) => {
+                    if self.refuse(*i, &e) {
+                        tracing::warn!(device = %name, "cannot attach tc programs: {e}")
+                    }
+                }
             }
         }
+        self.refused
+            .retain(|i, _| new.contains_key(i) || node_now.contains(i));
+        true
+    }
+
+    /// Records that attaching to `ifindex` failed; true when this reason is
+    /// new for it (and so worth a warning).
+    fn refuse(&mut self, ifindex: u32, e: &std::io::Error) -> bool {
+        let reason = e.to_string();
+        if self.refused.get(&ifindex) == Some(&reason) {
+            return false;
+        }
+        self.refused.insert(ifindex, reason);
         true
     }
 
