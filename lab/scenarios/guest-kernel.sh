@@ -129,4 +129,31 @@ retrans=$(ip netns exec pod awk '/^Tcp:/ { if (++n == 2) print $13 }' /proc/net/
 report retransmits_after_selftest "${retrans:-none}"
 report lost_on_arrival "$(iptables -nvxL INPUT | awk '/statistic/ { print $1 }')"
 while IFS= read -r l; do report upload "$l"; done < <(tail -n 4 /tmp/iperf.log)
+
+# Where the tc programs are clsact filters (the test asks on 6.1: no tcx), they outlive an
+# agent that is killed: the next agent replaces them and counts the pod's veth, and a clean
+# stop removes its own. Counted: our filters (priority 0xfee1) on both hooks of the veth.
+if [ -e /payload/clsact-restart ]; then
+	report phase clsact_restart
+	ours() { for h in ingress egress; do tc filter show dev hostside "$h"; done | grep -c 'pref 65249 .*handle' || true; }
+	tc_interfaces() { curl -sf "http://127.0.0.1:$1/metrics" | awk '/^gpufeed_tc_interfaces / { print $2 }' || true; }
+	wait_tc() { # PORT: until the agent counts the veth (the first look is at its first tick)
+		for _ in $(seq 1 600); do
+			[ "$(tc_interfaces "$1")" = 1 ] && return
+			sleep 0.1
+		done
+	}
+	start_agent 9748 /tmp/killed.log --probes tc
+	wait_tc 9748
+	kill -9 "$pid"
+	wait "$pid" 2>/dev/null || true
+	report clsact_left_by_killed "$(ours)"
+	start_agent 9749 /tmp/next.log --probes tc
+	wait_tc 9749
+	report clsact_next_counts "$(tc_interfaces 9749)"
+	report clsact_replaced "$(grep -c 'replacing a clsact filter an earlier agent left' /tmp/next.log || true)"
+	report clsact_with_next "$(ours)"
+	stop_agent
+	report clsact_after_stop "$(ours)"
+fi
 lab_done

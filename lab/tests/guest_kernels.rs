@@ -12,7 +12,10 @@
 //!   the VM, within the tolerances of the native tests plus the uncertainty the selftest
 //!   measures (its ticks around the kernel's readings; TCG makes them far apart);
 //! * on 6.1, `--cgroup-storage local` forces cgroup-local storage, which that kernel lacks:
-//!   the units that need it are down with the kernel's reason and the others are served.
+//!   the units that need it are down with the kernel's reason and the others are served;
+//! * on 6.1, where the tc programs are clsact filters, an agent killed with SIGKILL leaves
+//!   its two filters, the next one replaces them and counts the pod's veth, and its clean
+//!   stop leaves none.
 //!
 //! The run writes the kernel support table (kernel × lockdown × probe: hook, storage, reads)
 //! and compares it with docs/kernel-support.md; `GPUFEED_LAB_UPDATE_DOCS=1` rewrites the doc.
@@ -58,6 +61,8 @@ struct Run {
     /// the lossy upload around the selftest's window: retransmits before and after, packets
     /// lost on arrival, iperf3's last lines
     upload: Vec<String>,
+    /// the clsact restart (6.1): what each step reported, by key
+    clsact: BTreeMap<String, String>,
 }
 
 /// `name{a="x",b="y"} v` → (name, labels, v).
@@ -93,6 +98,9 @@ fn parse(lines: &[gpufeed_lab::port::Line]) -> Run {
             "agent" => r.agent = v.to_string(),
             "readyz" => r.readyz = v.to_string(),
             "agent_log" => r.agent_log.push(v.to_string()),
+            k if k.starts_with("clsact_") => {
+                r.clsact.insert(k.to_string(), v.to_string());
+            }
             "retransmits_before_selftest"
             | "retransmits_after_selftest"
             | "lost_on_arrival"
@@ -146,11 +154,14 @@ fn boot(cache: &gpufeed_lab::Cache, kernel: KernelName, lockdown: bool) -> Resul
     payload
         .copy(&common::binary("gpufeed-guest"), "gpufeed-guest")
         .map_err(|e| e.to_string())?;
-    // the forced refusal: cgroup-local storage on the kernel that has none
+    // the forced refusal: cgroup-local storage on the kernel that has none; and the
+    // clsact filters a killed agent leaves, on the kernel without tcx
     if kernel == KernelName::Bookworm && !lockdown {
-        payload
-            .add("force-local-storage", b"1\n", 0o644)
-            .map_err(|e| e.to_string())?;
+        for flag in ["force-local-storage", "clsact-restart"] {
+            payload
+                .add(flag, b"1\n", 0o644)
+                .map_err(|e| e.to_string())?;
+        }
     }
     if truth_checked(kernel, lockdown) {
         payload
@@ -299,6 +310,22 @@ fn problems(kernel: KernelName, lockdown: bool, r: &Run) -> Vec<String> {
                 "--cgroup-storage local on 6.1: no kernel reason for sched_latency in {:?}",
                 r.forced_reasons
             ));
+        }
+        // clsact (no tcx): the killed agent's two filters stay, the next agent replaces them
+        // (still two, and it counts the veth), its clean stop removes them
+        for (key, want) in [
+            ("clsact_left_by_killed", "2"),
+            ("clsact_next_counts", "1"),
+            ("clsact_replaced", "2"),
+            ("clsact_with_next", "2"),
+            ("clsact_after_stop", "0"),
+        ] {
+            if r.clsact.get(key).map(String::as_str) != Some(want) {
+                p.push(format!(
+                    "clsact restart on 6.1: {key} should be {want}; the steps: {:?}",
+                    r.clsact
+                ));
+            }
         }
     }
     p

@@ -80,26 +80,21 @@ enum Attachment {
     Clsact(Vec<ClsactHook>),
 }
 
-/// The byte programs' names as the kernel keeps them (at most 15 characters):
-/// a clsact filter at our priority running one of these was left by an
-/// earlier agent.
-const OUR_TC_PROGS: [&str; 4] = [
-    "tc_host_ingress",
-    "tc_host_egress",
-    "tc_node_ingress",
-    "tc_node_egress",
-];
+/// The longest program name the kernel keeps (BPF_OBJ_NAME_LEN less the NUL).
+const KERNEL_NAME_LEN: usize = 15;
 
 /// Prepares our filter on one clsact hook of an interface (creating the
 /// clsact qdisc if needed). Unlike a tcx link, a clsact filter outlives the
 /// process that added it: an agent that was killed (OOM, SIGKILL, a forced
 /// pod delete) leaves its filters behind, counting into maps nobody reads and
-/// holding our priority. Such a filter is to be replaced; one of another
-/// program at our priority is left alone and the interface refused.
+/// holding our priority. Such a filter (one running a program named as one of
+/// `ours`) is to be replaced; one of another program at our priority is left
+/// alone and the interface refused.
 fn clsact_hook(
     prog: &OwnedFd,
     ifindex: u32,
     point: libbpf_rs::TcAttachPoint,
+    ours: &[String],
 ) -> io::Result<ClsactHook> {
     let mut h = TcHookBuilder::new(prog.as_fd())
         .ifindex(ifindex as i32)
@@ -109,15 +104,14 @@ fn clsact_hook(
         .hook(point);
     // creating clsact fails with EEXIST when it is there already: fine
     let _ = h.create();
-    // the dump also lists a classifier's head (handle 0) at each priority
+    // the dump also lists each classifier's head (handle 0): not a filter
     let held = netlink::clsact_filters(ifindex, point == libbpf_rs::TC_EGRESS)?
         .into_iter()
-        .filter(|f| u32::from(f.priority) == CLSACT_PRIO)
-        .find(|f| f.handle != 0 || f.kind != "bpf");
+        .find(|f| u32::from(f.priority) == CLSACT_PRIO && f.handle != 0);
     if let Some(f) = held {
         // libbpf names a filter "<program>:[<id>]"
         let program = f.name.split(':').next().unwrap_or_default();
-        if f.kind != "bpf" || !OUR_TC_PROGS.contains(&program) {
+        if f.kind != "bpf" || !ours.iter().any(|o| o == program) {
             return Err(io::Error::other(format!(
                 "a {} filter of another program ({}) holds clsact priority {CLSACT_PRIO:#x}; \
                  left in place, this interface is not counted",
@@ -144,6 +138,8 @@ struct ClsactHook(TcHook);
 unsafe impl Send for ClsactHook {}
 
 pub struct TcProbe {
+    /// the byte programs' names as the kernel keeps them, to know our clsact filters by
+    programs: Vec<String>,
     ingress_prog: OwnedFd,
     egress_prog: OwnedFd,
     /// [ingress, egress] for node devices; None on a kernel without bpf_rdonly_cast
@@ -303,7 +299,21 @@ impl TcProbe {
                 ProbeStatus::down(DROPS, "kernel has no BTF tracepoint kfree_skb")
             },
         ];
+        let progs = &skel.progs;
+        let programs = [
+            &progs.tc_host_ingress,
+            &progs.tc_host_egress,
+            &progs.tc_node_ingress,
+            &progs.tc_node_egress,
+        ]
+        .iter()
+        .map(|p| {
+            let name = p.name().to_string_lossy();
+            name[..name.len().min(KERNEL_NAME_LEN)].to_string()
+        })
+        .collect();
         let probe = TcProbe {
+            programs,
             ingress_prog: dup(&skel.progs.tc_host_ingress)?,
             egress_prog: dup(&skel.progs.tc_host_egress)?,
             node_progs: if node_devices {
@@ -396,8 +406,8 @@ impl TcProbe {
                 // both hooks checked before either is attached, so that a refusal
                 // leaves nothing half attached
                 let mut hooks = [
-                    clsact_hook(ingress_prog, ifindex, libbpf_rs::TC_INGRESS)?,
-                    clsact_hook(egress_prog, ifindex, libbpf_rs::TC_EGRESS)?,
+                    clsact_hook(ingress_prog, ifindex, libbpf_rs::TC_INGRESS, &self.programs)?,
+                    clsact_hook(egress_prog, ifindex, libbpf_rs::TC_EGRESS, &self.programs)?,
                 ];
                 for i in 0..hooks.len() {
                     if let Err(e) = hooks[i].0.attach() {
