@@ -38,7 +38,7 @@ use crate::correlate::SignalWindow;
 use crate::correlate::{
     link_condition, Config, Correlator, GpuWindow, HostInput, PodKey, SignalShape, WindowRef,
 };
-use crate::hub::{Hub, ReceivedEvent, UnknownEvent};
+use crate::hub::{Delivery, Hub, ReceivedEvent, UnknownEvent};
 use crate::incident::profile::Target;
 use crate::incident::{
     self, annotations, HostView, PageState, ProfileTemplate, Timeline, TimelineConfig, Unexplained,
@@ -182,33 +182,25 @@ impl Join {
             .host_event(input.host, input.guest_ns(), known, &c);
     }
 
-    /// The hub whose host events and state this join reads; starts the event task. An event
-    /// is joined, counted and listed as it arrives, not at the next tick.
+    /// The hub whose host events and state this join reads; starts the event task, which takes
+    /// every event the hub accepts, in order, from the hub's intake queue (the hub waits while it
+    /// is full: a burst is joined in full, late rather than lost). An event is joined, counted
+    /// and listed as it arrives, not at the next tick.
     pub fn attach_hub(self: &Arc<Self>, hub: Hub) {
-        use tokio::sync::broadcast::error::RecvError;
-        let mut rx = hub.subscribe();
-        let mut unknown = hub.subscribe_unknown();
+        let rx = hub.intake();
         *self.hub.lock().unwrap_or_else(|e| e.into_inner()) = Some(hub);
+        let Some(mut rx) = rx else {
+            tracing::error!(
+                "the hub's events are taken by another reader; host events are not joined"
+            );
+            return;
+        };
         let me = self.clone();
         tokio::spawn(async move {
-            let lagged = |n| {
-                tracing::warn!(
-                    missed = n,
-                    "correlator fell behind the hub; host events not joined"
-                )
-            };
-            loop {
-                tokio::select! {
-                    r = rx.recv() => match r {
-                        Ok(ev) => me.host_event(&ev),
-                        Err(RecvError::Lagged(n)) => lagged(n),
-                        Err(RecvError::Closed) => break,
-                    },
-                    r = unknown.recv() => match r {
-                        Ok(ev) => me.unknown_event(&ev),
-                        Err(RecvError::Lagged(n)) => lagged(n),
-                        Err(RecvError::Closed) => break,
-                    },
+            while let Some(d) = rx.recv().await {
+                match d {
+                    Delivery::Event(ev) => me.host_event(&ev),
+                    Delivery::Unknown(ev) => me.unknown_event(&ev),
                 }
             }
         });
@@ -361,22 +353,52 @@ impl Join {
             .collect();
         let timeline = self.timeline();
         let links = |host: &str| Self::links_now(hub.as_ref(), host);
-        let mut timelines = timeline.pictures(now, corr.event_records(), &links);
+        // the newest events' pictures; the others are drawn when asked for (`picture`)
+        let mut listed: Vec<_> = corr.event_records().collect();
+        listed.sort_by_key(|e| std::cmp::Reverse((e.at, e.id)));
+        let pictures_not_shown = listed.len().saturating_sub(incident::PICTURES_IN_STATE) as u64;
+        listed.truncate(incident::PICTURES_IN_STATE);
+        let mut timelines = timeline.pictures(now, listed.into_iter(), &links);
         let strip = timeline.strip(now);
         drop(timeline);
         drop(corr);
         for p in &mut timelines {
-            for t in &mut p.pods {
-                t.profile_url = self.profile_url(&t.namespace, &t.pod, p.time + t.lag_ms);
-            }
+            self.link_profiles(p);
         }
         PageState {
             node: self.node.clone(),
             hosts,
             unexplained,
             timelines,
+            pictures_not_shown,
             strip,
             profiles: self.profile.get().is_some(),
+        }
+    }
+
+    /// `/api/picture`: the picture of the listed event of `host` of kind `event` at guest time
+    /// `time_ms` (as `/events` names it), for the events whose pictures `/api/state` leaves out.
+    pub fn picture(&self, host: &str, event: &str, time_ms: i64) -> Option<incident::Picture> {
+        let hub = self.hub.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let now = realtime_ns();
+        let corr = self.corr();
+        let record = corr.event_records().find(|e| {
+            e.host == host && e.kind.as_str() == event && e.at.div_euclid(1_000_000) == time_ms
+        })?;
+        let links = |host: &str| Self::links_now(hub.as_ref(), host);
+        let mut p = self
+            .timeline()
+            .pictures(now, std::iter::once(record), &links)
+            .pop()?;
+        drop(corr);
+        self.link_profiles(&mut p);
+        Some(p)
+    }
+
+    /// The profile links of a picture's pods.
+    fn link_profiles(&self, p: &mut incident::Picture) {
+        for t in &mut p.pods {
+            t.profile_url = self.profile_url(&t.namespace, &t.pod, p.time + t.lag_ms);
         }
     }
 }

@@ -269,3 +269,222 @@ async fn a_kind_from_a_newer_host_is_counted_and_listed_as_unknown() {
     assert!(more.is_some(), "{}", agent.log.lock().unwrap());
     assert!(agent.log.lock().unwrap().contains("listed as unknown"));
 }
+
+/// A link change of one of ten links, flapping as idle GPUs' links do (speed), now and then
+/// narrowed (width), stamped at `at_ns` host time.
+fn flap_frame(seq: u64, at_ns: i64) -> Vec<u8> {
+    use gpufeed_shared::event::{samples::gpu_link_change, LinkChangeClass};
+    let link = seq % 10;
+    let bdf = format!("0000:{:02x}:00.0", 0x0a + link);
+    let round = seq / 10;
+    let state = |r: u64| match r % 4 {
+        0 => (Some(16000), 4),
+        1 => (Some(2500), 4),
+        2 => (Some(16000), 4),
+        _ => (Some(8000), 1),
+    };
+    let (old, new) = (state(round + 3), state(round));
+    let class = match new.1.cmp(&old.1) {
+        std::cmp::Ordering::Less => LinkChangeClass::WidthReduction,
+        std::cmp::Ordering::Greater => LinkChangeClass::WidthIncrease,
+        std::cmp::Ordering::Equal => LinkChangeClass::SpeedOnly,
+    };
+    let ev = HostEvent::PcieLinkChange(gpu_link_change(&bdf, "0000:09:01.0", old, new, class));
+    let mut b = Vec::new();
+    encode(
+        &Message::Event(EventFrame {
+            seq,
+            host_realtime_ns: at_ns,
+            host_monotonic_ns: seq,
+            kind: ev.kind(),
+            payload: postcard::to_allocvec(&ev).unwrap(),
+        }),
+        &mut b,
+    )
+    .unwrap();
+    b
+}
+
+/// A GET from source address `from` (on loopback): the status and the body's length.
+async fn get_from(from: std::net::IpAddr, to: SocketAddr, path: &str) -> Option<(u16, usize)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sock = tokio::net::TcpSocket::new_v4().ok()?;
+    sock.bind(SocketAddr::new(from, 0)).ok()?;
+    let mut s = sock.connect(to).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {to}\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.ok()?;
+    let head_end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..head_end]);
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, buf.len() - head_end - 4))
+}
+
+/// The agent's peak resident memory (`VmHWM`), bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap()
+}
+
+/// Ten links flapping for ten minutes (30,000 changes, five a second per link: an idle GPU's
+/// rate in the field), sent in one burst as a host's spool replays after a guest restart: the
+/// join takes every event the hub accepted (none dropped), and every answer of the agent stays
+/// bounded: `/api/state` carries a bounded number of pictures of bounded size, an older
+/// event's picture comes alone from `/api/picture`, and 64 clients asking at once from 8
+/// addresses leave the agent far under the DaemonSet's memory limit while its scrape and
+/// probe answer within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flapping_link_in_a_burst_is_joined_in_full_and_every_answer_stays_bounded() {
+    const N: u64 = 30_000;
+    let work = tempfile::tempdir().unwrap();
+    let quic = free_udp();
+    let out = work.path().join("deploy");
+    let o = certs_init(&out, &quic.to_string(), "pve1", &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tls_dir = out.join("guest").display().to_string();
+    let agent = Agent::start(
+        &[
+            "--probes",
+            "none",
+            "--no-kube",
+            "--quic-listen",
+            &quic.to_string(),
+            "--tls-dir",
+            &tls_dir,
+        ],
+        &[],
+    );
+    let pve1 = [("host", "pve1")];
+    let (conn, _ctl, _) = connect(&out, quic).await;
+    let mut ev = conn.open_uni().await.unwrap();
+    let now = gpufeed_shared::clock::realtime_ns();
+    let span_ns: i64 = 600_000_000_000;
+    let wire: Vec<u8> = (0..N)
+        .flat_map(|seq| flap_frame(seq, now - span_ns + seq as i64 * (span_ns / N as i64)))
+        .collect();
+    ev.write_all(&wire).await.unwrap();
+    // every event reaches the join: the correlator counts each one it classified
+    let joined = || {
+        let s = agent.scrape();
+        (
+            value(&s, "gpufeed_stream_events_received_total", &pve1).unwrap_or(0.0),
+            value(&s, "gpufeed_host_events_total", &pve1).unwrap_or(0.0),
+            value(&s, "gpufeed_join_events_dropped_total", &[]).unwrap_or(0.0),
+        )
+    };
+    let all = wait_for(Duration::from_secs(120), || {
+        let (received, classified, _) = joined();
+        (received == N as f64 && classified == N as f64).then_some(())
+    });
+    let (received, classified, dropped) = joined();
+    assert!(
+        all.is_some(),
+        "received {received}, joined {classified} of {N}: {}",
+        agent.log.lock().unwrap()
+    );
+    assert_eq!(dropped, 0.0);
+    assert!(
+        !agent.log.lock().unwrap().contains("fell behind"),
+        "no event is skipped on the way to the join"
+    );
+
+    // /api/state: the newest events' pictures, each bounded; the links flapped five times a
+    // second, so a two-minute picture has coalesced steps
+    let state: serde_json::Value =
+        serde_json::from_str(&http_get(agent.addr, "/api/state").unwrap()).unwrap();
+    let size = serde_json::to_vec(&state).unwrap().len();
+    assert!(size < 2 << 20, "/api/state is {size} bytes");
+    let pictures = state["timelines"].as_array().unwrap();
+    assert!(
+        !pictures.is_empty() && pictures.len() <= 12,
+        "{}",
+        pictures.len()
+    );
+    assert!(
+        state["pictures_not_shown"].as_u64().unwrap() > 0,
+        "more events are listed than pictured"
+    );
+    let mut coalesced = 0;
+    for p in pictures {
+        let links = p["links"].as_array().unwrap();
+        assert!(links.len() <= 8, "{}", links.len());
+        for l in links {
+            assert!(l["steps"].as_array().unwrap().len() <= 241);
+            coalesced += l["coalesced"].as_u64().unwrap();
+        }
+    }
+    assert!(coalesced > 0, "the flapping links' steps were coalesced");
+    // an older event's picture, alone
+    let events: serde_json::Value =
+        serde_json::from_str(&http_get(agent.addr, "/events").unwrap()).unwrap();
+    let oldest = events.as_array().unwrap().last().unwrap();
+    let path = format!(
+        "/api/picture?host={}&event={}&time={}",
+        oldest["host"].as_str().unwrap(),
+        oldest["event"].as_str().unwrap(),
+        oldest["time"].as_i64().unwrap()
+    );
+    let picture = http_get(agent.addr, &path).expect("the oldest event's picture");
+    assert!(
+        picture.len() < 256 << 10,
+        "a picture is {} bytes",
+        picture.len()
+    );
+    let picture: serde_json::Value = serde_json::from_str(&picture).unwrap();
+    assert_eq!(picture["time"], oldest["time"]);
+    assert_eq!(
+        common::http_get_status(agent.addr, "/api/picture?host=pve1&event=link_down&time=1")
+            .map(|(c, _)| c),
+        Some(404)
+    );
+
+    // 64 clients at once from 8 addresses, four rounds, while a scraper and a probe time their
+    // answers
+    let before = peak_rss(agent.child.id());
+    let addr = agent.addr;
+    let watch = tokio::spawn(async move {
+        let mut slowest = Duration::ZERO;
+        let until = std::time::Instant::now() + Duration::from_secs(4);
+        while std::time::Instant::now() < until {
+            for path in ["/metrics", "/healthz"] {
+                let t = std::time::Instant::now();
+                let got = get_from("127.0.0.1".parse().unwrap(), addr, path).await;
+                assert_eq!(got.map(|g| g.0), Some(200), "{path}");
+                slowest = slowest.max(t.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        slowest
+    });
+    for _ in 0..4 {
+        let clients: Vec<_> = (0..64u8)
+            .map(|i| {
+                let from = std::net::IpAddr::from([127, 0, 0, 1 + i % 8]);
+                tokio::spawn(async move { get_from(from, addr, "/api/state").await })
+            })
+            .collect();
+        for c in clients {
+            let got = c.await.unwrap();
+            assert!(matches!(got, Some((200, n)) if n < 2 << 20), "{got:?}");
+        }
+    }
+    let slowest = watch.await.unwrap();
+    let peak = peak_rss(agent.child.id());
+    eprintln!(
+        "/api/state {size} bytes, {} pictures; peak RSS {:.1} MB before the clients, {:.1} MB after; slowest scrape or probe {slowest:?}",
+        pictures.len(),
+        before as f64 / 1e6,
+        peak as f64 / 1e6
+    );
+    assert!(slowest < Duration::from_secs(1), "{slowest:?}");
+    // the DaemonSet's limit is 256 MiB: half of it is the margin
+    assert!(peak < 128 << 20, "peak RSS {peak}");
+    drop(conn);
+}

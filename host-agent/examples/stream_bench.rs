@@ -160,7 +160,7 @@ fn main() {
     );
 
     // 2. Latency at 10k events/s.
-    let mut rx = hub.subscribe();
+    let mut rx = hub.intake().expect("the hub's intake");
     let total = rate_secs * 10_000;
     let lat = std::sync::Arc::new(std::sync::Mutex::new(Vec::with_capacity(total as usize)));
     let collector = {
@@ -169,14 +169,14 @@ fn main() {
             let mut got = 0;
             while got < total {
                 match rx.recv().await {
-                    Ok(e) => {
+                    Some(hub::Delivery::Event(e)) => {
                         lat.lock()
                             .unwrap()
                             .push(e.received_realtime_ns - e.host_realtime_ns);
                         got += 1;
                     }
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(k)) => got += k,
-                    Err(_) => break,
+                    Some(_) => got += 1,
+                    None => break,
                 }
             }
         })

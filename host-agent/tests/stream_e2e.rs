@@ -45,13 +45,13 @@ async fn delivers_in_order_and_acks() {
         assert!(matches!(e.event, HostEvent::KmsgLost { count } if count == i as u64));
         assert_eq!(e.host, "pve1");
     }
-    let mut rx = hub.subscribe();
+    let mut rx = hub.intake().expect("the hub's intake, taken once");
     h.push(&events(5000, 5001));
     let next = tokio::time::timeout(Duration::from_secs(5), rx.recv())
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(next.seq, 5000);
+    assert_eq!(next.seq(), 5000);
     // Acks come back and empty the spool.
     assert!(
         wait_for(Duration::from_secs(5), || h.status()[0].acked == Some(5000)).await,

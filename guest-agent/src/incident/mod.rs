@@ -21,6 +21,11 @@ pub use link::LinkView;
 pub use profile::ProfileTemplate;
 pub use timeline::{Picture, Strip, Timeline, TimelineConfig};
 
+/// Pictures `/api/state` carries: the newest events'. Each picture is bounded (links, steps,
+/// pods, points), so this bounds the answer whatever the history; older events' pictures are
+/// asked for one at a time (`/api/picture`).
+pub const PICTURES_IN_STATE: usize = 12;
+
 /// `/api/state`.
 #[derive(Debug, Clone, Serialize)]
 pub struct PageState {
@@ -29,8 +34,11 @@ pub struct PageState {
     pub hosts: Vec<HostView>,
     /// Spikes no host event explains, newest first.
     pub unexplained: Vec<Unexplained>,
-    /// One picture per listed host event, newest first (the same events as `/events`).
+    /// One picture per listed host event, newest first (the same events as `/events`), for the
+    /// newest [`PICTURES_IN_STATE`] of them.
     pub timelines: Vec<Picture>,
+    /// Listed events whose pictures are left out (`/api/picture` draws each).
+    pub pictures_not_shown: u64,
     /// The last hour: every listed host event and every spike.
     pub strip: Strip,
     /// Whether a profile link template is configured (`--profile-url`).

@@ -34,6 +34,12 @@ use crate::correlate::{Observed, PodKey, WindowRef};
 
 /// Link changes kept per link (an idle GPU that flaps between speeds makes many).
 const MAX_STEPS: usize = 4096;
+/// Steps a picture draws per link: beyond it, the changes of each of [`STEP_BUCKETS`] stretches
+/// of the picture are drawn as at most two steps (the lowest the link went to in the stretch,
+/// and where it ended), so that a picture's size does not grow with a flapping link's history.
+const STEP_BUCKETS: i64 = 120;
+/// Links a picture draws (the host's links that changed in its span); the rest are counted.
+const MAX_PICTURE_LINKS: usize = 8;
 /// Links kept (hosts × devices); the least recently changed goes first.
 const MAX_LINKS: usize = 256;
 /// Host events and spikes kept for the strip.
@@ -122,10 +128,70 @@ struct LinkLog {
 impl LinkLog {
     /// (speed GT/s, width) at `t`: after the last change before it, or before the first after it.
     fn at(&self, t: i64) -> Option<(f64, f64)> {
-        match self.changes.iter().rev().find(|c| c.at_ms <= t) {
-            Some(c) => Some(c.new),
+        let i = self.changes.partition_point(|c| c.at_ms <= t);
+        match i.checked_sub(1) {
+            Some(last) => Some(self.changes[last].new),
             None => self.changes.front().map(|c| c.old),
         }
+    }
+
+    /// The changes in `from..=to` (the log is in time order).
+    fn span(&self, from: i64, to: i64) -> impl Iterator<Item = &LinkChange> {
+        let first = self.changes.partition_point(|c| c.at_ms < from);
+        self.changes
+            .range(first..)
+            .take_while(move |c| c.at_ms <= to)
+    }
+
+    fn changed_in(&self, from: i64, to: i64) -> bool {
+        self.span(from, to).next().is_some()
+    }
+
+    /// The steps a picture of `from..=to` draws: the value at `from`, then each change; when
+    /// there are more than two per stretch ([`STEP_BUCKETS`] stretches), each stretch's
+    /// changes as the lowest value the link went to and the value it ended at. Returns the
+    /// steps and the number of changes not drawn as their own.
+    fn steps(&self, from: i64, to: i64) -> (Vec<Step>, u64) {
+        let step = |t, (speed_gts, width): (f64, f64)| Step {
+            t,
+            speed_gts,
+            width,
+        };
+        let mut steps: Vec<Step> = self.at(from).map(|v| step(from, v)).into_iter().collect();
+        let n = self.span(from, to).count();
+        if n as i64 <= 2 * STEP_BUCKETS {
+            steps.extend(self.span(from, to).map(|c| step(c.at_ms, c.new)));
+            return (steps, 0);
+        }
+        // lower speed first, then narrower: the worse of two link states
+        let worse = |a: (f64, f64), b: (f64, f64)| (a.0, a.1) < (b.0, b.1);
+        let width = ((to - from) / STEP_BUCKETS).max(1);
+        let mut bucket: Vec<&LinkChange> = Vec::new();
+        let flush = |bucket: &mut Vec<&LinkChange>, steps: &mut Vec<Step>| {
+            let (Some(first), Some(last)) = (bucket.first(), bucket.last()) else {
+                return;
+            };
+            let low = bucket
+                .iter()
+                .fold(*first, |lo, c| if worse(c.new, lo.new) { c } else { lo });
+            if low.at_ms < last.at_ms && worse(low.new, last.new) {
+                steps.push(step(low.at_ms, low.new));
+            }
+            steps.push(step(last.at_ms, last.new));
+            bucket.clear();
+        };
+        for c in self.span(from, to) {
+            if bucket
+                .first()
+                .is_some_and(|f| (f.at_ms - from) / width != (c.at_ms - from) / width)
+            {
+                flush(&mut bucket, &mut steps);
+            }
+            bucket.push(c);
+        }
+        flush(&mut bucket, &mut steps);
+        let drawn = steps.len() - usize::from(self.at(from).is_some());
+        (steps, (n - drawn) as u64)
     }
 }
 
@@ -169,13 +235,17 @@ pub struct Strip {
     pub spikes: Vec<StripSpike>,
 }
 
-/// A link's speed and width across a picture: the value at its start, then each change.
+/// A link's speed and width across a picture: the value at its start, then each change (or,
+/// for a link that changed more often than a picture draws, the lowest and the last value of
+/// each stretch of the picture: see [`STEP_BUCKETS`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LinkTrace {
     pub bdf: String,
     pub max_speed_gts: f64,
     pub max_width: f64,
     pub steps: Vec<Step>,
+    /// Changes in the span not drawn as a step of their own (coalesced into their stretch's).
+    pub coalesced: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -235,6 +305,8 @@ pub struct Picture {
     /// The span after the event is over (else the picture ends now).
     pub complete: bool,
     pub links: Vec<LinkTrace>,
+    /// The host's links that changed in the span beyond the ones drawn.
+    pub links_not_shown: u64,
     pub pods: Vec<PodTrace>,
     /// Affected pod signals beyond `max_pods` (and beyond the correlator's per-event cap).
     pub pods_not_shown: u64,
@@ -572,6 +644,7 @@ impl Timeline {
             })
             .collect();
         let not_shown = (e.hits.len() - pods.len()) as u64 + e.hits_dropped;
+        let (links, links_not_shown) = self.link_traces(&e.host, from, end, links_now);
         Picture {
             host: e.host.clone(),
             event: e.kind.as_str(),
@@ -581,7 +654,8 @@ impl Timeline {
             reach_from: time - ms(self.cfg.reach_before),
             reach_to: time + ms(self.cfg.reach_after),
             complete: now_ms >= to,
-            links: self.link_traces(&e.host, from, end, links_now),
+            links,
+            links_not_shown,
             pods,
             pods_not_shown: not_shown,
         }
@@ -610,46 +684,40 @@ impl Timeline {
             .collect()
     }
 
-    /// The host's links that changed in `from..=to`, with their steps; when none did, its links
-    /// now (the passed-through device's when the host names one), drawn flat.
-    fn link_traces(&self, host: &str, from: i64, to: i64, now: &[LinkView]) -> Vec<LinkTrace> {
-        let mut out: Vec<LinkTrace> = self
+    /// The host's links that changed in `from..=to` (at most [`MAX_PICTURE_LINKS`] of them, and
+    /// how many more), with their steps; when none did, its links now (the passed-through
+    /// device's when the host names one), drawn flat.
+    fn link_traces(
+        &self,
+        host: &str,
+        from: i64,
+        to: i64,
+        now: &[LinkView],
+    ) -> (Vec<LinkTrace>, u64) {
+        let mut changed: Vec<(&String, &LinkLog)> = self
             .links
             .iter()
-            .filter(|((h, _), log)| {
-                h == host && log.changes.iter().any(|c| c.at_ms >= from && c.at_ms <= to)
-            })
-            .map(|((_, bdf), log)| {
-                let mut steps = Vec::new();
-                if let Some((speed_gts, width)) = log.at(from) {
-                    steps.push(Step {
-                        t: from,
-                        speed_gts,
-                        width,
-                    });
-                }
-                for c in log
-                    .changes
-                    .iter()
-                    .filter(|c| c.at_ms >= from && c.at_ms <= to)
-                {
-                    steps.push(Step {
-                        t: c.at_ms,
-                        speed_gts: c.new.0,
-                        width: c.new.1,
-                    });
-                }
+            .filter(|((h, _), log)| h == host && log.changed_in(from, to))
+            .map(|((_, bdf), log)| (bdf, log))
+            .collect();
+        changed.sort_by(|a, b| a.0.cmp(b.0));
+        let not_shown = changed.len().saturating_sub(MAX_PICTURE_LINKS) as u64;
+        let out: Vec<LinkTrace> = changed
+            .into_iter()
+            .take(MAX_PICTURE_LINKS)
+            .map(|(bdf, log)| {
+                let (steps, coalesced) = log.steps(from, to);
                 LinkTrace {
                     bdf: bdf.clone(),
                     max_speed_gts: log.max.0,
                     max_width: log.max.1,
                     steps,
+                    coalesced,
                 }
             })
             .collect();
-        out.sort_by(|a, b| a.bdf.cmp(&b.bdf));
         if !out.is_empty() {
-            return out;
+            return (out, not_shown);
         }
         let passed: Vec<&LinkView> = now.iter().filter(|l| !l.vmid.is_empty()).collect();
         let flat = if passed.is_empty() {
@@ -657,7 +725,9 @@ impl Timeline {
         } else {
             passed
         };
-        flat.into_iter()
+        let flat = flat
+            .into_iter()
+            .take(MAX_PICTURE_LINKS)
             .map(|l| LinkTrace {
                 bdf: l.bdf.clone(),
                 max_speed_gts: l.max_speed_gts,
@@ -667,8 +737,10 @@ impl Timeline {
                     speed_gts: l.speed_gts,
                     width: l.width,
                 }],
+                coalesced: 0,
             })
-            .collect()
+            .collect();
+        (flat, 0)
     }
 }
 
@@ -841,6 +913,75 @@ mod tests {
                 (t + 30_000, 16.0, 4.0)
             ]
         );
+    }
+
+    /// A link that flaps faster than a picture draws: its steps stay bounded, the lowest state
+    /// of each stretch is drawn (a drop to x1 inside a flapping second is not hidden), and each
+    /// change is drawn or counted; a link that changed a few times is drawn change by change.
+    #[test]
+    fn a_flapping_link_is_drawn_in_bounded_steps() {
+        let mut log = LinkLog {
+            changes: VecDeque::new(),
+            max: (16.0, 4.0),
+        };
+        let mut prev = (16.0, 4.0);
+        let mut push = |log: &mut LinkLog, at_ms: i64, new: (f64, f64)| {
+            log.changes.push_back(LinkChange {
+                at_ms,
+                old: prev,
+                new,
+            });
+            prev = new;
+        };
+        // every 20 ms between 16 and 2.5 GT/s for three minutes; once down to x1 for 4 ms
+        for i in 0..9000 {
+            let at = i * 20;
+            push(
+                &mut log,
+                at,
+                if i % 2 == 0 { (2.5, 4.0) } else { (16.0, 4.0) },
+            );
+            if at == 61_220 {
+                push(&mut log, 61_234, (2.5, 1.0));
+                push(&mut log, 61_238, (16.0, 4.0));
+            }
+        }
+        let (from, to) = (60_000, 180_000);
+        let in_span = log
+            .changes
+            .iter()
+            .filter(|c| c.at_ms >= from && c.at_ms <= to)
+            .count();
+        let (steps, coalesced) = log.steps(from, to);
+        assert!(
+            steps.len() <= 1 + 2 * STEP_BUCKETS as usize,
+            "{}",
+            steps.len()
+        );
+        assert_eq!(steps.len() - 1 + coalesced as usize, in_span);
+        // the change at 60 s itself (the 3000th, to 2.5 GT/s) is the value the picture starts at
+        assert_eq!(
+            steps[0],
+            Step {
+                t: from,
+                speed_gts: 2.5,
+                width: 4.0
+            }
+        );
+        assert!(steps.windows(2).all(|w| w[0].t <= w[1].t), "in time order");
+        assert!(
+            steps.contains(&Step {
+                t: 61_234,
+                speed_gts: 2.5,
+                width: 1.0
+            }),
+            "the drop to x1 is drawn"
+        );
+        // the last step is where the link ended
+        assert_eq!(steps.last().map(|s| (s.speed_gts, s.width)), log.at(to));
+        // a few changes: each its own step, nothing coalesced
+        let (steps, coalesced) = log.steps(1_000, 1_100);
+        assert_eq!((steps.len(), coalesced), (1 + 6, 0));
     }
 
     /// A frozen picture stays as it was while the rings move on; it goes when its event is no

@@ -1,11 +1,22 @@
 //! The incident page and its data: `/` (one self-contained file, `index.html`: no framework,
 //! no external assets, its pictures drawn as inline SVG from `/api/state`), `/events` (the
-//! recent host events with the pods they hit, shaped as Grafana annotations) and `/api/state`.
+//! recent host events with the pods they hit, shaped as Grafana annotations), `/api/state` and
+//! `/api/picture` (one event's picture, for those `/api/state` leaves out).
+//!
+//! These answers are bounded whatever the history (see [`crate::incident::PICTURES_IN_STATE`]),
+//! and each of `/events` and `/api/state` is rendered at most once per [`FRESH_FOR`] and shared:
+//! however many clients ask at once (the port is on the host's network, every pod of the node
+//! reaches it), the agent holds one rendering, and they wait for it rather than render their own.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use axum::http::header;
+use axum::body::Bytes;
+use axum::extract::Query;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
 use axum::routing::get;
+use serde::Deserialize;
 
 use crate::join::Join;
 
@@ -35,9 +46,70 @@ pub fn events_json(join: &Join) -> serde_json::Value {
     v
 }
 
-/// `/`, `/events` and `/api/state`.
+/// How long a rendering of `/events` or `/api/state` is served before the next request renders
+/// anew (the page polls every 5 s).
+pub const FRESH_FOR: Duration = Duration::from_secs(1);
+
+/// One JSON answer, rendered at most once per [`FRESH_FOR`] and shared by the requests that
+/// come meanwhile (they wait for the rendering under way instead of starting their own).
+struct Shared {
+    render: Box<dyn Fn() -> Vec<u8> + Send + Sync>,
+    last: tokio::sync::Mutex<Option<(Instant, Bytes)>>,
+}
+
+impl Shared {
+    fn new(render: impl Fn() -> Vec<u8> + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(Shared {
+            render: Box::new(render),
+            last: tokio::sync::Mutex::new(None),
+        })
+    }
+
+    async fn get(self: Arc<Self>) -> Bytes {
+        let mut last = self.last.lock().await;
+        if let Some((at, body)) = &*last {
+            if at.elapsed() < FRESH_FOR {
+                return body.clone();
+            }
+        }
+        let me = self.clone();
+        let body = tokio::task::spawn_blocking(move || Bytes::from((me.render)()))
+            .await
+            .unwrap_or_default();
+        *last = Some((Instant::now(), body.clone()));
+        body
+    }
+
+    fn route(self: Arc<Self>) -> axum::routing::MethodRouter {
+        get(move || {
+            let me = self.clone();
+            async move { json(me.get().await) }
+        })
+    }
+}
+
+fn json(body: Bytes) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], body)
+}
+
+/// `/api/picture`'s query: the event as `/events` names it.
+#[derive(Deserialize)]
+struct PictureOf {
+    host: String,
+    event: String,
+    time: i64,
+}
+
+/// `/`, `/events`, `/api/state` and `/api/picture`.
 pub fn router(join: Arc<Join>) -> axum::Router {
-    let (j1, j2) = (join.clone(), join);
+    let events = {
+        let j = join.clone();
+        Shared::new(move || serde_json::to_vec(&events_json(&j)).unwrap_or_default())
+    };
+    let state = {
+        let j = join.clone();
+        Shared::new(move || serde_json::to_vec(&j.page_state()).unwrap_or_default())
+    };
     axum::Router::new()
         .route(
             "/",
@@ -53,18 +125,24 @@ pub fn router(join: Arc<Join>) -> axum::Router {
                 )
             }),
         )
+        .route("/events", events.route())
+        .route("/api/state", state.route())
         .route(
-            "/events",
-            get(move || {
-                let j = j1.clone();
-                async move { axum::Json(events_json(&j)) }
-            }),
-        )
-        .route(
-            "/api/state",
-            get(move || {
-                let j = j2.clone();
-                async move { axum::Json(j.page_state()) }
+            "/api/picture",
+            get(move |Query(q): Query<PictureOf>| {
+                let j = join.clone();
+                async move {
+                    let p =
+                        tokio::task::spawn_blocking(move || j.picture(&q.host, &q.event, q.time))
+                            .await
+                            .ok()
+                            .flatten();
+                    match p {
+                        Some(p) => json(Bytes::from(serde_json::to_vec(&p).unwrap_or_default()))
+                            .into_response(),
+                        None => (StatusCode::NOT_FOUND, "no such event listed\n").into_response(),
+                    }
+                }
             }),
         )
 }

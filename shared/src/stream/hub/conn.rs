@@ -3,12 +3,13 @@
 //! [`batch::accept`], writes what the core has to send, and sleeps until the core's
 //! [`poll_timeout`](GuestConnection::poll_timeout) when nothing arrives, so that an idle
 //! connection wakes only for its clock probes. It decides nothing itself: it applies the
-//! outcome as metrics, broadcasts and log lines.
+//! outcome as metrics and log lines, and hands the accepted events to the join, waiting while
+//! the join's queue is full (so that a burst waits in the host's spool, not in a lossy buffer).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use super::{batch, Inner};
+use super::{batch, Delivery, Inner};
 use crate::clock;
 use crate::proto::{
     encode, DecodeError, FrameDecoder, GuestConnection, Message, ServerAction, Staged,
@@ -218,7 +219,9 @@ impl<'a> Conn<'a> {
                         return Ok(());
                     };
                     ev_dec.push(&chunk.bytes);
-                    self.process(&mut ev_dec, boot, &received, &duplicate, &lost, &lag)?;
+                    let (accepted, end) = self.process(&mut ev_dec, boot, &received, &duplicate, &lost, &lag);
+                    inner.intake.deliver(accepted).await;
+                    end?;
                 }
                 r = ctl_recv.read_chunk(64 * 1024, true) => {
                     let Some(chunk) = r? else {
@@ -257,7 +260,9 @@ impl<'a> Conn<'a> {
     }
 
     /// Decodes every complete frame of the event stream and has the core account them; what
-    /// the batch amounts to is [`batch::accept`]'s to decide, and this applies it.
+    /// the batch amounts to is [`batch::accept`]'s to decide, and this applies it. Returns the
+    /// accepted events in sequence order, for the join (also when the connection must end: what
+    /// was accepted before the fault is journaled and acknowledged).
     fn process(
         &mut self,
         dec: &mut FrameDecoder,
@@ -266,7 +271,7 @@ impl<'a> Conn<'a> {
         duplicate: &prometheus::IntCounter,
         lost: &prometheus::IntCounter,
         lag: &prometheus::Gauge,
-    ) -> Result<(), End> {
+    ) -> (Vec<Delivery>, Result<(), End>) {
         let inner = self.inner;
         let now = clock::realtime_ns();
         let mut garbage = Vec::new();
@@ -317,7 +322,7 @@ impl<'a> Conn<'a> {
                         tracing::error!(path = %j.path().display(), error = %r.error, host = self.host, events = r.events, unlogged, "hub: event journal write failed; the host keeps the events and sends them again");
                     }
                 }
-                return Err(End::Unavailable);
+                return (Vec::new(), Err(End::Unavailable));
             }
             out
         };
@@ -341,11 +346,6 @@ impl<'a> Conn<'a> {
                 .rejected
                 .with_label_values(&[self.host, "unknown_kind"])
                 .inc_by(out.unknown.len() as u64);
-            if inner.unknown_tx.receiver_count() > 0 {
-                for e in out.unknown {
-                    let _ = inner.unknown_tx.send(e);
-                }
-            }
         }
         for reason in &out.refused {
             inner.reject(
@@ -365,15 +365,16 @@ impl<'a> Conn<'a> {
                 &format_args!("skipped a frame: {g}"),
             );
         }
-        if inner.tx.receiver_count() > 0 {
-            for e in out.delivered {
-                let _ = inner.tx.send(e);
-            }
+        let mut accepted: Vec<Delivery> = out.delivered.into_iter().map(Delivery::Event).collect();
+        if !out.unknown.is_empty() {
+            accepted.extend(out.unknown.into_iter().map(Delivery::Unknown));
+            accepted.sort_by_key(Delivery::seq);
         }
-        match fatal {
+        let end = match fatal {
             Some(f) => Err(f),
             None => Ok(()),
-        }
+        };
+        (accepted, end)
     }
 
     /// A warning about this host's stream that repeats (gaps, losses): rate-limited per kind.

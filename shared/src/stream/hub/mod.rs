@@ -19,10 +19,12 @@
 //!   at will, at most one line per reason every 10 s, with the count of those not logged.
 //!   An event this guest cannot decode (a kind from a newer host agent) is counted with
 //!   `reason="unknown_kind"`, and what its frame says (host, kind number, payload size,
-//!   sequence, host time) goes to [`Hub::subscribe_unknown`]: the guest lists it, never drops it
-//!   silently.
-//! * Recent events are kept in a bounded ring ([`Hub::recent`]) and broadcast
-//!   ([`Hub::subscribe`]); optionally journaled ([`HubConfig::journal`]).
+//!   sequence, host time) goes to the join ([`Delivery::Unknown`]): the guest lists it, never
+//!   drops it silently.
+//! * Recent events are kept in a bounded ring ([`Hub::recent`]), optionally journaled
+//!   ([`HubConfig::journal`]), and handed in order to the one join that takes them
+//!   ([`Hub::intake`]): a bounded queue that pushes back on the hosts' streams rather than
+//!   dropping (see [`intake`]).
 //!
 //! Metrics: `gpufeed_stream_connected{host}`, `gpufeed_stream_events_received_total{host}`,
 //! `gpufeed_stream_events_duplicate_total{host}`, `gpufeed_stream_events_lost_total{host}`,
@@ -45,11 +47,13 @@ pub mod batch;
 mod config;
 mod conn;
 pub mod host_state;
+pub mod intake;
 pub mod journal;
 mod metrics;
 pub mod recent;
 
 pub use config::HubConfig;
+pub use intake::Delivery;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -64,7 +68,7 @@ use crate::tls::{self, FileStamps, GuestTlsDir};
 use metrics::Metrics;
 use prometheus::Registry;
 use serde::Serialize;
-use tokio::sync::broadcast;
+use tokio::sync::mpsc;
 
 /// A host event as received by the hub.
 #[derive(Debug, Clone, Serialize)]
@@ -152,8 +156,8 @@ struct Inner {
     state: Mutex<State>,
     metrics: Metrics,
     allowed: RwLock<Vec<String>>,
-    tx: broadcast::Sender<ReceivedEvent>,
-    unknown_tx: broadcast::Sender<UnknownEvent>,
+    /// Where accepted events go to the join.
+    intake: intake::Intake,
     endpoint: quinn::Endpoint,
     ptp: Option<Mutex<KvmPtp>>,
     ptp_warned: Mutex<HashMap<String, Instant>>,
@@ -297,8 +301,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         }),
         metrics,
         allowed: RwLock::new(allowed),
-        tx: broadcast::channel(4096).0,
-        unknown_tx: broadcast::channel(256).0,
+        intake: intake::Intake::new(registry)?,
         endpoint,
         ptp,
         ptp_warned: Mutex::new(HashMap::new()),
@@ -348,14 +351,12 @@ impl Hub {
         st.recent.iter().cloned().collect()
     }
 
-    /// Every event received from now on (a receiver that lags loses events).
-    pub fn subscribe(&self) -> broadcast::Receiver<ReceivedEvent> {
-        self.inner.tx.subscribe()
-    }
-
-    /// Every event of a kind this guest cannot decode received from now on.
-    pub fn subscribe_unknown(&self) -> broadcast::Receiver<UnknownEvent> {
-        self.inner.unknown_tx.subscribe()
+    /// Every event accepted from now on, in the order accepted, events of unknown kinds among
+    /// them: for the one join (the first caller; `None` after). The hub waits for the receiver
+    /// when [`intake::CAPACITY`] events are queued, so that nothing accepted is dropped on the
+    /// way; a receiver that is dropped is counted for what it did not take.
+    pub fn intake(&self) -> Option<mpsc::Receiver<Delivery>> {
+        self.inner.intake.take(intake::CAPACITY)
     }
 
     /// The bound address (useful with port 0).
