@@ -386,13 +386,18 @@ async fn a_loss_on_a_full_disk_and_a_host_restart_is_counted_once_where_the_docs
     // The guest has accounted every number (delivered, or reported lost) when its ack reaches
     // the last one.
     assert!(
-        wait_for(Duration::from_secs(10), || h.status()[0].acked == Some(N - 1)).await,
+        wait_for(Duration::from_secs(10), || h.status()[0].acked
+            == Some(N - 1))
+        .await,
         "{:?}",
         h.status()
     );
-    let delivered: std::collections::BTreeSet<u64> =
-        hub.recent().iter().map(|e| e.seq).collect();
-    assert_eq!(delivered.len(), hub.recent().len(), "an event delivered twice");
+    let delivered: std::collections::BTreeSet<u64> = hub.recent().iter().map(|e| e.seq).collect();
+    assert_eq!(
+        delivered.len(),
+        hub.recent().len(),
+        "an event delivered twice"
+    );
     assert_eq!(events_received(&greg), delivered.len() as f64);
     let made_lost = N - delivered.len() as u64;
     let guest_lost = hub_metric(&greg, "gpufeed_stream_events_lost_total");
