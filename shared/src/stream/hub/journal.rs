@@ -97,6 +97,10 @@ pub struct Journal {
     /// After a failed compaction, the next attempt waits until then (a full disk would
     /// otherwise retry, and log, at every append).
     compact_after: Option<Instant>,
+    /// Bytes the last compaction left: the next one waits until the journal has doubled that
+    /// (watermarks of many sequence spaces can exceed `max_bytes` on their own, and must not
+    /// make every append compact).
+    compacted: u64,
     /// Failed appends: when one was last logged, and how many since went unlogged.
     failures: (Option<Instant>, u64),
     /// Records found damaged (or torn off the end) when the journal was opened.
@@ -177,6 +181,7 @@ impl Journal {
             max_bytes: max_bytes.max(4096),
             torn: false,
             compact_after: None,
+            compacted: 0,
             failures: (None, 0),
             damaged,
         })
@@ -215,7 +220,8 @@ impl Journal {
     /// committed lines are in `dedup` (the watermarks replace them). A failed compaction
     /// leaves the journal as it is and is retried later.
     pub fn compact_if_due(&mut self, dedup: &Dedup) {
-        if self.len > self.max_bytes && self.compact_after.is_none_or(|t| Instant::now() >= t) {
+        let limit = self.max_bytes.max(self.compacted.saturating_mul(2));
+        if self.len > limit && self.compact_after.is_none_or(|t| Instant::now() >= t) {
             match self.compact(dedup) {
                 Ok(()) => self.compact_after = None,
                 Err(e) => {
@@ -283,6 +289,7 @@ impl Journal {
         }
         self.file = f;
         self.len = out.len() as u64;
+        self.compacted = self.len;
         self.torn = false;
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             File::open(dir)?.sync_all()?;
@@ -536,5 +543,34 @@ mod tests {
         assert!(again.cannot_tell("pve1", 1));
         assert_eq!(again.watermark("pve1", 2), Some(20));
         assert_eq!(again.doubt_below("pve1", 3), Some(25));
+    }
+
+    #[test]
+    fn watermarks_larger_than_the_limit_do_not_compact_at_every_append() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.jsonl");
+        let mut dedup = Dedup::new();
+        for boot in 0..200 {
+            dedup.seed("pve1", boot, 3);
+        }
+        let mut j = Journal::open(&path, 4096, &mut dedup).unwrap();
+        // Past the limit: compacted, to 200 marks, more than the limit.
+        for _ in 0..100 {
+            j.add_gap("pve1", 0, 4, 4);
+        }
+        j.commit().unwrap();
+        dedup.seed("pve1", 0, 4);
+        j.committed(&dedup);
+        let compacted = std::fs::metadata(&path).unwrap().len();
+        assert!(compacted > 4096, "{compacted}");
+        // The next appends are not compacted away until the journal doubled.
+        j.add_gap("pve1", 0, 5, 5);
+        j.commit().unwrap();
+        j.committed(&dedup);
+        assert!(std::fs::metadata(&path).unwrap().len() > compacted);
+        let mut again = Dedup::new();
+        Journal::open(&path, 4096, &mut again).unwrap();
+        assert_eq!(again.iter().count(), 200);
+        assert_eq!(again.watermark("pve1", 0), Some(5));
     }
 }
