@@ -6,7 +6,9 @@
 //! delivers nor acknowledges what it held: the host keeps those frames and sends them again,
 //! so the journal is where an event counts as accepted. At start
 //! the journal seeds de-duplication, so a restarted (even SIGKILLed) guest neither delivers an
-//! event twice nor asks for one it already has. Past `max_bytes` the journal is compacted to
+//! event twice nor asks for one it already has. Past `max_bytes` (and past twice what the last
+//! compaction left, so that many sequence spaces cannot make every append compact) the
+//! journal is compacted to
 //! one `mark` line (the watermark, and the doubt where there is one) per `(host, boot)`, after
 //! one `forgotten` line per host whose sequence spaces the table had to forget, written to a
 //! temporary file and renamed over the journal.
