@@ -336,6 +336,89 @@ async fn guest_journal_on_a_full_disk_acks_only_what_it_wrote() {
     assert_eq!(dedup.watermark("pve1", boot), Some(N - 1));
 }
 
+/// One loss, one count. The host spools 10,000 events to a 64 KiB disk with memory for 1,000
+/// while its guest is not there yet, and restarts (what only memory held is lost with the
+/// process); then the guest comes. The events the test made the host lose are those it emitted
+/// and the guest never got (the test's own truth: the sequence numbers in the guest's ring).
+/// The guest's `gpufeed_stream_events_lost_total{host}` (docs/stream.md: the count of events
+/// lost per host) holds each of them once; the host's `gpufeed_host_stream_events_dropped_total`
+/// is its own view of the same events (what it could not spool), so adding it would count each
+/// loss twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loss_on_a_full_disk_and_a_host_restart_is_counted_once_where_the_docs_say() {
+    let logs = capture_logs();
+    let fs = TinyFs::mount(64);
+    let fx = Fixture::new(&["pve1"]);
+    // The guest's address, unused until the guest comes.
+    let addr = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut cfg = fx.stream_config("pve1", addr, Some(&fs.path().join("spool")));
+    cfg.memory_events = 1_000;
+    // About 200 KiB of frames.
+    const N: u64 = 10_000;
+    let (h, hreg) = start_host(cfg.clone());
+    for from in (0..N).step_by(100) {
+        h.push_raw(0, kmsg_lost_raw(from, from + 100));
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        wait_for(Duration::from_secs(5), || !log_lines(
+            &logs,
+            &["spool write failed", "No space left on device"]
+        )
+        .is_empty())
+        .await,
+        "the 64 KiB disk never filled up"
+    );
+    // Every event got its number: emitted.
+    assert_eq!(h.status()[0].next_seq, N);
+    const DROPPED: &str = "gpufeed_host_stream_events_dropped_total";
+    let dropped_before_restart = host_metric(&hreg, DROPPED);
+    h.shutdown().await;
+    let (h, hreg) = start_host(cfg);
+    let (hub, greg) = serve_hub_with(&fx, |hc| {
+        hc.listen = addr;
+        hc.recent_capacity = 2 * N as usize;
+    })
+    .await;
+    // The guest has accounted every number (delivered, or reported lost) when its ack reaches
+    // the last one.
+    assert!(
+        wait_for(Duration::from_secs(10), || h.status()[0].acked
+            == Some(N - 1))
+        .await,
+        "{:?}",
+        h.status()
+    );
+    let delivered: std::collections::BTreeSet<u64> = hub.recent().iter().map(|e| e.seq).collect();
+    assert_eq!(
+        delivered.len(),
+        hub.recent().len(),
+        "an event delivered twice"
+    );
+    assert_eq!(events_received(&greg), delivered.len() as f64);
+    let made_lost = N - delivered.len() as u64;
+    let guest_lost = hub_metric(&greg, "gpufeed_stream_events_lost_total");
+    let host_view = dropped_before_restart + host_metric(&hreg, DROPPED);
+    eprintln!(
+        "emitted {N}, delivered {}, lost {made_lost}: guest counted {guest_lost}, host dropped {dropped_before_restart} before its restart and {} after",
+        delivered.len(),
+        host_metric(&hreg, DROPPED)
+    );
+    // Both sides were provoked: events lost on the full disk and with the restart, and events
+    // delivered from the disk.
+    assert!(made_lost > 0 && !delivered.is_empty());
+    assert!(dropped_before_restart > 0.0 && host_metric(&hreg, DROPPED) > 0.0);
+    // The documented count holds each loss once ...
+    assert_eq!(guest_lost, made_lost as f64);
+    // ... and the host's view is the same events again, not more losses.
+    assert_eq!(host_view, made_lost as f64);
+    h.shutdown().await;
+    hub.shutdown().await;
+}
+
 fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {

@@ -101,6 +101,32 @@ impl HostEvent {
     pub fn kind_name(&self) -> &'static str {
         self.kind_entry().1
     }
+
+    /// Whether `kind` is the id of one of this build's variants: a frame of such a kind whose
+    /// payload does not decode as it is corrupt, not news from a newer host agent.
+    pub fn is_known_kind(kind: u16) -> bool {
+        known_kinds().contains(&kind)
+    }
+}
+
+/// The kind ids of this build, from the variants themselves: postcard writes a variant as its
+/// index (a varint) followed by its fields, and a run of zero bytes decodes as any field
+/// (zero, empty, `None`, the first variant), so an index followed by zeros is one value of
+/// that variant, whose [`HostEvent::kind`] is taken. Indices are tried until one does not
+/// decode (past the last variant).
+fn known_kinds() -> &'static [u16] {
+    static KINDS: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    KINDS.get_or_init(|| {
+        let mut bytes = [0u8; 1024];
+        (0u8..0x80)
+            .map_while(|i| {
+                bytes[0] = i;
+                postcard::from_bytes::<HostEvent>(&bytes)
+                    .ok()
+                    .map(|e| e.kind())
+            })
+            .collect()
+    })
 }
 
 /// How a link change is to be read.
@@ -431,6 +457,17 @@ mod tests {
         assert_eq!(first_middle_last()[0].kind(), 1);
         assert_eq!(first_middle_last()[1].kind(), 10);
         assert_eq!(first_middle_last()[2].kind(), 14);
+    }
+
+    #[test]
+    fn every_variant_is_a_known_kind_and_nothing_else_is() {
+        let all = samples::one_of_each();
+        for e in &all {
+            assert!(HostEvent::is_known_kind(e.kind()), "{e:?}");
+        }
+        assert_eq!(known_kinds().len(), all.len());
+        assert!(!HostEvent::is_known_kind(0));
+        assert!(!HostEvent::is_known_kind(all.len() as u16 + 1));
     }
 
     #[test]

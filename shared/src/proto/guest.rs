@@ -13,7 +13,7 @@
 //! moves them.
 
 use super::{AckPolicy, Dedup, EventVerdict, Message, ProtocolError, ServerAction, ServerSession};
-use super::{EventFrame, SpoolLoss, StreamCheck};
+use super::{EventFrame, SpoolLoss, StreamCheck, MAX_SEQ};
 use crate::event::HostEvent;
 
 /// Timing of the guest end. [`GuestTiming::default`] is what the hub ships with.
@@ -50,9 +50,45 @@ impl Default for GuestTiming {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delivery {
     pub frame: EventFrame,
-    /// The decoded event; `None` for a kind this build does not know (a newer host's): it is
-    /// delivered (listed, counted) undecoded, never dropped silently.
-    pub event: Option<HostEvent>,
+    /// The decoded event, or why there is none: a kind this build does not know (a newer
+    /// host's) is delivered (listed, counted) undecoded; a known kind whose payload does not
+    /// decode as it is corrupt (counted, journaled as such). Neither is dropped silently, and
+    /// both are accounted (never asked for again).
+    pub event: Result<HostEvent, Undecoded>,
+    /// The event's sequence space is in doubt and the number below the doubt: it may have
+    /// been delivered before (see [`Dedup`]). Delivered anyway, counted.
+    pub possible_duplicate: bool,
+}
+
+/// Why an event was not decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Undecoded {
+    /// A kind this build does not know (`reason="unknown_kind"`).
+    UnknownKind,
+    /// A kind this build knows, with a payload that does not decode as it
+    /// (`reason="bad_payload"`).
+    BadPayload,
+}
+
+impl Undecoded {
+    /// What a frame of `kind` with `payload` holds.
+    pub fn decode(kind: u16, payload: &[u8]) -> Result<HostEvent, Undecoded> {
+        if !HostEvent::is_known_kind(kind) {
+            return Err(Undecoded::UnknownKind);
+        }
+        postcard::from_bytes::<HostEvent>(payload)
+            .ok()
+            .filter(|e| e.kind() == kind)
+            .ok_or(Undecoded::BadPayload)
+    }
+
+    /// The `gpufeed_stream_frames_rejected_total` reason.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Undecoded::UnknownKind => "unknown_kind",
+            Undecoded::BadPayload => "bad_payload",
+        }
+    }
 }
 
 /// What one or more messages of the event stream amount to, not yet accepted (see the module
@@ -73,12 +109,27 @@ pub struct Staged {
     pub duplicates: u64,
     /// Messages refused alone (a number out of range): their reasons.
     pub refused: Vec<&'static str>,
+    /// The sequence space's doubt, where this batch is the first to record it (see [`Dedup`]):
+    /// events below it are possible duplicates.
+    pub doubt_below: Option<u64>,
+    /// Events newly counted lost by this batch's loss reports that lie in the doubt: the host
+    /// may have reported them before (counted as lost, and as possible duplicates).
+    pub doubtful_losses: u64,
 }
 
 impl Staged {
     /// Events this batch counts as lost (reported by the host or missing without a report).
     pub fn lost(&self) -> u64 {
         self.losses.iter().map(|(_, n)| n).sum::<u64>() + self.gaps.iter().map(|g| g.1).sum::<u64>()
+    }
+
+    /// Events and losses of this batch that may have been accounted before (see [`Dedup`]).
+    pub fn possible_duplicates(&self) -> u64 {
+        self.deliveries
+            .iter()
+            .filter(|d| d.possible_duplicate)
+            .count() as u64
+            + self.doubtful_losses
     }
 }
 
@@ -90,6 +141,11 @@ pub struct GuestConnection {
     acks: AckPolicy,
     hello_deadline_ns: u64,
     boot: Option<u64>,
+    /// The guest could not tell this connection's sequence space from a forgotten one at the
+    /// handshake: its doubt is recorded with the first message of the event stream.
+    in_doubt: bool,
+    /// Where that doubt ends, once the event stream said.
+    doubt_below: Option<u64>,
     probes_sent: u32,
     next_probe_ns: u64,
 }
@@ -103,6 +159,8 @@ impl GuestConnection {
             hello_deadline_ns: now_mono_ns.saturating_add(timing.hello_timeout_ns),
             timing,
             boot: None,
+            in_doubt: false,
+            doubt_below: None,
             probes_sent: 0,
             next_probe_ns: 0,
         }
@@ -158,6 +216,9 @@ impl GuestConnection {
         let action = self.session.handle_control(msg, dedup, now_realtime_ns)?;
         if let ServerAction::Welcome(_) = action {
             self.boot = self.session.boot_id();
+            self.in_doubt = self
+                .boot
+                .is_some_and(|b| dedup.cannot_tell(self.session.host(), b));
             self.next_probe_ns = now_mono_ns;
         }
         Ok(action)
@@ -178,9 +239,24 @@ impl GuestConnection {
         }
         // check_event_stream refuses messages before the handshake.
         let boot = self.boot.unwrap_or_default();
-        let w = staged
-            .watermark
-            .or_else(|| dedup.watermark(self.session.host(), boot));
+        // A space in doubt: what the host had handed out before it connected may have been
+        // delivered under a forgotten entry. Its first horizon says where that ends; a message
+        // before any horizon (a host that sends none) leaves all of the space in doubt.
+        if self.in_doubt && self.doubt_below.is_none() {
+            self.doubt_below = Some(match &msg {
+                Message::Horizon(h) => h.below,
+                _ => MAX_SEQ,
+            });
+        }
+        let host = self.session.host();
+        let w = staged.watermark.or_else(|| dedup.watermark(host, boot));
+        if dedup.doubt_below(host, boot).is_none() {
+            staged.doubt_below = self.doubt_below;
+        }
+        let doubt = staged
+            .doubt_below
+            .or_else(|| dedup.doubt_below(host, boot))
+            .unwrap_or(0);
         match msg {
             Message::Event(frame) => match Dedup::verdict(w, frame.seq) {
                 (EventVerdict::Duplicate, _) => staged.duplicates += 1,
@@ -189,14 +265,21 @@ impl GuestConnection {
                         staged.gaps.push((frame.seq, gap));
                     }
                     staged.watermark = Some(w);
-                    let event = postcard::from_bytes::<HostEvent>(&frame.payload)
-                        .ok()
-                        .filter(|e| e.kind() == frame.kind);
-                    staged.deliveries.push(Delivery { frame, event });
+                    let event = Undecoded::decode(frame.kind, &frame.payload);
+                    let possible_duplicate = frame.seq < doubt;
+                    staged.deliveries.push(Delivery {
+                        frame,
+                        event,
+                        possible_duplicate,
+                    });
                 }
             },
             Message::SpoolLoss(loss) => {
                 let (newly_lost, w) = Dedup::loss_verdict(w, &loss);
+                if newly_lost > 0 && loss.first_seq < doubt {
+                    let in_doubt = doubt.min(loss.last_seq + 1) - loss.first_seq;
+                    staged.doubtful_losses += newly_lost.min(in_doubt);
+                }
                 staged.watermark = w.or(staged.watermark);
                 staged.losses.push((loss, newly_lost));
             }
@@ -219,6 +302,9 @@ impl GuestConnection {
     pub fn commit(&mut self, staged: &Staged, dedup: &mut Dedup) {
         if let (Some(w), Some(boot)) = (staged.watermark, self.boot) {
             dedup.seed(self.session.host(), boot, w);
+            if let Some(d) = staged.doubt_below {
+                dedup.seed_doubt(self.session.host(), boot, d);
+            }
         }
         self.acks.on_progress(staged.progress);
     }
@@ -358,8 +444,9 @@ mod tests {
         assert_eq!(st.gaps, vec![(3, 2)]);
         assert_eq!(st.losses, vec![(loss, 3)]);
         assert_eq!(st.lost(), 5);
-        // The test's payloads are no events of this build: delivered undecoded.
-        assert_eq!(st.deliveries[0].event, None);
+        // The test's payloads are empty, no event of their (known) kind: delivered undecoded,
+        // as corrupt.
+        assert_eq!(st.deliveries[0].event, Err(Undecoded::BadPayload));
         // Sequence must go forward on one stream.
         let mut st = Staged::default();
         assert_eq!(

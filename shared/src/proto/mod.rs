@@ -35,7 +35,7 @@ pub use codec::{
     HEADER_LEN,
 };
 pub use fit::{encode_event, KMSG_CONTEXT_MAX_BYTES};
-pub use guest::{Delivery, GuestConnection, GuestTiming, Staged};
+pub use guest::{Delivery, GuestConnection, GuestTiming, Staged, Undecoded};
 pub use host::{HostConnection, HostOutput, StatePacing, StateSender};
 pub use ledger::{Ledger, SeqError, MAX_SEQ};
 pub use session::{

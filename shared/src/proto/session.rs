@@ -142,15 +142,44 @@ impl ClientSession {
 /// was delivered or accounted as lost (the watermark). Events arrive in order on one stream, so
 /// anything at or below the watermark is a duplicate of a retransmission.
 ///
-/// A host starts a new sequence space (`boot`) only when its spool state is lost, and never
-/// goes back to an old one; the table keeps the [`Dedup::BOOTS_PER_HOST`] most recently used
-/// spaces per host, so that it does not grow with every such restart.
-#[derive(Debug, Default, Clone)]
+/// A host starts a new sequence space (`boot`) when its spool state is lost; an old one comes
+/// back only with an old copy of its spool (a rollback, a restored snapshot). The table keeps
+/// the watermarks of the [`Dedup::BOOTS_PER_HOST`] most recently used spaces of each host, so
+/// that a host that keeps changing its boot id (a crash loop with a memory-only spool, a buggy
+/// or hostile host) cannot grow it without bound; it counts the spaces it had to forget. A
+/// space it does not hold, from a host that had spaces forgotten, may be a forgotten one: the
+/// guest cannot tell. Such a space is *in doubt* below the first number the host had not
+/// handed out yet when it connected (its first [`super::Horizon`]; everything, without one):
+/// events below it are delivered, since they may be new, but each is counted as a possible
+/// duplicate ([`GuestConnection`](super::GuestConnection) decides, the journal records it).
+#[derive(Debug, Clone)]
 pub struct Dedup {
-    /// `(host, boot)` → (watermark, last use).
-    marks: HashMap<(String, u64), (u64, u64)>,
+    hosts: HashMap<String, HostMarks>,
     /// A logical clock for "last use".
     uses: u64,
+    boots_per_host: usize,
+}
+
+/// One host's sequence spaces.
+#[derive(Debug, Default, Clone)]
+struct HostMarks {
+    boots: HashMap<u64, Mark>,
+    /// Spaces dropped from the table (least recently used first) to keep it bounded.
+    forgotten: u64,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Mark {
+    watermark: u64,
+    used: u64,
+    /// Numbers below this are possible duplicates (0: none); see [`Dedup`].
+    doubt_below: u64,
+}
+
+impl Default for Dedup {
+    fn default() -> Self {
+        Self::with_boots_per_host(Self::BOOTS_PER_HOST)
+    }
 }
 
 /// What to do with an event frame.
@@ -164,41 +193,74 @@ pub enum EventVerdict {
 }
 
 impl Dedup {
-    /// Sequence spaces kept per host.
-    pub const BOOTS_PER_HOST: usize = 4;
+    /// Sequence spaces kept per host: about 40 bytes each in memory and one journal line each
+    /// after a compaction. A host reaches it only after that many losses of its spool state.
+    pub const BOOTS_PER_HOST: usize = 256;
 
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Highest accounted sequence number of `(host, boot)`.
-    pub fn watermark(&self, host: &str, boot: u64) -> Option<u64> {
-        self.marks.get(&(host.to_owned(), boot)).map(|m| m.0)
+    /// A table that keeps `n` (at least 1) sequence spaces per host.
+    pub fn with_boots_per_host(n: usize) -> Self {
+        Dedup {
+            hosts: HashMap::new(),
+            uses: 0,
+            boots_per_host: n.max(1),
+        }
     }
 
-    /// The watermark of `(host, boot)` for an update, created at `init` if new (then the
-    /// host's least recently used spaces beyond [`Dedup::BOOTS_PER_HOST`] are forgotten).
-    fn mark(&mut self, host: &str, boot: u64, init: u64) -> (&mut u64, bool) {
+    /// Highest accounted sequence number of `(host, boot)`.
+    pub fn watermark(&self, host: &str, boot: u64) -> Option<u64> {
+        self.get(host, boot).map(|m| m.watermark)
+    }
+
+    fn get(&self, host: &str, boot: u64) -> Option<&Mark> {
+        self.hosts.get(host)?.boots.get(&boot)
+    }
+
+    /// How many sequence spaces of `host` the table had to forget.
+    pub fn forgotten(&self, host: &str) -> u64 {
+        self.hosts.get(host).map_or(0, |h| h.forgotten)
+    }
+
+    /// Whether the guest cannot tell a new sequence space from a forgotten one: `(host, boot)`
+    /// is not in the table and `host` had spaces forgotten.
+    pub fn cannot_tell(&self, host: &str, boot: u64) -> bool {
+        self.get(host, boot).is_none() && self.forgotten(host) > 0
+    }
+
+    /// Below which number events of `(host, boot)` are possible duplicates (`None`: none are).
+    pub fn doubt_below(&self, host: &str, boot: u64) -> Option<u64> {
+        self.get(host, boot)
+            .map(|m| m.doubt_below)
+            .filter(|&d| d > 0)
+    }
+
+    /// The mark of `(host, boot)` for an update, created at `init` if new (then the host's
+    /// least recently used spaces beyond the bound are forgotten, and counted).
+    fn mark(&mut self, host: &str, boot: u64, init: u64) -> &mut Mark {
         self.uses += 1;
-        let key = (host.to_owned(), boot);
-        let new = !self.marks.contains_key(&key);
-        if new {
-            let mut same_host: Vec<(u64, u64)> = self
-                .marks
-                .iter()
-                .filter(|((h, _), _)| h == host)
-                .map(|((_, b), (_, used))| (*used, *b))
-                .collect();
-            if same_host.len() >= Self::BOOTS_PER_HOST {
-                same_host.sort_unstable();
-                for (_, b) in &same_host[..=same_host.len() - Self::BOOTS_PER_HOST] {
-                    self.marks.remove(&(host.to_owned(), *b));
-                }
+        let uses = self.uses;
+        let bound = self.boots_per_host;
+        let h = self.hosts.entry(host.to_owned()).or_default();
+        if !h.boots.contains_key(&boot) {
+            while h.boots.len() >= bound {
+                let Some(oldest) = h.boots.iter().min_by_key(|(_, m)| m.used).map(|(b, _)| *b)
+                else {
+                    break;
+                };
+                h.boots.remove(&oldest);
+                h.forgotten += 1;
             }
         }
-        let m = self.marks.entry(key).or_insert((init, 0));
-        m.1 = self.uses;
-        (&mut m.0, new)
+        let m = h.boots.entry(boot).or_insert(Mark {
+            watermark: init,
+            used: 0,
+            doubt_below: 0,
+        });
+        m.used = uses;
+        m
     }
 
     /// Seeds a watermark (from persisted state, or a committed batch); never lowers one. A
@@ -207,9 +269,34 @@ impl Dedup {
         if up_to >= MAX_SEQ {
             return false;
         }
-        let (w, _) = self.mark(host, boot, up_to);
-        *w = (*w).max(up_to);
+        let m = self.mark(host, boot, up_to);
+        m.watermark = m.watermark.max(up_to);
         true
+    }
+
+    /// Records that events of `(host, boot)` below `below` are possible duplicates (from
+    /// persisted state, or a committed batch); only for a space the table holds, never
+    /// lowered. Returns false for a number that cannot be one (beyond [`MAX_SEQ`]).
+    pub fn seed_doubt(&mut self, host: &str, boot: u64, below: u64) -> bool {
+        if below > MAX_SEQ {
+            return false;
+        }
+        if let Some(m) = self
+            .hosts
+            .get_mut(host)
+            .and_then(|h| h.boots.get_mut(&boot))
+        {
+            m.doubt_below = m.doubt_below.max(below);
+        }
+        true
+    }
+
+    /// Seeds the count of `host`'s forgotten spaces (from persisted state); never lowers it.
+    pub fn seed_forgotten(&mut self, host: &str, n: u64) {
+        if n > 0 {
+            let h = self.hosts.entry(host.to_owned()).or_default();
+            h.forgotten = h.forgotten.max(n);
+        }
     }
 
     /// The `Welcome.resume_from` for `(host, boot)`.
@@ -264,9 +351,19 @@ impl Dedup {
 
     /// All watermarks, for persistence.
     pub fn iter(&self) -> impl Iterator<Item = (&str, u64, u64)> {
-        self.marks
+        self.hosts.iter().flat_map(|(h, hm)| {
+            hm.boots
+                .iter()
+                .map(move |(b, m)| (h.as_str(), *b, m.watermark))
+        })
+    }
+
+    /// Every host with forgotten spaces, and how many, for persistence.
+    pub fn forgotten_iter(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.hosts
             .iter()
-            .map(|((h, b), (w, _))| (h.as_str(), *b, *w))
+            .filter(|(_, h)| h.forgotten > 0)
+            .map(|(h, hm)| (h.as_str(), hm.forgotten))
     }
 }
 
@@ -546,7 +643,7 @@ mod tests {
 
     #[test]
     fn dedup_keeps_the_newest_boots_of_each_host() {
-        let mut d = Dedup::new();
+        let mut d = Dedup::with_boots_per_host(4);
         for boot in 0..10u64 {
             d.on_event("pve1", boot, 5);
             d.on_event("pve2", 100 + boot, 5);
@@ -560,11 +657,42 @@ mod tests {
         }
         assert_eq!(boots(&d, "pve1"), vec![6, 7, 8, 9]);
         assert_eq!(boots(&d, "pve2"), vec![106, 107, 108, 109]);
+        assert_eq!((d.forgotten("pve1"), d.forgotten("pve2")), (6, 6));
         // A space in use is kept even when older ones were created after it.
         d.on_event("pve1", 6, 6);
         d.on_event("pve1", 42, 0);
         assert_eq!(boots(&d, "pve1"), vec![6, 8, 9, 42]);
         assert_eq!(d.watermark("pve1", 6), Some(6));
+        assert_eq!(d.forgotten("pve1"), 7);
+        // A forgotten space and a new one look alike: the guest cannot tell them apart, and
+        // says so; a space it holds it can.
+        assert!(d.cannot_tell("pve1", 7) && d.cannot_tell("pve1", 1234));
+        assert!(!d.cannot_tell("pve1", 6));
+        assert!(!Dedup::new().cannot_tell("pve1", 7));
+    }
+
+    #[test]
+    fn the_default_table_holds_far_more_boots_than_a_spool_shows() {
+        let mut d = Dedup::new();
+        for boot in 0..Dedup::BOOTS_PER_HOST as u64 {
+            d.on_event("pve1", boot, 4);
+        }
+        assert_eq!(d.forgotten("pve1"), 0);
+        // Every one of them still knows its events.
+        for boot in 0..Dedup::BOOTS_PER_HOST as u64 {
+            assert_eq!(d.on_event("pve1", boot, 4), EventVerdict::Duplicate);
+        }
+        assert_eq!(d.resume_from("pve1", 0), Some(5));
+        // One more forgets the least recently used, and counts it.
+        d.on_event("pve1", 1 << 40, 0);
+        assert_eq!(d.forgotten("pve1"), 1);
+        assert_eq!(d.iter().count(), Dedup::BOOTS_PER_HOST);
+        // Doubts belong to spaces the table holds, and never go down.
+        assert!(d.seed_doubt("pve1", 1 << 40, 9));
+        assert!(d.seed_doubt("pve1", 1 << 40, 3));
+        assert_eq!(d.doubt_below("pve1", 1 << 40), Some(9));
+        assert_eq!(d.doubt_below("pve1", 1), None);
+        assert!(!d.seed_doubt("pve1", 1 << 40, u64::MAX));
     }
 
     #[test]

@@ -8,16 +8,33 @@
 
 use std::fmt;
 
-use crate::proto::{Dedup, GuestConnection, Staged};
+use crate::proto::{Dedup, EventFrame, GuestConnection, Staged, Undecoded};
 
 use super::recent::{self, Recent};
 use super::{ReceivedEvent, UnknownEvent};
 
-/// Where accepted events and losses are written before they count ([`super::journal`]).
+/// Where accepted events and losses are written before they count ([`super::journal`]): every
+/// number a batch accounts is in one of its records (an event, decoded or not, a loss report
+/// or a gap), so that the log explains every number it moves past.
 pub trait EventLog {
-    fn add_event(&mut self, e: &ReceivedEvent);
+    /// A decoded event; `possible_duplicate`: its sequence space is in doubt there (see
+    /// [`Dedup`]).
+    fn add_event(&mut self, e: &ReceivedEvent, possible_duplicate: bool);
+    /// An event accounted without a decoded form (see [`Undecoded`]).
+    fn add_undecoded(
+        &mut self,
+        host: &str,
+        boot: u64,
+        frame: &EventFrame,
+        why: Undecoded,
+        possible_duplicate: bool,
+    );
     /// A loss report: the range `first..=last` the host reported, `lost` of it newly lost.
     fn add_loss(&mut self, host: &str, boot: u64, first: u64, last: u64, lost: u64);
+    /// Events `first..=last` neither received nor reported lost: counted as lost.
+    fn add_gap(&mut self, host: &str, boot: u64, first: u64, last: u64);
+    /// The sequence space's events below `below` are possible duplicates (see [`Dedup`]).
+    fn add_doubt(&mut self, host: &str, boot: u64, below: u64);
     /// Writes what was added since the last commit: all of it, or (on an error) none.
     fn commit(&mut self) -> std::io::Result<()>;
     /// The committed batch is in `dedup` now.
@@ -50,6 +67,16 @@ pub enum Note {
         newly_lost: u64,
         boot: u64,
     },
+    /// An event of a kind this guest knows whose payload does not decode as that kind.
+    BadPayload {
+        seq: u64,
+        kind: u16,
+        payload_len: usize,
+        boot: u64,
+    },
+    /// `count` events (and losses) of a sequence space in doubt were accounted below its
+    /// doubt: they may have been accounted before (see [`Dedup`]).
+    PossibleDuplicates { count: u64, below: u64, boot: u64 },
 }
 
 impl Note {
@@ -57,6 +84,8 @@ impl Note {
         match self {
             Note::Gap { .. } => "gap",
             Note::SpoolLoss { .. } => "spool_loss",
+            Note::BadPayload { .. } => "bad_payload",
+            Note::PossibleDuplicates { .. } => "possible_duplicate",
         }
     }
 }
@@ -78,6 +107,14 @@ impl fmt::Display for Note {
                 f,
                 "host spool dropped events {first}..={last} (reported {reported}, newly lost {newly_lost}, boot {boot})"
             ),
+            Note::BadPayload { seq, kind, payload_len, boot } => write!(
+                f,
+                "event {seq} (boot {boot}) of known kind {kind} has a payload of {payload_len} bytes that does not decode as that kind; counted as corrupt (bad_payload) and journaled as such"
+            ),
+            Note::PossibleDuplicates { count, below, boot } => write!(
+                f,
+                "{count} events of boot {boot} below {below} may have been accounted before: this guest forgot that sequence space or never knew it and cannot tell which; delivered and counted as possible duplicates"
+            ),
         }
     }
 }
@@ -97,8 +134,13 @@ pub struct Outcome {
     pub delivered: Vec<ReceivedEvent>,
     /// Accepted events of kinds this guest cannot decode: to list.
     pub unknown: Vec<UnknownEvent>,
+    /// Accepted events of known kinds whose payload does not decode (each also in `notes`).
+    pub bad_payload: u64,
     /// Retransmissions dropped.
     pub duplicates: u64,
+    /// Events (delivered, or counted lost) that may have been accounted before: their
+    /// sequence space is in doubt (see [`Dedup`]).
+    pub possible_duplicates: u64,
     /// Events newly counted as lost (reported by the host, or missing without a report).
     pub lost: u64,
     /// Emission to receipt of the latest delivered event, ns, never negative (it is only
@@ -123,19 +165,38 @@ pub fn accept<L: EventLog + ?Sized>(
     recent: &mut Recent,
 ) -> Outcome {
     let mut out = Outcome::default();
+    let possible_duplicates = staged.possible_duplicates();
     let mut sizes = Vec::with_capacity(staged.deliveries.len());
+    // Decoded events, with their possible-duplicate mark; the others' records.
+    let mut marks = Vec::with_capacity(staged.deliveries.len());
+    let mut undecoded = Vec::new();
     for d in staged.deliveries.drain(..) {
         let f = d.frame;
-        let Some(event) = d.event else {
-            out.unknown.push(UnknownEvent {
-                host: at.host.to_owned(),
-                kind: f.kind,
-                payload_len: f.payload.len(),
-                seq: f.seq,
-                host_realtime_ns: f.host_realtime_ns,
-                clock_offset_ns: at.clock_offset_ns,
-            });
-            continue;
+        let event = match d.event {
+            Ok(e) => e,
+            Err(why) => {
+                match why {
+                    Undecoded::UnknownKind => out.unknown.push(UnknownEvent {
+                        host: at.host.to_owned(),
+                        kind: f.kind,
+                        payload_len: f.payload.len(),
+                        seq: f.seq,
+                        host_realtime_ns: f.host_realtime_ns,
+                        clock_offset_ns: at.clock_offset_ns,
+                    }),
+                    Undecoded::BadPayload => {
+                        out.bad_payload += 1;
+                        out.notes.push(Note::BadPayload {
+                            seq: f.seq,
+                            kind: f.kind,
+                            payload_len: f.payload.len(),
+                            boot: at.boot,
+                        });
+                    }
+                }
+                undecoded.push((f, why, d.possible_duplicate));
+                continue;
+            }
         };
         let e = ReceivedEvent {
             host: at.host.to_owned(),
@@ -149,14 +210,25 @@ pub fn accept<L: EventLog + ?Sized>(
             event,
         };
         sizes.push(recent::estimate(&e, f.payload.len()));
+        marks.push(d.possible_duplicate);
         out.delivered.push(e);
     }
     if let Some(log) = log.as_deref_mut() {
         for (l, n) in &staged.losses {
             log.add_loss(at.host, at.boot, l.first_seq, l.last_seq, *n);
         }
-        for e in &out.delivered {
-            log.add_event(e);
+        for &(seq, missing) in &staged.gaps {
+            log.add_gap(at.host, at.boot, seq - missing, seq - 1);
+        }
+        for (f, why, dup) in &undecoded {
+            log.add_undecoded(at.host, at.boot, f, *why, *dup);
+        }
+        for (e, dup) in out.delivered.iter().zip(&marks) {
+            log.add_event(e, *dup);
+        }
+        // After the records that put the space in the table (a restart replays them in order).
+        if let Some(below) = staged.doubt_below {
+            log.add_doubt(at.host, at.boot, below);
         }
         if let Err(error) = log.commit() {
             // Not committed, so no ack can carry it.
@@ -190,6 +262,17 @@ pub fn accept<L: EventLog + ?Sized>(
             newly_lost: *n,
             boot: at.boot,
         }));
+    out.possible_duplicates = possible_duplicates;
+    if out.possible_duplicates > 0 {
+        out.notes.push(Note::PossibleDuplicates {
+            count: out.possible_duplicates,
+            below: staged
+                .doubt_below
+                .or(dedup.doubt_below(at.host, at.boot))
+                .unwrap_or(0),
+            boot: at.boot,
+        });
+    }
     out.lag_ns = out
         .delivered
         .last()
@@ -204,7 +287,7 @@ pub fn accept<L: EventLog + ?Sized>(
 mod tests {
     use super::*;
     use crate::event::HostEvent;
-    use crate::proto::{test_event, ClientSession, EventFrame, GuestTiming, Message, SpoolLoss};
+    use crate::proto::{ClientSession, EventFrame, GuestTiming, Message, SpoolLoss};
 
     /// A journal that keeps its lines in memory and fails while `fail` is set.
     #[derive(Default)]
@@ -217,11 +300,33 @@ mod tests {
     }
 
     impl EventLog for Log {
-        fn add_event(&mut self, e: &ReceivedEvent) {
-            self.pending.push(format!("event {}", e.seq));
+        fn add_event(&mut self, e: &ReceivedEvent, dup: bool) {
+            let dup = if dup { " possible duplicate" } else { "" };
+            self.pending.push(format!("event {}{dup}", e.seq));
+        }
+        fn add_undecoded(
+            &mut self,
+            _host: &str,
+            _boot: u64,
+            f: &EventFrame,
+            why: Undecoded,
+            _dup: bool,
+        ) {
+            self.pending.push(format!(
+                "undecoded {} kind {} {}",
+                f.seq,
+                f.kind,
+                why.reason()
+            ));
         }
         fn add_loss(&mut self, _host: &str, _boot: u64, first: u64, last: u64, lost: u64) {
             self.pending.push(format!("loss {first}..={last} {lost}"));
+        }
+        fn add_gap(&mut self, _host: &str, _boot: u64, first: u64, last: u64) {
+            self.pending.push(format!("gap {first}..={last}"));
+        }
+        fn add_doubt(&mut self, _host: &str, _boot: u64, below: u64) {
+            self.pending.push(format!("doubt below {below}"));
         }
         fn commit(&mut self) -> std::io::Result<()> {
             if self.fail {
@@ -248,6 +353,30 @@ mod tests {
             host_monotonic_ns: 0,
             kind: ev.kind(),
             payload: postcard::to_allocvec(&ev).unwrap(),
+        })
+    }
+
+    /// An event of a kind no build knows yet (a newer host's).
+    fn unknown(seq: u64) -> Message {
+        Message::Event(EventFrame {
+            seq,
+            host_realtime_ns: 1_000,
+            host_monotonic_ns: 0,
+            kind: 999,
+            payload: vec![1, 2, 3],
+        })
+    }
+
+    /// An event of a known kind whose payload is no such event.
+    fn corrupt(seq: u64) -> Message {
+        let ev = HostEvent::KmsgLost { count: seq };
+        Message::Event(EventFrame {
+            seq,
+            host_realtime_ns: 1_000,
+            host_monotonic_ns: 0,
+            kind: ev.kind(),
+            // A varint that never ends.
+            payload: vec![0x89, 0xff, 0xff],
         })
     }
 
@@ -317,7 +446,7 @@ mod tests {
     fn a_refused_journal_write_accepts_nothing_and_the_retry_takes_it_all() {
         let mut guest = Guest::new(true);
         guest.log.fail = true;
-        let batch = || vec![known(0), known(1), loss(2, 3), known(4), test_event(5)];
+        let batch = || vec![known(0), known(1), loss(2, 3), known(4), unknown(5)];
         let o = guest.connection_sends(batch());
         let refused = o.unavailable.as_ref().expect("refused");
         assert_eq!(refused.events, 3);
@@ -347,8 +476,12 @@ mod tests {
     fn losses_are_journaled_before_the_commit() {
         let mut guest = Guest::new(true);
         let o = guest.connection_sends(vec![known(0), loss(1, 2), known(5)]);
-        // Losses first, then the events, all in one write, and the table moved after it.
-        assert_eq!(guest.log.written, ["loss 1..=2 2", "event 0", "event 5"]);
+        // Losses and gaps first, then the events, all in one write, and the table moved after
+        // it: every number up to the watermark is in a record.
+        assert_eq!(
+            guest.log.written,
+            ["loss 1..=2 2", "gap 3..=4", "event 0", "event 5"]
+        );
         assert_eq!(guest.log.committed, [Some(5)]);
         // 1..=2 reported, 3..=4 missing without a report.
         assert_eq!(o.lost, 4);
@@ -395,17 +528,21 @@ mod tests {
     #[test]
     fn unknown_kinds_are_passed_on_and_delivered_events_carry_the_receipt() {
         let mut guest = Guest::new(true);
-        let o = guest.connection_sends(vec![test_event(0), known(1)]);
+        let o = guest.connection_sends(vec![unknown(0), known(1)]);
         let u = &o.unknown[..];
         assert_eq!(u.len(), 1);
         assert_eq!(
             (u[0].host.as_str(), u[0].kind, u[0].payload_len, u[0].seq),
-            (HOST, 1, 0, 0)
+            (HOST, 999, 3, 0)
         );
         assert_eq!(u[0].clock_offset_ns, Some(1_500));
-        // An unknown event has no decoded form to journal, but it moves the watermark: it is
-        // not asked for again.
-        assert_eq!(guest.log.written, ["event 1"]);
+        assert_eq!(o.bad_payload, 0);
+        // An unknown event has no decoded form, but it is journaled as one and moves the
+        // watermark: it is not asked for again, and the journal explains its number.
+        assert_eq!(
+            guest.log.written,
+            ["undecoded 0 kind 999 unknown_kind", "event 1"]
+        );
         assert_eq!(guest.watermark(), Some(1));
         let e = &o.delivered[0];
         assert_eq!((e.boot_id, e.received_realtime_ns), (BOOT, 5_000));
@@ -413,5 +550,91 @@ mod tests {
         // Received at 5000 guest time, sent at 1000 host time, host 1500 ahead.
         assert_eq!(o.lag_ns, Some(5_500));
         assert!(o.refused.is_empty());
+    }
+
+    #[test]
+    fn a_corrupt_event_of_a_known_kind_is_no_unknown_kind() {
+        let mut guest = Guest::new(true);
+        let o = guest.connection_sends(vec![known(0), corrupt(1), unknown(2), known(3)]);
+        assert_eq!(seqs(&o), vec![0, 3]);
+        // Counted as corrupt, not listed as a kind this guest does not know ...
+        assert_eq!(o.bad_payload, 1);
+        assert_eq!(o.unknown.iter().map(|u| u.seq).collect::<Vec<_>>(), [2]);
+        assert_eq!(
+            o.notes,
+            [Note::BadPayload {
+                seq: 1,
+                kind: HostEvent::KmsgLost { count: 0 }.kind(),
+                payload_len: 3,
+                boot: BOOT
+            }]
+        );
+        assert!(o.notes[0].to_string().contains("bad_payload"));
+        // ... and journaled as such: every number up to the watermark has its record.
+        assert_eq!(
+            guest.log.written,
+            [
+                "undecoded 1 kind 10 bad_payload",
+                "undecoded 2 kind 999 unknown_kind",
+                "event 0",
+                "event 3"
+            ]
+        );
+        assert_eq!(guest.watermark(), Some(3));
+        // A payload that decodes as another kind than its frame says is corrupt too.
+        let mut m = known(4);
+        if let Message::Event(f) = &mut m {
+            f.kind = HostEvent::WatcherDisabled {
+                watcher: String::new(),
+                reason: String::new(),
+            }
+            .kind();
+        }
+        let o = guest.connection_sends(vec![m]);
+        assert_eq!((o.bad_payload, o.unknown.len()), (1, 0));
+    }
+
+    #[test]
+    fn a_space_in_doubt_is_delivered_marked_and_counted_below_its_first_horizon() {
+        let mut guest = Guest::new(true);
+        guest.dedup = Dedup::with_boots_per_host(1);
+        // The table held another space of this host and had to forget one: it cannot tell
+        // whether BOOT is new or forgotten.
+        guest.dedup.seed(HOST, 1, 10);
+        guest.dedup.seed(HOST, 2, 10);
+        assert!(guest.dedup.cannot_tell(HOST, BOOT));
+        let horizon = |below| Message::Horizon(crate::proto::Horizon { below });
+        let o = guest.connection_sends(vec![horizon(3), known(0), loss(1, 1)]);
+        assert_eq!(seqs(&o), vec![0]);
+        // One event and one loss below the horizon the host had when it connected.
+        assert_eq!((o.possible_duplicates, o.lost), (2, 1));
+        assert_eq!(
+            guest.log.written,
+            [
+                "loss 1..=1 1",
+                "event 0 possible duplicate",
+                "doubt below 3"
+            ]
+        );
+        assert_eq!(guest.dedup.doubt_below(HOST, BOOT), Some(3));
+        assert_eq!(
+            o.notes.last(),
+            Some(&Note::PossibleDuplicates {
+                count: 2,
+                below: 3,
+                boot: BOOT
+            })
+        );
+        // The next connection of that space resumes with the doubt it recorded: what it sends
+        // below it is still in doubt, what the host numbered after is not.
+        guest.log.written.clear();
+        let o = guest.connection_sends(vec![horizon(9), known(2), known(3)]);
+        assert_eq!((seqs(&o), o.possible_duplicates), (vec![2, 3], 1));
+        assert_eq!(guest.log.written, ["event 2 possible duplicate", "event 3"]);
+        // A space it holds is never in doubt.
+        let mut certain = Guest::new(true);
+        let o = certain.connection_sends(vec![horizon(3), known(0)]);
+        assert_eq!(o.possible_duplicates, 0);
+        assert_eq!(certain.log.written, ["event 0"]);
     }
 }

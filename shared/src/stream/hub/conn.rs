@@ -335,6 +335,15 @@ impl<'a> Conn<'a> {
         received.inc_by(out.delivered.len() as u64);
         duplicate.inc_by(out.duplicates);
         lost.inc_by(out.lost);
+        let m = &inner.metrics;
+        m.possible_duplicate
+            .with_label_values(&[self.host])
+            .inc_by(out.possible_duplicates);
+        if out.bad_payload > 0 {
+            m.rejected
+                .with_label_values(&[self.host, "bad_payload"])
+                .inc_by(out.bad_payload);
+        }
         if !out.unknown.is_empty() {
             tracing::debug!(
                 host = self.host,

@@ -1,13 +1,19 @@
-//! The hub's series (listed in the [module docs](super)). The KVM PTP gauge is registered by
-//! [`super::serve`] only where the clock exists.
+//! The hub's series (listed in the [module docs](super), and these two:
+//! `gpufeed_stream_events_possible_duplicate_total{host}`, events delivered (or losses
+//! counted) of a sequence space the guest could not tell from one it forgot, and
+//! `gpufeed_stream_journal_damaged_records_total`, records of the event journal found damaged
+//! when it was opened). The KVM PTP gauge is registered by [`super::serve`] only where the
+//! clock exists.
 
-use prometheus::{Gauge, GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{Gauge, GaugeVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 pub(super) struct Metrics {
     pub(super) connected: IntGaugeVec,
     pub(super) received: IntCounterVec,
     pub(super) duplicate: IntCounterVec,
     pub(super) lost: IntCounterVec,
+    pub(super) possible_duplicate: IntCounterVec,
+    pub(super) journal_damaged: IntCounter,
     pub(super) lag: GaugeVec,
     pub(super) rejected: IntCounterVec,
     pub(super) offset: GaugeVec,
@@ -43,9 +49,20 @@ impl Metrics {
             lost: IntCounterVec::new(
                 Opts::new(
                     "gpufeed_stream_events_lost_total",
-                    "Host events lost before reaching the guest (as reported by the host's spool)",
+                    "Host events lost before reaching the guest: reported lost by the host's spool, or missing without a report (the count of events lost per host)",
                 ),
                 h,
+            )?,
+            possible_duplicate: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_stream_events_possible_duplicate_total",
+                    "Host events delivered (or counted lost) that may have been accounted before: their sequence space is one the guest cannot tell from one it forgot",
+                ),
+                h,
+            )?,
+            journal_damaged: IntCounter::new(
+                "gpufeed_stream_journal_damaged_records_total",
+                "Records of the event journal found damaged (skipped, or torn off the end) when it was opened",
             )?,
             lag: GaugeVec::new(
                 Opts::new(
@@ -84,6 +101,8 @@ impl Metrics {
         r.register(Box::new(m.received.clone()))?;
         r.register(Box::new(m.duplicate.clone()))?;
         r.register(Box::new(m.lost.clone()))?;
+        r.register(Box::new(m.possible_duplicate.clone()))?;
+        r.register(Box::new(m.journal_damaged.clone()))?;
         r.register(Box::new(m.lag.clone()))?;
         r.register(Box::new(m.rejected.clone()))?;
         r.register(Box::new(m.offset.clone()))?;

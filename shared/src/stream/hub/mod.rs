@@ -261,6 +261,9 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         ),
         None => None,
     };
+    if let Some(j) = &journal {
+        metrics.journal_damaged.inc_by(j.damaged_records());
+    }
     let ptp = match KvmPtp::open(&cfg.sysfs_root) {
         Ok(Some(p)) => match p.offset_ns() {
             Ok(off) => {
