@@ -1,65 +1,34 @@
 //! Wiring: discovery, the watcher units, event bus, metrics. [`Agent::new`] builds every unit
-//! of [`crate::watch::UNITS`] (registering its series); [`Agent::start`] performs discovery,
-//! then starts the units in order (each takes its baseline: no events for it) and runs their
-//! loops until the returned [`Running`] is dropped.
+//! of [`crate::watch::UNITS`] from its section (registering its series) and the [`Context`]
+//! they share; [`Agent::start`] performs discovery, then starts the units in order (each takes
+//! its baseline: no events for it) and runs their loops until the returned [`Running`] is
+//! dropped.
 
 use crate::config::Config;
 use crate::discovery::{self, DeviceTopology};
 use crate::events::EventBus;
-use crate::heartbeat::{Beat, Heartbeats};
+use crate::heartbeat::Heartbeats;
 use crate::metrics::Metrics;
 use crate::roots::Roots;
-use crate::watch::unit::{Cx, Inbox, Outcome, Poke, Pokes, Watcher};
-use crate::watch::{vm_suffix, RecentKmsg, Topology, UNITS};
+use crate::watch::context::{Context, DISCOVERY};
+use crate::watch::topology::Topology;
+use crate::watch::unit::{Cx, Inbox, Outcome, Poke, Watcher};
+use crate::watch::UNITS;
 use gpufeed_shared::event::{DeviceMapped, HostEvent};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-/// Shared, replaceable topology snapshot.
-#[derive(Debug, Default)]
-pub struct TopoCell {
-    inner: RwLock<Arc<Topology>>,
-    vmids: RwLock<BTreeSet<u32>>,
-}
-
-impl TopoCell {
-    pub fn get(&self) -> Arc<Topology> {
-        self.inner.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-    fn set(&self, t: Topology, vmids: BTreeSet<u32>) {
-        *self.inner.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(t);
-        *self.vmids.write().unwrap_or_else(|e| e.into_inner()) = vmids;
-    }
-    pub fn vmids(&self) -> BTreeSet<u32> {
-        self.vmids.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-}
-
-/// Address of the discovery loop for [`Agent::poke`] (a uevent asks it to rescan).
-pub const DISCOVERY: &str = "discovery";
-
 pub struct Agent {
     pub cfg: Config,
-    pub roots: Roots,
+    /// The event bus (the units emit on it through [`Context`]).
     pub bus: Arc<EventBus>,
     pub metrics: Arc<Metrics>,
-    pub recent: Arc<RecentKmsg>,
-    pub topo: Arc<TopoCell>,
-    /// The periodic loops' progress, for the watchdog.
-    pub heartbeats: Heartbeats,
-    /// `ras:aer_event` records are being read (the tracepoints watcher set it up): the aer
-    /// watcher then holds what its poll finds first for the record to join.
-    pub aer_records: AtomicBool,
+    /// What the units share.
+    pub ctx: Arc<Context>,
     host_id: String,
-    /// Common phase of the pollers' timers: intervals that divide each other fire in the same
-    /// wake-up (pcie, aer and vm each second, thunderbolt every other, host every fifth).
-    phase: crate::ticks::Phase,
-    /// Poke senders by unit name (and [`DISCOVERY`]).
-    pokes: HashMap<&'static str, mpsc::Sender<Poke>>,
     /// The built units and their poke receivers, taken by [`Agent::start`].
     pending: Mutex<Vec<Pending>>,
     discovery_inbox: Mutex<Option<mpsc::Receiver<Poke>>>,
@@ -100,10 +69,10 @@ impl Agent {
         let mut pending = Vec::new();
         for u in UNITS {
             let (tx, inbox) = mpsc::channel(64);
-            pokes.insert(u.name, tx);
+            pokes.insert(u.unit.name, tx);
             pending.push(Pending {
-                name: u.name,
-                watcher: (u.new)(&metrics.registry),
+                name: u.unit.name,
+                watcher: u.watcher(&metrics.registry, &cfg),
                 inbox,
             });
         }
@@ -111,55 +80,18 @@ impl Agent {
         pokes.insert(DISCOVERY, tx);
         Agent {
             metrics,
-            roots,
+            ctx: Arc::new(Context::new(roots, bus.clone(), pokes)),
             bus,
-            recent: Arc::new(RecentKmsg::default()),
-            topo: Arc::new(TopoCell::default()),
-            heartbeats: Heartbeats::default(),
-            aer_records: AtomicBool::new(false),
             host_id,
             cfg,
-            phase: crate::ticks::Phase::now(),
-            pokes,
             pending: Mutex::new(pending),
             discovery_inbox: Mutex::new(Some(discovery_inbox)),
         }
     }
 
-    /// A poller's timer: first tick at once, then on the agent's common phase (see
-    /// [`crate::ticks`]). A late tick is skipped rather than shifting the phase.
-    pub fn ticker(&self, period_ms: u64) -> crate::ticks::Ticks {
-        crate::ticks::Ticks::new(self.phase, Duration::from_millis(period_ms.max(1)))
-    }
-
-    /// A poller's wake-ups: its timer (past its immediate first tick: the caller polled once
-    /// already) merged with its inbox; each wake-up it asks for is its heartbeat.
-    pub async fn pokes(&self, period_ms: u64, inbox: Inbox) -> Pokes {
-        let mut timer = self.ticker(period_ms);
-        timer.tick().await;
-        let beat = self.heartbeat(inbox.name, period_ms);
-        Pokes::new(timer, inbox.rx, beat)
-    }
-
-    /// The heartbeat of a loop that comes round every `period_ms` (see [`Heartbeats`]).
-    pub fn heartbeat(&self, name: &'static str, period_ms: u64) -> Arc<Beat> {
-        self.heartbeats
-            .register(name, Duration::from_millis(period_ms.max(1)))
-    }
-
-    /// Ask the unit named `to` (or [`DISCOVERY`]) to look now. Never blocks: a full inbox
-    /// already holds a poke that will make it look.
-    pub fn poke(&self, to: &str, p: Poke) {
-        if let Some(tx) = self.pokes.get(to) {
-            let _ = tx.try_send(p);
-        }
-    }
-
-    /// Emit events in order.
-    pub fn emit_all(&self, evs: impl IntoIterator<Item = HostEvent>) {
-        for ev in evs {
-            self.bus.emit(ev);
-        }
+    /// The periodic loops' progress, for the watchdog.
+    pub fn heartbeats(&self) -> &Heartbeats {
+        &self.ctx.heartbeats
     }
 
     /// Node name used for `mapping=` entries.
@@ -169,7 +101,8 @@ impl Agent {
 
     /// Discover devices and publish the topology; emits `DeviceMapped` for new/changed devices.
     fn rescan(&self, known: &mut Vec<DeviceTopology>, warned: &mut HashSet<String>, first: bool) {
-        let (scan, devices) = discovery::discover(&self.roots, &self.host_id, &self.cfg.devices);
+        let (scan, devices) =
+            discovery::discover(&self.ctx.roots, &self.host_id, &self.cfg.devices);
         for w in &scan.warnings {
             if warned.insert(w.clone()) {
                 tracing::warn!("proxmox config: {w}");
@@ -179,7 +112,7 @@ impl Agent {
             tracing::warn!(
                 watcher = "proxmox",
                 "proxmox: {} not found; proxmox watcher off (only devices from the agent's config are watched)",
-                self.roots.pve().display()
+                self.ctx.roots.pve().display()
             );
             self.metrics
                 .watcher_enabled
@@ -187,7 +120,7 @@ impl Agent {
                 .set(0);
             self.bus.emit(HostEvent::WatcherDisabled {
                 watcher: "proxmox".into(),
-                reason: format!("{} not found", self.roots.pve().display()),
+                reason: format!("{} not found", self.ctx.roots.pve().display()),
             });
         } else if first {
             self.metrics
@@ -224,7 +157,7 @@ impl Agent {
         *known = devices.clone();
         let mut vmids = scan.vmids.clone();
         vmids.extend(scan.assignments.iter().filter_map(|a| a.vmid));
-        self.topo.set(Topology::from_devices(devices), vmids);
+        self.ctx.topo.set(Topology::from_devices(devices), vmids);
     }
 
     /// Start discovery and every unit. Returns after discovery and the baseline polls.
@@ -239,7 +172,7 @@ impl Agent {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         for p in pending {
             let cx = Cx {
-                agent: self.clone(),
+                ctx: self.ctx.clone(),
                 inbox: Inbox {
                     name: p.name,
                     rx: p.inbox,
@@ -314,30 +247,14 @@ impl Agent {
                 name: DISCOVERY,
                 rx,
             };
-            let mut pokes = me.pokes(me.cfg.discovery.rescan_interval_ms, inbox).await;
+            let mut pokes = me
+                .ctx
+                .pokes(me.cfg.discovery.rescan_interval_ms, inbox)
+                .await;
             loop {
                 pokes.next().await;
                 me.rescan(&mut known, &mut warned, false);
             }
         })
-    }
-}
-
-/// One line for a person for the events the agent itself emits (not a watcher's).
-pub fn describe(e: &HostEvent) -> Option<String> {
-    match e {
-        HostEvent::DeviceMapped(d) => Some(format!(
-            "{}{} ({}): path {}{}",
-            d.bdf,
-            vm_suffix(d.vmid),
-            d.origin,
-            d.path.join(" <- "),
-            d.thunderbolt_router
-                .as_ref()
-                .map(|t| format!(", thunderbolt router {t}"))
-                .unwrap_or_default()
-        )),
-        HostEvent::WatcherDisabled { watcher, reason } => Some(format!("{watcher} off: {reason}")),
-        _ => None,
     }
 }

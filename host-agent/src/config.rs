@@ -17,7 +17,10 @@ use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+pub mod check;
 mod unknown_keys;
+
+pub use check::{range, Invalid};
 
 pub const DEFAULT_PATH: &str = "/etc/gpufeed/host.toml";
 /// Default `/metrics` listen address (port 9847: not used by the well-known exporters).
@@ -90,26 +93,6 @@ pub enum ConfigError {
         key: String,
         problem: String,
     },
-}
-
-/// A key of a section that is out of bounds; [`Config::validate`] adds the file name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Invalid {
-    /// Full key, `section.key`.
-    pub key: String,
-    pub problem: String,
-}
-
-/// `key` must lie within `lo..=hi`.
-pub fn range(key: &str, v: u64, lo: u64, hi: u64) -> Result<(), Invalid> {
-    if v < lo || v > hi {
-        Err(Invalid {
-            key: key.to_string(),
-            problem: format!("must be between {lo} and {hi}, got {v}"),
-        })
-    } else {
-        Ok(())
-    }
 }
 
 impl Config {

@@ -5,7 +5,7 @@
 //! (`01:00.0`, `0000:01:00.0`, `01:00` = all functions, `host=A;B`, `mapping=<id>` through
 //! `/etc/pve/mapping/pci.cfg`), plus `devices` from the agent's config.
 
-use crate::config::{range, Invalid};
+use crate::config::check::{range, Invalid};
 use crate::roots::Roots;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};

@@ -229,7 +229,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
                 let live = liveness
                     .as_ref()
                     .map_or(Ok(()), |l| l.check(period))
-                    .and_then(|()| agent.heartbeats.check(period));
+                    .and_then(|()| agent.heartbeats().check(period));
                 match live {
                     Ok(()) => {
                         if std::mem::take(&mut stuck) {

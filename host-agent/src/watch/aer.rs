@@ -1,14 +1,15 @@
 //! AER counters: every named counter of `aer_dev_{correctable,nonfatal,fatal}` of every device
 //! on each watched path, and `aer_rootport_total_err_*` of root ports.
 
+use super::recent::RecentKmsg;
+use super::topology::Topology;
+use super::unit::vm_suffix;
 use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
-use super::vm_suffix;
 use crate::attrs::AttrFiles;
-use crate::config::{range, Invalid};
+use crate::config::check::{range, Invalid};
 use crate::metrics::{self, vmid_label};
 use crate::roots::Roots;
 use crate::sysfs::{parse_aer_counters, parse_u64, AER_DEV_FILES, AER_ROOTPORT_FILES};
-use crate::watch::{RecentKmsg, Topology};
 use gpufeed_shared::event::{
     AerCounter, AerDetail, AerRootPortTotal, AerSeverity, HostEvent, Source,
 };
@@ -252,20 +253,28 @@ impl AerMetrics {
 
 pub const UNIT: Unit = Unit {
     name: "aer",
-    new: |r| Box::new(AerWatcher(AerMetrics::new(r))),
     describe,
 };
 
-struct AerWatcher(AerMetrics);
+/// Builds the unit from its section `[aer]`, registering its series in `r`.
+pub fn watcher(r: &Registry, cfg: AerConfig) -> Box<dyn Watcher> {
+    Box::new(AerWatcher {
+        metrics: AerMetrics::new(r),
+        cfg,
+    })
+}
+
+struct AerWatcher {
+    metrics: AerMetrics,
+    cfg: AerConfig,
+}
 
 impl Watcher for AerWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !a.cfg.aer.enabled {
-                return Outcome::Skipped;
-            }
-            let m = self.0;
+            let a = cx.ctx;
+            let cfg = self.cfg;
+            let m = self.metrics;
             let t = a.topo.get();
             if !t.aer_devices.is_empty() && !any_aer_files(&a.roots, &t) {
                 return Outcome::Off("no aer_dev_* files on the watched devices (kernel without AER support or no OS AER ownership)".into());
@@ -273,13 +282,13 @@ impl Watcher for AerWatcher {
             let mut p = AerPoller::new();
             p.poll(&a.roots, &t, &m, &a.recent, Duration::ZERO, None, None);
             Outcome::On(vec![tokio::spawn(async move {
-                let mut pokes = a.pokes(a.cfg.aer.poll_interval_ms, cx.inbox).await;
-                let window = Duration::from_millis(a.cfg.aer.kmsg_context_ms);
+                let mut pokes = a.pokes(cfg.poll_interval_ms, cx.inbox).await;
+                let window = Duration::from_millis(cfg.kmsg_context_ms);
                 // With the records being read, what the poll finds first waits for its record
                 // ([`super::aer_hold`]) up to two polls or a second, whichever is longer.
                 let hold_for = || {
                     if a.aer_records.load(std::sync::atomic::Ordering::Relaxed) {
-                        Duration::from_millis((2 * a.cfg.aer.poll_interval_ms).max(1000))
+                        Duration::from_millis((2 * cfg.poll_interval_ms).max(1000))
                     } else {
                         Duration::ZERO
                     }

@@ -12,9 +12,9 @@
 //! the bridge its VM's config names and not again at its tap
 //! ([`crate::portname::bridge_watched`] says why).
 
+use super::unit::vm_suffix;
 use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
-use super::vm_suffix;
-use crate::config::{range, Invalid};
+use crate::config::check::{range, Invalid};
 use crate::metrics::{self, vmid_label};
 use crate::portname::{bridge_watched, parse_port_name};
 use crate::rtnetlink::{bridges_and_ports, dump_links, dump_stats, refresh, Counters, LinkRow};
@@ -433,28 +433,43 @@ impl BridgeMetrics {
 
 pub const UNIT: Unit = Unit {
     name: "bridge",
-    new: |r| Box::new(BridgeWatcher(BridgeMetrics::new(r))),
     describe,
 };
 
-struct BridgeWatcher(BridgeMetrics);
+/// Builds the unit from its section `[bridge]`, registering its series in `r`.
+pub fn watcher(r: &Registry, cfg: BridgeConfig) -> Box<dyn Watcher> {
+    Box::new(BridgeWatcher {
+        metrics: BridgeMetrics::new(r),
+        cfg,
+    })
+}
+
+struct BridgeWatcher {
+    metrics: BridgeMetrics,
+    cfg: BridgeConfig,
+}
 
 impl Watcher for BridgeWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !a.cfg.bridge.enabled {
-                return Outcome::Skipped;
-            }
+            let a = cx.ctx;
+            let cfg = self.cfg;
             let (tx, rx) = std::sync::mpsc::channel();
             // The sampler wakes every sample interval, and at least once a second without a
             // bridge (see `spawn`). Its beat is watched once it runs: a sampler that could
             // not start is off, not wedged.
-            let c = &a.cfg.bridge;
+            let c = &cfg;
             let period = Duration::from_millis(c.sample_interval_ms.max(c.period_ms.min(1000)));
             let beat = std::sync::Arc::new(crate::heartbeat::Beat::default());
             beat.now();
-            if let Err(e) = spawn(c.clone(), self.0, a.bus.clone(), tx, cx.stop, beat.clone()) {
+            if let Err(e) = spawn(
+                c.clone(),
+                self.metrics,
+                a.bus.clone(),
+                tx,
+                cx.stop,
+                beat.clone(),
+            ) {
                 return Outcome::Off(format!("cannot start thread: {e}"));
             }
             // The sampler runs on its own thread (it may enter another network namespace);

@@ -1,7 +1,7 @@
 //! Host CPU and memory (sysinfo) and pressure stall information (`/proc/pressure`).
 
 use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
-use crate::config::{range, Invalid};
+use crate::config::check::{range, Invalid};
 use crate::metrics;
 use crate::roots::Roots;
 use prometheus::{CounterVec, Gauge, Registry};
@@ -121,26 +121,34 @@ impl HostMetrics {
 
 pub const UNIT: Unit = Unit {
     name: "host",
-    new: |r| Box::new(HostWatcher(HostMetrics::new(r))),
     // Series only, no events.
     describe: |_| None,
 };
 
-struct HostWatcher(HostMetrics);
+/// Builds the unit from its section `[host]`, registering its series in `r`.
+pub fn watcher(r: &Registry, cfg: HostConfig) -> Box<dyn Watcher> {
+    Box::new(HostWatcher {
+        metrics: HostMetrics::new(r),
+        cfg,
+    })
+}
+
+struct HostWatcher {
+    metrics: HostMetrics,
+    cfg: HostConfig,
+}
 
 impl Watcher for HostWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !a.cfg.host.enabled {
-                return Outcome::Skipped;
-            }
-            let m = self.0;
+            let a = cx.ctx;
+            let cfg = self.cfg;
+            let m = self.metrics;
             let mut hs = HostStats::new();
             hs.poll(&a.roots, &m);
             Outcome::On(vec![tokio::spawn(async move {
-                let mut iv = a.ticker(a.cfg.host.interval_ms);
-                let beat = a.heartbeat("host", a.cfg.host.interval_ms);
+                let mut iv = a.ticker(cfg.interval_ms);
+                let beat = a.heartbeat("host", cfg.interval_ms);
                 loop {
                     beat.now();
                     iv.tick().await;

@@ -3,11 +3,12 @@
 //! thread blocks in `read(2)`, so an idle kernel log costs no wake-ups. A regular file (a
 //! recorded stream under `--root`) is followed like `tail -f`, woken by inotify.
 
+use super::recent::RecentKmsg;
+use super::topology::Topology;
+use super::unit::vm_suffix;
 use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
-use super::vm_suffix;
 use crate::kmsg::{classify, parse_record, RawRecord, SeqTracker};
 use crate::metrics;
-use crate::watch::{RecentKmsg, Topology};
 use gpufeed_shared::event::{HostEvent, KmsgRecord};
 use prometheus::{IntCounter, IntCounterVec, Registry};
 use serde::Deserialize;
@@ -271,25 +272,33 @@ impl KmsgMetrics {
 
 pub const UNIT: Unit = Unit {
     name: "kmsg",
-    new: |r| Box::new(KmsgWatcher(KmsgMetrics::new(r))),
     describe,
 };
 
-struct KmsgWatcher(KmsgMetrics);
+/// Builds the unit from its section `[kmsg]`, registering its series in `r`.
+pub fn watcher(r: &Registry, cfg: KmsgConfig) -> Box<dyn Watcher> {
+    Box::new(KmsgWatcher {
+        metrics: KmsgMetrics::new(r),
+        cfg,
+    })
+}
+
+struct KmsgWatcher {
+    metrics: KmsgMetrics,
+    cfg: KmsgConfig,
+}
 
 impl Watcher for KmsgWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !a.cfg.kmsg.enabled {
-                return Outcome::Skipped;
-            }
+            let a = cx.ctx;
+            let cfg = self.cfg;
             let path = a.roots.dev().join("kmsg");
             let (tx, mut rx) = tokio::sync::mpsc::channel::<KmsgMsg>(1024);
-            if let Err(e) = spawn_reader(&path, a.cfg.kmsg.read_history, tx) {
+            if let Err(e) = spawn_reader(&path, cfg.read_history, tx) {
                 return Outcome::Off(format!("cannot open {}: {e}", path.display()));
             }
-            let m = self.0;
+            let m = self.metrics;
             Outcome::On(vec![tokio::spawn(async move {
                 let mut h = KmsgHandler::default();
                 while let Some(msg) = rx.recv().await {

@@ -1,136 +1,138 @@
-//! Watchers, one unit each. A unit file holds the watcher's configuration section (its serde
-//! struct, defaults and checks), its series (a `*Metrics` struct registered by the unit), its
-//! synchronous `poll`-style core that returns events (tested against recorded trees) and the
-//! loop that drives that core, all tied together by a [`unit::Unit`] in [`UNITS`].
+//! Watchers, one unit each, and their registry. A unit file holds the watcher's configuration
+//! section (its serde struct, defaults and checks), its series (a `*Metrics` struct registered
+//! when it is built), its synchronous `poll`-style core that returns events (tested against
+//! recorded trees) and the loop that drives that core, tied together by its [`unit::Unit`] and
+//! a `watcher` function that builds it from its section.
 //!
-//! Adding a watcher: a new file here with those parts and a `pub const UNIT`, its line in
-//! [`UNITS`], and its section's field in [`crate::config::Config`] (docs/host-agent.md walks
-//! through one).
+//! The registry ([`UNITS`]) is the one place that reads the composed configuration for the
+//! units: each line says whether the configuration asks for its unit (else it is `Skipped`:
+//! its series listed, nothing started) and hands it its own section, and what it needs of the
+//! agent's wider settings, as plain values. Adding a watcher: a new file here with those parts,
+//! its section's field in [`crate::config::Config`] and its line in [`UNITS`] (docs/host-agent.md
+//! walks through one).
 
 pub mod aer;
 mod aer_hold;
 pub mod bridge;
+pub mod context;
 pub mod hoststats;
 pub mod kmsg;
 pub mod pcie;
+pub mod poke;
+pub mod recent;
 pub mod thunderbolt;
+pub mod topology;
 pub mod tracepoints;
 pub mod uevents;
 pub mod unit;
 pub mod vm;
 
-use crate::discovery::{DeviceTopology, Link};
-use gpufeed_shared::event::{HostEvent, KmsgRecord};
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+pub use context::{Context, DISCOVERY};
+pub use recent::RecentKmsg;
+pub use topology::{TopoCell, Topology};
+pub use unit::vm_suffix;
+
+use crate::config::Config;
+use gpufeed_shared::event::HostEvent;
+use prometheus::Registry;
+
+/// One line of the registry.
+pub struct Entry {
+    pub unit: unit::Unit,
+    /// Whether the configuration asks for the unit.
+    pub wanted: fn(&Config) -> bool,
+    /// Registers the unit's series and builds it with its section.
+    pub build: fn(&Registry, &Config) -> Box<dyn unit::Watcher>,
+}
+
+impl Entry {
+    /// The unit built from `cfg`: to start when asked for, else holding its series only.
+    pub fn watcher(&self, registry: &Registry, cfg: &Config) -> Box<dyn unit::Watcher> {
+        let w = (self.build)(registry, cfg);
+        if (self.wanted)(cfg) {
+            w
+        } else {
+            Box::new(unit::NotAsked)
+        }
+    }
+}
 
 /// The watchers, in the order the agent starts them (and lists them in its logs).
-pub const UNITS: &[unit::Unit] = &[
-    pcie::UNIT,
-    aer::UNIT,
-    thunderbolt::UNIT,
-    uevents::UNIT,
-    tracepoints::UNIT,
-    kmsg::UNIT,
-    bridge::UNIT,
-    vm::UNIT,
-    hoststats::UNIT,
+pub const UNITS: &[Entry] = &[
+    Entry {
+        unit: pcie::UNIT,
+        wanted: |c| c.pcie.enabled,
+        build: |r, c| pcie::watcher(r, c.pcie.clone(), c.discovery.rescan_interval_ms),
+    },
+    Entry {
+        unit: aer::UNIT,
+        wanted: |c| c.aer.enabled,
+        build: |r, c| aer::watcher(r, c.aer.clone()),
+    },
+    Entry {
+        unit: thunderbolt::UNIT,
+        wanted: |c| c.thunderbolt.enabled,
+        build: |r, c| thunderbolt::watcher(r, c.thunderbolt.clone()),
+    },
+    // the kernel's uevents, asked for by the Thunderbolt section
+    Entry {
+        unit: uevents::UNIT,
+        wanted: |c| c.thunderbolt.uevents,
+        build: |_, _| uevents::watcher(),
+    },
+    // the tracepoints the AER and PCIe sections ask for
+    Entry {
+        unit: tracepoints::UNIT,
+        wanted: |c| tracepoints::Wanted::of(c).any(),
+        build: |_, c| tracepoints::watcher(tracepoints::Wanted::of(c)),
+    },
+    Entry {
+        unit: kmsg::UNIT,
+        wanted: |c| c.kmsg.enabled,
+        build: |r, c| kmsg::watcher(r, c.kmsg.clone()),
+    },
+    Entry {
+        unit: bridge::UNIT,
+        wanted: |c| c.bridge.enabled,
+        build: |r, c| bridge::watcher(r, c.bridge.clone()),
+    },
+    Entry {
+        unit: vm::UNIT,
+        wanted: |c| c.vm.enabled,
+        build: |r, c| vm::watcher(r, c.vm.clone()),
+    },
+    Entry {
+        unit: hoststats::UNIT,
+        wanted: |c| c.host.enabled,
+        build: |r, c| hoststats::watcher(r, c.host.clone()),
+    },
 ];
 
 /// One line for a person: the unit that emits the event describes it.
 pub fn describe(e: &HostEvent) -> String {
     UNITS
         .iter()
-        .find_map(|u| (u.describe)(e))
-        .or_else(|| crate::agent::describe(e))
+        .find_map(|u| (u.unit.describe)(e))
+        .or_else(|| agent_event(e))
         .unwrap_or_else(|| format!("{e:?}"))
 }
 
-/// ` vm <id>` when the event has a VM, for [`describe`].
-pub fn vm_suffix(v: Option<u32>) -> String {
-    v.map(|v| format!(" vm {v}")).unwrap_or_default()
-}
-
-/// Current view of the watched devices (replaced on every discovery scan).
-#[derive(Debug, Default, Clone)]
-pub struct Topology {
-    pub devices: Vec<DeviceTopology>,
-    /// Every link on every path, deduplicated by downstream-end device.
-    pub links: Vec<Link>,
-    /// Every device on every path (AER is counted by the reporting device, so the link
-    /// partner may hold the errors): bdf → (vmid of the first device it serves, is root port).
-    pub aer_devices: BTreeMap<String, (Option<u32>, bool)>,
-}
-
-impl Topology {
-    pub fn from_devices(devices: Vec<DeviceTopology>) -> Topology {
-        let mut links: Vec<Link> = Vec::new();
-        let mut aer_devices = BTreeMap::new();
-        for d in &devices {
-            for l in &d.links {
-                if !links.iter().any(|x| x.child == l.child) {
-                    links.push(l.clone());
-                }
-            }
-            for (i, b) in d.path.iter().enumerate() {
-                let root = i + 1 == d.path.len() && d.present;
-                aer_devices
-                    .entry(b.clone())
-                    .or_insert((d.assignment.vmid, root));
-            }
-        }
-        Topology {
-            devices,
-            links,
-            aer_devices,
-        }
-    }
-
-    /// VMID a device (or a bridge on its path) serves.
-    pub fn vmid_of(&self, bdf: &str) -> Option<u32> {
-        self.aer_devices.get(bdf).and_then(|x| x.0)
-    }
-
-    /// All BDFs on the paths of a VM's devices.
-    pub fn bdfs_of_vm(&self, vmid: u32) -> Vec<String> {
-        self.devices
-            .iter()
-            .filter(|d| d.assignment.vmid == Some(vmid))
-            .flat_map(|d| d.path.iter().cloned())
-            .collect()
-    }
-}
-
-/// Recent classified kernel log records, for AER context and VM stop causes.
-#[derive(Debug, Default)]
-pub struct RecentKmsg {
-    inner: Mutex<VecDeque<(Instant, KmsgRecord)>>,
-}
-
-impl RecentKmsg {
-    const CAP: usize = 512;
-
-    pub fn push(&self, r: KmsgRecord) {
-        let mut q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if q.len() >= Self::CAP {
-            q.pop_front();
-        }
-        q.push_back((Instant::now(), r));
-    }
-
-    /// Records within `window` for which `pred` holds.
-    pub fn matching(
-        &self,
-        window: Duration,
-        pred: impl Fn(&KmsgRecord) -> bool,
-    ) -> Vec<KmsgRecord> {
-        let q = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        q.iter()
-            .filter(|(t, r)| now.duration_since(*t) <= window && pred(r))
-            .map(|(_, r)| r.clone())
-            .collect()
+/// The events the agent itself emits (discovery's, and a watcher that is off).
+fn agent_event(e: &HostEvent) -> Option<String> {
+    match e {
+        HostEvent::DeviceMapped(d) => Some(format!(
+            "{}{} ({}): path {}{}",
+            d.bdf,
+            vm_suffix(d.vmid),
+            d.origin,
+            d.path.join(" <- "),
+            d.thunderbolt_router
+                .as_ref()
+                .map(|t| format!(", thunderbolt router {t}"))
+                .unwrap_or_default()
+        )),
+        HostEvent::WatcherDisabled { watcher, reason } => Some(format!("{watcher} off: {reason}")),
+        _ => None,
     }
 }
 
@@ -148,8 +150,8 @@ mod tests {
         for e in &all {
             let by: Vec<String> = UNITS
                 .iter()
-                .filter_map(|u| (u.describe)(e).map(|_| u.name.to_string()))
-                .chain(crate::agent::describe(e).map(|_| "agent".to_string()))
+                .filter_map(|u| (u.unit.describe)(e).map(|_| u.unit.name.to_string()))
+                .chain(agent_event(e).map(|_| "agent".to_string()))
                 .collect();
             assert_eq!(by.len(), 1, "{}: described by {by:?}", e.kind_name());
         }

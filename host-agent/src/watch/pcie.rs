@@ -1,10 +1,10 @@
 //! PCIe link speed/width poller. Reads `current_link_*` only when the device is not
 //! runtime-suspended (reading LNKSTA would resume a D3 device).
 
+use super::unit::vm_suffix;
 use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
-use super::vm_suffix;
 use crate::attrs::{read_short, AttrFiles};
-use crate::config::{range, Invalid};
+use crate::config::check::{range, Invalid};
 use crate::discovery::Link;
 use crate::metrics::{self, vmid_label};
 use crate::roots::Roots;
@@ -551,30 +551,41 @@ impl PcieMetrics {
 
 pub const UNIT: Unit = Unit {
     name: "pcie",
-    new: |r| Box::new(PcieWatcher(PcieMetrics::new(r))),
     describe,
 };
 
-struct PcieWatcher(PcieMetrics);
+/// Builds the unit from its section `[pcie]`, registering its series in `r`.
+pub fn watcher(r: &Registry, cfg: PcieConfig, rescan_ms: u64) -> Box<dyn Watcher> {
+    Box::new(PcieWatcher {
+        metrics: PcieMetrics::new(r),
+        cfg,
+        rescan_ms,
+    })
+}
+
+struct PcieWatcher {
+    metrics: PcieMetrics,
+    cfg: PcieConfig,
+    /// The discovery's rescan interval, for its log line.
+    rescan_ms: u64,
+}
 
 impl Watcher for PcieWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !a.cfg.pcie.enabled {
-                return Outcome::Skipped;
-            }
-            let mut p = PciePoller::new(a.roots.clone(), self.0);
+            let a = cx.ctx;
+            let cfg = self.cfg;
+            let mut p = PciePoller::new(a.roots.clone(), self.metrics);
             let t = a.topo.get();
             if t.links.is_empty() {
                 tracing::info!(
                     "pcie: no passed-through or configured devices yet; rescanning every {} ms",
-                    a.cfg.discovery.rescan_interval_ms
+                    self.rescan_ms
                 );
             }
             p.poll(&t.links, Source::Poll);
             Outcome::On(vec![tokio::spawn(async move {
-                let mut pokes = a.pokes(a.cfg.pcie.poll_interval_ms, cx.inbox).await;
+                let mut pokes = a.pokes(cfg.poll_interval_ms, cx.inbox).await;
                 loop {
                     let poke = pokes.next().await;
                     let t = a.topo.get();

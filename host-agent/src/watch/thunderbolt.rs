@@ -2,13 +2,13 @@
 //! authorized, per-lane rx/tx speed and lanes. Rescanned on a timer and on every
 //! `SUBSYSTEM=thunderbolt` uevent; add/remove/change become events.
 
+use super::topology::Topology;
 use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
-use crate::config::{range, Invalid};
+use crate::config::check::{range, Invalid};
 use crate::discovery::is_router_name;
 use crate::metrics;
 use crate::roots::Roots;
 use crate::sysfs::{parse_tb_speed, read_attr};
-use crate::watch::Topology;
 use gpufeed_shared::event::{DeviceAction, HostEvent, Source, ThunderboltDevice, ThunderboltInfo};
 use prometheus::{GaugeVec, IntGaugeVec, Registry};
 use serde::Deserialize;
@@ -222,30 +222,38 @@ impl TbMetrics {
 
 pub const UNIT: Unit = Unit {
     name: "thunderbolt",
-    new: |r| Box::new(TbWatcher(TbMetrics::new(r))),
     describe,
 };
 
-struct TbWatcher(TbMetrics);
+/// Builds the unit from its section `[thunderbolt]`, registering its series in `r`.
+pub fn watcher(r: &Registry, cfg: ThunderboltConfig) -> Box<dyn Watcher> {
+    Box::new(TbWatcher {
+        metrics: TbMetrics::new(r),
+        cfg,
+    })
+}
+
+struct TbWatcher {
+    metrics: TbMetrics,
+    cfg: ThunderboltConfig,
+}
 
 impl Watcher for TbWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !a.cfg.thunderbolt.enabled {
-                return Outcome::Skipped;
-            }
+            let a = cx.ctx;
+            let cfg = self.cfg;
             if !a.roots.thunderbolt_devices().is_dir() {
                 return Outcome::Off(format!(
                     "{} not found (no Thunderbolt/USB4 controller or driver)",
                     a.roots.thunderbolt_devices().display()
                 ));
             }
-            let m = self.0;
+            let m = self.metrics;
             let mut p = TbPoller::new();
             p.poll(&a.roots, &a.topo.get(), &m, Source::Poll);
             Outcome::On(vec![tokio::spawn(async move {
-                let mut pokes = a.pokes(a.cfg.thunderbolt.poll_interval_ms, cx.inbox).await;
+                let mut pokes = a.pokes(cfg.poll_interval_ms, cx.inbox).await;
                 loop {
                     let source = match pokes.next().await {
                         Poke::Port(_, s) => s,

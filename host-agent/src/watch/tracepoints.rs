@@ -14,21 +14,46 @@ use tokio::sync::mpsc;
 
 pub const UNIT: Unit = Unit {
     name: "tracepoints",
-    new: |_| Box::new(TracepointWatcher),
     describe,
 };
 
-struct TracepointWatcher;
+/// The tracepoints the AER and PCIe sections ask for (`[aer] tracepoint`, `[pcie] tracepoints`,
+/// each with its watcher on): what this unit is built with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wanted {
+    pub aer: bool,
+    pub pcie: bool,
+}
+
+impl Wanted {
+    pub fn of(c: &crate::config::Config) -> Wanted {
+        Wanted {
+            aer: c.aer.enabled && c.aer.tracepoint,
+            pcie: c.pcie.enabled && c.pcie.tracepoints,
+        }
+    }
+
+    pub fn any(self) -> bool {
+        self.aer || self.pcie
+    }
+}
+
+/// Builds the unit for the tracepoints `wanted`.
+pub fn watcher(wanted: Wanted) -> Box<dyn Watcher> {
+    Box::new(TracepointWatcher(wanted))
+}
+
+struct TracepointWatcher(Wanted);
 
 impl Watcher for TracepointWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
+            let a = cx.ctx;
             let mut want: Vec<(&str, &str)> = Vec::new();
-            if a.cfg.aer.enabled && a.cfg.aer.tracepoint {
+            if self.0.aer {
                 want.push(("ras", "aer_event"));
             }
-            if a.cfg.pcie.enabled && a.cfg.pcie.tracepoints {
+            if self.0.pcie {
                 want.push(("pci", "pcie_link_event"));
                 want.push(("pci", "pci_hp_event"));
             }

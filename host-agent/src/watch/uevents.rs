@@ -5,26 +5,31 @@
 //! Configured by `thunderbolt.uevents`; only on a live system (a recorded tree has no kernel
 //! behind it).
 
+use super::context::DISCOVERY;
+use super::unit::vm_suffix;
 use super::unit::{Cx, Outcome, Poke, Starting, Unit, Watcher};
-use super::vm_suffix;
-use crate::agent::DISCOVERY;
 use crate::uevent::{react, spawn_listener};
 use gpufeed_shared::event::{HostEvent, Source};
 use tokio::sync::mpsc;
 
 pub const UNIT: Unit = Unit {
     name: "uevent",
-    new: |_| Box::new(UeventWatcher),
     describe,
 };
+
+/// Builds the unit (the Thunderbolt section's `uevents` asks for it).
+pub fn watcher() -> Box<dyn Watcher> {
+    Box::new(UeventWatcher)
+}
 
 struct UeventWatcher;
 
 impl Watcher for UeventWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !(a.cfg.thunderbolt.uevents && a.roots.is_live()) {
+            let a = cx.ctx;
+            // a recorded tree (tests, `--root`) has no kernel behind it to send uevents
+            if !a.roots.is_live() {
                 return Outcome::Skipped;
             }
             let (tx, mut rx) = mpsc::channel(256);

@@ -1,11 +1,12 @@
 //! VM state per VMID from `/run/qemu-server/<vmid>.pid` and `/proc/<pid>` (plus a brief QMP
 //! `query-status` for running/paused), and vCPU run delay from the QEMU threads' schedstat.
 
+use super::recent::RecentKmsg;
+use super::topology::Topology;
 use super::unit::{Cx, Outcome, Starting, Unit, Watcher};
-use crate::config::{range, Invalid};
+use crate::config::check::{range, Invalid};
 use crate::metrics;
 use crate::roots::Roots;
-use crate::watch::{RecentKmsg, Topology};
 use gpufeed_shared::event::{HostEvent, KmsgClass, VmRunState, VmStateChange};
 use prometheus::{CounterVec, IntGaugeVec, Registry};
 use serde::Deserialize;
@@ -420,21 +421,29 @@ impl VmMetrics {
 
 pub const UNIT: Unit = Unit {
     name: "vm",
-    new: |r| Box::new(VmWatcher(Arc::new(VmMetrics::new(r)))),
     describe,
 };
 
-struct VmWatcher(Arc<VmMetrics>);
+/// Builds the unit from its section `[vm]`, registering its series in `r`.
+pub fn watcher(r: &Registry, cfg: VmConfig) -> Box<dyn Watcher> {
+    Box::new(VmWatcher {
+        metrics: Arc::new(VmMetrics::new(r)),
+        cfg,
+    })
+}
+
+struct VmWatcher {
+    metrics: Arc<VmMetrics>,
+    cfg: VmConfig,
+}
 
 impl Watcher for VmWatcher {
     fn start(self: Box<Self>, cx: Cx) -> Starting {
         Box::pin(async move {
-            let a = cx.agent;
-            if !a.cfg.vm.enabled {
-                return Outcome::Skipped;
-            }
-            let m = self.0;
-            let mut p = VmPoller::new(a.cfg.vm.qmp);
+            let a = cx.ctx;
+            let cfg = self.cfg;
+            let m = self.metrics;
+            let mut p = VmPoller::new(cfg.qmp);
             let vmids = VmPoller::vmids(&a.roots, &a.topo.vmids());
             p.poll(
                 &a.roots,
@@ -445,11 +454,11 @@ impl Watcher for VmWatcher {
                 &m,
             );
             Outcome::On(vec![tokio::spawn(async move {
-                let mut iv = a.ticker(a.cfg.vm.poll_interval_ms);
+                let mut iv = a.ticker(cfg.poll_interval_ms);
                 iv.tick().await;
                 // Beats once a poll came back: a QMP socket or /proc read that never returns
                 // (the poll waits on it) stops it.
-                let beat = a.heartbeat("vm", a.cfg.vm.poll_interval_ms);
+                let beat = a.heartbeat("vm", cfg.poll_interval_ms);
                 loop {
                     beat.now();
                     iv.tick().await;
@@ -459,7 +468,7 @@ impl Watcher for VmWatcher {
                     let (p3, evs) = tokio::task::spawn_blocking(move || {
                         let vmids = VmPoller::vmids(&a2.roots, &a2.topo.vmids());
                         let t = a2.topo.get();
-                        let w = Duration::from_millis(a2.cfg.vm.cause_window_ms);
+                        let w = Duration::from_millis(cfg.cause_window_ms);
                         let evs = p2.poll(&a2.roots, &vmids, &t, &a2.recent, w, &m2);
                         (p2, evs)
                     })
