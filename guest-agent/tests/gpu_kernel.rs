@@ -370,10 +370,17 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
             e.s
         );
         app.step(3);
+        let got = app.read(&probe);
         assert_eq!(
-            app.read(&probe).vram_bytes,
+            got.vram_bytes,
             e.after_vmm(),
             "s={}: VMM allocations, a released-but-mapped handle still held, an import not counted twice",
+            e.s
+        );
+        assert_eq!(
+            (got.h2d_bytes, got.d2h_bytes),
+            (e.h2d_after_vmm(), e.d2h_after_vmm()),
+            "s={}: unified copies into and out of VMM mappings",
             e.s
         );
         app.step(4);
@@ -392,7 +399,11 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     for app in [&a, &c] {
         let got = app.read(&probe);
         assert_eq!(got.vram_bytes, 0, "s={}: exit returns VRAM", app.expect.s);
-        assert_eq!(got.h2d_bytes, app.expect.h2d(), "copy counters stay");
+        assert_eq!(
+            got.h2d_bytes,
+            app.expect.h2d_after_vmm(),
+            "copy counters stay"
+        );
     }
     assert_eq!(
         probe.kernel_stats(),

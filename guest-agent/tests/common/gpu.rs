@@ -104,6 +104,13 @@ impl Expect {
     pub fn d2h(&self) -> u64 {
         (2048 + 24) * self.s
     }
+    /// After phase 3's unified copies into and out of VMM mappings.
+    pub fn h2d_after_vmm(&self) -> u64 {
+        self.h2d() + 512 * self.s
+    }
+    pub fn d2h_after_vmm(&self) -> u64 {
+        self.d2h() + 256 * self.s
+    }
 }
 
 /// The CUDA stand-in: libcuda.so.1 built from C in `<dir>/lib`, a copy in a
