@@ -582,7 +582,9 @@ fn gpu_series_on_metrics() {
 /// unified-address copies of every kind of address, and stream-ordered and pool allocations.
 /// Each pod's launches, copy bytes per direction and VRAM on /metrics equal the stand-in
 /// library's own record of what it was asked, and its busy estimate (graphs waited for by
-/// stream and event) is within 10% of the client's own measurement.
+/// stream and event) is within 10% of the client's own measurement; then two threads of each
+/// client wait on their own per-thread default streams (10 S and 30 S ms), and the first one's
+/// wait does not end the other's work.
 #[test]
 fn cuda_inference_paths_per_pod_equal_the_libraries_record() {
     let Some(_lock) = require_root() else { return };
@@ -632,17 +634,17 @@ fn cuda_inference_paths_per_pod_equal_the_libraries_record() {
             pod_value(pod, name, extra)
         );
     };
+    let measured = |ctl: &Path, name: &str| -> f64 {
+        let text = std::fs::read_to_string(ctl.join(name)).unwrap();
+        text.trim().parse().unwrap()
+    };
     for (_, ctl, _) in &pods {
         File::create(ctl.join("go1")).unwrap();
     }
     for (pod, ctl, s) in &pods {
         wait_file(&ctl.join("done1"), "cuda_paths phase 1");
         let record = CudaRecord::read(&ctl.join("record1"));
-        let busy_ns: f64 = std::fs::read_to_string(ctl.join("busy1"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let busy_ns = measured(ctl, "busy1");
         eprintln!("s={s}: the library's record {record:?}; busy measured {busy_ns} ns");
         // every path was taken: the record is not all zeros
         for name in [
@@ -687,8 +689,33 @@ fn cuda_inference_paths_per_pod_equal_the_libraries_record() {
         eprintln!("s={s}: busy estimate {busy:?} s");
     }
     for (pod, ctl, s) in &pods {
+        let before = pod_value(pod, cuda::BUSY, None).unwrap();
         step(ctl, 2);
         let record = CudaRecord::read(&ctl.join("record2"));
+        wait_value(
+            pod,
+            cuda::LAUNCHES,
+            None,
+            (record.get("launches") + record.get("graph_launches")) as f64,
+        );
+        let busy_ns = measured(ctl, "busy2");
+        let busy = wait_for(Duration::from_secs(5), || {
+            pod_value(pod, cuda::BUSY, None)
+                .map(|b| b - before)
+                .filter(|b| within_10_percent(b * 1e9, busy_ns))
+        });
+        eprintln!(
+            "s={s}: two threads' default streams: busy estimate {busy:?} s, measured {busy_ns} ns"
+        );
+        assert!(
+            busy.is_some(),
+            "s={s}: two threads' default streams: busy estimate {:?} s more vs measured {busy_ns} ns",
+            pod_value(pod, cuda::BUSY, None).map(|b| b - before)
+        );
+    }
+    for (pod, ctl, s) in &pods {
+        step(ctl, 3);
+        let record = CudaRecord::read(&ctl.join("record3"));
         assert_eq!(record.get("vram"), 0, "s={s}: everything freed");
         wait_value(pod, cuda::VRAM, None, 0.0);
     }
@@ -700,7 +727,7 @@ fn cuda_inference_paths_per_pod_equal_the_libraries_record() {
         assert_eq!(value(&agent.scrape(), name, &[]), Some(want), "{name}");
     }
     for (_, ctl, _) in &pods {
-        File::create(ctl.join("go3")).unwrap();
+        File::create(ctl.join("go4")).unwrap();
     }
 }
 

@@ -205,7 +205,7 @@ pub struct PathsClient {
 impl PathsClient {
     pub fn new(dir: &Path) -> PathsClient {
         let bin = dir.join("cuda_paths");
-        compile_c("cuda/cuda_paths.c", &bin, &["-ldl"]);
+        compile_c("cuda/cuda_paths.c", &bin, &["-ldl", "-pthread"]);
         PathsClient { bin }
     }
 
