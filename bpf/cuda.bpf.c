@@ -40,15 +40,15 @@
  * default stream, as CU_STREAM_PER_THREAD is in every call.
  *
  * Busy estimate (with the launch probes on): a stream has outstanding work
- * from a launch on it (a kernel or a graph) until a call shows the work done: the return of
- * cuStreamSynchronize on it, of cuCtxSynchronize (every stream of the
- * process), of cuEventSynchronize on an event recorded on it after its last
- * launch, or a cuStreamQuery / cuEventQuery answering CUDA_SUCCESS. A cgroup
- * is busy while any stream of its processes has outstanding work: the
- * intervals are merged by a count of such streams, as the driver probe
- * merges its calls. Completion is seen when the process looks, so the
- * estimate is an upper bound of the device's busy time: exact when the
- * process waits on its work, longer when it looks late.
+ * from a launch on it (a kernel or a graph) until a call shows the work
+ * done: the return of cuStreamSynchronize on it, of cuCtxSynchronize (every
+ * stream of the process), of cuEventSynchronize on an event recorded on it
+ * after its last launch, or a cuStreamQuery / cuEventQuery answering
+ * CUDA_SUCCESS. A cgroup is busy while any stream of its processes has
+ * outstanding work: the intervals are merged by a count of such streams, as
+ * the driver probe merges its calls. Completion is seen when the process
+ * looks, so the estimate is an upper bound of the device's busy time: exact
+ * when the process waits on its work, longer when it looks late.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
