@@ -3,7 +3,7 @@
  * CUDA driver API per cgroup, from uprobes on each container's own
  * libcuda.so.1: device memory reserved (classic allocations and the virtual
  * memory management API), bytes copied between host and device by direction,
- * and kernel launches.
+ * and kernel launches (kernels and CUDA graphs).
  *
  * Userspace attaches these programs once per distinct library file (device,
  * inode) for all processes; a uprobe binds to (inode, offset), so one attach
@@ -14,9 +14,10 @@
  * handles through user memory, read at the uretprobe). No kernel reads.
  *
  * Accounting (a signed byte count per cgroup, `vram`):
- *   - cuMemAlloc_v2/AllocPitch_v2/AllocManaged/AllocAsync add the size at a
- *     successful return and remember (tgid, dptr) -> size; cuMemFree_v2 and
- *     cuMemFreeAsync subtract what that pointer holds.
+ *   - cuMemAlloc_v2/AllocPitch_v2/AllocManaged/AllocAsync/AllocFromPoolAsync
+ *     add the size at a successful return and remember (tgid, dptr) -> size;
+ *     cuMemFree_v2 and cuMemFreeAsync subtract what that pointer holds. A
+ *     pool's reservation beyond what it hands out is not visible to the API.
  *   - cuMemCreate is the physical allocation of the VMM API: it adds the size
  *     and remembers (tgid, handle). The memory lives until the handle is
  *     released *and* no mapping uses it (cuMemRelease, cuMemUnmap), so both
@@ -25,20 +26,34 @@
  *     process created (and was counted there): it is tracked with size 0.
  *   - When a process exits, what it still holds is subtracted.
  *
+ * Copies: the HtoD/DtoH calls name their direction. cuMemcpy/cuMemcpyAsync
+ * (unified addressing) take two plain addresses; the driver knows their kind
+ * (cuPointerGetAttribute), a uprobe cannot ask it. The probes keep the device
+ * memory each process was handed (allocations, managed allocations, VMM
+ * mappings) as address ranges, and an address inside one is device memory,
+ * any other host memory (pageable or pinned): device <- host is h2d, host <-
+ * device d2h; device-to-device and host-to-host copies cross no host link and
+ * are not counted.
+ *
+ * Streams: 0 and CU_STREAM_LEGACY are the legacy default stream; in the
+ * per-thread-default-stream variants (_ptsz) 0 is the calling thread's own
+ * default stream, as CU_STREAM_PER_THREAD is in every call.
+ *
  * Busy estimate (with the launch probes on): a stream has outstanding work
- * from a launch on it until a call shows the work done: the return of
- * cuStreamSynchronize on it, of cuCtxSynchronize (every stream of the
- * process), of cuEventSynchronize on an event recorded on it after its last
- * launch, or a cuStreamQuery / cuEventQuery answering CUDA_SUCCESS. A cgroup
- * is busy while any stream of its processes has outstanding work: the
- * intervals are merged by a count of such streams, as the driver probe
- * merges its calls. Completion is seen when the process looks, so the
- * estimate is an upper bound of the device's busy time: exact when the
- * process waits on its work, longer when it looks late.
+ * from a launch on it (a kernel or a graph) until a call shows the work
+ * done: the return of cuStreamSynchronize on it, of cuCtxSynchronize (every
+ * stream of the process), of cuEventSynchronize on an event recorded on it
+ * after its last launch, or a cuStreamQuery / cuEventQuery answering
+ * CUDA_SUCCESS. A cgroup is busy while any stream of its processes has
+ * outstanding work: the intervals are merged by a count of such streams, as
+ * the driver probe merges its calls. Completion is seen when the process
+ * looks, so the estimate is an upper bound of the device's busy time: exact
+ * when the process waits on its work, longer when it looks late.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
+#include <bpf/bpf_endian.h>
 #include "cgroup.h"
 #include "cgroup_active.h"
 #include "cgroup_storage.h"
@@ -58,6 +73,9 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 const volatile bool busy_estimate = false;
 /* Adjacent mappings one cuMemUnmap may cover (it must unmap whole mappings). */
 #define MAX_UNMAP_SPAN 32
+/* The implicit streams' handles (cuda.h). */
+#define CU_STREAM_LEGACY 0x1
+#define CU_STREAM_PER_THREAD 0x2
 
 /* Per cgroup; mirrored in probes/cuda.rs. */
 struct cuda_cgroup {
@@ -116,6 +134,29 @@ struct {
 	__type(value, struct proc_vram);
 } cuda_procs SEC(".maps");
 
+/* Device memory as address ranges per process, for the direction of unified
+ * copies. A range [base, base + size) is stored as the aligned power-of-two
+ * blocks that tile it (fewer than 128), keyed by (tgid, block address) with
+ * the block's prefix length, so one longest-prefix lookup of (tgid, address)
+ * finds the range an address falls in. */
+#define MEM_DEVICE 1
+#define MEM_MANAGED 2
+#define MAX_BLOCKS 128
+
+struct range_key {
+	__u32 prefixlen; /* 32 (the tgid) + the block's address bits */
+	__u32 tgid;
+	__u64 addr; /* big-endian: the trie compares from the first byte */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct range_key);
+	__type(value, __u32);
+} cuda_ranges SEC(".maps");
+
 /* A call between its uprobe and its uretprobe, per thread. */
 #define CALL_ALLOC 1
 #define CALL_PITCH 2
@@ -126,6 +167,7 @@ struct {
 #define CALL_EVENT_SYNC 7
 #define CALL_STREAM_QUERY 8
 #define CALL_EVENT_QUERY 9
+#define CALL_MANAGED 10
 
 struct pending {
 	__u64 out;   /* user address of the out-parameter (dptr or handle) */
@@ -255,6 +297,65 @@ static __always_inline bool take_pending(__u64 id, struct pending *out)
 	return true;
 }
 
+/* The largest power of two not above n (n > 0). */
+static __always_inline __u64 pow2_floor(__u64 n)
+{
+	n |= n >> 1;
+	n |= n >> 2;
+	n |= n >> 4;
+	n |= n >> 8;
+	n |= n >> 16;
+	n |= n >> 32;
+	return n - (n >> 1);
+}
+
+/* log2 of a power of two: the number of bits set below it (BPF has no ctz). */
+static __always_inline __u32 log2_pow2(__u64 v)
+{
+	v -= 1;
+	v = v - ((v >> 1) & 0x5555555555555555ULL);
+	v = (v & 0x3333333333333333ULL) + ((v >> 2) & 0x3333333333333333ULL);
+	v = (v + (v >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+	return (v * 0x0101010101010101ULL) >> 56;
+}
+
+/* Records [base, base + size) of process `pid` as memory of `kind`, or
+ * forgets it (kind 0). A global function: the verifier checks its loop once,
+ * not at each caller (cuMemUnmap calls it in a loop of its own). */
+__noinline int mark_range(__u32 pid, __u64 base, __u64 size, __u32 kind)
+{
+	struct range_key k = {.tgid = pid};
+	__u32 v = kind;
+
+	for (int i = 0; i < MAX_BLOCKS && size; i++) {
+		/* the largest block that starts at base and fits */
+		__u64 block = pow2_floor(size), align = base & -base;
+
+		if (align && align < block)
+			block = align;
+		k.prefixlen = 32 + 64 - log2_pow2(block);
+		k.addr = bpf_cpu_to_be64(base);
+		if (!kind) {
+			bpf_map_delete_elem(&cuda_ranges, &k);
+		} else if (bpf_map_update_elem(&cuda_ranges, &k, &v, BPF_ANY)) {
+			bump(STAT_OBJECTS_FULL);
+			return 0;
+		}
+		base += block;
+		size -= block;
+	}
+	return 0;
+}
+
+/* What `addr` of the calling process is: MEM_DEVICE, MEM_MANAGED, or 0 (host). */
+static __always_inline __u32 mem_kind(__u64 addr)
+{
+	struct range_key k = {.prefixlen = 96, .tgid = tgid(), .addr = bpf_cpu_to_be64(addr)};
+	__u32 *v = bpf_map_lookup_elem(&cuda_ranges, &k);
+
+	return v ? *v : 0;
+}
+
 /* CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) */
 SEC("uprobe")
 int BPF_UPROBE(cu_mem_alloc, __u64 *dptr, __u64 bytesize)
@@ -266,10 +367,12 @@ int BPF_UPROBE(cu_mem_alloc, __u64 *dptr, __u64 bytesize)
 SEC("uprobe")
 int BPF_UPROBE(cu_mem_alloc_managed, __u64 *dptr, __u64 bytesize)
 {
-	return stash(CALL_ALLOC, (__u64)dptr, 0, bytesize);
+	return stash(CALL_MANAGED, (__u64)dptr, 0, bytesize);
 }
 
-/* CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) */
+/* CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream),
+ * cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+ *                         CUstream hStream) and their _ptsz variants */
 SEC("uprobe")
 int BPF_UPROBE(cu_mem_alloc_async, __u64 *dptr, __u64 bytesize)
 {
@@ -321,7 +424,12 @@ int BPF_URETPROBE(cu_alloc_ret, int ret)
 	if (p.call == CALL_IMPORT)
 		size = 0; /* counted by the process that created it */
 	o.size = size;
-	remember(p.call == CALL_CREATE || p.call == CALL_IMPORT ? KIND_HANDLE : KIND_DPTR, out, &o);
+	if (p.call == CALL_CREATE || p.call == CALL_IMPORT) {
+		remember(KIND_HANDLE, out, &o);
+	} else {
+		remember(KIND_DPTR, out, &o);
+		mark_range(tgid(), out, size, p.call == CALL_MANAGED ? MEM_MANAGED : MEM_DEVICE);
+	}
 	charge(size);
 	return 0;
 }
@@ -346,8 +454,10 @@ static __always_inline int free_dptr(__u64 dptr)
 	}
 	size = o->size;
 	/* whoever deletes the entry gives its bytes back, once */
-	if (!bpf_map_delete_elem(&cuda_objs, &k))
+	if (!bpf_map_delete_elem(&cuda_objs, &k)) {
 		charge(-(__s64)size);
+		mark_range(k.tgid, dptr, size, 0);
+	}
 	return 0;
 }
 
@@ -358,7 +468,7 @@ int BPF_UPROBE(cu_mem_free, __u64 dptr)
 	return free_dptr(dptr);
 }
 
-/* CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) */
+/* CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) and its _ptsz variant */
 SEC("uprobe")
 int BPF_UPROBE(cu_mem_free_async, __u64 dptr)
 {
@@ -410,6 +520,7 @@ int BPF_UPROBE(cu_mem_map, __u64 ptr, __u64 size, __u64 offset, __u64 handle)
 	}
 	__sync_fetch_and_add(&h->mappings, 1);
 	remember(KIND_MAPPING, ptr, &m);
+	mark_range(k.tgid, ptr, size, MEM_DEVICE);
 	return 0;
 }
 
@@ -432,6 +543,7 @@ int BPF_UPROBE(cu_mem_unmap, __u64 ptr, __u64 size)
 		handle = m->handle;
 		span = m->span;
 		bpf_map_delete_elem(&cuda_objs, &mk);
+		mark_range(mk.tgid, ptr, span, 0);
 		h = find(KIND_HANDLE, handle, &hk);
 		if (h) {
 			if (h->mappings)
@@ -459,7 +571,7 @@ static __always_inline int copied(__u64 bytes, bool to_device)
 }
 
 /* CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
- * and cuMemcpyHtoDAsync_v2(..., CUstream hStream) */
+ * and cuMemcpyHtoDAsync_v2(..., CUstream hStream), and their _ptds/_ptsz variants */
 SEC("uprobe")
 int BPF_UPROBE(cu_memcpy_htod, __u64 dst, __u64 src, __u64 bytes)
 {
@@ -467,11 +579,24 @@ int BPF_UPROBE(cu_memcpy_htod, __u64 dst, __u64 src, __u64 bytes)
 }
 
 /* CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
- * and cuMemcpyDtoHAsync_v2(..., CUstream hStream) */
+ * and cuMemcpyDtoHAsync_v2(..., CUstream hStream), and their _ptds/_ptsz variants */
 SEC("uprobe")
 int BPF_UPROBE(cu_memcpy_dtoh, __u64 dst, __u64 src, __u64 bytes)
 {
 	return copied(bytes, false);
+}
+
+/* CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount) and
+ * cuMemcpyAsync(..., CUstream hStream), and their _ptds/_ptsz variants:
+ * unified addressing, the direction from what the two addresses are. */
+SEC("uprobe")
+int BPF_UPROBE(cu_memcpy, __u64 dst, __u64 src, __u64 bytes)
+{
+	bool to_device = mem_kind(dst) != 0, from_device = mem_kind(src) != 0;
+
+	if (to_device == from_device)
+		return 0; /* within the device, or within the host */
+	return copied(bytes, to_device);
 }
 
 /* A stream of the cgroup got outstanding work: the first opens its busy interval. */
@@ -500,34 +625,27 @@ static __always_inline void stream_done(struct cuda_cgroup *cg, __u32 pid, __u64
 		work_close(cg, end);
 }
 
-/* CUresult cuLaunchKernel(CUfunction f, unsigned gridDimX, gridDimY, gridDimZ,
- *                         unsigned blockDimX, blockDimY, blockDimZ,
- *                         unsigned sharedMemBytes, CUstream hStream,
- *                         void **kernelParams, void **extra)
- * Counted, and its stream marked busy. The launch path is hot: opt-in. The
- * 9th argument is on the user stack, read with bpf_probe_read_user. */
-#if defined(__TARGET_ARCH_x86)
-#define LAUNCH_STREAM_SP 24 /* above the return address, blockDimZ, sharedMemBytes */
-#elif defined(__TARGET_ARCH_arm64)
-#define LAUNCH_STREAM_SP 0 /* x0-x7 hold the first eight */
-#else
-#error "the stack offset of cuLaunchKernel's stream for this architecture is missing"
-#endif
-SEC("uprobe")
-int BPF_UPROBE(cu_launch_kernel)
+/* The stream a call names, as the probes key it: the per-thread default
+ * stream (CU_STREAM_PER_THREAD, or 0 in a _ptsz call) is the calling
+ * thread's own, keyed by its thread id above the handle (real handles are
+ * aligned pointers, so no other key ends in 0x2); CU_STREAM_LEGACY is 0. */
+static __always_inline __u64 stream_of(__u64 stream, bool ptsz)
+{
+	if (stream == CU_STREAM_PER_THREAD || (ptsz && stream == 0))
+		return (bpf_get_current_pid_tgid() << 32) | CU_STREAM_PER_THREAD;
+	return stream == CU_STREAM_LEGACY ? 0 : stream;
+}
+
+/* A launch of a kernel or a graph: counted, and its stream marked busy. */
+static __always_inline int launched(__u64 stream, bool ptsz)
 {
 	struct cuda_cgroup *cg = my_cgroup();
-	struct stream_key k = {.tgid = tgid()};
+	struct stream_key k = {.tgid = tgid(), .stream = stream_of(stream, ptsz)};
 	__u64 now = bpf_ktime_get_ns(), *last;
 
 	if (!cg)
 		return 0;
 	__sync_fetch_and_add(&cg->launches, 1);
-	if (bpf_probe_read_user(&k.stream, sizeof(k.stream),
-				(void *)(PT_REGS_SP(ctx) + LAUNCH_STREAM_SP))) {
-		bump(STAT_UNTRACKED_LAUNCH);
-		return 0;
-	}
 	last = bpf_map_lookup_elem(&cuda_streams, &k);
 	if (last) {
 		*last = now;
@@ -546,34 +664,123 @@ int BPF_UPROBE(cu_launch_kernel)
 	return 0;
 }
 
-/* CUresult cuEventRecord(CUevent hEvent, CUstream hStream) */
+/* CUresult cuLaunchKernel(CUfunction f, unsigned gridDimX, gridDimY, gridDimZ,
+ *                         unsigned blockDimX, blockDimY, blockDimZ,
+ *                         unsigned sharedMemBytes, CUstream hStream,
+ *                         void **kernelParams, void **extra)
+ * and cuLaunchKernel_ptsz. The launch path is hot: opt-in. The 9th argument
+ * is on the user stack, read with bpf_probe_read_user. */
+#if defined(__TARGET_ARCH_x86)
+#define LAUNCH_STREAM_SP 24 /* above the return address, blockDimZ, sharedMemBytes */
+#elif defined(__TARGET_ARCH_arm64)
+#define LAUNCH_STREAM_SP 0 /* x0-x7 hold the first eight */
+#else
+#error "the stack offset of cuLaunchKernel's stream for this architecture is missing"
+#endif
+/* A kernel launch whose stream is at user address `at`. */
+static __always_inline int kernel_launched(__u64 at, bool ptsz)
+{
+	__u64 stream;
+
+	if (bpf_probe_read_user(&stream, sizeof(stream), (void *)at)) {
+		struct cuda_cgroup *cg = my_cgroup();
+
+		/* counted, but its stream is unknown */
+		if (cg)
+			__sync_fetch_and_add(&cg->launches, 1);
+		bump(STAT_UNTRACKED_LAUNCH);
+		return 0;
+	}
+	return launched(stream, ptsz);
+}
+
 SEC("uprobe")
-int BPF_UPROBE(cu_event_record, __u64 event, __u64 stream)
+int BPF_UPROBE(cu_launch_kernel)
+{
+	return kernel_launched(PT_REGS_SP(ctx) + LAUNCH_STREAM_SP, false);
+}
+
+SEC("uprobe")
+int BPF_UPROBE(cu_launch_kernel_ptsz)
+{
+	return kernel_launched(PT_REGS_SP(ctx) + LAUNCH_STREAM_SP, true);
+}
+
+/* CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
+ *                           void **kernelParams, void **extra) and
+ * cuLaunchKernelEx_ptsz: the stream is a field of the configuration, after
+ * its seven unsigned ints (gridDim, blockDim, sharedMemBytes), 8-aligned. */
+#define LAUNCH_CONFIG_STREAM 32
+SEC("uprobe")
+int BPF_UPROBE(cu_launch_kernel_ex, __u64 config)
+{
+	return kernel_launched(config + LAUNCH_CONFIG_STREAM, false);
+}
+
+SEC("uprobe")
+int BPF_UPROBE(cu_launch_kernel_ex_ptsz, __u64 config)
+{
+	return kernel_launched(config + LAUNCH_CONFIG_STREAM, true);
+}
+
+/* CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) and
+ * cuGraphLaunch_ptsz: one launch of the whole graph (how many kernels it
+ * holds is not visible here); its completion is seen as a kernel's. */
+SEC("uprobe")
+int BPF_UPROBE(cu_graph_launch, __u64 exec, __u64 stream)
+{
+	return launched(stream, false);
+}
+
+SEC("uprobe")
+int BPF_UPROBE(cu_graph_launch_ptsz, __u64 exec, __u64 stream)
+{
+	return launched(stream, true);
+}
+
+static __always_inline int event_recorded(__u64 event, __u64 stream, bool ptsz)
 {
 	struct stream_key k = {.tgid = tgid(), .stream = event};
-	struct event_rec r = {.stream = stream, .recorded = bpf_ktime_get_ns()};
+	struct event_rec r = {.stream = stream_of(stream, ptsz), .recorded = bpf_ktime_get_ns()};
 
 	bpf_map_update_elem(&cuda_events, &k, &r, BPF_ANY);
 	return 0;
 }
 
+/* CUresult cuEventRecord(CUevent hEvent, CUstream hStream) and cuEventRecord_ptsz */
+SEC("uprobe")
+int BPF_UPROBE(cu_event_record, __u64 event, __u64 stream)
+{
+	return event_recorded(event, stream, false);
+}
+
+SEC("uprobe")
+int BPF_UPROBE(cu_event_record_ptsz, __u64 event, __u64 stream)
+{
+	return event_recorded(event, stream, true);
+}
+
 /* A call that waits for the work behind a handle (a stream or an event), its
  * wait timed from the entry, and its query form, which answers at once: both
- * stashed for cu_sync_ret. */
-#define WAIT_AND_QUERY(wait_prog, wait_call, query_prog, query_call)  \
-	SEC("uprobe")                                                 \
-	int BPF_UPROBE(wait_prog, __u64 handle)                       \
-	{                                                             \
-		return stash(wait_call, handle, 0, bpf_ktime_get_ns()); \
-	}                                                             \
-	SEC("uprobe")                                                 \
-	int BPF_UPROBE(query_prog, __u64 handle)                      \
-	{                                                             \
-		return stash(query_call, handle, 0, 0);               \
+ * stashed for cu_sync_ret. `key` turns the handle into the probes' key. */
+#define WAIT_AND_QUERY(wait_prog, wait_call, query_prog, query_call, key) \
+	SEC("uprobe")                                                      \
+	int BPF_UPROBE(wait_prog, __u64 handle)                            \
+	{                                                                  \
+		return stash(wait_call, key, 0, bpf_ktime_get_ns());       \
+	}                                                                  \
+	SEC("uprobe")                                                      \
+	int BPF_UPROBE(query_prog, __u64 handle)                           \
+	{                                                                  \
+		return stash(query_call, key, 0, 0);                       \
 	}
 
-/* CUresult cuStreamSynchronize(CUstream hStream), cuStreamQuery(CUstream hStream) */
-WAIT_AND_QUERY(cu_stream_sync, CALL_STREAM_SYNC, cu_stream_query, CALL_STREAM_QUERY)
+/* CUresult cuStreamSynchronize(CUstream hStream), cuStreamQuery(CUstream hStream),
+ * and their _ptsz variants */
+WAIT_AND_QUERY(cu_stream_sync, CALL_STREAM_SYNC, cu_stream_query, CALL_STREAM_QUERY,
+	       stream_of(handle, false))
+WAIT_AND_QUERY(cu_stream_sync_ptsz, CALL_STREAM_SYNC, cu_stream_query_ptsz, CALL_STREAM_QUERY,
+	       stream_of(handle, true))
 
 /* CUresult cuCtxSynchronize(void) */
 SEC("uprobe")
@@ -583,7 +790,7 @@ int BPF_UPROBE(cu_ctx_sync)
 }
 
 /* CUresult cuEventSynchronize(CUevent hEvent), cuEventQuery(CUevent hEvent) */
-WAIT_AND_QUERY(cu_event_sync, CALL_EVENT_SYNC, cu_event_query, CALL_EVENT_QUERY)
+WAIT_AND_QUERY(cu_event_sync, CALL_EVENT_SYNC, cu_event_query, CALL_EVENT_QUERY, handle)
 
 struct close_ctx {
 	struct cuda_cgroup *cg;
@@ -670,8 +877,14 @@ struct drop_ctx {
 static long drop_objects(struct bpf_map *map, struct obj_key *k, struct obj *o,
 			 struct drop_ctx *c)
 {
-	if (k->tgid == c->tgid)
-		bpf_map_delete_elem(&cuda_objs, k);
+	if (k->tgid != c->tgid)
+		return 0;
+	/* the address ranges go with the objects that made them */
+	if (k->kind == KIND_DPTR)
+		mark_range(k->tgid, k->id, o->size, 0);
+	else if (k->kind == KIND_MAPPING)
+		mark_range(k->tgid, k->id, o->span, 0);
+	bpf_map_delete_elem(&cuda_objs, k);
 	return 0;
 }
 

@@ -10,10 +10,14 @@
 //!    throughout, so that in uprobe mode the C library the ping-pong also
 //!    uses carries probes (in that process only).
 //! 2. What the CUDA uprobes cost per call on the stand-in libcuda.so.1 (entry
-//!    probe; entry and return probe; the launch probe), against no probe.
-//! 3. What the default CUDA probe set, and the launch set on top, add to a
-//!    stand-in inference loop (per step: 200 launches, three copies, an
-//!    allocation and a free, a stream synchronisation).
+//!    probe; entry and return probe; the launch probes; a unified copy's
+//!    address lookups; a pool allocation and free), against no probe.
+//! 3. What the default CUDA probe set, and the launch set on top, add to two
+//!    stand-in inference loops: kernels (per step: 200 launches, three
+//!    copies, an allocation and a free, a stream synchronisation), and a
+//!    CUDA-graph decode loop on the per-thread default stream (per step: a
+//!    graph, 20 kernels, three unified copies, a pool allocation and free, a
+//!    synchronisation; fixtures/cuda/cuda_bench.c).
 //!
 //! cargo bench -p gpufeed-guest --bench gpu_overhead
 //! (`GPU_OVERHEAD_ONLY=cuda` or `=driver` runs one half)
@@ -247,7 +251,15 @@ fn cuda(dir: &Path) {
     ];
 
     // per call
-    let mut per_call: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); 3]; configs.len()];
+    let what = [
+        "entry uprobe (default set)",
+        "entry uprobe + uretprobe (default set; busy-estimate work with the launch set)",
+        "entry uprobe, stack read, map update (launch set)",
+        "entry uprobe, two address-range lookups (default set)",
+        "entry uprobe, map update (launch set)",
+        "the pair: two entry uprobes, a uretprobe, the range recorded and forgotten (default set)",
+    ];
+    let mut per_call: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); what.len()]; configs.len()];
     let mut names = Vec::new();
     for _ in 0..5 {
         for (i, (_, opts)) in configs.iter().enumerate() {
@@ -263,11 +275,6 @@ fn cuda(dir: &Path) {
     println!("## CUDA uprobes per call on the stand-in library (ns/call, median of 5 runs of 200000 calls)\n");
     println!("| function (probes) | no probe | default probe set | with --cuda-launches |");
     println!("|---|---|---|---|");
-    let what = [
-        "entry uprobe (default set)",
-        "entry uprobe + uretprobe (default set; busy-estimate work with the launch set)",
-        "entry uprobe, stack read, map update (launch set)",
-    ];
     for (k, name) in names.iter().enumerate() {
         println!(
             "| {name} ({}) | {:.0} | {:.0} | {:.0} |",
@@ -279,12 +286,32 @@ fn cuda(dir: &Path) {
     }
     println!();
 
-    // inference loop
+    for (mode, title) in [
+        ("loop", "Stand-in inference loop"),
+        (
+            "paths",
+            "Stand-in CUDA-graph decode loop (per-thread default stream)",
+        ),
+    ] {
+        inference_loop(dir, &lib_dir, &bin, &configs, mode, title);
+    }
+}
+
+/// Five runs of 300 steps of the client's loop `mode` in each configuration (interleaved);
+/// the median step of each run after 20 warm-up steps, the median of the runs.
+fn inference_loop(
+    dir: &Path,
+    lib_dir: &Path,
+    bin: &Path,
+    configs: &[(&str, Option<&CudaOptions>)],
+    mode: &str,
+    title: &str,
+) {
     let mut wall: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     for _ in 0..5 {
         for (i, (_, opts)) in configs.iter().enumerate() {
-            let out = client(dir, &lib_dir, &bin, &["loop", "300"], *opts);
+            let out = client(dir, lib_dir, bin, &[mode, "300"], *opts);
             let steps: Vec<(f64, f64)> = out
                 .lines()
                 .skip(20) // warm-up
@@ -297,20 +324,25 @@ fn cuda(dir: &Path) {
             cpu[i].push(median(steps.iter().map(|s| s.1).collect()));
         }
     }
-    println!("## Stand-in inference loop (median step of 280, median of 5 runs)\n");
+    println!(
+        "## {title} (median step of 280, median of 5 runs; the runs' step wall µs in brackets)\n"
+    );
     println!("| configuration | step wall µs | added | step CPU µs | added CPU |");
     println!("|---|---|---|---|---|");
     let (w0, c0) = (median(wall[0].clone()), median(cpu[0].clone()));
     for (i, (name, _)) in configs.iter().enumerate() {
         let (w, c) = (median(wall[i].clone()), median(cpu[i].clone()));
+        let runs: Vec<String> = wall[i].iter().map(|r| format!("{:.0}", r / 1e3)).collect();
         println!(
-            "| {name} | {:.1} | {:+.2}% | {:.1} | {:+.1} µs |",
+            "| {name} | {:.1} [{}] | {:+.2}% | {:.1} | {:+.1} µs |",
             w / 1e3,
+            runs.join(", "),
             (w / w0 - 1.0) * 100.0,
             c / 1e3,
             (c - c0) / 1e3
         );
     }
+    println!();
 }
 
 fn main() {

@@ -370,10 +370,17 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
             e.s
         );
         app.step(3);
+        let got = app.read(&probe);
         assert_eq!(
-            app.read(&probe).vram_bytes,
+            got.vram_bytes,
             e.after_vmm(),
             "s={}: VMM allocations, a released-but-mapped handle still held, an import not counted twice",
+            e.s
+        );
+        assert_eq!(
+            (got.h2d_bytes, got.d2h_bytes),
+            (e.h2d_after_vmm(), e.d2h_after_vmm()),
+            "s={}: unified copies into and out of VMM mappings",
             e.s
         );
         app.step(4);
@@ -392,7 +399,11 @@ fn cuda_vram_and_copies_per_pod_from_uprobes() {
     for app in [&a, &c] {
         let got = app.read(&probe);
         assert_eq!(got.vram_bytes, 0, "s={}: exit returns VRAM", app.expect.s);
-        assert_eq!(got.h2d_bytes, app.expect.h2d(), "copy counters stay");
+        assert_eq!(
+            got.h2d_bytes,
+            app.expect.h2d_after_vmm(),
+            "copy counters stay"
+        );
     }
     assert_eq!(
         probe.kernel_stats(),
@@ -564,6 +575,160 @@ fn gpu_series_on_metrics() {
     assert!(duty > 0.0 && duty <= 1.0, "duty cycle {duty} just after");
     // idle for longer than the window: the duty cycle falls to 0
     wait_value("ebpf_gpu_active_compute_duty_cycle", &[], 0.0);
+}
+
+/// The paths inference servers take, through the agent binary with the launch set: two pods
+/// run a loop of CUDA graph launches, per-thread-default-stream launches, copies and waits,
+/// unified-address copies of every kind of address, and stream-ordered and pool allocations.
+/// Each pod's launches, copy bytes per direction and VRAM on /metrics equal the stand-in
+/// library's own record of what it was asked, and its busy estimate (graphs waited for by
+/// stream and event) is within 10% of the client's own measurement; then two threads of each
+/// client wait on their own per-thread default streams (10 S and 30 S ms), and the first one's
+/// wait does not end the other's work.
+#[test]
+fn cuda_inference_paths_per_pod_equal_the_libraries_record() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let cuda = StandInCuda::new(dir);
+    let client = PathsClient::new(dir);
+    let agent = Agent::no_kube("200ms", "cuda", &["--cuda-launches"]);
+    let sb = CgroupSandbox::new();
+    let pods: Vec<(Pod, PathBuf, u64)> = [(Layout::Cgroupfs, 1), (Layout::Systemd, 2)]
+        .into_iter()
+        .map(|(layout, s)| {
+            let mut pod = Pod::random(&sb, layout, "burstable");
+            let ctl = dir.join(format!("ctl{s}"));
+            std::fs::create_dir(&ctl).unwrap();
+            pod.spawn(&client.command(&cuda, &ctl, s));
+            (pod, ctl, s)
+        })
+        .collect();
+    let step = |ctl: &Path, n: u32| {
+        File::create(ctl.join(format!("go{n}"))).unwrap();
+        wait_file(&ctl.join(format!("done{n}")), "cuda_paths phase");
+    };
+    for (_, ctl, _) in &pods {
+        step(ctl, 0);
+    }
+    // both clients map the one library file: one attach covers them
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            value(&agent.scrape(), "gpufeed_cuda_libraries", &[]).filter(|v| *v == 1.0)
+        })
+        .is_some(),
+        "the agent attached to the library"
+    );
+    let pod_value = |pod: &Pod, name: &str, extra: Option<(&str, &str)>| {
+        let mut want = vec![("pod", pod.uid.as_str())];
+        want.extend(extra);
+        value(&agent.scrape(), name, &want)
+    };
+    let wait_value = |pod: &Pod, name: &str, extra: Option<(&str, &str)>, want: f64| {
+        let got = wait_for(Duration::from_secs(10), || {
+            pod_value(pod, name, extra).filter(|v| (v - want).abs() < 1e-9)
+        });
+        assert!(
+            got.is_some(),
+            "{name}{extra:?} = {want}; last {:?}",
+            pod_value(pod, name, extra)
+        );
+    };
+    let measured = |ctl: &Path, name: &str| -> f64 {
+        let text = std::fs::read_to_string(ctl.join(name)).unwrap();
+        text.trim().parse().unwrap()
+    };
+    for (_, ctl, _) in &pods {
+        File::create(ctl.join("go1")).unwrap();
+    }
+    for (pod, ctl, s) in &pods {
+        wait_file(&ctl.join("done1"), "cuda_paths phase 1");
+        let record = CudaRecord::read(&ctl.join("record1"));
+        let busy_ns = measured(ctl, "busy1");
+        eprintln!("s={s}: the library's record {record:?}; busy measured {busy_ns} ns");
+        // every path was taken: the record is not all zeros
+        for name in [
+            "launches",
+            "graph_launches",
+            "h2d",
+            "d2h",
+            "d2d",
+            "h2h",
+            "vram",
+        ] {
+            assert!(record.get(name) > 0, "s={s}: {name} in {record:?}");
+        }
+        wait_value(
+            pod,
+            cuda::LAUNCHES,
+            None,
+            (record.get("launches") + record.get("graph_launches")) as f64,
+        );
+        // device-to-device and host-to-host copies cross no host link: not counted
+        wait_value(
+            pod,
+            cuda::PCIE,
+            Some(("direction", "h2d")),
+            record.get("h2d") as f64,
+        );
+        wait_value(
+            pod,
+            cuda::PCIE,
+            Some(("direction", "d2h")),
+            record.get("d2h") as f64,
+        );
+        wait_value(pod, cuda::VRAM, None, record.get("vram") as f64);
+        let busy = wait_for(Duration::from_secs(5), || {
+            pod_value(pod, cuda::BUSY, None).filter(|b| within_10_percent(b * 1e9, busy_ns))
+        });
+        assert!(
+            busy.is_some(),
+            "s={s}: busy estimate {:?} s vs measured {busy_ns} ns",
+            pod_value(pod, cuda::BUSY, None)
+        );
+        eprintln!("s={s}: busy estimate {busy:?} s");
+    }
+    for (pod, ctl, s) in &pods {
+        let before = pod_value(pod, cuda::BUSY, None).unwrap();
+        step(ctl, 2);
+        let record = CudaRecord::read(&ctl.join("record2"));
+        wait_value(
+            pod,
+            cuda::LAUNCHES,
+            None,
+            (record.get("launches") + record.get("graph_launches")) as f64,
+        );
+        let busy_ns = measured(ctl, "busy2");
+        let busy = wait_for(Duration::from_secs(5), || {
+            pod_value(pod, cuda::BUSY, None)
+                .map(|b| b - before)
+                .filter(|b| within_10_percent(b * 1e9, busy_ns))
+        });
+        eprintln!(
+            "s={s}: two threads' default streams: busy estimate {busy:?} s, measured {busy_ns} ns"
+        );
+        assert!(
+            busy.is_some(),
+            "s={s}: two threads' default streams: busy estimate {:?} s more vs measured {busy_ns} ns",
+            pod_value(pod, cuda::BUSY, None).map(|b| b - before)
+        );
+    }
+    for (pod, ctl, s) in &pods {
+        step(ctl, 3);
+        let record = CudaRecord::read(&ctl.join("record3"));
+        assert_eq!(record.get("vram"), 0, "s={s}: everything freed");
+        wait_value(pod, cuda::VRAM, None, 0.0);
+    }
+    for (name, want) in [
+        ("gpufeed_cuda_unknown_frees_total", 0.0),
+        ("gpufeed_cuda_launches_untracked_total", 0.0),
+        ("gpufeed_cuda_objects_dropped_total", 0.0),
+    ] {
+        assert_eq!(value(&agent.scrape(), name, &[]), Some(want), "{name}");
+    }
+    for (_, ctl, _) in &pods {
+        File::create(ctl.join("go4")).unwrap();
+    }
 }
 
 /// The busy estimate: two pods keep the stand-in device busy for times their

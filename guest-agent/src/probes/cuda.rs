@@ -64,14 +64,14 @@ const VRAM_FAMILY: FamilySpec = FamilySpec {
 };
 const PCIE_FAMILY: FamilySpec = FamilySpec {
     name: PCIE,
-    help: "Bytes copied between host and GPU by the pod through the CUDA driver API, by direction (h2d, d2h)",
+    help: "Bytes copied between host and GPU by the pod through the CUDA driver API, by direction (h2d, d2h; unified-address copies by what the agent knows of the addresses)",
     kind: Kind::Counter,
     scope: Scope::Pod,
     pod_labels: true,
 };
 const LAUNCHES_FAMILY: FamilySpec = FamilySpec {
     name: LAUNCHES,
-    help: "CUDA kernel launches (cuLaunchKernel; counted only with --cuda-launches)",
+    help: "CUDA kernel and graph launches (cuLaunchKernel, cuLaunchKernelEx, cuGraphLaunch: a graph counts once; counted only with --cuda-launches)",
     kind: Kind::Counter,
     scope: Scope::Container,
     pod_labels: true,
@@ -112,7 +112,7 @@ pub struct CudaOptions {
     // Also estimates busy time from launch to completion (uprobes on
     // cuEventRecord and the stream and event queries too; the
     // synchronisation calls, timed always, then also close busy intervals).
-    /// Count CUDA kernel launches (a uprobe on cuLaunchKernel, the hot launch path).
+    /// Count CUDA kernel and graph launches (uprobes on cuLaunchKernel(Ex) and cuGraphLaunch, the hot launch path).
     #[arg(long = "cuda-launches")]
     pub launches: bool,
 }
@@ -190,10 +190,19 @@ enum Prog {
     Unmap,
     HtoD,
     DtoH,
+    Memcpy,
     Launch,
+    LaunchPtsz,
+    LaunchEx,
+    LaunchExPtsz,
+    GraphLaunch,
+    GraphLaunchPtsz,
     EventRecord,
+    EventRecordPtsz,
     StreamSync,
+    StreamSyncPtsz,
     StreamQuery,
+    StreamQueryPtsz,
     CtxSync,
     EventSync,
     EventQuery,
@@ -205,6 +214,13 @@ enum Prog {
 /// `--cuda-launches` turns on). The synchronisation calls are outside that
 /// set: a process makes a few per step, and their wait is the latency
 /// signal a pod feels when the GPU is slow. Signatures are in bpf/cuda.bpf.c.
+///
+/// A program built with `CUDA_API_PER_THREAD_DEFAULT_STREAM` (PyTorch,
+/// among others) calls the `_ptds`/`_ptsz` exports instead (cuda.h's
+/// `__CUDA_API_PTDS`/`__CUDA_API_PTSZ`): the same arguments, except that
+/// stream 0 is the calling thread's default stream. Where the stream does not
+/// matter to a program the variant shares its base call's program; the
+/// stream-keyed ones have a `_ptsz` program of their own.
 const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
     ("cuMemAlloc_v2", Prog::Alloc, Some(Prog::AllocRet), false),
     (
@@ -215,6 +231,25 @@ const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
     ),
     (
         "cuMemAllocAsync",
+        Prog::AllocAsync,
+        Some(Prog::AllocRet),
+        false,
+    ),
+    (
+        "cuMemAllocAsync_ptsz",
+        Prog::AllocAsync,
+        Some(Prog::AllocRet),
+        false,
+    ),
+    // (dptr, bytesize, pool, stream): the allocation's arguments come first
+    (
+        "cuMemAllocFromPoolAsync",
+        Prog::AllocAsync,
+        Some(Prog::AllocRet),
+        false,
+    ),
+    (
+        "cuMemAllocFromPoolAsync_ptsz",
         Prog::AllocAsync,
         Some(Prog::AllocRet),
         false,
@@ -234,15 +269,30 @@ const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
     ),
     ("cuMemFree_v2", Prog::Free, None, false),
     ("cuMemFreeAsync", Prog::FreeAsync, None, false),
+    ("cuMemFreeAsync_ptsz", Prog::FreeAsync, None, false),
     ("cuMemRelease", Prog::Release, None, false),
     ("cuMemMap", Prog::Map, None, false),
     ("cuMemUnmap", Prog::Unmap, None, false),
     ("cuMemcpyHtoD_v2", Prog::HtoD, None, false),
+    ("cuMemcpyHtoD_v2_ptds", Prog::HtoD, None, false),
     ("cuMemcpyHtoDAsync_v2", Prog::HtoD, None, false),
+    ("cuMemcpyHtoDAsync_v2_ptsz", Prog::HtoD, None, false),
     ("cuMemcpyDtoH_v2", Prog::DtoH, None, false),
+    ("cuMemcpyDtoH_v2_ptds", Prog::DtoH, None, false),
     ("cuMemcpyDtoHAsync_v2", Prog::DtoH, None, false),
+    ("cuMemcpyDtoHAsync_v2_ptsz", Prog::DtoH, None, false),
+    ("cuMemcpy", Prog::Memcpy, None, false),
+    ("cuMemcpy_ptds", Prog::Memcpy, None, false),
+    ("cuMemcpyAsync", Prog::Memcpy, None, false),
+    ("cuMemcpyAsync_ptsz", Prog::Memcpy, None, false),
     ("cuLaunchKernel", Prog::Launch, None, true),
+    ("cuLaunchKernel_ptsz", Prog::LaunchPtsz, None, true),
+    ("cuLaunchKernelEx", Prog::LaunchEx, None, true),
+    ("cuLaunchKernelEx_ptsz", Prog::LaunchExPtsz, None, true),
+    ("cuGraphLaunch", Prog::GraphLaunch, None, true),
+    ("cuGraphLaunch_ptsz", Prog::GraphLaunchPtsz, None, true),
     ("cuEventRecord", Prog::EventRecord, None, true),
+    ("cuEventRecord_ptsz", Prog::EventRecordPtsz, None, true),
     (
         "cuStreamSynchronize",
         Prog::StreamSync,
@@ -250,8 +300,20 @@ const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
         false,
     ),
     (
+        "cuStreamSynchronize_ptsz",
+        Prog::StreamSyncPtsz,
+        Some(Prog::SyncRet),
+        false,
+    ),
+    (
         "cuStreamQuery",
         Prog::StreamQuery,
+        Some(Prog::SyncRet),
+        true,
+    ),
+    (
+        "cuStreamQuery_ptsz",
+        Prog::StreamQueryPtsz,
         Some(Prog::SyncRet),
         true,
     ),
@@ -425,10 +487,19 @@ impl CudaProbe {
             Prog::Unmap => &progs.cu_mem_unmap,
             Prog::HtoD => &progs.cu_memcpy_htod,
             Prog::DtoH => &progs.cu_memcpy_dtoh,
+            Prog::Memcpy => &progs.cu_memcpy,
             Prog::Launch => &progs.cu_launch_kernel,
+            Prog::LaunchPtsz => &progs.cu_launch_kernel_ptsz,
+            Prog::LaunchEx => &progs.cu_launch_kernel_ex,
+            Prog::LaunchExPtsz => &progs.cu_launch_kernel_ex_ptsz,
+            Prog::GraphLaunch => &progs.cu_graph_launch,
+            Prog::GraphLaunchPtsz => &progs.cu_graph_launch_ptsz,
             Prog::EventRecord => &progs.cu_event_record,
+            Prog::EventRecordPtsz => &progs.cu_event_record_ptsz,
             Prog::StreamSync => &progs.cu_stream_sync,
+            Prog::StreamSyncPtsz => &progs.cu_stream_sync_ptsz,
             Prog::StreamQuery => &progs.cu_stream_query,
+            Prog::StreamQueryPtsz => &progs.cu_stream_query_ptsz,
             Prog::CtxSync => &progs.cu_ctx_sync,
             Prog::EventSync => &progs.cu_event_sync,
             Prog::EventQuery => &progs.cu_event_query,
@@ -554,7 +625,7 @@ impl GpuProcessUnit for CudaProbe {
         let [failures, full, unknown, untracked] = self.kernel_stats();
         (failures, vec![
             SelfSeries::gauge("gpufeed_cuda_libraries", "Distinct libcuda files (device, inode) the CUDA probes are attached to", self.files() as f64),
-            SelfSeries::counter("gpufeed_cuda_objects_dropped_total", "CUDA allocations not tracked because the object map was full", full),
+            SelfSeries::counter("gpufeed_cuda_objects_dropped_total", "CUDA allocations (or their address ranges) not tracked because the object or range map was full", full),
             SelfSeries::counter("gpufeed_cuda_launches_untracked_total", "Kernel launches left out of the busy estimate (stream map full, launch stack unreadable)", untracked),
             SelfSeries::counter("gpufeed_cuda_unknown_frees_total", "Frees, releases and unmaps of objects the probes never saw allocated (made before they attached)", unknown),
         ])
@@ -704,6 +775,32 @@ garbage line
             ]
         );
         assert!(find_libs("", "libcuda.so").is_empty());
+    }
+
+    /// A `_ptsz`/`_ptds` export is probed as its base call is: at return
+    /// too where the base call is, in the launch set where the base call is.
+    #[test]
+    fn per_thread_variants_are_probed_like_their_base_calls() {
+        let mut variants = 0;
+        for &(sym, _, ret, launch_set) in SYMBOLS {
+            let Some(base) = sym
+                .strip_suffix("_ptsz")
+                .or_else(|| sym.strip_suffix("_ptds"))
+            else {
+                continue;
+            };
+            let &(_, _, base_ret, base_set) = SYMBOLS
+                .iter()
+                .find(|s| s.0 == base)
+                .unwrap_or_else(|| panic!("{sym}: its base call {base} is probed"));
+            assert_eq!(
+                (ret.is_some(), launch_set),
+                (base_ret.is_some(), base_set),
+                "{sym}"
+            );
+            variants += 1;
+        }
+        assert_eq!(variants, 15);
     }
 
     #[test]

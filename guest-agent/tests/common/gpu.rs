@@ -104,6 +104,13 @@ impl Expect {
     pub fn d2h(&self) -> u64 {
         (2048 + 24) * self.s
     }
+    /// After phase 3's unified copies into and out of VMM mappings.
+    pub fn h2d_after_vmm(&self) -> u64 {
+        self.h2d() + 512 * self.s
+    }
+    pub fn d2h_after_vmm(&self) -> u64 {
+        self.d2h() + 256 * self.s
+    }
 }
 
 /// The CUDA stand-in: libcuda.so.1 built from C in `<dir>/lib`, a copy in a
@@ -184,6 +191,57 @@ impl BusyClient {
             go.display(),
             out.display()
         )
+    }
+}
+
+/// The inference-path client (fixtures/cuda/cuda_paths.c) built in a test's directory: CUDA
+/// graphs, the per-thread default stream's exports, unified-address copies and stream-ordered
+/// allocations, in phases driven through its control directory, each ending with the stand-in
+/// library's record of what it was asked.
+pub struct PathsClient {
+    bin: PathBuf,
+}
+
+impl PathsClient {
+    pub fn new(dir: &Path) -> PathsClient {
+        let bin = dir.join("cuda_paths");
+        compile_c("cuda/cuda_paths.c", &bin, &["-ldl", "-pthread"]);
+        PathsClient { bin }
+    }
+
+    /// The shell command: the client at scale `s` on `cuda`'s library, controlled through
+    /// `ctl` (which must exist).
+    pub fn command(&self, cuda: &StandInCuda, ctl: &Path, s: u64) -> String {
+        format!(
+            "LD_LIBRARY_PATH={} exec {} {} {s}",
+            cuda.lib_dir.display(),
+            self.bin.display(),
+            ctl.display()
+        )
+    }
+}
+
+/// The stand-in library's record of what a client asked of it (fake_libcuda.c's
+/// `standin_record`): launches, graph_launches, h2d, d2h, d2d, h2h, vram.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CudaRecord(pub std::collections::BTreeMap<String, i64>);
+
+impl CudaRecord {
+    pub fn read(path: &Path) -> CudaRecord {
+        let text = std::fs::read_to_string(path).unwrap();
+        CudaRecord(
+            text.lines()
+                .filter_map(|l| l.split_once(' '))
+                .map(|(k, v)| (k.to_string(), v.trim().parse().unwrap()))
+                .collect(),
+        )
+    }
+
+    pub fn get(&self, name: &str) -> i64 {
+        *self
+            .0
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} in {self:?}"))
     }
 }
 
