@@ -289,7 +289,14 @@ fn no_module_imports_one_that_imports_it_back() {
     let sources = crate_sources();
     let names: Vec<String> = sources
         .iter()
-        .map(|s| s.parent().unwrap().file_name().unwrap().to_string_lossy().into_owned())
+        .map(|s| {
+            s.parent()
+                .unwrap()
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        })
         .collect();
     for want in ["guest-agent", "host-agent", "shared"] {
         assert!(names.iter().any(|n| n == want), "{want} among {names:?}");
@@ -315,7 +322,11 @@ fn circles_in(src: &Path) -> String {
             bs.iter().cloned().collect::<Vec<_>>().join(", ")
         );
     }
-    assert!(edges.len() > 3, "the graph of {} was read: {edges:?}", src.display());
+    assert!(
+        edges.len() > 3,
+        "the graph of {} was read: {edges:?}",
+        src.display()
+    );
     let found = circles(&edges);
     let mut why = String::new();
     for c in &found {
