@@ -1,7 +1,7 @@
 //! Frame codec: `u32` little-endian body length, then the postcard encoding of one
 //! [`Message`]. Bodies are capped at [`MAX_FRAME_LEN`]; decoding never panics.
 
-use super::{Message, MAX_FRAME_LEN};
+use super::message::{Message, MAX_FRAME_LEN};
 
 /// Bytes of the length prefix.
 pub const HEADER_LEN: usize = 4;

@@ -4,7 +4,7 @@
 //! name the error, are kept, and a last line says how many were cut), and cut further if the
 //! event still does not fit in a frame: the event itself is never dropped for its size.
 
-use super::{EncodeError, EncodedEvent};
+use super::codec::{EncodeError, EncodedEvent};
 use crate::event::HostEvent;
 
 /// Bytes of kernel log context an AER event carries at most.

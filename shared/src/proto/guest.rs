@@ -12,8 +12,11 @@
 //! back; messages come in decoded and go out as [`Message`]s; the hub's QUIC driver only
 //! moves them.
 
-use super::{AckPolicy, Dedup, EventVerdict, Message, ProtocolError, ServerAction, ServerSession};
-use super::{EventFrame, SpoolLoss, StreamCheck, MAX_SEQ};
+use super::ledger::MAX_SEQ;
+use super::message::{EventFrame, Message, SpoolLoss};
+use super::session::{
+    AckPolicy, Dedup, EventVerdict, ProtocolError, ServerAction, ServerSession, StreamCheck,
+};
 use crate::event::HostEvent;
 
 /// Timing of the guest end. [`GuestTiming::default`] is what the hub ships with.

@@ -9,7 +9,8 @@
 
 use std::collections::VecDeque;
 
-use super::{caps, ClientAction, ClientSession, Horizon, Message, ProtocolError};
+use super::message::{caps, Horizon, Message};
+use super::session::{ClientAction, ClientSession, ProtocolError};
 use crate::hoststate::HostState;
 
 /// What the connection tells its driver.

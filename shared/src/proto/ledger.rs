@@ -8,7 +8,7 @@
 //! acks) is checked against [`MAX_SEQ`] and against what this ledger handed out: nothing wraps,
 //! and a guest cannot make the host skip past [`MAX_SEQ`].
 
-use super::SpoolLoss;
+use super::message::SpoolLoss;
 
 /// Sequence numbers are below this everywhere (on the wire, on disk, in journals). At a million
 /// events a second a sequence space lasts 146,000 years; a number at or above it is damage or

@@ -2,9 +2,10 @@
 
 use std::collections::HashMap;
 
-use super::{
+use super::ledger::MAX_SEQ;
+use super::message::{
     caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Message, Reject, SpoolLoss, Welcome,
-    MAX_SEQ, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use crate::clock::ClockSample;
 

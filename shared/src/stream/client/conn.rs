@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::{Common, Guest};
+use super::guest::{Common, Guest};
 use crate::clock::monotonic_ns;
 use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message, StatePacing};
 use crate::tls;

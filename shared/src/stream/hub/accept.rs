@@ -8,7 +8,9 @@ use std::sync::Arc;
 use rustls::pki_types::CertificateDer;
 
 use super::conn::{Conn, End};
-use super::{admission, Inner, CLOSE_PROTOCOL, CLOSE_REFUSED, CLOSE_UNAVAILABLE, UNVERIFIED};
+use super::error::{CLOSE_PROTOCOL, CLOSE_REFUSED, CLOSE_UNAVAILABLE, UNVERIFIED};
+use super::shared::Inner;
+use crate::admission;
 use crate::proto::ALPN;
 use crate::tls;
 

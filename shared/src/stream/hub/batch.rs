@@ -10,8 +10,8 @@ use std::fmt;
 
 use crate::proto::{Dedup, EventFrame, GuestConnection, Staged, Undecoded};
 
+use super::event::{ReceivedEvent, UnknownEvent};
 use super::recent::{self, Recent};
-use super::{ReceivedEvent, UnknownEvent};
 
 /// Where accepted events and losses are written before they count ([`super::journal`]): every
 /// number a batch accounts is in one of its records (an event, decoded or not, a loss report

@@ -9,7 +9,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use super::{batch, Delivery, Inner};
+use super::batch;
+use super::intake::Delivery;
+use super::shared::Inner;
 use crate::clock;
 use crate::proto::{
     encode, DecodeError, FrameDecoder, GuestConnection, Message, ServerAction, Staged,

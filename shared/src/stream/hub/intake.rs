@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use prometheus::{IntCounterVec, Opts, Registry};
 use tokio::sync::mpsc;
 
-use super::{ReceivedEvent, UnknownEvent};
+use super::event::{ReceivedEvent, UnknownEvent};
 use crate::ratelog::RateLimitedLog;
 
 /// Events the queue holds before the hub waits for the join.

@@ -28,7 +28,7 @@ use crate::proto::{Dedup, EventFrame, Undecoded};
 use serde::{Deserialize, Serialize};
 
 use super::batch::EventLog;
-use super::ReceivedEvent;
+use super::event::ReceivedEvent;
 
 /// Declares [`Line`]: past `host` and `boot` every field is optional, left out of a line
 /// where it is `None` (each kind of line holds only its own fields) and `None` where a line

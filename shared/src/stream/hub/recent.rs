@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use super::ReceivedEvent;
+use super::event::ReceivedEvent;
 
 pub struct Recent {
     capacity: usize,
