@@ -185,11 +185,11 @@ async fn guest_binary_hub() {
     assert!(agent.log.lock().unwrap().contains("hub: rejected"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_kind_from_a_newer_host_is_counted_and_listed_as_unknown() {
-    let work = tempfile::tempdir().unwrap();
+/// A deployment made by `certs init` in `work`, and the guest agent as a hub only (no probes, no
+/// Kubernetes API) with its TLS files: the agent, the deployment's folder and the hub's address.
+fn hub_agent(work: &std::path::Path) -> (Agent, std::path::PathBuf, SocketAddr) {
     let quic = free_udp();
-    let out = work.path().join("deploy");
+    let out = work.join("deploy");
     let o = certs_init(&out, &quic.to_string(), "pve1", &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let tls_dir = out.join("guest").display().to_string();
@@ -205,6 +205,13 @@ async fn a_kind_from_a_newer_host_is_counted_and_listed_as_unknown() {
         ],
         &[],
     );
+    (agent, out, quic)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kind_from_a_newer_host_is_counted_and_listed_as_unknown() {
+    let work = tempfile::tempdir().unwrap();
+    let (agent, out, quic) = hub_agent(work.path());
     let pve1 = [("host", "pve1")];
     let (conn, _ctl, _) = connect(&out, quic).await;
     let mut ev = conn.open_uni().await.unwrap();
@@ -344,23 +351,7 @@ fn peak_rss(pid: u32) -> u64 {
 async fn a_flapping_link_in_a_burst_is_joined_in_full_and_every_answer_stays_bounded() {
     const N: u64 = 30_000;
     let work = tempfile::tempdir().unwrap();
-    let quic = free_udp();
-    let out = work.path().join("deploy");
-    let o = certs_init(&out, &quic.to_string(), "pve1", &[]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let tls_dir = out.join("guest").display().to_string();
-    let agent = Agent::start(
-        &[
-            "--probes",
-            "none",
-            "--no-kube",
-            "--quic-listen",
-            &quic.to_string(),
-            "--tls-dir",
-            &tls_dir,
-        ],
-        &[],
-    );
+    let (agent, out, quic) = hub_agent(work.path());
     let pve1 = [("host", "pve1")];
     let (conn, _ctl, _) = connect(&out, quic).await;
     let mut ev = conn.open_uni().await.unwrap();
