@@ -59,6 +59,7 @@
 #include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
+#include "counters.h"
 #include "hist.h"
 #include "cuda.h"
 
@@ -222,10 +223,7 @@ struct {
 
 static __always_inline void bump(__u32 i)
 {
-	__u64 *v = bpf_map_lookup_elem(&cuda_stats, &i);
-
-	if (v)
-		*v += 1;
+	slot_add(&cuda_stats, i, 1);
 }
 
 static __always_inline struct cuda_cgroup *my_cgroup(void)

@@ -44,6 +44,7 @@
 #include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
+#include "counters.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -112,10 +113,7 @@ struct {
 
 static __always_inline void bump(__u32 i)
 {
-	__u64 *v = bpf_map_lookup_elem(&gpu_stats, &i);
-
-	if (v)
-		*v += 1;
+	slot_add(&gpu_stats, i, 1);
 }
 
 static __always_inline struct task_struct *leader(void)

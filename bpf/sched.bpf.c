@@ -41,6 +41,7 @@
 #include "cgroup_storage.h"
 #include "cgroup_drain.h"
 #include "cgroup_batch.h"
+#include "counters.h"
 #include "sched.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
@@ -91,10 +92,7 @@ struct {
 
 static __always_inline void bump_stat(__u32 i)
 {
-	__u64 *v = bpf_map_lookup_elem(&sched_stats, &i);
-
-	if (v)
-		*v += 1;
+	slot_add(&sched_stats, i, 1);
 }
 
 static __always_inline void stamp(struct task_struct *p)
