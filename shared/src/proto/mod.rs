@@ -26,8 +26,9 @@
 //! # Layout
 //! The modules import one way: `message` (the messages, the version and size constants,
 //! [`caps`]) is the bottom; `codec` and `ledger` above it, then `fit` and `session`, then
-//! `host` and `guest`. A module takes a sibling by its own path (`super::message::Message`);
-//! this file only declares them and re-exports.
+//! `host` and `guest`; `reconnect` (when the host tries again) stands alone. A module takes a
+//! sibling by its own path (`super::message::Message`); this file only declares them and
+//! re-exports.
 
 mod codec;
 mod fit;
@@ -35,6 +36,9 @@ mod guest;
 mod host;
 pub mod ledger;
 mod message;
+// the host's stream client's policy (its jitter comes from the stream feature's generator)
+#[cfg(feature = "stream")]
+pub mod reconnect;
 mod session;
 
 pub use codec::{
@@ -49,6 +53,8 @@ pub use message::{
     caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Horizon, Message, Reject, SpoolLoss,
     Welcome, ALPN, MAX_FRAME_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
+#[cfg(feature = "stream")]
+pub use reconnect::{Attempt, Reconnect};
 pub use session::{
     AckPolicy, ClientAction, ClientSession, Dedup, EventVerdict, ProtocolError, ServerAction,
     ServerSession, StreamCheck,

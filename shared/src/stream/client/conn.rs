@@ -1,7 +1,8 @@
 //! One guest's connection task: connect (mutual TLS, ALPN `gpufeed/1`), then drive a
 //! [`HostConnection`]: its messages out on the control stream, the guest's in, the spool from
-//! the resume point out on the event stream, acks into the spool. On any failure reconnect after
-//! an exponential backoff with jitter.
+//! the resume point out on the event stream, acks into the spool. On any failure reconnect when
+//! the reconnect policy ([`Reconnect`], sans-IO) says: after an exponential backoff with
+//! jitter, or soon after a lost connection or a refusal.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use tokio::sync::watch;
 
 use super::guest::{Common, Guest};
 use crate::clock::monotonic_ns;
+use crate::proto::reconnect::{Attempt, Reconnect, FAST_RECONNECT_MAX};
 use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message, StatePacing};
 use crate::tls;
 
@@ -81,94 +83,49 @@ impl ConnError {
 pub const CLOSE_SHUTDOWN: u32 = 0;
 pub const CLOSE_PROTOCOL: u32 = 1;
 
-/// For this long after an established connection was lost, reconnect attempts are at most
-/// [`FAST_RECONNECT_MAX`] apart and each lasts at most [`FAST_CONNECT_TIMEOUT`]: a guest that
-/// restarts (an agent update, a crash) is back within seconds, and waiting out a grown backoff
-/// would leave its events queued for that long.
-const FAST_RECONNECT_FOR: Duration = Duration::from_secs(60);
-const FAST_RECONNECT_MAX: Duration = Duration::from_millis(500);
-const FAST_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// The RTT assumed before a measurement: the guest is a VM of this host (sub-millisecond), so
 /// quinn's 333 ms default would space the first Initial retransmissions a second and more
 /// apart.
 const INITIAL_RTT: Duration = Duration::from_millis(100);
 
-/// Exponential backoff with jitter: the n-th delay is uniform in `[d/2, d]` with
-/// `d = min(max, min * 2^n)`.
-#[derive(Debug)]
-pub struct Backoff {
-    min: Duration,
-    max: Duration,
-    attempt: u32,
-}
-
-impl Backoff {
-    pub fn new(min: Duration, max: Duration) -> Self {
-        Backoff {
-            min: min.max(Duration::from_millis(1)),
-            max: max.max(min),
-            attempt: 0,
-        }
-    }
-    pub fn reset(&mut self) {
-        self.attempt = 0;
-    }
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self
-            .min
-            .saturating_mul(1u32 << self.attempt.min(20))
-            .min(self.max);
-        self.attempt = self.attempt.saturating_add(1);
-        let half = d / 2;
-        half + Duration::from_nanos(fastrand::u64(0..=half.as_nanos() as u64))
-    }
-}
-
 pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver<bool>) {
     let label = g.cfg.label().to_owned();
-    let mut backoff = Backoff::new(
+    // every decision of this loop (how long to wait, how long an attempt may take) is the
+    // policy's; this moves between attempts and logs
+    let mut policy = Reconnect::new(
         Duration::from_millis(c.cfg.reconnect_min_ms),
         Duration::from_millis(c.cfg.reconnect_max_ms),
+        Duration::from_millis(c.cfg.connect_timeout_ms),
     );
     let mut last_error = String::new();
-    let mut lost_at: Option<std::time::Instant> = None;
     // A guest whose journal cannot be written closes every connection at once: one line per
     // reconnect would be several a second.
     let lost_log = crate::ratelog::RateLimitedLog::new(Duration::from_secs(10));
-    let mut refused_until: Option<std::time::Instant> = None;
     loop {
         if *stop.borrow() {
             return;
         }
-        let fast = lost_at.is_some_and(|t| t.elapsed() < FAST_RECONNECT_FOR);
-        let mut connect_timeout = Duration::from_millis(c.cfg.connect_timeout_ms);
-        if fast {
-            connect_timeout = connect_timeout.min(FAST_CONNECT_TIMEOUT);
-        }
+        let connect_timeout = policy.connect_timeout(monotonic_ns());
         let mut stop2 = stop.clone();
         let res = tokio::select! {
             r = connect_and_stream(&g, &c, connect_timeout, &mut stop2) => r,
             _ = stop.changed() => return,
         };
         g.m.connected.set(0);
-        match res {
+        let how = match res {
             Ok(Outcome::Stopped) => return,
             Ok(Outcome::Streamed(e)) => {
-                backoff.reset();
-                lost_at = Some(std::time::Instant::now());
                 if let Some(unlogged) = lost_log.note("lost", std::time::Instant::now()) {
                     tracing::warn!(guest = %label, error = %e, unlogged, "host stream: connection to guest lost; reconnecting");
                 }
                 last_error.clear();
+                Attempt::Lost
             }
             Err(e) if e.refused() => {
-                // The guest is busy (all its handshake places taken, a flood): it refuses
-                // before any state, so trying again soon costs it nothing, and a grown
-                // backoff would outlast the flood.
-                refused_until = Some(std::time::Instant::now() + FAST_RECONNECT_FOR);
                 if let Some(unlogged) = lost_log.note("refused", std::time::Instant::now()) {
                     tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %e, unlogged, "host stream: guest refused the connection (busy); retrying within {FAST_RECONNECT_MAX:?}");
                 }
+                Attempt::Refused
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -178,12 +135,10 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
                 } else {
                     tracing::debug!(guest = %label, error = %msg, "host stream: still cannot connect");
                 }
+                Attempt::Failed
             }
-        }
-        let mut delay = backoff.next_delay();
-        if fast || refused_until.is_some_and(|t| std::time::Instant::now() < t) {
-            delay = delay.min(FAST_RECONNECT_MAX);
-        }
+        };
+        let delay = policy.ended(how, monotonic_ns());
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = stop.changed() => return,
@@ -469,23 +424,3 @@ fn until(session: &HostConnection) -> Duration {
 
 /// Closest spacing of the host-state looks that follow events.
 const EVENT_STATE_GAP: Duration = Duration::from_millis(20);
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_with_jitter_and_resets() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(1000));
-        let d: Vec<_> = (0..6).map(|_| b.next_delay()).collect();
-        let bounds = [100, 200, 400, 800, 1000, 1000];
-        for (d, hi) in d.iter().zip(bounds) {
-            assert!(
-                *d >= Duration::from_millis(hi / 2) && *d <= Duration::from_millis(hi),
-                "{d:?} vs {hi}"
-            );
-        }
-        b.reset();
-        assert!(b.next_delay() <= Duration::from_millis(100));
-    }
-}
