@@ -115,6 +115,8 @@ pub struct Collector {
     pods: PodStore,
     grace: Duration,
     last_tick: Option<Instant>,
+    /// The node's GPU compute source, checked again each tick (None until asked for).
+    election: Option<crate::probes::ComputeElection>,
     pub store: Arc<Mutex<Store>>,
 }
 
@@ -145,13 +147,26 @@ impl Collector {
             pods,
             grace,
             last_tick: None,
+            election: None,
             store: Arc::default(),
         }
     }
 
-    /// The families the loaded units export, for the exporter.
+    /// Elects the node's GPU compute source among the units now, and again at each tick
+    /// where the best source changed (duty cycles over `window`).
+    pub fn elect_compute(&mut self, window: Duration) {
+        self.election = Some(crate::probes::ComputeElection::new(&mut self.units, window));
+    }
+
+    /// The families the loaded units export, for the exporter; each once (two units may
+    /// declare the compute families, one of which publishes them).
     pub fn families(&self) -> Vec<&'static FamilySpec> {
-        self.units.iter().flat_map(|u| u.families()).collect()
+        let mut seen = HashSet::new();
+        self.units
+            .iter()
+            .flat_map(|u| u.families())
+            .filter(|f| seen.insert(f.name))
+            .collect()
     }
 
     /// One tick. Returns an error only if the cgroup hierarchy itself can't be read.
@@ -265,6 +280,10 @@ impl Collector {
                 add(deltas.entry(owner).or_default(), (family, labels), value);
             }
             gauges.extend(out.gauges);
+        }
+        // a source that came or went this tick publishes from the next
+        if let Some(e) = self.election.as_mut() {
+            e.update(&mut self.units);
         }
         for id in changes.removed.keys() {
             self.owners.remove(id);

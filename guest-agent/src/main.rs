@@ -228,8 +228,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         interval,
         lockdown: lockdown.as_deref(),
     };
-    let (mut units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
-    probes::elect_compute(&mut units, Duration::from_secs(30));
+    let (units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
     for s in statuses.iter().filter(|s| !s.up) {
         println!(
             "{}: not loaded ({})",
@@ -243,6 +242,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         pods::PodStore::default(),
         Duration::from_secs(3600),
     );
+    collector.elect_compute(Duration::from_secs(30));
     let rows = gpufeed_guest::selftest::run(&mut collector, &root, duration, interval);
     print!("{}", gpufeed_guest::selftest::render(&rows));
     Ok(())
@@ -295,8 +295,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         interval: args.interval,
         lockdown: lockdown.as_deref(),
     };
-    let (mut units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
-    probes::elect_compute(&mut units, args.gpu_duty_window);
+    let (units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
     let probes_up: Vec<&'static str> = statuses.iter().filter(|s| s.up).map(|s| s.name).collect();
     for s in &statuses {
         match &s.reason {
@@ -324,6 +323,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         pods.clone(),
         args.pod_grace,
     );
+    collector.elect_compute(args.gpu_duty_window);
     collector.tick().with_context(|| {
         format!(
             "cannot read the cgroup hierarchy at {}",

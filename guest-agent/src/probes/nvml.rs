@@ -1,6 +1,10 @@
 //! The `nvml` unit: what NVML says the GPUs did, per container and per GPU (`crate::nvml`
 //! does the reading). No BPF: it works by the tick. A node without the library has the unit
-//! up and idle (`gpufeed_nvml_gpus` 0; one info line at start).
+//! up and idle (`gpufeed_nvml_gpus` 0; one info line, and the library looked for again every
+//! few seconds). GPUs are enumerated each tick: one lost is left out and counted
+//! (`gpufeed_nvml_errors_total`) while the others keep their numbers, and one that comes back
+//! has its capacity read anew; the collector re-elects the compute source when NVML comes or
+//! goes.
 //!
 //! * Per container: SM utilisation and memory of its processes (the ground truth beside the
 //!   eBPF GPU series), and, as the node's best compute-time source (`gpu_compute`), SM time
@@ -12,7 +16,8 @@
 //!   a host link event can be shown with the dip it caused in what the pod's GPUs move (or
 //!   with none). The correlator reads this signal for dips (its policy `falls`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::options::OptionsSpec;
@@ -22,8 +27,8 @@ use super::unit::{
     SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats,
 };
 use crate::ebpf::ProbeError;
-use crate::nvml::sm_time::SmClock;
-use crate::nvml::{GpuCapacity, LinkState, Nvml};
+use crate::nvml::sm_time::{GpuReading, SmClock};
+use crate::nvml::{codes, Failure, Failures, Gpu, GpuCapacity, LinkState, Nvml, Opened, Survey};
 use crate::owner::Owner;
 
 pub const NAME: &str = "nvml";
@@ -35,6 +40,10 @@ pub const LINK_MAX: &str = "gpufeed_gpu_link_max_bytes_per_second";
 pub const LINK_GENERATION: &str = "gpufeed_gpu_pcie_link_generation";
 pub const LINK_WIDTH: &str = "gpufeed_gpu_pcie_link_width";
 pub const THROUGHPUT: &str = "gpufeed_gpu_pcie_throughput_bytes_per_second";
+pub const GPUS: &str = "gpufeed_nvml_gpus";
+pub const ERRORS: &str = "gpufeed_nvml_errors_total";
+pub const CALL_MISSING: &str = "gpufeed_nvml_call_missing";
+pub const LIBRARY_INFO: &str = "gpufeed_nvml_library_info";
 /// The correlator's name of the pod's GPU link throughput.
 pub const LINK_SIGNAL: &str = "gpu_link_throughput";
 
@@ -75,8 +84,7 @@ const POD_LINK_FAMILY: FamilySpec = FamilySpec {
     scope: Scope::Pod,
     pod_labels: false,
 };
-static FAMILIES: [FamilySpec; 3] = [SM_FAMILY, MEMORY_FAMILY, POD_LINK_FAMILY];
-/// With the library: NVML's SM time is the node's compute time.
+/// NVML's own, and the compute time and duty cycle for when it is the node's source.
 static FAMILIES_COMPUTE: [FamilySpec; 5] = [
     SM_FAMILY,
     MEMORY_FAMILY,
@@ -104,23 +112,31 @@ impl Default for Config {
 }
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    let nvml = Nvml::load(&ctx.options.get::<Config>().library).map_err(|e| ProbeError::Io {
-        probe: NAME,
-        what: "NVML",
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    Ok(Loaded::single(NAME, Ok(NvmlUnit::new(nvml))))
+    let library = ctx.options.get::<Config>().library.clone();
+    Ok(Loaded::single(NAME, Ok(NvmlUnit::open(library))))
 }
 
+/// How often a node without NVML looks for it again: the toolkit's mounts, a driver
+/// extension or a `--nvml-library` path may appear after the agent started.
+const RETRY: Duration = Duration::from_secs(2);
+
 pub struct NvmlUnit {
+    /// `--nvml-library` as given.
+    library: String,
     nvml: Option<Nvml>,
-    /// Read once at start: a GPU's memory and link maximum do not change
-    /// while the driver is loaded.
-    gpus: Vec<GpuCapacity>,
+    /// Why NVML is not loaded (None while it is), with the fix.
+    absent: Option<String>,
+    /// When to look for the library again.
+    retry_at: Instant,
+    /// The GPUs NVML enumerates now, with their capacity: read when a GPU appears (at start,
+    /// or back from being lost: an eGPU replugged), again while a number is missing.
+    gpus: BTreeMap<u32, GpuCapacity>,
+    /// GPUs lost (or no longer enumerated) and not back yet: said once when lost, once when back.
+    lost: BTreeSet<u32>,
     clock: SmClock,
     /// Each GPU's link at the last tick.
     links: Vec<LinkState>,
-    failures: u64,
+    failures: Failures,
     compute: Option<ComputeSeries>,
 }
 
@@ -134,30 +150,122 @@ struct OwnerUse {
 }
 
 impl NvmlUnit {
-    pub fn new(nvml: Option<Nvml>) -> NvmlUnit {
-        let gpus = match nvml.as_ref().map(Nvml::capacity) {
-            Some(Ok(c)) => c,
-            Some(Err(e)) => {
-                tracing::warn!("NVML: GPU capacity: {e}");
-                Vec::new()
-            }
-            None => Vec::new(),
-        };
-        NvmlUnit {
-            nvml,
-            gpus,
+    /// The unit over the library `library` names ([`crate::nvml::locate`]): up whether or not
+    /// NVML is there; without it, it looks again every few seconds.
+    pub fn open(library: String) -> NvmlUnit {
+        let mut unit = NvmlUnit {
+            library,
+            nvml: None,
+            absent: None,
+            retry_at: Instant::now(),
+            gpus: BTreeMap::new(),
+            lost: BTreeSet::new(),
             clock: SmClock::default(),
             links: Vec::new(),
-            failures: 0,
+            failures: Failures::default(),
             compute: None,
-        }
+        };
+        unit.look_for_library();
+        unit.survey();
+        unit
     }
 
-    fn failed(&mut self, e: crate::nvml::NvmlError) {
-        if self.failures == 0 {
-            tracing::warn!("NVML: {e}");
+    /// Opens NVML if it is not open yet and it is time to look.
+    fn look_for_library(&mut self) {
+        if self.nvml.is_some() || Instant::now() < self.retry_at {
+            return;
         }
-        self.failures += 1;
+        self.retry_at = Instant::now() + RETRY;
+        let why = match Nvml::open(&self.library) {
+            Ok(Opened::Loaded(nvml)) => {
+                let missing = nvml.missing().join(", ");
+                tracing::info!(
+                    library = nvml.opened(),
+                    missing_calls = %missing,
+                    "NVML loaded{}",
+                    if self.absent.is_some() { " (it appeared after start)" } else { "" }
+                );
+                self.nvml = Some(nvml);
+                self.absent = None;
+                return;
+            }
+            Ok(Opened::Absent(why)) => why,
+            Err(e) => format!("{}: {e}", self.library),
+        };
+        if self.absent.as_deref() != Some(why.as_str()) {
+            tracing::info!(
+                "NVML not available, no NVML series (looked for again every {RETRY:?}): {why}"
+            );
+        }
+        self.absent = Some(why);
+    }
+
+    /// Enumerates the GPUs: a GPU that appeared has its capacity read, one that is gone is
+    /// dropped. Returns the GPUs NVML answers for now.
+    fn survey(&mut self) -> Vec<Gpu> {
+        let Some(nvml) = self.nvml.as_ref() else {
+            return Vec::new();
+        };
+        let Survey { gpus, mut failures } = nvml.gpus();
+        let lost = &mut self.lost;
+        self.gpus.retain(|index, _| {
+            let here = gpus.iter().any(|g| g.index == *index);
+            if !here && lost.insert(*index) {
+                tracing::warn!(gpu = index, "GPU gone: NVML no longer enumerates it");
+            }
+            here
+        });
+        for g in &gpus {
+            let known = self.gpus.get(&g.index);
+            if known.is_some_and(GpuCapacity::complete) {
+                continue;
+            }
+            let capacity = nvml.capacity_of(g, &mut failures);
+            if known.is_none() && !self.lost.contains(&g.index) {
+                tracing::info!(
+                    gpu = g.index,
+                    memory_bytes = ?capacity.memory_total_bytes,
+                    link_bytes_per_second = ?capacity.link_bytes_per_second,
+                    "GPU present"
+                );
+            }
+            self.gpus.insert(g.index, capacity);
+        }
+        self.book(failures);
+        gpus.into_iter()
+            .filter(|g| self.gpus.contains_key(&g.index))
+            .collect()
+    }
+
+    /// Counts failures; a GPU that answered one call with "lost" is left out until it is
+    /// enumerated again (its capacity is then read anew).
+    fn book(&mut self, failures: Vec<Failure>) {
+        for f in &failures {
+            if let Some(g) = f.gpu.filter(|_| codes::gpu_gone(f.code)) {
+                self.gpus.remove(&g);
+                if self.lost.insert(g) {
+                    tracing::warn!(gpu = g, "GPU lost, left out until it answers again: {f}");
+                }
+            }
+        }
+        self.failures.book(failures);
+    }
+
+    /// Why this node's NVML cannot be its compute source now (None: it can).
+    pub fn not_a_source(&self) -> Option<String> {
+        let Some(nvml) = &self.nvml else {
+            return Some(self.absent.clone().unwrap_or_default());
+        };
+        if nvml.missing().contains(&"nvmlDeviceGetProcessUtilization") {
+            return Some(format!(
+                "{} lacks nvmlDeviceGetProcessUtilization: no per-process SM utilisation",
+                nvml.opened()
+            ));
+        }
+        if self.gpus.is_empty() {
+            return Some(format!("NVML ({}) sees 0 GPUs", nvml.opened()));
+        }
+        None
     }
 }
 
@@ -171,6 +279,7 @@ fn per_gpu<T>(
     NodeFamily {
         name,
         help,
+        kind: Kind::Gauge,
         samples: items.iter().flat_map(samples).collect(),
     }
 }
@@ -180,43 +289,69 @@ fn gpu_label(gpu: u32) -> Labels {
 }
 
 impl Probe for NvmlUnit {
+    /// The compute families always: NVML may appear or come back after start, and the
+    /// exporter takes its family list once (they render only once elected and sampled).
     fn families(&self) -> &'static [FamilySpec] {
-        match self.compute {
-            Some(_) => &FAMILIES_COMPUTE,
-            None => &FAMILIES,
-        }
+        &FAMILIES_COMPUTE
     }
 
     fn signals(&self) -> Vec<SignalSpec> {
         vec![link_signal()]
     }
 
-    /// NVML is a source when it reports a GPU.
+    /// NVML is a source when it reports a GPU and per-process utilisation.
     fn compute_source(&self) -> Option<ComputeSource> {
-        (!self.gpus.is_empty()).then_some(ComputeSource::Nvml)
+        self.not_a_source().is_none().then_some(ComputeSource::Nvml)
+    }
+
+    fn not_a_source(&self) -> Option<(ComputeSource, String)> {
+        NvmlUnit::not_a_source(self).map(|why| (ComputeSource::Nvml, why))
     }
 
     fn publish_compute(&mut self, series: ComputeSeries) {
         self.compute = Some(series);
     }
 
+    fn retire_compute(&mut self) {
+        self.compute = None;
+    }
+
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
+        self.look_for_library();
+        let gpus = self.survey();
         let Some(nvml) = self.nvml.as_mut() else {
             return TickOutput::default();
         };
         // NVML names processes by pid in the host's pid namespace, as the
-        // agent (hostPID) sees them
-        let readings = match nvml.read() {
-            Ok(r) => r,
-            Err(e) => {
-                self.failed(e);
-                return TickOutput::default();
+        // agent (hostPID) sees them; each GPU read on its own, failures booked
+        let mut failures = Vec::new();
+        let mut readings: Vec<GpuReading> = gpus
+            .iter()
+            .map(|g| nvml.read_gpu(g, &mut failures))
+            .collect();
+        let mut links: Vec<LinkState> = gpus
+            .iter()
+            .map(|g| nvml.link_of(g, &mut failures))
+            .collect();
+        self.book(failures);
+        // a GPU lost during this read has no numbers this tick
+        readings.retain(|r| self.gpus.contains_key(&r.gpu));
+        links.retain(|l| self.gpus.contains_key(&l.gpu));
+        self.links = links;
+        // a GPU that answered a whole tick again is back (an eGPU replugged)
+        let gpus = &self.gpus;
+        self.lost.retain(|g| match gpus.get(g) {
+            Some(c) => {
+                tracing::info!(
+                    gpu = g,
+                    memory_bytes = ?c.memory_total_bytes,
+                    link_bytes_per_second = ?c.link_bytes_per_second,
+                    "GPU back, its capacity read anew"
+                );
+                false
             }
-        };
-        match nvml.links() {
-            Ok(l) => self.links = l,
-            Err(e) => self.failed(e),
-        }
+            None => true,
+        });
         let cgroup_of = pid_cgroups(ctx);
         let owner_of = |pid: u32| {
             cgroup_of
@@ -275,30 +410,31 @@ impl Probe for NvmlUnit {
 
     fn stats(&self) -> UnitStats {
         let links = &self.links;
+        let gpus: Vec<&GpuCapacity> = self.gpus.values().collect();
         let mut node = vec![
             per_gpu(
-                &self.gpus,
+                &gpus,
                 MEMORY_TOTAL,
                 "Total memory of each GPU by NVML (the denominator of VRAM shares)",
-                |g| vec![(gpu_label(g.index), g.memory_total_bytes as f64)],
+                |g| some(g.index, g.memory_total_bytes),
             ),
             per_gpu(
-                &self.gpus,
+                &gpus,
                 LINK_MAX,
                 "Maximum PCIe bandwidth per direction of each GPU's link by NVML (maximum generation's per-lane rate after encoding, times maximum width)",
-                |g| vec![(gpu_label(g.index), g.link_bytes_per_second as f64)],
+                |g| some(g.index, g.link_bytes_per_second),
             ),
             per_gpu(
                 links,
                 LINK_GENERATION,
                 "Current PCIe generation of each GPU's link by NVML, as the guest sees it (an idle GPU lowers it)",
-                |l| vec![(gpu_label(l.gpu), f64::from(l.generation))],
+                |l| some(l.gpu, l.generation),
             ),
             per_gpu(
                 links,
                 LINK_WIDTH,
                 "Current PCIe width (lanes) of each GPU's link by NVML, as the guest sees it",
-                |l| vec![(gpu_label(l.gpu), f64::from(l.width))],
+                |l| some(l.gpu, l.width),
             ),
             per_gpu(
                 links,
@@ -307,23 +443,57 @@ impl Probe for NvmlUnit {
                 |l| {
                     directions(l)
                         .into_iter()
-                        .map(|(d, v)| (direction_labels(l.gpu, d), v))
+                        .filter_map(|(d, v)| Some((direction_labels(l.gpu, d), v?)))
                         .collect()
                 },
             ),
+            NodeFamily {
+                name: ERRORS,
+                help: "NVML calls that failed, by GPU (empty: a call about no GPU), call and NVML's code name (GPU_IS_LOST, NOT_SUPPORTED, ...); the first of each is logged",
+                kind: Kind::Counter,
+                samples: self
+                    .failures
+                    .counts()
+                    .iter()
+                    .map(|((gpu, call, code), n)| {
+                        let l = Labels::from([
+                            ("gpu", gpu.clone()),
+                            ("call", call.to_string()),
+                            ("code", code.to_string()),
+                        ]);
+                        (l, *n as f64)
+                    })
+                    .collect(),
+            },
+            NodeFamily {
+                name: CALL_MISSING,
+                help: "1 for each NVML call this node's NVML lacks: its readings are absent, not failed",
+                kind: Kind::Gauge,
+                samples: self
+                    .nvml
+                    .iter()
+                    .flat_map(|n| n.missing().iter())
+                    .map(|c| (Labels::from([("call", c.to_string())]), 1.0))
+                    .collect(),
+            },
+            NodeFamily {
+                name: LIBRARY_INFO,
+                help: "1 with the NVML library the agent opened (a name the loader found, or a path); absent without NVML",
+                kind: Kind::Gauge,
+                samples: self
+                    .nvml
+                    .iter()
+                    .map(|n| (Labels::from([("library", n.opened().to_string())]), 1.0))
+                    .collect(),
+            },
         ];
         node.extend(self.compute.iter().map(ComputeSeries::info));
         UnitStats {
             series: vec![
                 SelfSeries::gauge(
-                    "gpufeed_nvml_gpus",
-                    "GPUs NVML reports (0: no NVML library on the node)",
+                    GPUS,
+                    "GPUs NVML reports now (0: no NVML library on the node, or NVML sees no GPU; a lost GPU is not counted)",
                     self.gpus.len() as f64,
-                ),
-                SelfSeries::counter(
-                    "gpufeed_nvml_errors_total",
-                    "NVML reads that failed (the first is logged)",
-                    self.failures,
                 ),
                 SelfSeries::counter(
                     "gpufeed_nvml_invalid_samples_total",
@@ -337,10 +507,17 @@ impl Probe for NvmlUnit {
     }
 }
 
-fn directions(l: &LinkState) -> [(&'static str, f64); 2] {
+/// One GPU's sample when NVML gave the number.
+fn some(gpu: u32, v: Option<impl Into<u64>>) -> Vec<(Labels, f64)> {
+    v.map(|v| (gpu_label(gpu), v.into() as f64))
+        .into_iter()
+        .collect()
+}
+
+fn directions(l: &LinkState) -> [(&'static str, Option<f64>); 2] {
     [
-        ("tx", l.tx_bytes_per_second as f64),
-        ("rx", l.rx_bytes_per_second as f64),
+        ("tx", l.tx_bytes_per_second.map(|v| v as f64)),
+        ("rx", l.rx_bytes_per_second.map(|v| v as f64)),
     ]
 }
 
@@ -356,6 +533,7 @@ fn pod_links(pod_gpus: &BTreeMap<Owner, Vec<u32>>, links: &[LinkState]) -> Vec<G
     for (pod, gpus) in pod_gpus {
         for l in links.iter().filter(|l| gpus.contains(&l.gpu)) {
             for (d, v) in directions(l) {
+                let Some(v) = v else { continue };
                 out.push(GaugeValue {
                     owner: pod.clone(),
                     labels: direction_labels(l.gpu, d),
