@@ -47,6 +47,8 @@ pub struct SelfStats {
     pub ticks: u64,
     /// each loaded unit's own numbers, in registry order
     pub units: Vec<UnitStats>,
+    /// the node's GPU compute source and why better ones are not used (doctor)
+    pub compute: crate::probes::ComputeStatus,
 }
 
 /// The exporter's store: every owner's running totals, the gauges as their
@@ -360,6 +362,11 @@ impl Collector {
             last_tick_seconds: started.elapsed().as_secs_f64(),
             ticks,
             units,
+            compute: self
+                .election
+                .as_ref()
+                .map(|e| e.status())
+                .unwrap_or_default(),
         };
         report.live = shared.pod_uids();
         Ok(report)

@@ -324,6 +324,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         args.pod_grace,
     );
     collector.elect_compute(args.gpu_duty_window);
+    let gpu_store = collector.store.clone();
     collector.tick().with_context(|| {
         format!(
             "cannot read the cgroup hierarchy at {}",
@@ -432,6 +433,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             probes_finding,
             (!args.no_kube).then(|| pods.clone()),
             stream.clone(),
+            gpu_store,
         )?;
         let listener = gpufeed_shared::http::bind(args.metrics_listen)
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
@@ -477,6 +479,7 @@ fn doctor_loop(
     probes: doctor::Finding,
     pods: Option<pods::PodStore>,
     stream: readiness::Stream,
+    store: Arc<std::sync::Mutex<collect::Store>>,
 ) -> anyhow::Result<doctor::Latest> {
     const OWN_EVERY: Duration = Duration::from_secs(5);
     let gauge = doctor::CheckGauge::register(registry)?;
@@ -498,6 +501,10 @@ fn doctor_loop(
                     all.push(doctor::pods::bandwidth_annotations(p));
                 }
                 all.push(doctor::stream::host_stream(&stream));
+                // the store's lock is held for the check only: a few map walks
+                let gpu =
+                    doctor::gpu::compute_source(&store.lock().unwrap_or_else(|e| e.into_inner()));
+                all.push(gpu);
                 gauge.update(&all);
                 out.set(all);
                 std::thread::sleep(OWN_EVERY);

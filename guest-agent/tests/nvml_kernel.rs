@@ -10,7 +10,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::gpu::{StandInNvml, NVML_SAMPLE_US};
+use common::gpu::{StandInDevice, StandInNvml, NVML_SAMPLE_US, UART_DRIVER};
 use common::*;
 use gpufeed_guest::nvml::sm_time::SmClock;
 use gpufeed_guest::nvml::{GpuCapacity, LinkState, Nvml};
@@ -779,4 +779,130 @@ fn nvml_appearing_after_start_is_elected_and_its_going_away_too() {
         elections[0]
     );
     assert!(elections[2].contains("sees 0 GPUs"), "{}", elections[2]);
+}
+
+/// The shipped PrometheusRule's groups as a plain rule file.
+fn rule_file() -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../talos/kubernetes/components/prometheus-operator/prometheus-rules.yaml");
+    let pr: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut file = serde_yaml::Mapping::new();
+    file.insert("groups".into(), pr["spec"]["groups"].clone());
+    serde_yaml::to_string(&file).unwrap()
+}
+
+/// A GPU node where a pod makes driver calls and the agent has no NVML (its `--nvml-library`
+/// path does not exist yet): the real Prometheus, scraping the agent with the shipped rules,
+/// has GpufeedGpuWithoutNvml pending for that source, and the agent's doctor fails
+/// `gpu_compute_source` naming the pod, where it looked and the fix. Once the library
+/// appears the agent elects NVML without a restart, the alert clears and the check passes.
+#[test]
+fn prometheus_alerts_on_a_gpu_node_without_nvml_and_the_doctor_says_why() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let nvml = StandInNvml::new(dir);
+    let late = dir.join("late");
+    std::fs::create_dir(&late).unwrap();
+    let lib_path = late.join("libnvidia-ml.so.1");
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let go = dir.join("go");
+    let pid = a.spawn(&dev.command(600, 1, &go, &dir.join("a.out"), ""));
+    std::fs::write(&go, "").unwrap();
+    nvml.set_processes(&[(pid, 0, GIB, 50)]);
+    let prefix = format!("{}/nvidia", dir.display());
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml,gpu_driver",
+        &[
+            "--gpu-device-prefix",
+            &prefix,
+            "--gpu-driver-name",
+            UART_DRIVER,
+            "--nvml-library",
+            lib_path.to_str().unwrap(),
+        ],
+    );
+    let target = agent.addr;
+    let prom = Prometheus::start_with(|pdir| {
+        std::fs::write(pdir.join("rules.yaml"), rule_file()).unwrap();
+        format!(
+            "rule_files:\n  - {}\nscrape_configs:\n  - job_name: gpufeed-guest\n    \
+             static_configs:\n      - targets: ['{target}']\n",
+            pdir.join("rules.yaml").display()
+        )
+    });
+    let alerts = || {
+        prom.query("ALERTS{alertname=\"GpufeedGpuWithoutNvml\"}")
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["metric"]["alertstate"].as_str().unwrap_or("").to_string(),
+                    s["metric"]["source"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let pending = wait_for(Duration::from_secs(30), || {
+        let a = alerts();
+        (!a.is_empty()).then_some(a)
+    })
+    .unwrap_or_else(|| panic!("no alert; agent log:\n{}", agent.log_text()));
+    eprintln!("alerts without NVML: {pending:?}");
+    assert_eq!(
+        pending,
+        [("pending".to_string(), "driver_time".to_string())]
+    );
+
+    let check = || {
+        value(
+            &agent.scrape(),
+            "gpufeed_check_ok",
+            &[("check", "gpu_compute_source")],
+        )
+    };
+    wait_for(Duration::from_secs(15), || {
+        (check() == Some(0.0)).then_some(())
+    })
+    .expect("the doctor fails gpu_compute_source");
+    let findings: serde_json::Value =
+        serde_json::from_str(&agent.try_get("/doctor").unwrap()).unwrap();
+    let f = findings
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["check"] == "gpu_compute_source")
+        .unwrap()
+        .clone();
+    let detail = f["detail"].as_str().unwrap();
+    eprintln!("doctor: {f}");
+    assert!(detail.contains(&a.uid), "{detail}");
+    assert!(detail.contains("driver_time"), "{detail}");
+    assert!(
+        detail.contains(&format!(
+            "--nvml-library {} cannot be opened",
+            lib_path.display()
+        )),
+        "{detail}"
+    );
+    assert!(f["fix"].as_str().unwrap().contains("runtimeClassName"));
+
+    // the library appears: NVML elected, the alert clears, the check passes
+    nvml.build(&lib_path, &[]);
+    wait_for(Duration::from_secs(30), || {
+        alerts().is_empty().then_some(())
+    })
+    .unwrap_or_else(|| panic!("the alert stays: {:?}", alerts()));
+    wait_for(Duration::from_secs(15), || {
+        (check() == Some(1.0)).then_some(())
+    })
+    .expect("the doctor passes gpu_compute_source");
+    assert_eq!(
+        prom.scalar("gpufeed_gpu_compute_source{source=\"nvml\"}"),
+        Some(1.0)
+    );
 }

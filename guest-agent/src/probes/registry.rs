@@ -118,6 +118,17 @@ pub fn load(
 pub struct ComputeElection {
     window: Duration,
     elected: Option<ComputeSource>,
+    /// Better sources than the elected one, and why each is unavailable, as of the last tick.
+    unavailable: Vec<(ComputeSource, String)>,
+}
+
+/// The election as the doctor reads it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ComputeStatus {
+    /// The elected source (None: no unit can be one).
+    pub source: Option<ComputeSource>,
+    /// Better sources, each with why it is not there (NVML not found, 0 GPUs).
+    pub unavailable: Vec<(ComputeSource, String)>,
 }
 
 impl ComputeElection {
@@ -126,6 +137,7 @@ impl ComputeElection {
         let mut e = ComputeElection {
             window,
             elected: None,
+            unavailable: Vec::new(),
         };
         e.update(units);
         e
@@ -136,10 +148,23 @@ impl ComputeElection {
         self.elected
     }
 
+    /// The source and why better ones are unavailable.
+    pub fn status(&self) -> ComputeStatus {
+        ComputeStatus {
+            source: self.elected,
+            unavailable: self.unavailable.clone(),
+        }
+    }
+
     /// Elects again when the best source changed; the change is logged with why no better
     /// one is there. Returns whether it changed.
     pub fn update(&mut self, units: &mut Units) -> bool {
         let best = units.iter().filter_map(|u| u.compute_source()).min();
+        self.unavailable = units
+            .iter()
+            .filter_map(|u| u.not_a_source())
+            .filter(|(s, _)| best.is_none_or(|b| *s < b))
+            .collect();
         if best == self.elected {
             return false;
         }
@@ -153,10 +178,9 @@ impl ComputeElection {
                 u.publish_compute(ComputeSeries::new(best, self.window));
             }
         }
-        let why_not: Vec<String> = units
+        let why_not: Vec<String> = self
+            .unavailable
             .iter()
-            .filter_map(|u| u.not_a_source())
-            .filter(|(s, _)| best.is_none_or(|b| *s < b))
             .map(|(s, why)| format!("{}: {why}", s.label()))
             .collect();
         let label = |s: Option<ComputeSource>| s.map_or("none", ComputeSource::label);
