@@ -27,9 +27,8 @@ impl Failure {
 
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.gpu {
-            Some(g) => write!(f, "GPU {g}: ")?,
-            None => {}
+        if let Some(g) = self.gpu {
+            write!(f, "GPU {g}: ")?;
         }
         write!(
             f,
