@@ -774,7 +774,7 @@ fn nvml_appearing_after_start_is_elected_and_its_going_away_too() {
         elections[0]
     );
     assert!(
-        elections[0].contains("not found"),
+        elections[0].contains("cannot be opened"),
         "why not NVML: {}",
         elections[0]
     );
@@ -905,4 +905,100 @@ fn prometheus_alerts_on_a_gpu_node_without_nvml_and_the_doctor_says_why() {
         prom.scalar("gpufeed_gpu_compute_source{source=\"nvml\"}"),
         Some(1.0)
     );
+}
+
+/// A GPU in MIG mode (the stand-in's GPU 1): NVML keeps no per-process utilisation there, so
+/// the library reads each process's MIG instance and memory and asks for no samples; the
+/// agent exports each container's memory per instance and says that GPU's compute is
+/// unattributed: no compute time for it (absent, not 0), while GPU 0's is booked as before.
+#[test]
+fn nvml_mig_memory_per_instance_and_compute_said_unattributed() {
+    use gpufeed_guest::nvml::sm_time::MigProcess;
+    let scratch = tempfile::tempdir().unwrap();
+    let lib = StandInNvml::new(scratch.path());
+    lib.set_control(&["mig 1", "instance 202 3 1"]);
+    lib.set_processes(&[(201, 0, GIB, 40), (202, 1, 5 * GIB, 60)]);
+    let mut nvml = Nvml::load(lib.path()).unwrap().unwrap();
+    let r = nvml.read();
+    assert!(r.failures.is_empty(), "{:?}", r.failures);
+    assert_eq!(r.gpus[0].mig, None);
+    assert_eq!(
+        r.gpus[1].mig,
+        Some(vec![MigProcess {
+            pid: 202,
+            gpu_instance: 3,
+            compute_instance: 1,
+            memory_bytes: Some(5 * GIB),
+        }])
+    );
+    assert!(r.gpus[1].samples.is_empty());
+    assert_eq!(
+        lib.errors_answered(1, UTILIZATION, NOT_SUPPORTED),
+        0,
+        "no utilisation asked of a MIG GPU"
+    );
+    drop(nvml);
+
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let (a0, a1) = (a.spawn("exec sleep 60"), a.spawn("exec sleep 60"));
+    lib.set_control(&["mig 1", &format!("instance {a1} 3 1")]);
+    lib.set_processes(&[(a0, 0, GIB, 40), (a1, 1, 5 * GIB, 60)]);
+    let agent = Agent::no_kube("200ms", "nvml", &["--nvml-library", lib.path()]);
+    let ca = a.container_id[..12].to_string();
+    let compute = |s: &[Sample], gpu: &str| {
+        value(
+            s,
+            "ebpf_gpu_compute_time_seconds_total",
+            &[
+                ("pod", a.uid.as_str()),
+                ("container", ca.as_str()),
+                ("gpu", gpu),
+            ],
+        )
+    };
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        compute(&s, "0").filter(|v| *v > 0.2).map(|_| s)
+    })
+    .expect("GPU 0's compute time");
+    assert_eq!(
+        compute(&s, "1"),
+        None,
+        "a MIG GPU's compute is not read as 0"
+    );
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_gpu_compute_unattributed",
+            &[("gpu", "1"), ("reason", "mig")]
+        ),
+        Some(1.0)
+    );
+    assert!(find(&s, "gpufeed_gpu_compute_unattributed", &[("gpu", "0")]).is_empty());
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_mig_process_memory_bytes",
+            &[
+                ("pod", a.uid.as_str()),
+                ("container", ca.as_str()),
+                ("gpu", "1"),
+                ("gpu_instance", "3"),
+                ("compute_instance", "1"),
+            ]
+        ),
+        Some((5 * GIB) as f64)
+    );
+    // the container's memory over all GPUs still counts the MIG process
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_process_memory_bytes",
+            &[("pod", a.uid.as_str()), ("container", ca.as_str())]
+        ),
+        Some((6 * GIB) as f64)
+    );
+    assert!(find(&s, "gpufeed_nvml_errors_total", &[]).is_empty());
 }

@@ -170,6 +170,7 @@ struct Optional {
     curr_gen: Option<UintCall>,
     curr_width: Option<UintCall>,
     throughput: Option<unsafe extern "C" fn(Device, c_int, *mut c_uint) -> c_int>,
+    mig_mode: Option<unsafe extern "C" fn(Device, *mut c_uint, *mut c_uint) -> c_int>,
 }
 
 const MEMORY: &str = "nvmlDeviceGetMemoryInfo";
@@ -180,6 +181,7 @@ const UTILIZATION: &str = "nvmlDeviceGetProcessUtilization";
 const CURR_GEN: &str = "nvmlDeviceGetCurrPcieLinkGeneration";
 const CURR_WIDTH: &str = "nvmlDeviceGetCurrPcieLinkWidth";
 const THROUGHPUT: &str = "nvmlDeviceGetPcieThroughput";
+const MIG_MODE: &str = "nvmlDeviceGetMigMode";
 const COUNT: &str = "nvmlDeviceGetCount_v2";
 const HANDLE: &str = "nvmlDeviceGetHandleByIndex_v2";
 
@@ -308,6 +310,7 @@ impl Nvml {
                 curr_gen: symbol(lib, CURR_GEN),
                 curr_width: symbol(lib, CURR_WIDTH),
                 throughput: symbol(lib, THROUGHPUT),
+                mig_mode: symbol(lib, MIG_MODE),
             }
         };
         let missing = [
@@ -319,6 +322,7 @@ impl Nvml {
             (CURR_GEN, api.curr_gen.is_none()),
             (CURR_WIDTH, api.curr_width.is_none()),
             (THROUGHPUT, api.throughput.is_none()),
+            (MIG_MODE, api.mig_mode.is_none()),
         ]
         .into_iter()
         .filter_map(|(name, gone)| gone.then_some(name))
@@ -431,21 +435,51 @@ impl Nvml {
     /// since the previous read ([`sm_time::SmClock`] books them); each half empty when its
     /// call is missing or failed.
     pub fn read_gpu(&mut self, gpu: &Gpu, failures: &mut Vec<Failure>) -> sm_time::GpuReading {
-        let samples = self.samples(gpu, failures);
-        let processes = self
-            .running(gpu, failures)
-            .into_iter()
-            .map(|p| {
-                let mem = (p.used_gpu_memory != VALUE_NOT_AVAILABLE).then_some(p.used_gpu_memory);
-                (p.pid, mem)
-            })
-            .collect();
+        let mig = self.mig_enabled(gpu, failures);
+        // on a MIG GPU the driver keeps no per-process utilisation (NOT_SUPPORTED each read):
+        // not asked, and said as unattributed compute instead of read as 0
+        let samples = if mig {
+            Vec::new()
+        } else {
+            self.samples(gpu, failures)
+        };
+        let running = self.running(gpu, failures);
+        let memory = |p: &ProcessInfo| {
+            (p.used_gpu_memory != VALUE_NOT_AVAILABLE).then_some(p.used_gpu_memory)
+        };
         sm_time::GpuReading {
             gpu: gpu.index,
             read_at_us: realtime_us(),
-            processes,
+            processes: running.iter().map(|p| (p.pid, memory(p))).collect(),
             samples,
+            mig: mig.then(|| {
+                running
+                    .iter()
+                    .map(|p| sm_time::MigProcess {
+                        pid: p.pid,
+                        gpu_instance: p.gpu_instance_id,
+                        compute_instance: p.compute_instance_id,
+                        memory_bytes: memory(p),
+                    })
+                    .collect()
+            }),
         }
+    }
+
+    /// Whether `gpu` is in MIG mode now (a GPU without MIG answers NOT_SUPPORTED: not a
+    /// failure).
+    pub fn mig_enabled(&self, gpu: &Gpu, failures: &mut Vec<Failure>) -> bool {
+        const NOT_SUPPORTED: c_int = 3;
+        let Some(call) = self.api.mig_mode else {
+            return false;
+        };
+        let (mut current, mut pending): (c_uint, c_uint) = (0, 0);
+        // SAFETY: a device handle from NVML and valid out-pointers.
+        let rc = unsafe { call(gpu.handle, &mut current, &mut pending) };
+        if rc == NOT_SUPPORTED {
+            return false;
+        }
+        ok(gpu, MIG_MODE, rc, failures) && current == 1
     }
 
     /// Every GPU's processes and samples ([`Nvml::read_gpu`]).

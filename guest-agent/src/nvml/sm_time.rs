@@ -48,6 +48,18 @@ pub struct GpuReading {
     pub processes: Vec<(u32, Option<u64>)>,
     /// Samples newer than the previous read's newest.
     pub samples: Vec<UtilSample>,
+    /// On a GPU in MIG mode, each process's MIG instance (NVML gives no per-process
+    /// utilisation there, so `samples` is empty); None when the GPU is not in MIG mode.
+    pub mig: Option<Vec<MigProcess>>,
+}
+
+/// A process on a MIG instance: the GPU instance and compute instance it runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigProcess {
+    pub pid: u32,
+    pub gpu_instance: u32,
+    pub compute_instance: u32,
+    pub memory_bytes: Option<u64>,
 }
 
 /// A process's SM time on one GPU in one read.
@@ -167,6 +179,7 @@ mod tests {
             gpu,
             read_at_us: at_ms * MS,
             processes: procs.iter().map(|p| (*p, Some(1))).collect(),
+            mig: None,
             samples: samples
                 .iter()
                 .map(|&(pid, t_ms, pct)| UtilSample {

@@ -41,6 +41,8 @@ pub const LINK_GENERATION: &str = "gpufeed_gpu_pcie_link_generation";
 pub const LINK_WIDTH: &str = "gpufeed_gpu_pcie_link_width";
 pub const THROUGHPUT: &str = "gpufeed_gpu_pcie_throughput_bytes_per_second";
 pub const GPUS: &str = "gpufeed_nvml_gpus";
+pub const MIG_MEMORY: &str = "gpufeed_nvml_mig_process_memory_bytes";
+pub const UNATTRIBUTED: &str = "gpufeed_gpu_compute_unattributed";
 pub const ERRORS: &str = "gpufeed_nvml_errors_total";
 pub const CALL_MISSING: &str = "gpufeed_nvml_call_missing";
 pub const LIBRARY_INFO: &str = "gpufeed_nvml_library_info";
@@ -84,11 +86,19 @@ const POD_LINK_FAMILY: FamilySpec = FamilySpec {
     scope: Scope::Pod,
     pod_labels: false,
 };
+const MIG_MEMORY_FAMILY: FamilySpec = FamilySpec {
+    name: MIG_MEMORY,
+    help: "GPU memory the container's processes use on each MIG instance by NVML, labels gpu, gpu_instance, compute_instance",
+    kind: Kind::Gauge,
+    scope: Scope::Container,
+    pod_labels: false,
+};
 /// NVML's own, and the compute time and duty cycle for when it is the node's source.
-static FAMILIES_COMPUTE: [FamilySpec; 5] = [
+static FAMILIES_COMPUTE: [FamilySpec; 6] = [
     SM_FAMILY,
     MEMORY_FAMILY,
     POD_LINK_FAMILY,
+    MIG_MEMORY_FAMILY,
     gpu_compute::COMPUTE_FAMILY,
     gpu_compute::DUTY_FAMILY,
 ];
@@ -133,6 +143,8 @@ pub struct NvmlUnit {
     gpus: BTreeMap<u32, GpuCapacity>,
     /// GPUs lost (or no longer enumerated) and not back yet: said once when lost, once when back.
     lost: BTreeSet<u32>,
+    /// GPUs in MIG mode at the last tick: their processes' compute is unattributed.
+    mig_gpus: BTreeSet<u32>,
     clock: SmClock,
     /// Each GPU's link at the last tick.
     links: Vec<LinkState>,
@@ -160,6 +172,7 @@ impl NvmlUnit {
             retry_at: Instant::now(),
             gpus: BTreeMap::new(),
             lost: BTreeSet::new(),
+            mig_gpus: BTreeSet::new(),
             clock: SmClock::default(),
             links: Vec::new(),
             failures: Failures::default(),
@@ -360,7 +373,16 @@ impl Probe for NvmlUnit {
                 .cloned()
         };
         let mut per_owner: HashMap<Owner, OwnerUse> = HashMap::new();
+        self.mig_gpus = readings
+            .iter()
+            .filter(|r| r.mig.is_some())
+            .map(|r| r.gpu)
+            .collect();
         for p in self.clock.advance(&readings) {
+            // a MIG GPU has no samples: its processes' compute is unattributed, not 0
+            if self.mig_gpus.contains(&p.gpu) {
+                continue;
+            }
             if let Some(owner) = owner_of(p.pid) {
                 let e = per_owner.entry(owner).or_default();
                 e.utilization += p.utilization;
@@ -381,6 +403,27 @@ impl Probe for NvmlUnit {
                 per_owner.entry(owner).or_default().memory_bytes += mem.unwrap_or(0) as f64;
             }
         }
+        // MIG: each container's memory per instance; its compute is said unattributed
+        let mut mig_memory: BTreeMap<(Owner, Labels), f64> = BTreeMap::new();
+        for r in &readings {
+            for p in r.mig.iter().flatten() {
+                let Some(owner) = owner_of(p.pid) else {
+                    continue;
+                };
+                let mut l = gpu_label(r.gpu);
+                l.insert("gpu_instance", p.gpu_instance.to_string());
+                l.insert("compute_instance", p.compute_instance.to_string());
+                *mig_memory.entry((owner, l)).or_default() += p.memory_bytes.unwrap_or(0) as f64;
+            }
+        }
+        let mig_memory: Vec<GaugeValue> = mig_memory
+            .into_iter()
+            .map(|((owner, labels), value)| GaugeValue {
+                owner,
+                labels,
+                value,
+            })
+            .collect();
         let mut deltas: Vec<(Owner, Delta)> = Vec::new();
         if let Some(c) = self.compute.as_mut() {
             for (owner, u) in &per_owner {
@@ -403,6 +446,7 @@ impl Probe for NvmlUnit {
             (SM, gauge(|u| u.utilization)),
             (MEMORY, gauge(|u| u.memory_bytes)),
             (POD_LINK, pod_links(&pod_gpus, &self.links)),
+            (MIG_MEMORY, mig_memory),
         ];
         gauges.extend(self.compute.as_mut().map(|c| c.duty_gauges(ctx)));
         TickOutput { deltas, gauges }
@@ -462,6 +506,20 @@ impl Probe for NvmlUnit {
                             ("code", code.to_string()),
                         ]);
                         (l, *n as f64)
+                    })
+                    .collect(),
+            },
+            NodeFamily {
+                name: UNATTRIBUTED,
+                help: "1 for each GPU whose compute time NVML cannot attribute to processes (reason mig: a MIG GPU keeps no per-process utilisation): its containers have no compute time from NVML, which is not 0",
+                kind: Kind::Gauge,
+                samples: self
+                    .mig_gpus
+                    .iter()
+                    .map(|g| {
+                        let mut l = gpu_label(*g);
+                        l.insert("reason", "mig".to_string());
+                        (l, 1.0)
                     })
                     .collect(),
             },
