@@ -133,6 +133,26 @@ struct Dying {
 /// after the other, so one tick is enough; the rest is margin.
 const DYING_TICKS: u32 = 3;
 
+/// Each owner's GPU activity read this tick (ns in the GPU driver and CUDA launch-to-completion
+/// busy time), which attributes an MPS server's SM time to its clients (`probes::nvml`).
+fn gpu_activity(deltas: &TickDeltas) -> HashMap<Owner, u64> {
+    use crate::probes::{cuda, gpu_driver};
+    deltas
+        .iter()
+        .filter_map(|(owner, series)| {
+            let ns: u64 = series
+                .iter()
+                .filter(|((f, _), _)| *f == gpu_driver::DRIVER_TIME || *f == cuda::BUSY)
+                .map(|(_, v)| match v {
+                    Value::Count(n) => *n,
+                    Value::Hist(_) => 0,
+                })
+                .sum();
+            (ns > 0).then(|| (owner.clone(), ns))
+        })
+        .collect()
+}
+
 impl Collector {
     pub fn new(tree: CgroupTree, units: Units, pods: PodStore, grace: Duration) -> Collector {
         Collector {
@@ -257,7 +277,9 @@ impl Collector {
             }
         }
 
+        let gpu_activity = gpu_activity(&deltas);
         let ctx = TickContext {
+            gpu_activity: &gpu_activity,
             tree: &self.tree,
             owners: &self.owners,
             pods: &self.pods,

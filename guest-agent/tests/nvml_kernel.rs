@@ -1002,3 +1002,90 @@ fn nvml_mig_memory_per_instance_and_compute_said_unattributed() {
     );
     assert!(find(&s, "gpufeed_nvml_errors_total", &[]).is_empty());
 }
+
+/// CUDA MPS: NVML samples only the MPS server (pod c's `nvidia-cuda-mps-server`, 60% of GPU
+/// 0); its clients (pod a with two processes making GPU driver calls, pod b with one) have no
+/// samples of their own. The agent splits the server's SM time among the client containers by
+/// their driver activity in each tick: together exactly what the stand-in's GPU did for the
+/// server, a about twice b, and none to the server's own container.
+#[test]
+fn nvml_mps_server_time_goes_to_its_clients_by_their_gpu_activity() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let nvml = StandInNvml::new(dir);
+    let server_bin = dir.join("nvidia-cuda-mps-server");
+    std::fs::copy("/bin/sleep", &server_bin).unwrap();
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut c = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let go = dir.join("go");
+    let a1 = a.spawn(&dev.command(80, 1, &go, &dir.join("a1.out"), ""));
+    let a2 = a.spawn(&dev.command(80, 1, &go, &dir.join("a2.out"), ""));
+    let b1 = b.spawn(&dev.command(80, 1, &go, &dir.join("b1.out"), ""));
+    let srv = c.spawn(&format!("exec {} 60", server_bin.display()));
+    std::fs::write(&go, "").unwrap();
+    let clients = |server_sm: u32| {
+        vec![
+            (srv, 0, GIB, server_sm),
+            (a1, 0, 2 * GIB, 0),
+            (a2, 0, 2 * GIB, 0),
+            (b1, 0, 2 * GIB, 0),
+        ]
+    };
+    nvml.set_processes(&clients(60));
+    let prefix = format!("{}/nvidia", dir.display());
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml,gpu_driver",
+        &[
+            "--gpu-device-prefix",
+            &prefix,
+            "--gpu-driver-name",
+            UART_DRIVER,
+            "--nvml-library",
+            nvml.path(),
+        ],
+    );
+    let compute = |s: &[Sample], p: &Pod| {
+        find(
+            s,
+            "ebpf_gpu_compute_time_seconds_total",
+            &[("pod", p.uid.as_str()), ("gpu", "0")],
+        )
+        .iter()
+        .map(|x| x.value)
+        .sum::<f64>()
+    };
+    std::thread::sleep(Duration::from_millis(3000));
+    let s = agent.scrape();
+    assert_eq!(value(&s, "gpufeed_nvml_mps_servers", &[]), Some(1.0));
+    assert_eq!(
+        value(&s, "gpufeed_gpu_compute_source", &[("source", "nvml")]),
+        Some(1.0)
+    );
+    // the server stops; once its last samples are read, every SM-second it had is booked
+    nvml.set_processes(&clients(0));
+    std::thread::sleep(Duration::from_millis(1000));
+    let s = agent.scrape();
+    let (got_a, got_b, got_c) = (compute(&s, &a), compute(&s, &b), compute(&s, &c));
+    let want = nvml.sm_seconds(&[srv], Some(0));
+    eprintln!(
+        "MPS: server computed {want} SM-s; booked a {got_a}, b {got_b}, server's pod {got_c}"
+    );
+    assert!(want > 1.0, "the stand-in computed {want} SM-s");
+    assert_eq!(got_c, 0.0, "nothing to the server's own container");
+    let sum = got_a + got_b;
+    assert!(
+        sum <= want + 1e-6 && sum >= want - 0.6 * PERIOD_S - 1e-6,
+        "clients booked {sum} SM-s, the server computed {want}"
+    );
+    assert!(got_a > 0.0 && got_b > 0.0, "never 0 to a client");
+    let ratio = got_a / got_b;
+    assert!(
+        (1.4..=2.6).contains(&ratio),
+        "a (two busy processes) over b (one): {ratio}"
+    );
+}

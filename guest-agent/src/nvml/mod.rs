@@ -22,6 +22,7 @@
 pub mod codes;
 pub mod failures;
 pub mod locate;
+pub mod mps;
 pub mod sm_time;
 
 use std::collections::HashMap;

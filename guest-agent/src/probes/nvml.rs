@@ -28,7 +28,9 @@ use super::unit::{
 };
 use crate::ebpf::ProbeError;
 use crate::nvml::sm_time::{GpuReading, SmClock};
-use crate::nvml::{codes, Failure, Failures, Gpu, GpuCapacity, LinkState, Nvml, Opened, Survey};
+use crate::nvml::{
+    codes, mps, Failure, Failures, Gpu, GpuCapacity, LinkState, Nvml, Opened, Survey,
+};
 use crate::owner::Owner;
 
 pub const NAME: &str = "nvml";
@@ -145,6 +147,8 @@ pub struct NvmlUnit {
     lost: BTreeSet<u32>,
     /// GPUs in MIG mode at the last tick: their processes' compute is unattributed.
     mig_gpus: BTreeSet<u32>,
+    /// MPS servers with samples at the last tick.
+    mps_servers: usize,
     clock: SmClock,
     /// Each GPU's link at the last tick.
     links: Vec<LinkState>,
@@ -173,6 +177,7 @@ impl NvmlUnit {
             gpus: BTreeMap::new(),
             lost: BTreeSet::new(),
             mig_gpus: BTreeSet::new(),
+            mps_servers: 0,
             clock: SmClock::default(),
             links: Vec::new(),
             failures: Failures::default(),
@@ -282,6 +287,37 @@ impl NvmlUnit {
     }
 }
 
+/// The client containers of the MPS server `server` on `gpu` (the other processes NVML lists
+/// there), each with its GPU activity this tick as the weight of its share.
+fn mps_clients(
+    readings: &[GpuReading],
+    gpu: u32,
+    server: u32,
+    owner_of: &dyn Fn(u32) -> Option<Owner>,
+    ctx: &TickContext<'_>,
+) -> Vec<(Owner, u64)> {
+    let server_owner = owner_of(server);
+    let mut out: Vec<(Owner, u64)> = Vec::new();
+    for (pid, _) in readings
+        .iter()
+        .filter(|r| r.gpu == gpu)
+        .flat_map(|r| r.processes.iter())
+    {
+        if *pid == server {
+            continue;
+        }
+        let Some(owner) = owner_of(*pid) else {
+            continue;
+        };
+        if Some(&owner) == server_owner.as_ref() || out.iter().any(|(o, _)| *o == owner) {
+            continue;
+        }
+        let weight = ctx.gpu_activity.get(&owner).copied().unwrap_or(0);
+        out.push((owner, weight));
+    }
+    out
+}
+
 /// One gauge per GPU, labelled `gpu` (NVML's index), and `direction` for throughput.
 fn per_gpu<T>(
     items: &[T],
@@ -378,15 +414,38 @@ impl Probe for NvmlUnit {
             .filter(|r| r.mig.is_some())
             .map(|r| r.gpu)
             .collect();
+        // MPS servers among the processes with samples (the clients have none)
+        let servers: BTreeSet<u32> = readings
+            .iter()
+            .flat_map(|r| r.samples.iter().map(|s| s.pid))
+            .filter(|pid| mps::is_server(*pid))
+            .collect();
+        self.mps_servers = servers.len();
         for p in self.clock.advance(&readings) {
             // a MIG GPU has no samples: its processes' compute is unattributed, not 0
             if self.mig_gpus.contains(&p.gpu) {
                 continue;
             }
-            if let Some(owner) = owner_of(p.pid) {
+            let clients = if servers.contains(&p.pid) {
+                mps_clients(&readings, p.gpu, p.pid, &owner_of, ctx)
+            } else {
+                Vec::new()
+            };
+            if clients.is_empty() {
+                if let Some(owner) = owner_of(p.pid) {
+                    let e = per_owner.entry(owner).or_default();
+                    e.utilization += p.utilization;
+                    *e.sm_ns.entry(p.gpu).or_default() += p.sm_ns;
+                }
+                continue;
+            }
+            // the server's SM time goes to its clients, by their own GPU activity
+            for (owner, ns) in mps::shares(p.sm_ns, &clients) {
                 let e = per_owner.entry(owner).or_default();
-                e.utilization += p.utilization;
-                *e.sm_ns.entry(p.gpu).or_default() += p.sm_ns;
+                if p.sm_ns > 0 {
+                    e.utilization += p.utilization * ns as f64 / p.sm_ns as f64;
+                }
+                *e.sm_ns.entry(p.gpu).or_default() += ns;
             }
         }
         // the GPUs each pod's processes are on, for the link signal
@@ -552,6 +611,11 @@ impl Probe for NvmlUnit {
                     GPUS,
                     "GPUs NVML reports now (0: no NVML library on the node, or NVML sees no GPU; a lost GPU is not counted)",
                     self.gpus.len() as f64,
+                ),
+                SelfSeries::gauge(
+                    "gpufeed_nvml_mps_servers",
+                    "CUDA MPS servers whose SM utilisation NVML sampled at the last tick: their SM time is split among the client containers on their GPU",
+                    self.mps_servers as f64,
                 ),
                 SelfSeries::counter(
                     "gpufeed_nvml_invalid_samples_total",
