@@ -1089,3 +1089,64 @@ fn nvml_mps_server_time_goes_to_its_clients_by_their_gpu_activity() {
         "a (two busy processes) over b (one): {ratio}"
     );
 }
+
+/// A process NVML lists that no pod or slice has (here a pid no process holds: one that exited
+/// while NVML still lists it): its memory and SM time are said per GPU, equal to what the
+/// stand-in reported and computed, beside a pod's own.
+#[test]
+fn nvml_processes_outside_pods_are_said_not_dropped() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let nvml = StandInNvml::new(scratch.path());
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let a0 = a.spawn("exec sleep 60");
+    // above any pid in use (pid_max is 4194304 at most), so no process and no cgroup
+    let gone = 4_194_301;
+    let procs = |sm: u32| vec![(a0, 0, GIB, sm), (gone, 1, 3 * GIB, sm)];
+    nvml.set_processes(&procs(50));
+    let agent = Agent::no_kube("200ms", "nvml", &["--nvml-library", nvml.path()]);
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        value(
+            &s,
+            "gpufeed_nvml_outside_pods_sm_seconds_total",
+            &[("gpu", "1")],
+        )
+        .filter(|v| *v > 0.5)
+        .map(|_| s)
+    })
+    .expect("SM time outside pods");
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_outside_pods_memory_bytes",
+            &[("gpu", "1")]
+        ),
+        Some((3 * GIB) as f64)
+    );
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_outside_pods_memory_bytes",
+            &[("gpu", "0")]
+        ),
+        None,
+        "GPU 0's only process is the pod's"
+    );
+    nvml.set_processes(&procs(0));
+    std::thread::sleep(Duration::from_millis(1000));
+    let s = agent.scrape();
+    let got = value(
+        &s,
+        "gpufeed_nvml_outside_pods_sm_seconds_total",
+        &[("gpu", "1")],
+    )
+    .unwrap();
+    let want = nvml.sm_seconds(&[gone], Some(1));
+    eprintln!("outside pods: {got} SM-s booked, {want} computed by the stand-in");
+    assert!(
+        got <= want + 1e-6 && got >= want - 0.5 * PERIOD_S - 1e-6,
+        "booked {got} SM-s, the stand-in computed {want}"
+    );
+}

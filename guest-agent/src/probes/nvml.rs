@@ -45,6 +45,8 @@ pub const THROUGHPUT: &str = "gpufeed_gpu_pcie_throughput_bytes_per_second";
 pub const GPUS: &str = "gpufeed_nvml_gpus";
 pub const MIG_MEMORY: &str = "gpufeed_nvml_mig_process_memory_bytes";
 pub const UNATTRIBUTED: &str = "gpufeed_gpu_compute_unattributed";
+pub const OUTSIDE_MEMORY: &str = "gpufeed_nvml_outside_pods_memory_bytes";
+pub const OUTSIDE_SM: &str = "gpufeed_nvml_outside_pods_sm_seconds_total";
 pub const ERRORS: &str = "gpufeed_nvml_errors_total";
 pub const CALL_MISSING: &str = "gpufeed_nvml_call_missing";
 pub const LIBRARY_INFO: &str = "gpufeed_nvml_library_info";
@@ -149,6 +151,10 @@ pub struct NvmlUnit {
     mig_gpus: BTreeSet<u32>,
     /// MPS servers with samples at the last tick.
     mps_servers: usize,
+    /// Per GPU, what processes no owner has (outside pods and slices, or exited) used: memory
+    /// at the last tick, SM time since start.
+    outside_memory: BTreeMap<u32, u64>,
+    outside_sm_ns: BTreeMap<u32, u64>,
     clock: SmClock,
     /// Each GPU's link at the last tick.
     links: Vec<LinkState>,
@@ -178,6 +184,8 @@ impl NvmlUnit {
             lost: BTreeSet::new(),
             mig_gpus: BTreeSet::new(),
             mps_servers: 0,
+            outside_memory: BTreeMap::new(),
+            outside_sm_ns: BTreeMap::new(),
             clock: SmClock::default(),
             links: Vec::new(),
             failures: Failures::default(),
@@ -432,10 +440,13 @@ impl Probe for NvmlUnit {
                 Vec::new()
             };
             if clients.is_empty() {
-                if let Some(owner) = owner_of(p.pid) {
-                    let e = per_owner.entry(owner).or_default();
-                    e.utilization += p.utilization;
-                    *e.sm_ns.entry(p.gpu).or_default() += p.sm_ns;
+                match owner_of(p.pid) {
+                    Some(owner) => {
+                        let e = per_owner.entry(owner).or_default();
+                        e.utilization += p.utilization;
+                        *e.sm_ns.entry(p.gpu).or_default() += p.sm_ns;
+                    }
+                    None => *self.outside_sm_ns.entry(p.gpu).or_default() += p.sm_ns,
                 }
                 continue;
             }
@@ -450,9 +461,13 @@ impl Probe for NvmlUnit {
         }
         // the GPUs each pod's processes are on, for the link signal
         let mut pod_gpus: BTreeMap<Owner, Vec<u32>> = BTreeMap::new();
+        self.outside_memory.clear();
         for r in &readings {
             for (pid, mem) in &r.processes {
                 let Some(owner) = owner_of(*pid) else {
+                    // a host process outside every followed cgroup, or one that exited
+                    // while NVML still lists it: said, not dropped
+                    *self.outside_memory.entry(r.gpu).or_default() += mem.unwrap_or(0);
                     continue;
                 };
                 let gpus = pod_gpus.entry(owner.pod_level()).or_default();
@@ -566,6 +581,26 @@ impl Probe for NvmlUnit {
                         ]);
                         (l, *n as f64)
                     })
+                    .collect(),
+            },
+            NodeFamily {
+                name: OUTSIDE_MEMORY,
+                help: "GPU memory of the processes NVML lists that belong to no pod or slice the agent follows (host processes, or processes that exited while NVML still lists them), per GPU",
+                kind: Kind::Gauge,
+                samples: self
+                    .outside_memory
+                    .iter()
+                    .map(|(g, b)| (gpu_label(*g), *b as f64))
+                    .collect(),
+            },
+            NodeFamily {
+                name: OUTSIDE_SM,
+                help: "SM time of the processes NVML sampled that belong to no pod or slice the agent follows, per GPU, in SM-seconds",
+                kind: Kind::Counter,
+                samples: self
+                    .outside_sm_ns
+                    .iter()
+                    .map(|(g, ns)| (gpu_label(*g), *ns as f64 / 1e9))
                     .collect(),
             },
             NodeFamily {
