@@ -23,6 +23,7 @@ pub mod codes;
 pub mod failures;
 pub mod locate;
 pub mod mps;
+pub mod process;
 pub mod sm_time;
 
 use std::collections::HashMap;

@@ -94,6 +94,14 @@ pub struct SmClock {
 }
 
 impl SmClock {
+    /// Forgets process `pid` on every GPU: its pid now names another process (reused between
+    /// two reads), whose first sample must not stand for time since the old one's last.
+    pub fn forget(&mut self, pid: u32) {
+        for g in self.gpus.values_mut() {
+            g.processes.remove(&pid);
+        }
+    }
+
     /// Samples whose utilisation was above 100% (a driver fault seen in the field), counted
     /// as 0.
     pub fn invalid_samples(&self) -> u64 {
@@ -247,6 +255,19 @@ mod tests {
         // a late read (2 s): the cover grows with it
         let out = c.advance(&[read(0, 7200, &[1], &[(1, 7150, 100)])]);
         assert_eq!(ns_of(&out, 1, 0), 2_000_000_000);
+    }
+
+    #[test]
+    fn a_reused_pid_starts_anew_once_forgotten() {
+        let mut c = SmClock::default();
+        c.advance(&[read(0, 0, &[7], &[(7, 0, 50)])]);
+        c.advance(&[read(0, 1000, &[7], &[(7, 100, 50)])]);
+        // pid 7 exits and another process gets pid 7 before the next read: its first sample
+        // stands for the time since the previous read (cover-limited), not since the old
+        // process's sample at 100 ms
+        c.forget(7);
+        let out = c.advance(&[read(0, 1200, &[7], &[(7, 1150, 100)])]);
+        assert_eq!(ns_of(&out, 7, 0), 150_000_000);
     }
 
     #[test]

@@ -27,6 +27,7 @@ use super::unit::{
     SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats,
 };
 use crate::ebpf::ProbeError;
+use crate::nvml::process::Starts;
 use crate::nvml::sm_time::{GpuReading, SmClock};
 use crate::nvml::{
     codes, mps, Failure, Failures, Gpu, GpuCapacity, LinkState, Nvml, Opened, Survey,
@@ -151,6 +152,8 @@ pub struct NvmlUnit {
     mig_gpus: BTreeSet<u32>,
     /// MPS servers with samples at the last tick.
     mps_servers: usize,
+    /// Start times of the processes at the last read, to tell a reused pid.
+    starts: Starts,
     /// Per GPU, what processes no owner has (outside pods and slices, or exited) used: memory
     /// at the last tick, SM time since start.
     outside_memory: BTreeMap<u32, u64>,
@@ -184,6 +187,7 @@ impl NvmlUnit {
             lost: BTreeSet::new(),
             mig_gpus: BTreeSet::new(),
             mps_servers: 0,
+            starts: Starts::default(),
             outside_memory: BTreeMap::new(),
             outside_sm_ns: BTreeMap::new(),
             clock: SmClock::default(),
@@ -429,6 +433,16 @@ impl Probe for NvmlUnit {
             .filter(|pid| mps::is_server(*pid))
             .collect();
         self.mps_servers = servers.len();
+        // a pid that names another process than at the previous read starts anew
+        let pids = readings.iter().flat_map(|r| {
+            r.processes
+                .iter()
+                .map(|(p, _)| *p)
+                .chain(r.samples.iter().map(|s| s.pid))
+        });
+        for pid in self.starts.reused(pids) {
+            self.clock.forget(pid);
+        }
         for p in self.clock.advance(&readings) {
             // a MIG GPU has no samples: its processes' compute is unattributed, not 0
             if self.mig_gpus.contains(&p.gpu) {
