@@ -30,11 +30,10 @@ pub fn shares<K: Clone>(total: u64, weights: &[(K, u64)]) -> Vec<(K, u64)> {
     let mut out: Vec<(K, u64)> = weights
         .iter()
         .map(|(k, w)| {
-            let share = if sum == 0 {
-                u128::from(total) / weights.len() as u128
-            } else {
-                u128::from(total) * u128::from(*w) / sum
-            };
+            // no activity anywhere: equal shares
+            let share = (u128::from(total) * u128::from(*w))
+                .checked_div(sum)
+                .unwrap_or(u128::from(total) / weights.len() as u128);
             (k.clone(), share as u64)
         })
         .collect();
