@@ -131,6 +131,10 @@ fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, P
     Ok(Loaded::single(NAME, Ok(NvmlUnit::open(library))))
 }
 
+/// What is left of an owner's GPU activity after a tick, for the MPS weights: the last few
+/// ticks count (at 1 s ticks, about 4 s), a single tick's noise does not.
+const ACTIVITY_DECAY: f64 = 0.75;
+
 /// How often a node without NVML looks for it again: the toolkit's mounts, a driver
 /// extension or a `--nvml-library` path may appear after the agent started.
 const RETRY: Duration = Duration::from_secs(2);
@@ -152,6 +156,8 @@ pub struct NvmlUnit {
     mig_gpus: BTreeSet<u32>,
     /// MPS servers with samples at the last tick.
     mps_servers: usize,
+    /// Each owner's recent GPU activity (ns, decayed per tick): the weights of MPS shares.
+    activity: HashMap<Owner, f64>,
     /// Start times of the processes at the last read, to tell a reused pid.
     starts: Starts,
     /// Per GPU, what processes no owner has (outside pods and slices, or exited) used: memory
@@ -187,6 +193,7 @@ impl NvmlUnit {
             lost: BTreeSet::new(),
             mig_gpus: BTreeSet::new(),
             mps_servers: 0,
+            activity: HashMap::new(),
             starts: Starts::default(),
             outside_memory: BTreeMap::new(),
             outside_sm_ns: BTreeMap::new(),
@@ -300,13 +307,13 @@ impl NvmlUnit {
 }
 
 /// The client containers of the MPS server `server` on `gpu` (the other processes NVML lists
-/// there), each with its GPU activity this tick as the weight of its share.
+/// there), each with its recent GPU activity ([`ACTIVITY_DECAY`]) as the weight of its share.
 fn mps_clients(
     readings: &[GpuReading],
     gpu: u32,
     server: u32,
     owner_of: &dyn Fn(u32) -> Option<Owner>,
-    ctx: &TickContext<'_>,
+    activity: &HashMap<Owner, f64>,
 ) -> Vec<(Owner, u64)> {
     let server_owner = owner_of(server);
     let mut out: Vec<(Owner, u64)> = Vec::new();
@@ -324,7 +331,7 @@ fn mps_clients(
         if Some(&owner) == server_owner.as_ref() || out.iter().any(|(o, _)| *o == owner) {
             continue;
         }
-        let weight = ctx.gpu_activity.get(&owner).copied().unwrap_or(0);
+        let weight = activity.get(&owner).copied().unwrap_or(0.0) as u64;
         out.push((owner, weight));
     }
     out
@@ -426,6 +433,15 @@ impl Probe for NvmlUnit {
             .filter(|r| r.mig.is_some())
             .map(|r| r.gpu)
             .collect();
+        // each owner's recent GPU activity: one tick's is noisy (a driver call is booked in
+        // the tick it returns), so the weights decay over a few ticks
+        self.activity.retain(|_, w| {
+            *w *= ACTIVITY_DECAY;
+            *w >= 1.0
+        });
+        for (owner, ns) in ctx.gpu_activity {
+            *self.activity.entry(owner.clone()).or_default() += *ns as f64;
+        }
         // MPS servers among the processes with samples (the clients have none)
         let servers: BTreeSet<u32> = readings
             .iter()
@@ -449,7 +465,7 @@ impl Probe for NvmlUnit {
                 continue;
             }
             let clients = if servers.contains(&p.pid) {
-                mps_clients(&readings, p.gpu, p.pid, &owner_of, ctx)
+                mps_clients(&readings, p.gpu, p.pid, &owner_of, &self.activity)
             } else {
                 Vec::new()
             };
