@@ -47,6 +47,8 @@ pub struct SelfStats {
     pub ticks: u64,
     /// each loaded unit's own numbers, in registry order
     pub units: Vec<UnitStats>,
+    /// the node's GPU compute source and why better ones are not used (doctor)
+    pub compute: crate::probes::ComputeStatus,
 }
 
 /// The exporter's store: every owner's running totals, the gauges as their
@@ -115,6 +117,8 @@ pub struct Collector {
     pods: PodStore,
     grace: Duration,
     last_tick: Option<Instant>,
+    /// The node's GPU compute source, checked again each tick (None until asked for).
+    election: Option<crate::probes::ComputeElection>,
     pub store: Arc<Mutex<Store>>,
 }
 
@@ -128,6 +132,26 @@ struct Dying {
 /// drained delta waits for its owner: the events and the drains are read one
 /// after the other, so one tick is enough; the rest is margin.
 const DYING_TICKS: u32 = 3;
+
+/// Each owner's GPU activity read this tick (ns in the GPU driver and CUDA launch-to-completion
+/// busy time), which attributes an MPS server's SM time to its clients (`probes::nvml`).
+fn gpu_activity(deltas: &TickDeltas) -> HashMap<Owner, u64> {
+    use crate::probes::{cuda, gpu_driver};
+    deltas
+        .iter()
+        .filter_map(|(owner, series)| {
+            let ns: u64 = series
+                .iter()
+                .filter(|((f, _), _)| *f == gpu_driver::DRIVER_TIME || *f == cuda::BUSY)
+                .map(|(_, v)| match v {
+                    Value::Count(n) => *n,
+                    Value::Hist(_) => 0,
+                })
+                .sum();
+            (ns > 0).then(|| (owner.clone(), ns))
+        })
+        .collect()
+}
 
 impl Collector {
     pub fn new(tree: CgroupTree, units: Units, pods: PodStore, grace: Duration) -> Collector {
@@ -145,13 +169,26 @@ impl Collector {
             pods,
             grace,
             last_tick: None,
+            election: None,
             store: Arc::default(),
         }
     }
 
-    /// The families the loaded units export, for the exporter.
+    /// Elects the node's GPU compute source among the units now, and again at each tick
+    /// where the best source changed (duty cycles over `window`).
+    pub fn elect_compute(&mut self, window: Duration) {
+        self.election = Some(crate::probes::ComputeElection::new(&mut self.units, window));
+    }
+
+    /// The families the loaded units export, for the exporter; each once (two units may
+    /// declare the compute families, one of which publishes them).
     pub fn families(&self) -> Vec<&'static FamilySpec> {
-        self.units.iter().flat_map(|u| u.families()).collect()
+        let mut seen = HashSet::new();
+        self.units
+            .iter()
+            .flat_map(|u| u.families())
+            .filter(|f| seen.insert(f.name))
+            .collect()
     }
 
     /// One tick. Returns an error only if the cgroup hierarchy itself can't be read.
@@ -240,7 +277,9 @@ impl Collector {
             }
         }
 
+        let gpu_activity = gpu_activity(&deltas);
         let ctx = TickContext {
+            gpu_activity: &gpu_activity,
             tree: &self.tree,
             owners: &self.owners,
             pods: &self.pods,
@@ -265,6 +304,10 @@ impl Collector {
                 add(deltas.entry(owner).or_default(), (family, labels), value);
             }
             gauges.extend(out.gauges);
+        }
+        // a source that came or went this tick publishes from the next
+        if let Some(e) = self.election.as_mut() {
+            e.update(&mut self.units);
         }
         for id in changes.removed.keys() {
             self.owners.remove(id);
@@ -341,6 +384,11 @@ impl Collector {
             last_tick_seconds: started.elapsed().as_secs_f64(),
             ticks,
             units,
+            compute: self
+                .election
+                .as_ref()
+                .map(|e| e.status())
+                .unwrap_or_default(),
         };
         report.live = shared.pod_uids();
         Ok(report)

@@ -243,8 +243,13 @@ impl AgentCollector {
             out.push(family(s.name, s.help, t, vec![m]));
         }
         for f in stats.units.iter().flat_map(|u| u.node.iter()) {
-            let samples = f.samples.iter().map(|(l, v)| gauge(l, *v)).collect();
-            out.push(family(f.name, f.help, MetricType::GAUGE, samples));
+            if f.kind == crate::probes::unit::Kind::Counter {
+                let samples = f.samples.iter().map(|(l, v)| counter(l, *v)).collect();
+                out.push(family(f.name, f.help, MetricType::COUNTER, samples));
+            } else {
+                let samples = f.samples.iter().map(|(l, v)| gauge(l, *v)).collect();
+                out.push(family(f.name, f.help, MetricType::GAUGE, samples));
+            }
         }
         out.push(g(
             "gpufeed_cgroups",

@@ -228,8 +228,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         interval,
         lockdown: lockdown.as_deref(),
     };
-    let (mut units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
-    probes::elect_compute(&mut units, Duration::from_secs(30));
+    let (units, statuses) = probes::load(&ctx, &probes::select("all")?).map_err(load_error)?;
     for s in statuses.iter().filter(|s| !s.up) {
         println!(
             "{}: not loaded ({})",
@@ -243,6 +242,7 @@ fn selftest(duration: Duration, interval: Duration) -> anyhow::Result<()> {
         pods::PodStore::default(),
         Duration::from_secs(3600),
     );
+    collector.elect_compute(Duration::from_secs(30));
     let rows = gpufeed_guest::selftest::run(&mut collector, &root, duration, interval);
     print!("{}", gpufeed_guest::selftest::render(&rows));
     Ok(())
@@ -295,8 +295,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         interval: args.interval,
         lockdown: lockdown.as_deref(),
     };
-    let (mut units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
-    probes::elect_compute(&mut units, args.gpu_duty_window);
+    let (units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
     let probes_up: Vec<&'static str> = statuses.iter().filter(|s| s.up).map(|s| s.name).collect();
     for s in &statuses {
         match &s.reason {
@@ -324,6 +323,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         pods.clone(),
         args.pod_grace,
     );
+    collector.elect_compute(args.gpu_duty_window);
+    let gpu_store = collector.store.clone();
     collector.tick().with_context(|| {
         format!(
             "cannot read the cgroup hierarchy at {}",
@@ -432,6 +433,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             probes_finding,
             (!args.no_kube).then(|| pods.clone()),
             stream.clone(),
+            gpu_store,
         )?;
         let listener = gpufeed_shared::http::bind(args.metrics_listen)
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
@@ -477,6 +479,7 @@ fn doctor_loop(
     probes: doctor::Finding,
     pods: Option<pods::PodStore>,
     stream: readiness::Stream,
+    store: Arc<std::sync::Mutex<collect::Store>>,
 ) -> anyhow::Result<doctor::Latest> {
     const OWN_EVERY: Duration = Duration::from_secs(5);
     let gauge = doctor::CheckGauge::register(registry)?;
@@ -498,6 +501,10 @@ fn doctor_loop(
                     all.push(doctor::pods::bandwidth_annotations(p));
                 }
                 all.push(doctor::stream::host_stream(&stream));
+                // the store's lock is held for the check only: a few map walks
+                let gpu =
+                    doctor::gpu::compute_source(&store.lock().unwrap_or_else(|e| e.into_inner()));
+                all.push(gpu);
                 gauge.update(&all);
                 out.set(all);
                 std::thread::sleep(OWN_EVERY);

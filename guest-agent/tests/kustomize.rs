@@ -446,6 +446,68 @@ fn host_pids_and_ptrace_only_with_the_gpu_processes_component() {
     assert_eq!(caps(&full), with_ptrace);
 }
 
+/// NVML through the NVIDIA container toolkit only with the gpu component (in the full
+/// overlay): the runtime class `nvidia` and the toolkit's variables, all GPUs with the
+/// `utility` capability, and no GPU asked of the device plugin; the agent's NVML probe is on
+/// (the binary's `--probes` default, which the rendered arguments keep).
+#[test]
+fn nvml_through_the_toolkit_only_with_the_gpu_component() {
+    let nvidia_env = |objs: &[Value]| -> Vec<(String, String)> {
+        daemonset(objs)["spec"]["template"]["spec"]["containers"][0]["env"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .filter(|e| e["name"].as_str().is_some_and(|n| n.starts_with("NVIDIA_")))
+            .map(|e| {
+                (
+                    e["name"].as_str().unwrap().to_string(),
+                    e["value"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect()
+    };
+    let runtime = |objs: &[Value]| {
+        daemonset(objs)["spec"]["template"]["spec"]["runtimeClassName"]
+            .as_str()
+            .map(String::from)
+    };
+    for what in ["base", "overlays/operator", "overlays/stream"] {
+        let objs = kustomize(what);
+        assert_eq!(runtime(&objs), None, "{what}");
+        assert!(nvidia_env(&objs).is_empty(), "{what}");
+    }
+    let full = kustomize("overlays/full");
+    assert_eq!(runtime(&full).as_deref(), Some("nvidia"));
+    assert_eq!(
+        nvidia_env(&full),
+        [
+            ("NVIDIA_VISIBLE_DEVICES".to_string(), "all".to_string()),
+            (
+                "NVIDIA_DRIVER_CAPABILITIES".to_string(),
+                "utility".to_string()
+            ),
+        ]
+    );
+    let c = &daemonset(&full)["spec"]["template"]["spec"]["containers"][0];
+    for list in ["limits", "requests"] {
+        assert!(
+            c["resources"][list]["nvidia.com/gpu"].is_null(),
+            "the agent takes no GPU from the device plugin ({list})"
+        );
+    }
+    // the agent keeps its other settings (NODE_NAME still first)
+    assert_eq!(c["env"][0]["name"].as_str(), Some("NODE_NAME"));
+    let a = args(daemonset(&full));
+    assert!(
+        !a.iter()
+            .any(|x| x.starts_with("--probes") || x.starts_with("--nvml-library")),
+        "the defaults: every probe, NVML found where the toolkit mounts it: {a:?}"
+    );
+    let help = Command::new(BIN).args(["run", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("[default: all]"), "--probes defaults to all");
+}
+
 /// Every object of every shipped combination against its upstream schema: the core objects
 /// against Kubernetes' own (PyPI's kubernetes-validate, strict: no unknown field), the
 /// PodMonitor and PrometheusRule against the Prometheus Operator's published CRDs (npm's

@@ -10,7 +10,7 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::gpu::{StandInNvml, NVML_SAMPLE_US};
+use common::gpu::{StandInDevice, StandInNvml, NVML_SAMPLE_US, UART_DRIVER};
 use common::*;
 use gpufeed_guest::nvml::sm_time::SmClock;
 use gpufeed_guest::nvml::{GpuCapacity, LinkState, Nvml};
@@ -36,20 +36,22 @@ fn nvml_reads_processes_samples_and_links_from_a_stand_in() {
     let mut nvml = Nvml::load(nvml_lib.path())
         .expect("the stand-in initialises")
         .expect("the stand-in is found at its path");
+    let capacity = nvml.capacity();
+    assert!(capacity.failures.is_empty(), "{:?}", capacity.failures);
     assert_eq!(
-        nvml.capacity().unwrap(),
+        capacity.gpus,
         vec![
             GpuCapacity {
                 index: 0,
-                memory_total_bytes: 80 * GIB,
+                memory_total_bytes: Some(80 * GIB),
                 // gen 4 x16
-                link_bytes_per_second: 16 * 1_969_230_769,
+                link_bytes_per_second: Some(16 * 1_969_230_769),
             },
             GpuCapacity {
                 index: 1,
-                memory_total_bytes: 24 * GIB,
+                memory_total_bytes: Some(24 * GIB),
                 // gen 3 x8
-                link_bytes_per_second: 8 * 984_615_384,
+                link_bytes_per_second: Some(8 * 984_615_384),
             },
         ]
     );
@@ -57,7 +59,9 @@ fn nvml_reads_processes_samples_and_links_from_a_stand_in() {
     let mut clock = SmClock::default();
     let mut sm: HashMap<u32, u64> = HashMap::new();
     let mut read = |clock: &mut SmClock| {
-        let r = nvml.read().unwrap();
+        let r = nvml.read();
+        assert!(r.failures.is_empty(), "{:?}", r.failures);
+        let r = r.gpus;
         for p in clock.advance(&r) {
             *sm.entry(p.pid).or_default() += p.sm_ns;
         }
@@ -93,21 +97,21 @@ fn nvml_reads_processes_samples_and_links_from_a_stand_in() {
     // links: GPU 0 renegotiated down to gen 1 and moves data; GPU 1 as at its maximum
     nvml_lib.set_links(&[(0, 1, 16, 1000, 2000)]);
     assert_eq!(
-        nvml.links().unwrap(),
+        nvml.links().gpus,
         vec![
             LinkState {
                 gpu: 0,
-                generation: 1,
-                width: 16,
-                tx_bytes_per_second: 1000 * 1024,
-                rx_bytes_per_second: 2000 * 1024,
+                generation: Some(1),
+                width: Some(16),
+                tx_bytes_per_second: Some(1000 * 1024),
+                rx_bytes_per_second: Some(2000 * 1024),
             },
             LinkState {
                 gpu: 1,
-                generation: 3,
-                width: 8,
-                tx_bytes_per_second: 0,
-                rx_bytes_per_second: 0,
+                generation: Some(3),
+                width: Some(8),
+                tx_bytes_per_second: Some(0),
+                rx_bytes_per_second: Some(0),
             },
         ]
     );
@@ -342,5 +346,815 @@ fn nvml_series_per_pod_on_metrics() {
     assert!(
         find(&s, "gpufeed_gpu_compute_source", &[]).is_empty(),
         "no compute source without a GPU"
+    );
+}
+
+const HANDLE: &str = "nvmlDeviceGetHandleByIndex_v2";
+const MEMORY_INFO: &str = "nvmlDeviceGetMemoryInfo";
+const PROCESSES: &str = "nvmlDeviceGetComputeRunningProcesses_v3";
+const UTILIZATION: &str = "nvmlDeviceGetProcessUtilization";
+const CURR_GEN: &str = "nvmlDeviceGetCurrPcieLinkGeneration";
+/// nvml.h's codes.
+const NOT_SUPPORTED: i32 = 3;
+const NO_PERMISSION: i32 = 4;
+const INSUFFICIENT_SIZE: i32 = 7;
+const GPU_IS_LOST: i32 = 15;
+const UNKNOWN: i32 = 999;
+
+/// The library on its own against the stand-in's faults: each GPU and each call fails on its
+/// own, with NVML's codes, and what the others said is kept; a process list that grows
+/// between the size query and the read is asked for again until it fits.
+#[test]
+fn nvml_each_gpu_and_each_call_fail_on_their_own() {
+    let scratch = tempfile::tempdir().unwrap();
+    let lib = StandInNvml::new(scratch.path());
+    let nvml = Nvml::load(lib.path()).unwrap().unwrap();
+    assert!(nvml.missing().is_empty(), "{:?}", nvml.missing());
+
+    // GPU 1 lost: every call about it, its handle included, answers GPU_IS_LOST
+    lib.set_control(&["fail 1 * 15"]);
+    let c = nvml.capacity();
+    assert_eq!(
+        c.gpus,
+        vec![GpuCapacity {
+            index: 0,
+            memory_total_bytes: Some(80 * GIB),
+            link_bytes_per_second: Some(16 * 1_969_230_769),
+        }]
+    );
+    let f: Vec<_> = c
+        .failures
+        .iter()
+        .map(|f| (f.gpu, f.call, f.code_name()))
+        .collect();
+    assert_eq!(f, [(Some(1), HANDLE, "GPU_IS_LOST")]);
+    assert_eq!(lib.errors_answered(1, HANDLE, GPU_IS_LOST), 1);
+
+    // four GPUs, GPU 2's memory not supported, GPU 3's samples not permitted
+    lib.set_control(&[
+        "count 4",
+        &format!("fail 2 {MEMORY_INFO} {NOT_SUPPORTED}"),
+        &format!("fail 3 {UTILIZATION} {NO_PERMISSION}"),
+    ]);
+    lib.set_processes(&[(301, 3, 5 * GIB, 70)]);
+    let c = nvml.capacity();
+    assert_eq!(c.gpus.len(), 4);
+    assert_eq!(c.gpus[2].memory_total_bytes, None);
+    // gen 5 x16 still read
+    assert_eq!(c.gpus[2].link_bytes_per_second, Some(16 * 3_938_461_538));
+    assert_eq!(c.gpus[3].memory_total_bytes, Some(16 * GIB));
+    let mut nvml = nvml;
+    let r = nvml.read();
+    let f: Vec<_> = r
+        .failures
+        .iter()
+        .map(|f| (f.gpu, f.call, f.code_name()))
+        .collect();
+    assert_eq!(f, [(Some(3), UTILIZATION, "NO_PERMISSION")]);
+    // GPU 3's processes and memory are there without its samples
+    assert_eq!(r.gpus[3].processes, vec![(301, Some(5 * GIB))]);
+    assert!(r.gpus[3].samples.is_empty());
+
+    // the device count itself fails: no GPU, one failure about no GPU
+    lib.set_control(&["fail * nvmlDeviceGetCount_v2 999"]);
+    let r = nvml.read();
+    assert!(r.gpus.is_empty());
+    assert_eq!(r.failures.len(), 1);
+    assert_eq!(
+        (r.failures[0].gpu, r.failures[0].code_name()),
+        (None, "UNKNOWN")
+    );
+    let _ = UNKNOWN;
+
+    // 40 processes on GPU 0 (more than the first buffer), and a list that grew three times
+    // between the size query and the read: asked for again each time, every process read
+    lib.set_control(&["grow 0 3"]);
+    let many: Vec<(u32, u32, u64, u32)> = (0..40)
+        .map(|i| (1000 + i, 0, GIB + u64::from(i), 1))
+        .collect();
+    lib.set_processes(&many);
+    let r = nvml.read();
+    assert!(r.failures.is_empty(), "{:?}", r.failures);
+    let mut got = r.gpus[0].processes.clone();
+    got.sort();
+    let want: Vec<(u32, Option<u64>)> = many.iter().map(|p| (p.0, Some(p.2))).collect();
+    assert_eq!(got, want);
+    assert_eq!(
+        lib.errors_answered(0, PROCESSES, INSUFFICIENT_SIZE),
+        3,
+        "asked again after each of the three growths, the fourth call fits"
+    );
+}
+
+/// An NVML without one optional call (built without nvmlDeviceGetCurrPcieLinkGeneration):
+/// it loads, says the call is missing, and every other reading is there.
+#[test]
+fn nvml_without_an_optional_call_reads_the_rest() {
+    let scratch = tempfile::tempdir().unwrap();
+    let lib = StandInNvml::variant(scratch.path(), &[&format!("OMIT_{CURR_GEN}")]);
+    lib.set_links(&[(0, 2, 16, 10, 20)]);
+    let nvml = Nvml::load(lib.path()).unwrap().unwrap();
+    assert_eq!(nvml.missing(), [CURR_GEN]);
+    let c = nvml.capacity();
+    assert!(c.failures.is_empty() && c.gpus.iter().all(GpuCapacity::complete));
+    let l = nvml.links();
+    assert!(l.failures.is_empty(), "a missing call is not a failure");
+    assert_eq!(
+        l.gpus[0],
+        LinkState {
+            gpu: 0,
+            generation: None,
+            width: Some(16),
+            tx_bytes_per_second: Some(10 * 1024),
+            rx_bytes_per_second: Some(20 * 1024),
+        }
+    );
+}
+
+/// The agent on a stand-in whose GPU 1 is lost from the start (every call about it answers
+/// GPU_IS_LOST), with a cost asked for and no capacity configured: it starts; GPU 0 keeps its
+/// numbers (its capacity, and its process's SM time equal to what the stand-in computed); the
+/// cost divides by GPU 0's capacity alone; the failures are counted per GPU, call and code,
+/// no more than the stand-in answered, and logged once. GPU 1 back (an eGPU replugged) is
+/// counted again with its capacity read anew; lost again, left out again.
+#[test]
+fn nvml_a_lost_gpu_is_counted_and_the_others_keep_their_numbers() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let nvml = StandInNvml::new(scratch.path());
+    nvml.set_control(&["fail 1 * 15"]);
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let (a0, a1) = (a.spawn("exec sleep 60"), a.spawn("exec sleep 60"));
+    nvml.set_processes(&[(a0, 0, 3 * GIB, 40), (a1, 1, 2 * GIB, 50)]);
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml",
+        &[
+            "--nvml-library",
+            nvml.path(),
+            "--gpu-hourly-rate",
+            "3.6",
+            "--gpu-duty-window",
+            "2s",
+        ],
+    );
+    let ca = a.container_id[..12].to_string();
+    let on = |gpu: &'static str| {
+        [
+            ("pod", a.uid.clone()),
+            ("container", ca.clone()),
+            ("gpu", gpu.to_string()),
+        ]
+    };
+    let v = |s: &[Sample], name: &str, l: &[(&str, String)]| {
+        let l: Vec<(&str, &str)> = l.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        value(s, name, &l)
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || v(
+            &agent.scrape(),
+            "ebpf_gpu_compute_time_seconds_total",
+            &on("0")
+        )
+        .filter(|x| *x > 0.5)
+        .map(|_| ()))
+        .is_some(),
+        "GPU 0's compute time accrues"
+    );
+    let s = agent.scrape();
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(1.0));
+    assert_eq!(
+        value(&s, "gpufeed_gpu_compute_source", &[("source", "nvml")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&s, "gpufeed_gpu_memory_total_bytes", &[("gpu", "0")]),
+        Some((80 * GIB) as f64)
+    );
+    assert_eq!(
+        value(&s, "gpufeed_gpu_memory_total_bytes", &[("gpu", "1")]),
+        None
+    );
+    assert_eq!(
+        v(&s, "ebpf_gpu_compute_time_seconds_total", &on("1")),
+        None,
+        "nothing is read of a lost GPU"
+    );
+    // the process on GPU 0 only: GPU 1's is not known
+    let l = [("pod", a.uid.as_str()), ("container", ca.as_str())];
+    assert_eq!(
+        value(&s, "gpufeed_nvml_process_memory_bytes", &l),
+        Some((3 * GIB) as f64)
+    );
+    // the cost's denominators: GPU 0's alone
+    for (resource, want) in [
+        ("memory_bytes", (80 * GIB) as f64),
+        ("link_bytes_per_second", (16 * 1_969_230_769u64) as f64),
+        ("gpus", 1.0),
+    ] {
+        assert_eq!(
+            value(&s, "gpufeed_gpu_cost_capacity", &[("resource", resource)]),
+            Some(want),
+            "{resource}"
+        );
+    }
+    let lost = [("gpu", "1"), ("call", HANDLE), ("code", "GPU_IS_LOST")];
+    let counted = value(&s, "gpufeed_nvml_errors_total", &lost).unwrap();
+    let answered = nvml.errors_answered(1, HANDLE, GPU_IS_LOST) as f64;
+    eprintln!("GPU 1 lost: {counted} counted, {answered} answered by the stand-in");
+    // the scrape may come a tick after the stand-in answered (two calls a tick: the agent's
+    // survey at start and per tick, and the cost model's once)
+    assert!(counted >= 5.0 && counted <= answered && answered - counted <= 3.0);
+    assert_eq!(
+        find(&s, "gpufeed_nvml_errors_total", &[])
+            .iter()
+            .filter(|x| x.labels.get("code").map(String::as_str) != Some("GPU_IS_LOST"))
+            .count(),
+        0,
+        "only the lost GPU's failures"
+    );
+
+    // GPU 0's process stops computing; its SM time is what the stand-in's GPU 0 did for it
+    nvml.set_processes(&[(a0, 0, 3 * GIB, 0), (a1, 1, 2 * GIB, 0)]);
+    std::thread::sleep(Duration::from_millis(1000));
+    let s = agent.scrape();
+    let got = v(&s, "ebpf_gpu_compute_time_seconds_total", &on("0")).unwrap();
+    let want = nvml.sm_seconds(&[a0], Some(0));
+    eprintln!("GPU 0: {got} SM-s booked, {want} computed by the stand-in");
+    assert!(
+        got <= want + 1e-6 && got >= want - 0.40 * PERIOD_S - 1e-6,
+        "GPU 0: booked {got} SM-s, the stand-in computed {want}"
+    );
+    assert!(
+        nvml.sm_seconds(&[a1], None) == 0.0,
+        "the stand-in never sampled the lost GPU"
+    );
+
+    // GPU 1 comes back: counted again, its capacity read anew
+    nvml.set_control(&[]);
+    let back = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        (value(&s, "gpufeed_nvml_gpus", &[]) == Some(2.0)).then_some(s)
+    })
+    .expect("GPU 1 counted again");
+    assert_eq!(
+        value(&back, "gpufeed_gpu_memory_total_bytes", &[("gpu", "1")]),
+        Some((24 * GIB) as f64)
+    );
+    assert_eq!(
+        value(
+            &back,
+            "gpufeed_gpu_link_max_bytes_per_second",
+            &[("gpu", "1")]
+        ),
+        Some((8 * 984_615_384u64) as f64)
+    );
+    // lost again, this time answering its utilisation call so
+    nvml.set_control(&[&format!("fail 1 {UTILIZATION} 15")]);
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            let s = agent.scrape();
+            (value(&s, "gpufeed_nvml_gpus", &[]) == Some(1.0)
+                && value(&s, "gpufeed_gpu_memory_total_bytes", &[("gpu", "1")]).is_none())
+            .then_some(())
+        })
+        .is_some(),
+        "GPU 1 left out again"
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    let log = agent.log_text();
+    let lines = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        lines("nvmlDeviceGetHandleByIndex_v2 returned NVML_ERROR_GPU_IS_LOST (15); that reading"),
+        1,
+        "each (GPU, call, code) logged once:\n{log}"
+    );
+    assert_eq!(lines("GPU back"), 1, "{log}");
+    assert_eq!(lines("GPU lost"), 2, "{log}");
+}
+
+/// An NVML without nvmlDeviceGetCurrPcieLinkGeneration: the agent asked for a cost without
+/// configured capacities starts, prices with the capacity NVML gave, says which call is
+/// missing, and exports every other number.
+#[test]
+fn nvml_without_an_optional_call_the_agent_prices_with_what_it_read() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let nvml = StandInNvml::variant(scratch.path(), &[&format!("OMIT_{CURR_GEN}")]);
+    nvml.set_links(&[(0, 2, 16, 10, 20)]);
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml",
+        &["--nvml-library", nvml.path(), "--gpu-hourly-rate", "3.6"],
+    );
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        value(&s, "gpufeed_gpu_node_cost_total", &[("currency", "USD")])
+            .filter(|v| *v > 0.0)
+            .map(|_| s)
+    })
+    .expect("the node's cost accrues");
+    for (resource, want) in [
+        ("memory_bytes", ((80 + 24) * GIB) as f64),
+        (
+            "link_bytes_per_second",
+            (16 * 1_969_230_769u64 + 8 * 984_615_384) as f64,
+        ),
+        ("gpus", 2.0),
+    ] {
+        assert_eq!(
+            value(&s, "gpufeed_gpu_cost_capacity", &[("resource", resource)]),
+            Some(want),
+            "{resource}"
+        );
+    }
+    assert_eq!(
+        value(&s, "gpufeed_nvml_call_missing", &[("call", CURR_GEN)]),
+        Some(1.0)
+    );
+    assert!(find(&s, "gpufeed_nvml_errors_total", &[]).is_empty());
+    assert!(find(&s, "gpufeed_gpu_pcie_link_generation", &[]).is_empty());
+    assert_eq!(
+        value(&s, "gpufeed_gpu_pcie_link_width", &[("gpu", "0")]),
+        Some(16.0)
+    );
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_gpu_pcie_throughput_bytes_per_second",
+            &[("gpu", "0"), ("direction", "rx")]
+        ),
+        Some(20.0 * 1024.0)
+    );
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(2.0));
+}
+
+/// NVML that appears after start (the path `--nvml-library` names is created later), and
+/// then sees no GPU: the compute source moves from driver time to NVML and back, the
+/// change is logged with why, and `gpufeed_gpu_compute_source` follows.
+#[test]
+fn nvml_appearing_after_start_is_elected_and_its_going_away_too() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let late = scratch.path().join("late");
+    std::fs::create_dir(&late).unwrap();
+    let lib_path = late.join("libnvidia-ml.so.1");
+    let nvml = StandInNvml::new(scratch.path());
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let a0 = a.spawn("exec sleep 60");
+    nvml.set_processes(&[(a0, 0, GIB, 30)]);
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml,gpu_driver",
+        &["--nvml-library", lib_path.to_str().unwrap()],
+    );
+    let source = |s: &[Sample]| {
+        find(s, "gpufeed_gpu_compute_source", &[])
+            .iter()
+            .filter(|x| x.value == 1.0)
+            .filter_map(|x| x.labels.get("source").cloned())
+            .collect::<Vec<_>>()
+    };
+    let s = agent.scrape();
+    assert_eq!(source(&s), ["driver_time"]);
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(0.0));
+
+    nvml.build(&lib_path, &[]);
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        (source(&s) == ["nvml"]).then_some(s)
+    })
+    .unwrap_or_else(|| panic!("NVML elected; log:\n{}", agent.log_text()));
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(2.0));
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_library_info",
+            &[("library", lib_path.to_str().unwrap())]
+        ),
+        Some(1.0)
+    );
+    let ca = a.container_id[..12].to_string();
+    let sel = [
+        ("pod", a.uid.as_str()),
+        ("container", ca.as_str()),
+        ("gpu", "0"),
+    ];
+    assert!(
+        wait_for(Duration::from_secs(10), || value(
+            &agent.scrape(),
+            "ebpf_gpu_compute_time_seconds_total",
+            &sel
+        )
+        .filter(|v| *v > 0.0))
+        .is_some(),
+        "NVML's compute time once elected"
+    );
+
+    // NVML sees no GPU any more: back to driver time
+    nvml.set_control(&["count 0"]);
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        (source(&s) == ["driver_time"]).then_some(s)
+    })
+    .expect("driver time elected again");
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(0.0));
+    let log = agent.log_text();
+    let elections: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("GPU compute time source"))
+        .collect();
+    assert_eq!(elections.len(), 3, "{log}");
+    assert!(
+        elections[0].contains("source=\"driver_time\"")
+            || elections[0].contains("source=driver_time"),
+        "{}",
+        elections[0]
+    );
+    assert!(
+        elections[0].contains("cannot be opened"),
+        "why not NVML: {}",
+        elections[0]
+    );
+    assert!(elections[2].contains("sees 0 GPUs"), "{}", elections[2]);
+}
+
+/// The shipped PrometheusRule's groups as a plain rule file.
+fn rule_file() -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../talos/kubernetes/components/prometheus-operator/prometheus-rules.yaml");
+    let pr: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut file = serde_yaml::Mapping::new();
+    file.insert("groups".into(), pr["spec"]["groups"].clone());
+    serde_yaml::to_string(&file).unwrap()
+}
+
+/// A GPU node where a pod makes driver calls and the agent has no NVML (its `--nvml-library`
+/// path does not exist yet): the real Prometheus, scraping the agent with the shipped rules,
+/// has GpufeedGpuWithoutNvml pending for that source, and the agent's doctor fails
+/// `gpu_compute_source` naming the pod, where it looked and the fix. Once the library
+/// appears the agent elects NVML without a restart, the alert clears and the check passes.
+#[test]
+fn prometheus_alerts_on_a_gpu_node_without_nvml_and_the_doctor_says_why() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let nvml = StandInNvml::new(dir);
+    let late = dir.join("late");
+    std::fs::create_dir(&late).unwrap();
+    let lib_path = late.join("libnvidia-ml.so.1");
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let go = dir.join("go");
+    let pid = a.spawn(&dev.command(600, 1, &go, &dir.join("a.out"), ""));
+    std::fs::write(&go, "").unwrap();
+    nvml.set_processes(&[(pid, 0, GIB, 50)]);
+    let prefix = format!("{}/nvidia", dir.display());
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml,gpu_driver",
+        &[
+            "--gpu-device-prefix",
+            &prefix,
+            "--gpu-driver-name",
+            UART_DRIVER,
+            "--nvml-library",
+            lib_path.to_str().unwrap(),
+        ],
+    );
+    let target = agent.addr;
+    let prom = Prometheus::start_with(|pdir| {
+        std::fs::write(pdir.join("rules.yaml"), rule_file()).unwrap();
+        format!(
+            "rule_files:\n  - {}\nscrape_configs:\n  - job_name: gpufeed-guest\n    \
+             static_configs:\n      - targets: ['{target}']\n",
+            pdir.join("rules.yaml").display()
+        )
+    });
+    let alerts = || {
+        prom.query("ALERTS{alertname=\"GpufeedGpuWithoutNvml\"}")
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["metric"]["alertstate"].as_str().unwrap_or("").to_string(),
+                    s["metric"]["source"].as_str().unwrap_or("").to_string(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let pending = wait_for(Duration::from_secs(30), || {
+        let a = alerts();
+        (!a.is_empty()).then_some(a)
+    })
+    .unwrap_or_else(|| panic!("no alert; agent log:\n{}", agent.log_text()));
+    eprintln!("alerts without NVML: {pending:?}");
+    assert_eq!(
+        pending,
+        [("pending".to_string(), "driver_time".to_string())]
+    );
+
+    let check = || {
+        value(
+            &agent.scrape(),
+            "gpufeed_check_ok",
+            &[("check", "gpu_compute_source")],
+        )
+    };
+    wait_for(Duration::from_secs(15), || {
+        (check() == Some(0.0)).then_some(())
+    })
+    .expect("the doctor fails gpu_compute_source");
+    let findings: serde_json::Value =
+        serde_json::from_str(&agent.try_get("/doctor").unwrap()).unwrap();
+    let f = findings
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["check"] == "gpu_compute_source")
+        .unwrap()
+        .clone();
+    let detail = f["detail"].as_str().unwrap();
+    eprintln!("doctor: {f}");
+    assert!(detail.contains(&a.uid), "{detail}");
+    assert!(detail.contains("driver_time"), "{detail}");
+    assert!(
+        detail.contains(&format!(
+            "--nvml-library {} cannot be opened",
+            lib_path.display()
+        )),
+        "{detail}"
+    );
+    assert!(f["fix"].as_str().unwrap().contains("runtimeClassName"));
+
+    // the library appears: NVML elected, the alert clears, the check passes
+    nvml.build(&lib_path, &[]);
+    wait_for(Duration::from_secs(30), || {
+        alerts().is_empty().then_some(())
+    })
+    .unwrap_or_else(|| panic!("the alert stays: {:?}", alerts()));
+    wait_for(Duration::from_secs(15), || {
+        (check() == Some(1.0)).then_some(())
+    })
+    .expect("the doctor passes gpu_compute_source");
+    assert_eq!(
+        prom.scalar("gpufeed_gpu_compute_source{source=\"nvml\"}"),
+        Some(1.0)
+    );
+}
+
+/// A GPU in MIG mode (the stand-in's GPU 1): NVML keeps no per-process utilisation there, so
+/// the library reads each process's MIG instance and memory and asks for no samples; the
+/// agent exports each container's memory per instance and says that GPU's compute is
+/// unattributed: no compute time for it (absent, not 0), while GPU 0's is booked as before.
+#[test]
+fn nvml_mig_memory_per_instance_and_compute_said_unattributed() {
+    use gpufeed_guest::nvml::sm_time::MigProcess;
+    let scratch = tempfile::tempdir().unwrap();
+    let lib = StandInNvml::new(scratch.path());
+    lib.set_control(&["mig 1", "instance 202 3 1"]);
+    lib.set_processes(&[(201, 0, GIB, 40), (202, 1, 5 * GIB, 60)]);
+    let mut nvml = Nvml::load(lib.path()).unwrap().unwrap();
+    let r = nvml.read();
+    assert!(r.failures.is_empty(), "{:?}", r.failures);
+    assert_eq!(r.gpus[0].mig, None);
+    assert_eq!(
+        r.gpus[1].mig,
+        Some(vec![MigProcess {
+            pid: 202,
+            gpu_instance: 3,
+            compute_instance: 1,
+            memory_bytes: Some(5 * GIB),
+        }])
+    );
+    assert!(r.gpus[1].samples.is_empty());
+    assert_eq!(
+        lib.errors_answered(1, UTILIZATION, NOT_SUPPORTED),
+        0,
+        "no utilisation asked of a MIG GPU"
+    );
+    drop(nvml);
+
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let (a0, a1) = (a.spawn("exec sleep 60"), a.spawn("exec sleep 60"));
+    lib.set_control(&["mig 1", &format!("instance {a1} 3 1")]);
+    lib.set_processes(&[(a0, 0, GIB, 40), (a1, 1, 5 * GIB, 60)]);
+    let agent = Agent::no_kube("200ms", "nvml", &["--nvml-library", lib.path()]);
+    let ca = a.container_id[..12].to_string();
+    let compute = |s: &[Sample], gpu: &str| {
+        value(
+            s,
+            "ebpf_gpu_compute_time_seconds_total",
+            &[
+                ("pod", a.uid.as_str()),
+                ("container", ca.as_str()),
+                ("gpu", gpu),
+            ],
+        )
+    };
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        compute(&s, "0").filter(|v| *v > 0.2).map(|_| s)
+    })
+    .expect("GPU 0's compute time");
+    assert_eq!(
+        compute(&s, "1"),
+        None,
+        "a MIG GPU's compute is not read as 0"
+    );
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_gpu_compute_unattributed",
+            &[("gpu", "1"), ("reason", "mig")]
+        ),
+        Some(1.0)
+    );
+    assert!(find(&s, "gpufeed_gpu_compute_unattributed", &[("gpu", "0")]).is_empty());
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_mig_process_memory_bytes",
+            &[
+                ("pod", a.uid.as_str()),
+                ("container", ca.as_str()),
+                ("gpu", "1"),
+                ("gpu_instance", "3"),
+                ("compute_instance", "1"),
+            ]
+        ),
+        Some((5 * GIB) as f64)
+    );
+    // the container's memory over all GPUs still counts the MIG process
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_process_memory_bytes",
+            &[("pod", a.uid.as_str()), ("container", ca.as_str())]
+        ),
+        Some((6 * GIB) as f64)
+    );
+    assert!(find(&s, "gpufeed_nvml_errors_total", &[]).is_empty());
+}
+
+/// CUDA MPS: NVML samples only the MPS server (pod c's `nvidia-cuda-mps-server`, 60% of GPU
+/// 0); its clients have no samples of their own: pod a makes GPU driver calls throughout, pod
+/// b only for its first second. The agent splits the server's SM time among the client
+/// containers by their recent driver activity: together exactly what the stand-in's GPU did
+/// for the server, most of it to a (an equal split would give a and b the same), some to b
+/// (never 0), none to the server's own container.
+#[test]
+fn nvml_mps_server_time_goes_to_its_clients_by_their_gpu_activity() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let dev = StandInDevice::new(dir);
+    let nvml = StandInNvml::new(dir);
+    let server_bin = dir.join("nvidia-cuda-mps-server");
+    std::fs::copy("/bin/sleep", &server_bin).unwrap();
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut c = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let go = dir.join("go");
+    // 100 ms calls back to back: a for 8 s, b for 1 s
+    let a1 = a.spawn(&dev.command(80, 1, &go, &dir.join("a1.out"), ""));
+    let b1 = b.spawn(&dev.command(10, 1, &go, &dir.join("b1.out"), ""));
+    let srv = c.spawn(&format!("exec {} 60", server_bin.display()));
+    let clients = |server_sm: u32| {
+        vec![
+            (srv, 0, GIB, server_sm),
+            (a1, 0, 2 * GIB, 0),
+            (b1, 0, 2 * GIB, 0),
+        ]
+    };
+    nvml.set_processes(&clients(60));
+    let prefix = format!("{}/nvidia", dir.display());
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml,gpu_driver",
+        &[
+            "--gpu-device-prefix",
+            &prefix,
+            "--gpu-driver-name",
+            UART_DRIVER,
+            "--nvml-library",
+            nvml.path(),
+        ],
+    );
+    std::fs::write(&go, "").unwrap();
+    let sum_of = |s: &[Sample], name: &str, p: &Pod| {
+        find(s, name, &[("pod", p.uid.as_str())])
+            .iter()
+            .map(|x| x.value)
+            .sum::<f64>()
+    };
+    std::thread::sleep(Duration::from_millis(3000));
+    let s = agent.scrape();
+    assert_eq!(value(&s, "gpufeed_nvml_mps_servers", &[]), Some(1.0));
+    assert_eq!(
+        value(&s, "gpufeed_gpu_compute_source", &[("source", "nvml")]),
+        Some(1.0)
+    );
+    // the server stops; once its last samples are read, every SM-second it had is booked
+    nvml.set_processes(&clients(0));
+    std::thread::sleep(Duration::from_millis(1000));
+    let s = agent.scrape();
+    let compute = "ebpf_gpu_compute_time_seconds_total";
+    let (got_a, got_b, got_c) = (
+        sum_of(&s, compute, &a),
+        sum_of(&s, compute, &b),
+        sum_of(&s, compute, &c),
+    );
+    let driver = "ebpf_gpu_driver_time_seconds_total";
+    let (drv_a, drv_b) = (sum_of(&s, driver, &a), sum_of(&s, driver, &b));
+    let want = nvml.sm_seconds(&[srv], Some(0));
+    eprintln!(
+        "MPS: server computed {want} SM-s; booked a {got_a}, b {got_b}, server's pod {got_c}; \
+         driver time a {drv_a} s, b {drv_b} s"
+    );
+    assert!(want > 1.0, "the stand-in computed {want} SM-s");
+    assert!(
+        drv_a > 1.5 * drv_b && drv_b > 0.5,
+        "driver time a {drv_a}, b {drv_b}"
+    );
+    assert_eq!(got_c, 0.0, "nothing to the server's own container");
+    let sum = got_a + got_b;
+    assert!(
+        sum <= want + 1e-6 && sum >= want - 0.6 * PERIOD_S - 1e-6,
+        "clients booked {sum} SM-s, the server computed {want}"
+    );
+    assert!(got_b > 0.0, "never 0 to a client");
+    assert!(
+        got_a >= 1.5 * got_b,
+        "a, busy throughout, over b, busy its first second: {}",
+        got_a / got_b
+    );
+}
+
+/// A process NVML lists that no pod or slice has (here a pid no process holds: one that exited
+/// while NVML still lists it): its memory and SM time are said per GPU, equal to what the
+/// stand-in reported and computed, beside a pod's own.
+#[test]
+fn nvml_processes_outside_pods_are_said_not_dropped() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let nvml = StandInNvml::new(scratch.path());
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let a0 = a.spawn("exec sleep 60");
+    // above any pid in use (pid_max is 4194304 at most), so no process and no cgroup
+    let gone = 4_194_301;
+    let procs = |sm: u32| vec![(a0, 0, GIB, sm), (gone, 1, 3 * GIB, sm)];
+    nvml.set_processes(&procs(50));
+    let agent = Agent::no_kube("200ms", "nvml", &["--nvml-library", nvml.path()]);
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        value(
+            &s,
+            "gpufeed_nvml_outside_pods_sm_seconds_total",
+            &[("gpu", "1")],
+        )
+        .filter(|v| *v > 0.5)
+        .map(|_| s)
+    })
+    .expect("SM time outside pods");
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_outside_pods_memory_bytes",
+            &[("gpu", "1")]
+        ),
+        Some((3 * GIB) as f64)
+    );
+    assert_eq!(
+        value(
+            &s,
+            "gpufeed_nvml_outside_pods_memory_bytes",
+            &[("gpu", "0")]
+        ),
+        None,
+        "GPU 0's only process is the pod's"
+    );
+    nvml.set_processes(&procs(0));
+    std::thread::sleep(Duration::from_millis(1000));
+    let s = agent.scrape();
+    let got = value(
+        &s,
+        "gpufeed_nvml_outside_pods_sm_seconds_total",
+        &[("gpu", "1")],
+    )
+    .unwrap();
+    let want = nvml.sm_seconds(&[gone], Some(1));
+    eprintln!("outside pods: {got} SM-s booked, {want} computed by the stand-in");
+    assert!(
+        got <= want + 1e-6 && got >= want - 0.5 * PERIOD_S - 1e-6,
+        "booked {got} SM-s, the stand-in computed {want}"
     );
 }

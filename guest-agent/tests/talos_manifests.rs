@@ -415,6 +415,24 @@ fn extension_service_matches_the_binary() {
     let j = at(Path::new(journal).parent().unwrap().to_str().unwrap());
     assert!(strs(&j["options"]).contains(&"rw".to_string()));
 
+    // NVML: --nvml-library, seen through a read-only mount, is where the Talos NVIDIA
+    // extensions put the library on the host
+    let lib = flag(&args, "--nvml-library").expect("--nvml-library");
+    let (m, rest) = mounts
+        .iter()
+        .filter_map(|m| {
+            let dest = m["destination"].as_str()?;
+            Some((m, lib.strip_prefix(dest)?.strip_prefix('/')?))
+        })
+        .max_by_key(|(m, _)| m["destination"].as_str().unwrap().len())
+        .unwrap_or_else(|| panic!("nothing mounted above {lib}"));
+    assert_eq!(
+        Path::new(m["source"].as_str().unwrap()).join(rest),
+        Path::new("/usr/local/glibc/usr/lib/libnvidia-ml.so.1"),
+        "the host path of {lib}"
+    );
+    assert!(strs(&m["options"]).contains(&"ro".to_string()));
+
     // Its ExtensionServiceConfig provides exactly the guest --tls-dir files.
     let cfg = one(&docs, "ExtensionServiceConfig");
     assert_eq!(cfg["name"].as_str(), Some(name));

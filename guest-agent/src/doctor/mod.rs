@@ -6,6 +6,7 @@
 //! The checks take their inputs ([`Inputs`]: a `/proc/<pid>`, a sysfs root, a network
 //! namespace) so that tests can hand them real kernel state in the state they want.
 
+pub mod gpu;
 pub mod kernel;
 pub mod network;
 pub mod pods;

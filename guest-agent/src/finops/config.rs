@@ -22,27 +22,53 @@ pub struct CapacityInput {
 
 impl CapacityInput {
     /// The node's GPU capacity as NVML reports it (the library the `nvml` probe's
-    /// `--nvml-library` names): the GPUs' memory and maximum link bandwidth summed (the
-    /// hourly rate is the node's, so its shares are of all its GPUs); nothing when the library
-    /// is absent or fails (the configuration must then give them).
+    /// `--nvml-library` names, or where driver stacks put it): the GPUs' memory and maximum
+    /// link bandwidth summed (the hourly rate is the node's, so its shares are of all its
+    /// GPUs). Each number from the GPUs that gave it: a GPU that is lost, or whose NVML
+    /// lacks a call, is left out of that sum and said (logged), and the others still price;
+    /// nothing when the library is absent (the configuration must then give them).
     pub fn discovered(options: &crate::probes::UnitOptions) -> CapacityInput {
         let library = &options.get::<crate::probes::nvml::Config>().library;
-        let gpus = match crate::nvml::Nvml::load(library) {
-            Ok(Some(nvml)) => nvml.capacity(),
-            Ok(None) => return CapacityInput::default(),
-            Err(e) => Err(e),
-        };
-        match gpus {
-            Ok(gpus) if !gpus.is_empty() => CapacityInput {
-                memory_bytes: Some(gpus.iter().map(|g| g.memory_total_bytes).sum()),
-                link_bytes_per_second: Some(gpus.iter().map(|g| g.link_bytes_per_second).sum()),
-                gpus: u32::try_from(gpus.len()).ok(),
-            },
-            Ok(_) => CapacityInput::default(),
-            Err(e) => {
-                tracing::warn!("NVML: GPU capacity unavailable for the cost model: {e}");
-                CapacityInput::default()
+        let nvml = match crate::nvml::Nvml::open(library) {
+            Ok(crate::nvml::Opened::Loaded(nvml)) => nvml,
+            Ok(crate::nvml::Opened::Absent(why)) => {
+                tracing::warn!("GPU capacity for the cost model: {why}");
+                return CapacityInput::default();
             }
+            Err(e) => {
+                tracing::warn!("GPU capacity for the cost model: {library}: {e}");
+                return CapacityInput::default();
+            }
+        };
+        let survey = nvml.capacity();
+        for f in &survey.failures {
+            tracing::warn!("GPU capacity for the cost model: {f}; that GPU's number is left out");
+        }
+        CapacityInput::from_gpus(&survey.gpus)
+    }
+
+    /// The sums over the GPUs that gave each number (see [`CapacityInput::discovered`]).
+    pub fn from_gpus(gpus: &[crate::nvml::GpuCapacity]) -> CapacityInput {
+        let sum = |pick: fn(&crate::nvml::GpuCapacity) -> Option<u64>, what: &str| {
+            let given: Vec<u64> = gpus.iter().filter_map(pick).collect();
+            for g in gpus.iter().filter(|g| pick(g).is_none()) {
+                tracing::warn!(
+                    gpu = g.index,
+                    "NVML gave no {what} for this GPU: the cost model leaves it out of the {what}"
+                );
+            }
+            (!given.is_empty()).then(|| given.iter().sum())
+        };
+        let memory_bytes = sum(|g| g.memory_total_bytes, "total memory");
+        let link_bytes_per_second = sum(|g| g.link_bytes_per_second, "link bandwidth");
+        let priced = gpus
+            .iter()
+            .filter(|g| g.memory_total_bytes.is_some())
+            .count();
+        CapacityInput {
+            memory_bytes,
+            link_bytes_per_second,
+            gpus: (priced > 0).then(|| u32::try_from(priced).unwrap_or(u32::MAX)),
         }
     }
 

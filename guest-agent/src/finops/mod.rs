@@ -40,6 +40,7 @@ pub const IDLE_COST: &str = "gpufeed_gpu_idle_cost_total";
 pub const NODE_COST: &str = "gpufeed_gpu_node_cost_total";
 pub const MPS: &str = "gpufeed_mps_recommended_active_thread_percentage";
 pub const POD_INFO: &str = "gpufeed_pod_info";
+pub const CAPACITY: &str = "gpufeed_gpu_cost_capacity";
 
 /// Every pod's GPU running totals at one tick (by pod UID): what FinOps reads of the
 /// collector's state.
@@ -223,6 +224,20 @@ impl FinOps {
                 "The node's cost at its hourly rate since the agent started: the pods' costs plus the idle cost",
                 MetricType::COUNTER,
                 vec![counter(&currency(), ledger.node)],
+            ));
+            let cap = c.model.capacity;
+            out.push(family(
+                CAPACITY,
+                "What the cost shares divide by, by resource: memory_bytes and link_bytes_per_second (configured, else summed over the GPUs NVML could read at start), gpus (the GPUs priced)",
+                MetricType::GAUGE,
+                [
+                    ("memory_bytes", cap.memory_bytes as f64),
+                    ("link_bytes_per_second", cap.link_bytes_per_second as f64),
+                    ("gpus", f64::from(cap.gpus)),
+                ]
+                .into_iter()
+                .map(|(r, v)| gauge(&Labels::from([("resource", r.to_string())]), v))
+                .collect(),
             ));
         }
         out.push(family(

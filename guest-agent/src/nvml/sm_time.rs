@@ -48,6 +48,18 @@ pub struct GpuReading {
     pub processes: Vec<(u32, Option<u64>)>,
     /// Samples newer than the previous read's newest.
     pub samples: Vec<UtilSample>,
+    /// On a GPU in MIG mode, each process's MIG instance (NVML gives no per-process
+    /// utilisation there, so `samples` is empty); None when the GPU is not in MIG mode.
+    pub mig: Option<Vec<MigProcess>>,
+}
+
+/// A process on a MIG instance: the GPU instance and compute instance it runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigProcess {
+    pub pid: u32,
+    pub gpu_instance: u32,
+    pub compute_instance: u32,
+    pub memory_bytes: Option<u64>,
 }
 
 /// A process's SM time on one GPU in one read.
@@ -82,6 +94,14 @@ pub struct SmClock {
 }
 
 impl SmClock {
+    /// Forgets process `pid` on every GPU: its pid now names another process (reused between
+    /// two reads), whose first sample must not stand for time since the old one's last.
+    pub fn forget(&mut self, pid: u32) {
+        for g in self.gpus.values_mut() {
+            g.processes.remove(&pid);
+        }
+    }
+
     /// Samples whose utilisation was above 100% (a driver fault seen in the field), counted
     /// as 0.
     pub fn invalid_samples(&self) -> u64 {
@@ -167,6 +187,7 @@ mod tests {
             gpu,
             read_at_us: at_ms * MS,
             processes: procs.iter().map(|p| (*p, Some(1))).collect(),
+            mig: None,
             samples: samples
                 .iter()
                 .map(|&(pid, t_ms, pct)| UtilSample {
@@ -234,6 +255,19 @@ mod tests {
         // a late read (2 s): the cover grows with it
         let out = c.advance(&[read(0, 7200, &[1], &[(1, 7150, 100)])]);
         assert_eq!(ns_of(&out, 1, 0), 2_000_000_000);
+    }
+
+    #[test]
+    fn a_reused_pid_starts_anew_once_forgotten() {
+        let mut c = SmClock::default();
+        c.advance(&[read(0, 0, &[7], &[(7, 0, 50)])]);
+        c.advance(&[read(0, 1000, &[7], &[(7, 100, 50)])]);
+        // pid 7 exits and another process gets pid 7 before the next read: its first sample
+        // stands for the time since the previous read (cover-limited), not since the old
+        // process's sample at 100 ms
+        c.forget(7);
+        let out = c.advance(&[read(0, 1200, &[7], &[(7, 1150, 100)])]);
+        assert_eq!(ns_of(&out, 7, 0), 150_000_000);
     }
 
     #[test]

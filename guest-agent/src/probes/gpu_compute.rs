@@ -160,6 +160,7 @@ impl ComputeSeries {
         NodeFamily {
             name: SOURCE_INFO,
             help: "1 for the source of this node's GPU compute time and duty cycle: nvml (SM utilisation per process), launch_estimate (CUDA launch to completion), driver_time (time in GPU driver calls)",
+            kind: super::model::Kind::Gauge,
             samples: vec![(
                 Labels::from([("source", self.source.label().to_string())]),
                 1.0,

@@ -154,6 +154,10 @@ impl<U: GpuProcessUnit> Probe for U {
         *self.parts_mut().cgroups.series.compute_mut() = Some(series);
     }
 
+    fn retire_compute(&mut self) {
+        *self.parts_mut().cgroups.series.compute_mut() = None;
+    }
+
     fn cgroup_reads(&mut self) -> Option<&mut dyn CgroupReads> {
         Some(&mut self.parts_mut().cgroups)
     }

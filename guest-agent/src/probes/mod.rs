@@ -38,7 +38,9 @@ pub mod tick;
 pub mod unit;
 
 pub use options::UnitOptions;
-pub use registry::{elect_compute, load, names, probes_help, select, UnknownProbe, UNITS};
+pub use registry::{
+    load, names, probes_help, select, ComputeElection, ComputeStatus, UnknownProbe, UNITS,
+};
 pub use status::ProbeStatus;
 
 // The BPF toolbox, as `probes::…` for the rest of the agent (the units take it from

@@ -161,6 +161,8 @@ pub struct UnitStats {
 pub struct NodeFamily {
     pub name: &'static str,
     pub help: &'static str,
+    /// `Kind::Gauge`, or `Kind::Counter` for a count (failures by label).
+    pub kind: Kind,
     pub samples: Vec<(Labels, f64)>,
 }
 

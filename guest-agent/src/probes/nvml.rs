@@ -1,6 +1,10 @@
 //! The `nvml` unit: what NVML says the GPUs did, per container and per GPU (`crate::nvml`
 //! does the reading). No BPF: it works by the tick. A node without the library has the unit
-//! up and idle (`gpufeed_nvml_gpus` 0; one info line at start).
+//! up and idle (`gpufeed_nvml_gpus` 0; one info line, and the library looked for again every
+//! few seconds). GPUs are enumerated each tick: one lost is left out and counted
+//! (`gpufeed_nvml_errors_total`) while the others keep their numbers, and one that comes back
+//! has its capacity read anew; the collector re-elects the compute source when NVML comes or
+//! goes.
 //!
 //! * Per container: SM utilisation and memory of its processes (the ground truth beside the
 //!   eBPF GPU series), and, as the node's best compute-time source (`gpu_compute`), SM time
@@ -12,7 +16,8 @@
 //!   a host link event can be shown with the dip it caused in what the pod's GPUs move (or
 //!   with none). The correlator reads this signal for dips (its policy `falls`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
 
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::options::OptionsSpec;
@@ -22,8 +27,11 @@ use super::unit::{
     SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats,
 };
 use crate::ebpf::ProbeError;
-use crate::nvml::sm_time::SmClock;
-use crate::nvml::{GpuCapacity, LinkState, Nvml};
+use crate::nvml::process::Starts;
+use crate::nvml::sm_time::{GpuReading, SmClock};
+use crate::nvml::{
+    codes, mps, Failure, Failures, Gpu, GpuCapacity, LinkState, Nvml, Opened, Survey,
+};
 use crate::owner::Owner;
 
 pub const NAME: &str = "nvml";
@@ -35,6 +43,14 @@ pub const LINK_MAX: &str = "gpufeed_gpu_link_max_bytes_per_second";
 pub const LINK_GENERATION: &str = "gpufeed_gpu_pcie_link_generation";
 pub const LINK_WIDTH: &str = "gpufeed_gpu_pcie_link_width";
 pub const THROUGHPUT: &str = "gpufeed_gpu_pcie_throughput_bytes_per_second";
+pub const GPUS: &str = "gpufeed_nvml_gpus";
+pub const MIG_MEMORY: &str = "gpufeed_nvml_mig_process_memory_bytes";
+pub const UNATTRIBUTED: &str = "gpufeed_gpu_compute_unattributed";
+pub const OUTSIDE_MEMORY: &str = "gpufeed_nvml_outside_pods_memory_bytes";
+pub const OUTSIDE_SM: &str = "gpufeed_nvml_outside_pods_sm_seconds_total";
+pub const ERRORS: &str = "gpufeed_nvml_errors_total";
+pub const CALL_MISSING: &str = "gpufeed_nvml_call_missing";
+pub const LIBRARY_INFO: &str = "gpufeed_nvml_library_info";
 /// The correlator's name of the pod's GPU link throughput.
 pub const LINK_SIGNAL: &str = "gpu_link_throughput";
 
@@ -75,12 +91,19 @@ const POD_LINK_FAMILY: FamilySpec = FamilySpec {
     scope: Scope::Pod,
     pod_labels: false,
 };
-static FAMILIES: [FamilySpec; 3] = [SM_FAMILY, MEMORY_FAMILY, POD_LINK_FAMILY];
-/// With the library: NVML's SM time is the node's compute time.
-static FAMILIES_COMPUTE: [FamilySpec; 5] = [
+const MIG_MEMORY_FAMILY: FamilySpec = FamilySpec {
+    name: MIG_MEMORY,
+    help: "GPU memory the container's processes use on each MIG instance by NVML, labels gpu, gpu_instance, compute_instance",
+    kind: Kind::Gauge,
+    scope: Scope::Container,
+    pod_labels: false,
+};
+/// NVML's own, and the compute time and duty cycle for when it is the node's source.
+static FAMILIES_COMPUTE: [FamilySpec; 6] = [
     SM_FAMILY,
     MEMORY_FAMILY,
     POD_LINK_FAMILY,
+    MIG_MEMORY_FAMILY,
     gpu_compute::COMPUTE_FAMILY,
     gpu_compute::DUTY_FAMILY,
 ];
@@ -104,23 +127,47 @@ impl Default for Config {
 }
 
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
-    let nvml = Nvml::load(&ctx.options.get::<Config>().library).map_err(|e| ProbeError::Io {
-        probe: NAME,
-        what: "NVML",
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    Ok(Loaded::single(NAME, Ok(NvmlUnit::new(nvml))))
+    let library = ctx.options.get::<Config>().library.clone();
+    Ok(Loaded::single(NAME, Ok(NvmlUnit::open(library))))
 }
 
+/// What is left of an owner's GPU activity after a tick, for the MPS weights: the last few
+/// ticks count (at 1 s ticks, about 4 s), a single tick's noise does not.
+const ACTIVITY_DECAY: f64 = 0.75;
+
+/// How often a node without NVML looks for it again: the toolkit's mounts, a driver
+/// extension or a `--nvml-library` path may appear after the agent started.
+const RETRY: Duration = Duration::from_secs(2);
+
 pub struct NvmlUnit {
+    /// `--nvml-library` as given.
+    library: String,
     nvml: Option<Nvml>,
-    /// Read once at start: a GPU's memory and link maximum do not change
-    /// while the driver is loaded.
-    gpus: Vec<GpuCapacity>,
+    /// Why NVML is not loaded (None while it is), with the fix.
+    absent: Option<String>,
+    /// When to look for the library again.
+    retry_at: Instant,
+    /// The GPUs NVML enumerates now, with their capacity: read when a GPU appears (at start,
+    /// or back from being lost: an eGPU replugged), again while a number is missing.
+    gpus: BTreeMap<u32, GpuCapacity>,
+    /// GPUs lost (or no longer enumerated) and not back yet: said once when lost, once when back.
+    lost: BTreeSet<u32>,
+    /// GPUs in MIG mode at the last tick: their processes' compute is unattributed.
+    mig_gpus: BTreeSet<u32>,
+    /// MPS servers with samples at the last tick.
+    mps_servers: usize,
+    /// Each owner's recent GPU activity (ns, decayed per tick): the weights of MPS shares.
+    activity: HashMap<Owner, f64>,
+    /// Start times of the processes at the last read, to tell a reused pid.
+    starts: Starts,
+    /// Per GPU, what processes no owner has (outside pods and slices, or exited) used: memory
+    /// at the last tick, SM time since start.
+    outside_memory: BTreeMap<u32, u64>,
+    outside_sm_ns: BTreeMap<u32, u64>,
     clock: SmClock,
     /// Each GPU's link at the last tick.
     links: Vec<LinkState>,
-    failures: u64,
+    failures: Failures,
     compute: Option<ComputeSeries>,
 }
 
@@ -134,31 +181,160 @@ struct OwnerUse {
 }
 
 impl NvmlUnit {
-    pub fn new(nvml: Option<Nvml>) -> NvmlUnit {
-        let gpus = match nvml.as_ref().map(Nvml::capacity) {
-            Some(Ok(c)) => c,
-            Some(Err(e)) => {
-                tracing::warn!("NVML: GPU capacity: {e}");
-                Vec::new()
-            }
-            None => Vec::new(),
-        };
-        NvmlUnit {
-            nvml,
-            gpus,
+    /// The unit over the library `library` names ([`crate::nvml::locate`]): up whether or not
+    /// NVML is there; without it, it looks again every few seconds.
+    pub fn open(library: String) -> NvmlUnit {
+        let mut unit = NvmlUnit {
+            library,
+            nvml: None,
+            absent: None,
+            retry_at: Instant::now(),
+            gpus: BTreeMap::new(),
+            lost: BTreeSet::new(),
+            mig_gpus: BTreeSet::new(),
+            mps_servers: 0,
+            activity: HashMap::new(),
+            starts: Starts::default(),
+            outside_memory: BTreeMap::new(),
+            outside_sm_ns: BTreeMap::new(),
             clock: SmClock::default(),
             links: Vec::new(),
-            failures: 0,
+            failures: Failures::default(),
             compute: None,
-        }
+        };
+        unit.look_for_library();
+        unit.survey();
+        unit
     }
 
-    fn failed(&mut self, e: crate::nvml::NvmlError) {
-        if self.failures == 0 {
-            tracing::warn!("NVML: {e}");
+    /// Opens NVML if it is not open yet and it is time to look.
+    fn look_for_library(&mut self) {
+        if self.nvml.is_some() || Instant::now() < self.retry_at {
+            return;
         }
-        self.failures += 1;
+        self.retry_at = Instant::now() + RETRY;
+        let why = match Nvml::open(&self.library) {
+            Ok(Opened::Loaded(nvml)) => {
+                let missing = nvml.missing().join(", ");
+                tracing::info!(
+                    library = nvml.opened(),
+                    missing_calls = %missing,
+                    "NVML loaded{}",
+                    if self.absent.is_some() { " (it appeared after start)" } else { "" }
+                );
+                self.nvml = Some(nvml);
+                self.absent = None;
+                return;
+            }
+            Ok(Opened::Absent(why)) => why,
+            Err(e) => format!("{}: {e}", self.library),
+        };
+        if self.absent.as_deref() != Some(why.as_str()) {
+            tracing::info!(
+                "NVML not available, no NVML series (looked for again every {RETRY:?}): {why}"
+            );
+        }
+        self.absent = Some(why);
     }
+
+    /// Enumerates the GPUs: a GPU that appeared has its capacity read, one that is gone is
+    /// dropped. Returns the GPUs NVML answers for now.
+    fn survey(&mut self) -> Vec<Gpu> {
+        let Some(nvml) = self.nvml.as_ref() else {
+            return Vec::new();
+        };
+        let Survey { gpus, mut failures } = nvml.gpus();
+        let lost = &mut self.lost;
+        self.gpus.retain(|index, _| {
+            let here = gpus.iter().any(|g| g.index == *index);
+            if !here && lost.insert(*index) {
+                tracing::warn!(gpu = index, "GPU gone: NVML no longer enumerates it");
+            }
+            here
+        });
+        for g in &gpus {
+            let known = self.gpus.get(&g.index);
+            if known.is_some_and(GpuCapacity::complete) {
+                continue;
+            }
+            let capacity = nvml.capacity_of(g, &mut failures);
+            if known.is_none() && !self.lost.contains(&g.index) {
+                tracing::info!(
+                    gpu = g.index,
+                    memory_bytes = ?capacity.memory_total_bytes,
+                    link_bytes_per_second = ?capacity.link_bytes_per_second,
+                    "GPU present"
+                );
+            }
+            self.gpus.insert(g.index, capacity);
+        }
+        self.book(failures);
+        gpus.into_iter()
+            .filter(|g| self.gpus.contains_key(&g.index))
+            .collect()
+    }
+
+    /// Counts failures; a GPU that answered one call with "lost" is left out until it is
+    /// enumerated again (its capacity is then read anew).
+    fn book(&mut self, failures: Vec<Failure>) {
+        for f in &failures {
+            if let Some(g) = f.gpu.filter(|_| codes::gpu_gone(f.code)) {
+                self.gpus.remove(&g);
+                if self.lost.insert(g) {
+                    tracing::warn!(gpu = g, "GPU lost, left out until it answers again: {f}");
+                }
+            }
+        }
+        self.failures.book(failures);
+    }
+
+    /// Why this node's NVML cannot be its compute source now (None: it can).
+    pub fn not_a_source(&self) -> Option<String> {
+        let Some(nvml) = &self.nvml else {
+            return Some(self.absent.clone().unwrap_or_default());
+        };
+        if nvml.missing().contains(&"nvmlDeviceGetProcessUtilization") {
+            return Some(format!(
+                "{} lacks nvmlDeviceGetProcessUtilization: no per-process SM utilisation",
+                nvml.opened()
+            ));
+        }
+        if self.gpus.is_empty() {
+            return Some(format!("NVML ({}) sees 0 GPUs", nvml.opened()));
+        }
+        None
+    }
+}
+
+/// The client containers of the MPS server `server` on `gpu` (the other processes NVML lists
+/// there), each with its recent GPU activity ([`ACTIVITY_DECAY`]) as the weight of its share.
+fn mps_clients(
+    readings: &[GpuReading],
+    gpu: u32,
+    server: u32,
+    owner_of: &dyn Fn(u32) -> Option<Owner>,
+    activity: &HashMap<Owner, f64>,
+) -> Vec<(Owner, u64)> {
+    let server_owner = owner_of(server);
+    let mut out: Vec<(Owner, u64)> = Vec::new();
+    for (pid, _) in readings
+        .iter()
+        .filter(|r| r.gpu == gpu)
+        .flat_map(|r| r.processes.iter())
+    {
+        if *pid == server {
+            continue;
+        }
+        let Some(owner) = owner_of(*pid) else {
+            continue;
+        };
+        if Some(&owner) == server_owner.as_ref() || out.iter().any(|(o, _)| *o == owner) {
+            continue;
+        }
+        let weight = activity.get(&owner).copied().unwrap_or(0.0) as u64;
+        out.push((owner, weight));
+    }
+    out
 }
 
 /// One gauge per GPU, labelled `gpu` (NVML's index), and `direction` for throughput.
@@ -171,6 +347,7 @@ fn per_gpu<T>(
     NodeFamily {
         name,
         help,
+        kind: Kind::Gauge,
         samples: items.iter().flat_map(samples).collect(),
     }
 }
@@ -180,43 +357,69 @@ fn gpu_label(gpu: u32) -> Labels {
 }
 
 impl Probe for NvmlUnit {
+    /// The compute families always: NVML may appear or come back after start, and the
+    /// exporter takes its family list once (they render only once elected and sampled).
     fn families(&self) -> &'static [FamilySpec] {
-        match self.compute {
-            Some(_) => &FAMILIES_COMPUTE,
-            None => &FAMILIES,
-        }
+        &FAMILIES_COMPUTE
     }
 
     fn signals(&self) -> Vec<SignalSpec> {
         vec![link_signal()]
     }
 
-    /// NVML is a source when it reports a GPU.
+    /// NVML is a source when it reports a GPU and per-process utilisation.
     fn compute_source(&self) -> Option<ComputeSource> {
-        (!self.gpus.is_empty()).then_some(ComputeSource::Nvml)
+        self.not_a_source().is_none().then_some(ComputeSource::Nvml)
+    }
+
+    fn not_a_source(&self) -> Option<(ComputeSource, String)> {
+        NvmlUnit::not_a_source(self).map(|why| (ComputeSource::Nvml, why))
     }
 
     fn publish_compute(&mut self, series: ComputeSeries) {
         self.compute = Some(series);
     }
 
+    fn retire_compute(&mut self) {
+        self.compute = None;
+    }
+
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
+        self.look_for_library();
+        let gpus = self.survey();
         let Some(nvml) = self.nvml.as_mut() else {
             return TickOutput::default();
         };
         // NVML names processes by pid in the host's pid namespace, as the
-        // agent (hostPID) sees them
-        let readings = match nvml.read() {
-            Ok(r) => r,
-            Err(e) => {
-                self.failed(e);
-                return TickOutput::default();
+        // agent (hostPID) sees them; each GPU read on its own, failures booked
+        let mut failures = Vec::new();
+        let mut readings: Vec<GpuReading> = gpus
+            .iter()
+            .map(|g| nvml.read_gpu(g, &mut failures))
+            .collect();
+        let mut links: Vec<LinkState> = gpus
+            .iter()
+            .map(|g| nvml.link_of(g, &mut failures))
+            .collect();
+        self.book(failures);
+        // a GPU lost during this read has no numbers this tick
+        readings.retain(|r| self.gpus.contains_key(&r.gpu));
+        links.retain(|l| self.gpus.contains_key(&l.gpu));
+        self.links = links;
+        // a GPU that answered a whole tick again is back (an eGPU replugged)
+        let gpus = &self.gpus;
+        self.lost.retain(|g| match gpus.get(g) {
+            Some(c) => {
+                tracing::info!(
+                    gpu = g,
+                    memory_bytes = ?c.memory_total_bytes,
+                    link_bytes_per_second = ?c.link_bytes_per_second,
+                    "GPU back, its capacity read anew"
+                );
+                false
             }
-        };
-        match nvml.links() {
-            Ok(l) => self.links = l,
-            Err(e) => self.failed(e),
-        }
+            None => true,
+        });
         let cgroup_of = pid_cgroups(ctx);
         let owner_of = |pid: u32| {
             cgroup_of
@@ -225,18 +428,76 @@ impl Probe for NvmlUnit {
                 .cloned()
         };
         let mut per_owner: HashMap<Owner, OwnerUse> = HashMap::new();
+        self.mig_gpus = readings
+            .iter()
+            .filter(|r| r.mig.is_some())
+            .map(|r| r.gpu)
+            .collect();
+        // each owner's recent GPU activity: one tick's is noisy (a driver call is booked in
+        // the tick it returns), so the weights decay over a few ticks
+        self.activity.retain(|_, w| {
+            *w *= ACTIVITY_DECAY;
+            *w >= 1.0
+        });
+        for (owner, ns) in ctx.gpu_activity {
+            *self.activity.entry(owner.clone()).or_default() += *ns as f64;
+        }
+        // MPS servers among the processes with samples (the clients have none)
+        let servers: BTreeSet<u32> = readings
+            .iter()
+            .flat_map(|r| r.samples.iter().map(|s| s.pid))
+            .filter(|pid| mps::is_server(*pid))
+            .collect();
+        self.mps_servers = servers.len();
+        // a pid that names another process than at the previous read starts anew
+        let pids = readings.iter().flat_map(|r| {
+            r.processes
+                .iter()
+                .map(|(p, _)| *p)
+                .chain(r.samples.iter().map(|s| s.pid))
+        });
+        for pid in self.starts.reused(pids) {
+            self.clock.forget(pid);
+        }
         for p in self.clock.advance(&readings) {
-            if let Some(owner) = owner_of(p.pid) {
+            // a MIG GPU has no samples: its processes' compute is unattributed, not 0
+            if self.mig_gpus.contains(&p.gpu) {
+                continue;
+            }
+            let clients = if servers.contains(&p.pid) {
+                mps_clients(&readings, p.gpu, p.pid, &owner_of, &self.activity)
+            } else {
+                Vec::new()
+            };
+            if clients.is_empty() {
+                match owner_of(p.pid) {
+                    Some(owner) => {
+                        let e = per_owner.entry(owner).or_default();
+                        e.utilization += p.utilization;
+                        *e.sm_ns.entry(p.gpu).or_default() += p.sm_ns;
+                    }
+                    None => *self.outside_sm_ns.entry(p.gpu).or_default() += p.sm_ns,
+                }
+                continue;
+            }
+            // the server's SM time goes to its clients, by their own GPU activity
+            for (owner, ns) in mps::shares(p.sm_ns, &clients) {
                 let e = per_owner.entry(owner).or_default();
-                e.utilization += p.utilization;
-                *e.sm_ns.entry(p.gpu).or_default() += p.sm_ns;
+                if p.sm_ns > 0 {
+                    e.utilization += p.utilization * ns as f64 / p.sm_ns as f64;
+                }
+                *e.sm_ns.entry(p.gpu).or_default() += ns;
             }
         }
         // the GPUs each pod's processes are on, for the link signal
         let mut pod_gpus: BTreeMap<Owner, Vec<u32>> = BTreeMap::new();
+        self.outside_memory.clear();
         for r in &readings {
             for (pid, mem) in &r.processes {
                 let Some(owner) = owner_of(*pid) else {
+                    // a host process outside every followed cgroup, or one that exited
+                    // while NVML still lists it: said, not dropped
+                    *self.outside_memory.entry(r.gpu).or_default() += mem.unwrap_or(0);
                     continue;
                 };
                 let gpus = pod_gpus.entry(owner.pod_level()).or_default();
@@ -246,6 +507,27 @@ impl Probe for NvmlUnit {
                 per_owner.entry(owner).or_default().memory_bytes += mem.unwrap_or(0) as f64;
             }
         }
+        // MIG: each container's memory per instance; its compute is said unattributed
+        let mut mig_memory: BTreeMap<(Owner, Labels), f64> = BTreeMap::new();
+        for r in &readings {
+            for p in r.mig.iter().flatten() {
+                let Some(owner) = owner_of(p.pid) else {
+                    continue;
+                };
+                let mut l = gpu_label(r.gpu);
+                l.insert("gpu_instance", p.gpu_instance.to_string());
+                l.insert("compute_instance", p.compute_instance.to_string());
+                *mig_memory.entry((owner, l)).or_default() += p.memory_bytes.unwrap_or(0) as f64;
+            }
+        }
+        let mig_memory: Vec<GaugeValue> = mig_memory
+            .into_iter()
+            .map(|((owner, labels), value)| GaugeValue {
+                owner,
+                labels,
+                value,
+            })
+            .collect();
         let mut deltas: Vec<(Owner, Delta)> = Vec::new();
         if let Some(c) = self.compute.as_mut() {
             for (owner, u) in &per_owner {
@@ -268,6 +550,7 @@ impl Probe for NvmlUnit {
             (SM, gauge(|u| u.utilization)),
             (MEMORY, gauge(|u| u.memory_bytes)),
             (POD_LINK, pod_links(&pod_gpus, &self.links)),
+            (MIG_MEMORY, mig_memory),
         ];
         gauges.extend(self.compute.as_mut().map(|c| c.duty_gauges(ctx)));
         TickOutput { deltas, gauges }
@@ -275,30 +558,31 @@ impl Probe for NvmlUnit {
 
     fn stats(&self) -> UnitStats {
         let links = &self.links;
+        let gpus: Vec<&GpuCapacity> = self.gpus.values().collect();
         let mut node = vec![
             per_gpu(
-                &self.gpus,
+                &gpus,
                 MEMORY_TOTAL,
                 "Total memory of each GPU by NVML (the denominator of VRAM shares)",
-                |g| vec![(gpu_label(g.index), g.memory_total_bytes as f64)],
+                |g| some(g.index, g.memory_total_bytes),
             ),
             per_gpu(
-                &self.gpus,
+                &gpus,
                 LINK_MAX,
                 "Maximum PCIe bandwidth per direction of each GPU's link by NVML (maximum generation's per-lane rate after encoding, times maximum width)",
-                |g| vec![(gpu_label(g.index), g.link_bytes_per_second as f64)],
+                |g| some(g.index, g.link_bytes_per_second),
             ),
             per_gpu(
                 links,
                 LINK_GENERATION,
                 "Current PCIe generation of each GPU's link by NVML, as the guest sees it (an idle GPU lowers it)",
-                |l| vec![(gpu_label(l.gpu), f64::from(l.generation))],
+                |l| some(l.gpu, l.generation),
             ),
             per_gpu(
                 links,
                 LINK_WIDTH,
                 "Current PCIe width (lanes) of each GPU's link by NVML, as the guest sees it",
-                |l| vec![(gpu_label(l.gpu), f64::from(l.width))],
+                |l| some(l.gpu, l.width),
             ),
             per_gpu(
                 links,
@@ -307,23 +591,96 @@ impl Probe for NvmlUnit {
                 |l| {
                     directions(l)
                         .into_iter()
-                        .map(|(d, v)| (direction_labels(l.gpu, d), v))
+                        .filter_map(|(d, v)| Some((direction_labels(l.gpu, d), v?)))
                         .collect()
                 },
             ),
+            NodeFamily {
+                name: ERRORS,
+                help: "NVML calls that failed, by GPU (empty: a call about no GPU), call and NVML's code name (GPU_IS_LOST, NOT_SUPPORTED, ...); the first of each is logged",
+                kind: Kind::Counter,
+                samples: self
+                    .failures
+                    .counts()
+                    .iter()
+                    .map(|((gpu, call, code), n)| {
+                        let l = Labels::from([
+                            ("gpu", gpu.clone()),
+                            ("call", call.to_string()),
+                            ("code", code.to_string()),
+                        ]);
+                        (l, *n as f64)
+                    })
+                    .collect(),
+            },
+            NodeFamily {
+                name: OUTSIDE_MEMORY,
+                help: "GPU memory of the processes NVML lists that belong to no pod or slice the agent follows (host processes, or processes that exited while NVML still lists them), per GPU",
+                kind: Kind::Gauge,
+                samples: self
+                    .outside_memory
+                    .iter()
+                    .map(|(g, b)| (gpu_label(*g), *b as f64))
+                    .collect(),
+            },
+            NodeFamily {
+                name: OUTSIDE_SM,
+                help: "SM time of the processes NVML sampled that belong to no pod or slice the agent follows, per GPU, in SM-seconds",
+                kind: Kind::Counter,
+                samples: self
+                    .outside_sm_ns
+                    .iter()
+                    .map(|(g, ns)| (gpu_label(*g), *ns as f64 / 1e9))
+                    .collect(),
+            },
+            NodeFamily {
+                name: UNATTRIBUTED,
+                help: "1 for each GPU whose compute time NVML cannot attribute to processes (reason mig: a MIG GPU keeps no per-process utilisation): its containers have no compute time from NVML, which is not 0",
+                kind: Kind::Gauge,
+                samples: self
+                    .mig_gpus
+                    .iter()
+                    .map(|g| {
+                        let mut l = gpu_label(*g);
+                        l.insert("reason", "mig".to_string());
+                        (l, 1.0)
+                    })
+                    .collect(),
+            },
+            NodeFamily {
+                name: CALL_MISSING,
+                help: "1 for each NVML call this node's NVML lacks: its readings are absent, not failed",
+                kind: Kind::Gauge,
+                samples: self
+                    .nvml
+                    .iter()
+                    .flat_map(|n| n.missing().iter())
+                    .map(|c| (Labels::from([("call", c.to_string())]), 1.0))
+                    .collect(),
+            },
+            NodeFamily {
+                name: LIBRARY_INFO,
+                help: "1 with the NVML library the agent opened (a name the loader found, or a path); absent without NVML",
+                kind: Kind::Gauge,
+                samples: self
+                    .nvml
+                    .iter()
+                    .map(|n| (Labels::from([("library", n.opened().to_string())]), 1.0))
+                    .collect(),
+            },
         ];
         node.extend(self.compute.iter().map(ComputeSeries::info));
         UnitStats {
             series: vec![
                 SelfSeries::gauge(
-                    "gpufeed_nvml_gpus",
-                    "GPUs NVML reports (0: no NVML library on the node)",
+                    GPUS,
+                    "GPUs NVML reports now (0: no NVML library on the node, or NVML sees no GPU; a lost GPU is not counted)",
                     self.gpus.len() as f64,
                 ),
-                SelfSeries::counter(
-                    "gpufeed_nvml_errors_total",
-                    "NVML reads that failed (the first is logged)",
-                    self.failures,
+                SelfSeries::gauge(
+                    "gpufeed_nvml_mps_servers",
+                    "CUDA MPS servers whose SM utilisation NVML sampled at the last tick: their SM time is split among the client containers on their GPU",
+                    self.mps_servers as f64,
                 ),
                 SelfSeries::counter(
                     "gpufeed_nvml_invalid_samples_total",
@@ -337,10 +694,17 @@ impl Probe for NvmlUnit {
     }
 }
 
-fn directions(l: &LinkState) -> [(&'static str, f64); 2] {
+/// One GPU's sample when NVML gave the number.
+fn some(gpu: u32, v: Option<impl Into<u64>>) -> Vec<(Labels, f64)> {
+    v.map(|v| (gpu_label(gpu), v.into() as f64))
+        .into_iter()
+        .collect()
+}
+
+fn directions(l: &LinkState) -> [(&'static str, Option<f64>); 2] {
     [
-        ("tx", l.tx_bytes_per_second as f64),
-        ("rx", l.rx_bytes_per_second as f64),
+        ("tx", l.tx_bytes_per_second.map(|v| v as f64)),
+        ("rx", l.rx_bytes_per_second.map(|v| v as f64)),
     ]
 }
 
@@ -356,6 +720,7 @@ fn pod_links(pod_gpus: &BTreeMap<Owner, Vec<u32>>, links: &[LinkState]) -> Vec<G
     for (pod, gpus) in pod_gpus {
         for l in links.iter().filter(|l| gpus.contains(&l.gpu)) {
             for (d, v) in directions(l) {
+                let Some(v) = v else { continue };
                 out.push(GaugeValue {
                     owner: pod.clone(),
                     labels: direction_labels(l.gpu, d),

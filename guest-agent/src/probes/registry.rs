@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{ArgMatches, Args, Command, FromArgMatches};
 
-use super::gpu_compute::ComputeSeries;
+use super::gpu_compute::{ComputeSeries, ComputeSource};
 use super::options::UnitOptions;
 use super::status::ProbeStatus;
 use super::unit::{LoadContext, UnitSpec, Units};
@@ -112,18 +112,87 @@ pub fn load(
     Ok((units, statuses))
 }
 
-/// Tells the unit offering the best GPU compute source to publish the compute
-/// series; returns the source.
-pub fn elect_compute(
-    units: &mut Units,
-    duty_window: Duration,
-) -> Option<super::gpu_compute::ComputeSource> {
-    let best = units.iter().filter_map(|u| u.compute_source()).min()?;
-    if let Some(u) = units.iter_mut().find(|u| u.compute_source() == Some(best)) {
-        u.publish_compute(ComputeSeries::new(best, duty_window));
+/// The node's GPU compute source: the best any unit offers, published by that unit. Checked
+/// again each tick ([`ComputeElection::update`]): NVML may appear after start, a GPU may be
+/// lost and come back, and the series move to the best source there is then.
+pub struct ComputeElection {
+    window: Duration,
+    elected: Option<ComputeSource>,
+    /// Better sources than the elected one, and why each is unavailable, as of the last tick.
+    unavailable: Vec<(ComputeSource, String)>,
+}
+
+/// The election as the doctor reads it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ComputeStatus {
+    /// The elected source (None: no unit can be one).
+    pub source: Option<ComputeSource>,
+    /// Better sources, each with why it is not there (NVML not found, 0 GPUs).
+    pub unavailable: Vec<(ComputeSource, String)>,
+}
+
+impl ComputeElection {
+    /// Elects the best source among `units` (duty cycles over `window`).
+    pub fn new(units: &mut Units, window: Duration) -> ComputeElection {
+        let mut e = ComputeElection {
+            window,
+            elected: None,
+            unavailable: Vec::new(),
+        };
+        e.update(units);
+        e
     }
-    tracing::info!(source = best.label(), "GPU compute time source");
-    Some(best)
+
+    /// The source elected now.
+    pub fn elected(&self) -> Option<ComputeSource> {
+        self.elected
+    }
+
+    /// The source and why better ones are unavailable.
+    pub fn status(&self) -> ComputeStatus {
+        ComputeStatus {
+            source: self.elected,
+            unavailable: self.unavailable.clone(),
+        }
+    }
+
+    /// Elects again when the best source changed; the change is logged with why no better
+    /// one is there. Returns whether it changed.
+    pub fn update(&mut self, units: &mut Units) -> bool {
+        let best = units.iter().filter_map(|u| u.compute_source()).min();
+        self.unavailable = units
+            .iter()
+            .filter_map(|u| u.not_a_source())
+            .filter(|(s, _)| best.is_none_or(|b| *s < b))
+            .collect();
+        if best == self.elected {
+            return false;
+        }
+        for u in units.iter_mut() {
+            if u.compute_source() != best || best.is_none() {
+                u.retire_compute();
+            }
+        }
+        if let Some(best) = best {
+            if let Some(u) = units.iter_mut().find(|u| u.compute_source() == Some(best)) {
+                u.publish_compute(ComputeSeries::new(best, self.window));
+            }
+        }
+        let why_not: Vec<String> = self
+            .unavailable
+            .iter()
+            .map(|(s, why)| format!("{}: {why}", s.label()))
+            .collect();
+        let label = |s: Option<ComputeSource>| s.map_or("none", ComputeSource::label);
+        tracing::info!(
+            source = label(best),
+            was = label(self.elected),
+            better_sources_unavailable = %why_not.join("; "),
+            "GPU compute time source"
+        );
+        self.elected = best;
+        true
+    }
 }
 
 impl UnitOptions {

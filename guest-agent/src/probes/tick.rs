@@ -27,6 +27,9 @@ pub struct TickContext<'a> {
     pub active: Option<&'a HashSet<u64>>,
     pub tick: u64,
     pub pids: &'a RefCell<PidCache>,
+    /// Each owner's GPU driver time and CUDA busy time read this tick (ns), for units that
+    /// split one process's GPU time among others (an MPS server's among its clients).
+    pub gpu_activity: &'a HashMap<Owner, u64>,
 }
 
 /// Without the kernel's process changes: ticks over which every pod cgroup's

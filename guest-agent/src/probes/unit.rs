@@ -44,9 +44,19 @@ pub trait Probe: Send {
         None
     }
 
-    /// This unit's source was elected the node's (`registry::elect_compute`, after loading):
-    /// from now on it exports the compute time and duty cycle through `series`.
+    /// A better source this unit could be but is not now, and why (NVML not found, 0 GPUs),
+    /// for the log line and doctor that say why the node uses a lesser one.
+    fn not_a_source(&self) -> Option<(ComputeSource, String)> {
+        None
+    }
+
+    /// This unit's source was elected the node's (`registry::ComputeElection`): from now on
+    /// it exports the compute time and duty cycle through `series`.
     fn publish_compute(&mut self, _series: ComputeSeries) {}
+
+    /// Another source was elected (this one went away, or a better one came): the unit
+    /// stops exporting compute time.
+    fn retire_compute(&mut self) {}
 
     /// The unit's values kept per cgroup (`per_cgroup::PerCgroup`), which
     /// the collector reads each tick; None for a unit that keeps none.

@@ -406,6 +406,8 @@ pub struct StandInNvml {
     procs: PathBuf,
     truth: PathBuf,
     link: PathBuf,
+    control: PathBuf,
+    errors: PathBuf,
 }
 
 /// The stand-in's sample period.
@@ -423,28 +425,79 @@ pub struct TruthPeriod {
 
 impl StandInNvml {
     pub fn new(dir: &Path) -> StandInNvml {
+        StandInNvml::variant(dir, &[])
+    }
+
+    /// A stand-in built with `defines` too: `OMIT_<function>` leaves a function out (an NVML
+    /// that lacks it).
+    pub fn variant(dir: &Path, defines: &[&str]) -> StandInNvml {
         let n = StandInNvml {
             lib: dir.join("libnvidia-ml.so.1"),
             procs: dir.join("nvml-procs"),
             truth: dir.join("nvml-truth"),
             link: dir.join("nvml-link"),
+            control: dir.join("nvml-control"),
+            errors: dir.join("nvml-errors"),
         };
         std::fs::write(&n.procs, "").unwrap();
-        let define = |name: &str, p: &Path| format!("-D{name}=\"{}\"", p.display());
-        compile_c(
-            "nvml/fake_nvml.c",
-            &n.lib,
-            &[
-                "-shared",
-                "-fPIC",
-                "-Wl,-soname,libnvidia-ml.so.1",
-                &define("STANDIN_PROCS", &n.procs),
-                &define("STANDIN_TRUTH", &n.truth),
-                &define("STANDIN_LINK", &n.link),
-                &format!("-DSAMPLE_US={NVML_SAMPLE_US}ULL"),
-            ],
-        );
+        n.build(&n.lib, defines);
         n
+    }
+
+    /// Builds the library at `lib` (a test may build it late, where the agent looks).
+    pub fn build(&self, lib: &Path, defines: &[&str]) {
+        let define = |name: &str, p: &Path| format!("-D{name}=\"{}\"", p.display());
+        let mut args = vec![
+            "-shared".to_string(),
+            "-fPIC".into(),
+            "-Wl,-soname,libnvidia-ml.so.1".into(),
+            define("STANDIN_PROCS", &self.procs),
+            define("STANDIN_TRUTH", &self.truth),
+            define("STANDIN_LINK", &self.link),
+            define("STANDIN_CONTROL", &self.control),
+            define("STANDIN_ERRORS", &self.errors),
+            format!("-DSAMPLE_US={NVML_SAMPLE_US}ULL"),
+        ];
+        args.extend(defines.iter().map(|d| format!("-D{d}")));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        // built beside, then renamed: an agent looking for it never opens half a library
+        let tmp = lib.with_extension("building");
+        compile_c("nvml/fake_nvml.c", &tmp, &args);
+        std::fs::rename(&tmp, lib).unwrap();
+    }
+
+    /// The stand-in's faults from now on (lines of its control file: `count N`, `init CODE`,
+    /// `fail GPU CALL CODE`, `grow GPU K`; see fake_nvml.c).
+    pub fn set_control(&self, lines: &[&str]) {
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        let tmp = self.control.with_extension("tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(tmp, &self.control).unwrap();
+    }
+
+    /// How many times the stand-in answered `code` to `call` about GPU `gpu` (-1: no GPU).
+    pub fn errors_answered(&self, gpu: i32, call: &str, code: i32) -> usize {
+        std::fs::read_to_string(&self.errors)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| *l == format!("{gpu} {call} {code}"))
+            .count()
+    }
+
+    /// Every error the stand-in answered: (GPU, call, code).
+    pub fn errors(&self) -> Vec<(i32, String, i32)> {
+        std::fs::read_to_string(&self.errors)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                Some((
+                    f.first()?.parse().ok()?,
+                    f.get(1)?.to_string(),
+                    f.get(2)?.parse().ok()?,
+                ))
+            })
+            .collect()
     }
 
     pub fn path(&self) -> &str {

@@ -591,6 +591,11 @@ impl Agent {
     pub fn scrape(&self) -> Vec<Sample> {
         parse_metrics(&self.try_get("/metrics").expect("scrape /metrics"))
     }
+
+    /// The agent's log so far.
+    pub fn log_text(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
 }
 
 /// `gpufeed-guest certs init` into `out` for a guest at `guest` and host `host`, with
