@@ -182,11 +182,19 @@ impl Router {
         match routing.bindings.bind(guest, uuid, &vms) {
             Err(refusal) => {
                 self.m.refused(guest, refusal.reason());
-                tracing::warn!(guest = %label, vm_uuid = ?uuid, reason = refusal.reason(), "host stream: not streaming to this guest: {refusal}");
-                Err(refusal.to_string())
+                let why = refusal.to_string();
+                // once per guest and reason: the guest tries again at every backoff
+                if self.m.note_refusal(guest, &why) {
+                    tracing::warn!(guest = %label, vm_uuid = ?uuid, reason = refusal.reason(), "host stream: not streaming to this guest: {why}");
+                }
+                Err(why)
             }
-            Ok(Bound::Unchanged) => Ok(()),
+            Ok(Bound::Unchanged) => {
+                self.m.note_refusal(guest, "");
+                Ok(())
+            }
             Ok(bound) => {
+                self.m.note_refusal(guest, "");
                 match bound {
                     Bound::Vm(vmid) => {
                         self.m.vmid(guest, vmid as i64);
@@ -231,6 +239,9 @@ struct RouteMetrics {
     routed: prometheus::IntCounterVec,
     refused: prometheus::IntCounterVec,
     vmid: prometheus::IntGaugeVec,
+    /// Each guest's last refusal ("" after a binding), so that a guest refused again at
+    /// every reconnect is logged once.
+    last_refusal: Mutex<Vec<String>>,
 }
 
 impl RouteMetrics {
@@ -258,6 +269,7 @@ impl RouteMetrics {
                 ),
                 &["guest"],
             )?,
+            last_refusal: Mutex::new(vec![String::new(); labels.len()]),
             labels,
         };
         registry.register(Box::new(m.routed.clone()))?;
@@ -288,6 +300,21 @@ impl RouteMetrics {
         self.refused
             .with_label_values(&[self.label(guest), reason])
             .inc();
+    }
+
+    /// Records guest `guest`'s refusal (`""`: none); true when it differs from the last.
+    fn note_refusal(&self, guest: usize, why: &str) -> bool {
+        let mut last = self
+            .last_refusal
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match last.get_mut(guest) {
+            Some(l) if l != why => {
+                why.clone_into(l);
+                true
+            }
+            _ => false,
+        }
     }
 
     fn vmid(&self, guest: usize, vmid: i64) {
