@@ -2,8 +2,13 @@
 //! the deployment's certificates and configuration.
 //!
 //! ```text
-//! certs init --out DIR --guest-addr HOST:PORT --host NAME [--host NAME ...]
+//! certs init --out DIR --guest-addr HOST:PORT [--guest-addr HOST:PORT ...] --host NAME [--host NAME ...]
 //! ```
+//!
+//! A site with several GPU VMs on its hosts (each VM a node with its own guest agent) gives
+//! every node's address: one CA, one guest certificate naming them all (every node mounts the
+//! same Secret), and each host's `host.toml` lists every guest. A host routes each guest its
+//! own VM's events by the VM's SMBIOS UUID, so the list needs no `vmids`.
 //!
 //! writes
 //!
@@ -72,9 +77,11 @@ pub struct CertsInitArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Address the hosts connect to (`HOST:PORT`, the guest's `--quic-listen` as seen from the
-    /// hosts); HOST goes into the server certificate.
-    #[arg(long)]
-    pub guest_addr: String,
+    /// hosts); HOST goes into the server certificate. Repeat for every node with a guest agent
+    /// (one per GPU VM): the certificate names them all and every host's `host.toml` lists
+    /// them.
+    #[arg(long = "guest-addr", required = true)]
+    pub guest_addr: Vec<String>,
     /// A host allowed to stream (its certificate identity); repeat for several.
     #[arg(long = "host", required = true)]
     pub hosts: Vec<String>,
@@ -128,10 +135,19 @@ fn toml_str(s: &str) -> String {
     out
 }
 
-/// A bundle's `host.toml`: streams to `guest_addr` with the bundle's files at their
-/// `/etc/gpufeed` paths.
-pub fn host_toml(host: &str, guest_addr: &str) -> String {
+/// A bundle's `host.toml`: streams to every one of `guest_addrs` with the bundle's files at
+/// their `/etc/gpufeed` paths.
+pub fn host_toml(host: &str, guest_addrs: &[String]) -> String {
     let etc = |f: &str| toml_str(&format!("{HOST_ETC}/{f}"));
+    let mut guests = String::new();
+    for addr in guest_addrs {
+        let name = split_guest_addr(addr).map(|(h, _)| h).unwrap_or_default();
+        guests.push_str(&format!(
+            "\n[[stream.guests]]\nname = {}\nendpoint = {}\n",
+            toml_str(&name),
+            toml_str(addr)
+        ));
+    }
     format!(
         r#"# gpufeed-host configuration of host {host}, written by `certs init` as part of this host's
 # bundle: install the bundle with `cp -a hosts/{host}/. /etc/gpufeed/`; the packaged unit reads
@@ -146,18 +162,16 @@ key = {key}
 # Events wait here until the guest acknowledges them (memory-only when "").
 spool_dir = "/var/lib/gpufeed/spool"
 
-[[stream.guests]]
-name = "guest"
-endpoint = {endpoint}
-# Limit to the VMs/devices this guest runs (empty: every event):
+# Every guest of the site. On a Proxmox host each gets the events of its own VM (the one whose
+# smbios1: uuid= is the guest's SMBIOS UUID); a guest that is no VM of this host is refused.
+# To route a guest by hand instead, give it
 # vmids = [100]
 # devices = ["0000:01:00.0"]
-"#,
+{guests}"#,
         id = toml_str(host),
         ca = etc(BUNDLE_CA),
         cert = etc(BUNDLE_CERT),
         key = etc(BUNDLE_KEY),
-        endpoint = toml_str(guest_addr),
     )
 }
 
@@ -192,7 +206,14 @@ fn mkdir(path: &Path, mode: u32) -> Result<(), CertsError> {
 
 /// Creates everything; returns the files written.
 pub fn init(a: &CertsInitArgs) -> Result<Vec<PathBuf>, CertsError> {
-    let (guest_host, _) = split_guest_addr(&a.guest_addr)?;
+    let mut guest_hosts = Vec::new();
+    for addr in &a.guest_addr {
+        let (h, _) = split_guest_addr(addr)?;
+        if guest_hosts.contains(&h) {
+            return Err(CertsError::GuestAddr(format!("{addr} (named twice)")));
+        }
+        guest_hosts.push(h);
+    }
     let mut hosts = a.hosts.clone();
     hosts.sort();
     hosts.dedup();
@@ -206,7 +227,7 @@ pub fn init(a: &CertsInitArgs) -> Result<Vec<PathBuf>, CertsError> {
         return Err(CertsError::Exists(dir.clone()));
     }
     mkdir(&ca_dir, 0o700)?;
-    let dep = Deployment::generate(&guest_host, &hosts)?;
+    let dep = Deployment::generate_for(&guest_hosts, &hosts)?;
     let mut written = Vec::new();
     let mut write = |path: PathBuf, data: &str, secret: bool| -> Result<(), CertsError> {
         tls::write_file(&path, data.as_bytes(), secret)?;
@@ -269,5 +290,42 @@ mod tests {
             ("::1".to_string(), 7845)
         );
         assert_eq!(toml_str("a\"b\\c\n"), r#""a\"b\\c\u000A""#);
+    }
+
+    #[test]
+    fn a_host_lists_every_guest_of_the_site() {
+        let t = host_toml(
+            "pve1",
+            &["10.0.0.11:7845".to_string(), "[fd00::12]:7845".to_string()],
+        );
+        #[derive(serde::Deserialize)]
+        struct G {
+            name: String,
+            endpoint: String,
+        }
+        #[derive(serde::Deserialize)]
+        struct S {
+            guests: Vec<G>,
+        }
+        #[derive(serde::Deserialize)]
+        struct H {
+            host_id: String,
+            stream: S,
+        }
+        let h: H = toml::from_str(&t).unwrap();
+        assert_eq!(h.host_id, "pve1");
+        let got: Vec<(&str, &str)> = h
+            .stream
+            .guests
+            .iter()
+            .map(|g| (g.name.as_str(), g.endpoint.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("10.0.0.11", "10.0.0.11:7845"),
+                ("fd00::12", "[fd00::12]:7845")
+            ]
+        );
     }
 }

@@ -482,15 +482,23 @@ impl Deployment {
     /// Creates the CA, the guest server certificate for `guest_name` (DNS name or IP) and one
     /// client certificate per host.
     pub fn generate(guest_name: &str, hosts: &[String]) -> Result<Self, TlsError> {
+        Self::generate_for(&[guest_name.to_owned()], hosts)
+    }
+
+    /// [`generate`](Self::generate) for a site with several guests (one per GPU VM): one
+    /// server certificate names them all (`guest_names`, the first is `guest_name` and the
+    /// CN), so that every guest's `--tls-dir` is the same Secret.
+    pub fn generate_for(guest_names: &[String], hosts: &[String]) -> Result<Self, TlsError> {
         let ca = Ca::new("gpufeed deployment CA")?;
-        let guest = ca.issue(&[guest_name.to_owned()], false, None)?;
+        let guest = ca.issue(guest_names, false, None)?;
+        let guest_name = guest_names.first().cloned().unwrap_or_default();
         let hosts = hosts
             .iter()
             .map(|h| Ok((h.clone(), ca.issue_host(h)?)))
             .collect::<Result<Vec<_>, TlsError>>()?;
         Ok(Deployment {
             ca,
-            guest_name: guest_name.to_owned(),
+            guest_name,
             guest,
             hosts,
         })
