@@ -1,15 +1,17 @@
 //! One Proxmox host with two GPU VMs, each a node with its own guest agent, and no routing
 //! in the host's configuration: the real `gpufeed-host` on a recorded tree (the Thunderbolt
 //! eGPU of scripts/demo-egpu.sh passed to VM 101 through a resource mapping, a plain PCIe GPU
-//! on its own root port passed to VM 102), and three real `gpufeed-guest` binaries, each
+//! on its own root port passed to VM 102), and four real `gpufeed-guest` binaries, each
 //! reading its SMBIOS system UUID from its own recorded `class/dmi/id/product_uuid`.
 //!
 //! Each VM's GPU drops its link in turn (the sysfs link files are written): each guest gets
 //! its own VM's drop and never the other's (its /events, its `gpufeed_host_events_total`),
-//! while the host emitted both (its own `gpufeed_host_events_total`). The third guest names a
-//! UUID that is no VM of this host: the host refuses it (`unknown_vm`) and it counts the
-//! refusal; it never connects. A guest agent restarted (its VM rebooted: same UUID) is bound
-//! to its VM again and gets the next drop.
+//! while the host emitted both (its own `gpufeed_host_events_total`). An error count of the
+//! root port above VM 101's eGPU reaches VM 101's guest as `upstream`, not VM 102's; the
+//! host-wide events reach both. The third guest names a UUID that is no VM of this host: the
+//! host refuses it (`unknown_vm`) and it counts the refusal; the fourth names VM 101 while VM
+//! 101's guest holds it (`vm_taken`). Neither ever connects or gets an event. A guest agent
+//! restarted (its VM rebooted: same UUID) is bound to its VM again and gets the next drop.
 
 mod common;
 
@@ -105,11 +107,11 @@ fn plain_link(root: &Path, speed: &str, width: &str) {
     }
 }
 
-/// The host agent on `dir/root`, serving the three guests on `ports`, none with a filter.
-fn start_host(dir: &Path, ports: &[u16; 3]) -> (Proc, SocketAddr) {
+/// The host agent on `dir/root`, serving the four guests on `ports`, none with a filter.
+fn start_host(dir: &Path, ports: &[u16; 4]) -> (Proc, SocketAddr) {
     let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let tls = dir.join("certs/hosts").join(HOST).join("tls");
-    let guests: String = ["vm101", "vm102", "stranger"]
+    let guests: String = ["vm101", "vm102", "stranger", "twin"]
         .iter()
         .zip(ports)
         .map(|(n, p)| format!("[[stream.guests]]\nname = \"{n}\"\nendpoint = \"127.0.0.1:{p}\"\n"))
@@ -120,6 +122,8 @@ root = "{root}"
 metrics_listen = "{metrics}"
 
 [pcie]
+poll_interval_ms = 200
+[aer]
 poll_interval_ms = 200
 [bridge]
 enabled = false
@@ -208,7 +212,7 @@ fn host_metric(addr: SocketAddr, name: &str, labels: &[(&str, &str)]) -> f64 {
 fn each_guest_gets_its_own_vms_events_and_a_stranger_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let ports = [free_port(), free_port(), free_port()];
+    let ports = [free_port(), free_port(), free_port(), free_port()];
     // One certificate for every guest of this test (all on 127.0.0.1): what binds a guest to
     // its VM is the UUID, not the certificate.
     certs_init_ok(&d.join("certs"), &format!("127.0.0.1:{}", ports[0]), HOST);
@@ -221,6 +225,8 @@ fn each_guest_gets_its_own_vms_events_and_a_stranger_is_refused() {
         (connected(&a) && connected(&b)).then_some(())
     })
     .expect("both VMs' guests connected");
+    // A fourth guest claims VM 101 too (a clone that kept its UUID): VM 101's guest keeps it.
+    let twin = guest(d, "twin", ports[3], U101);
     assert_eq!(
         host_metric(hm, "gpufeed_host_stream_guest_vmid", &[("guest", "vm101")]),
         101.0
@@ -267,6 +273,27 @@ fn each_guest_gets_its_own_vms_events_and_a_stranger_is_refused() {
         0.0,
         "the stranger's handshake never counted as a stream"
     );
+    wait_for(Duration::from_secs(30), || {
+        (host_metric(
+            hm,
+            "gpufeed_host_stream_vm_refused_total",
+            &[("guest", "twin"), ("reason", "vm_taken")],
+        ) >= 1.0
+            && value(
+                &twin.scrape(),
+                "gpufeed_stream_vm_unbound_total",
+                &[("host", HOST)],
+            ) >= Some(1.0))
+        .then_some(())
+    })
+    .expect("the twin refused and counted on both sides");
+    assert!(!connected(&twin));
+    assert!(connected(&a));
+    assert_eq!(
+        host_metric(hm, "gpufeed_host_stream_guest_vmid", &[("guest", "vm101")]),
+        101.0
+    );
+
     // Each VM's discovery (its GPU mapped, its state) went to its own guest, as its own.
     for g in ["vm101", "vm102"] {
         wait_for(Duration::from_secs(15), || {
@@ -328,6 +355,49 @@ fn each_guest_gets_its_own_vms_events_and_a_stranger_is_refused() {
         "VM 102's guest: /events {}",
         events(&b)
     );
+
+    // The root port above VM 101's eGPU counts a corrected error: VM 101's guest gets it, as
+    // upstream of its GPU; VM 102's GPU is on another root port.
+    let routed = |g: &str, why: &str| {
+        host_metric(
+            hm,
+            "gpufeed_host_stream_routed_total",
+            &[("guest", g), ("why", why)],
+        )
+    };
+    let (a_up, b_up) = (routed("vm101", "upstream"), routed("vm102", "upstream"));
+    write(
+        &root.join("sys/devices/pci0000:00/0000:00:1c.4/aer_rootport_total_err_cor"),
+        "3",
+    );
+    wait_for(Duration::from_secs(15), || {
+        (routed("vm101", "upstream") > a_up).then_some(())
+    })
+    .expect("the root port's error went to VM 101's guest as upstream");
+    assert!(
+        host_metric(
+            hm,
+            "gpufeed_host_events_total",
+            &[("kind", "aer_rootport_total")]
+        ) >= 1.0,
+        "the host emitted it"
+    );
+    assert_eq!(routed("vm102", "upstream"), b_up);
+    // Host-wide events (a watcher that is off on this tree, from before the guests bound:
+    // held and handed over at binding) went to both, and nothing to the stranger.
+    assert!(
+        host_metric(
+            hm,
+            "gpufeed_host_events_total",
+            &[("kind", "watcher_disabled")]
+        ) >= 1.0
+    );
+    assert!(routed("vm101", "host_wide") >= 1.0);
+    assert!(routed("vm102", "host_wide") >= 1.0);
+    for why in ["own", "upstream", "host_wide", "unclaimed"] {
+        assert_eq!(routed("stranger", why), 0.0, "{why}");
+        assert_eq!(routed("twin", why), 0.0, "{why}");
+    }
 
     // VM 101 reboots: its guest agent starts again, with the same UUID, and is bound again.
     drop(a);
