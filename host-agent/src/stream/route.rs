@@ -100,6 +100,7 @@ pub enum Reach {
 
 /// Why a guest gets an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
 pub enum Why {
     /// It names the guest's VM or one of its devices (or matches its filter).
     Own,
@@ -114,6 +115,9 @@ pub enum Why {
 }
 
 impl Why {
+    /// Every reason, in declaration order (`why as usize` indexes it).
+    pub const ALL: [Why; 4] = [Why::Own, Why::Upstream, Why::HostWide, Why::Unclaimed];
+
     pub fn name(self) -> &'static str {
         match self {
             Why::Own => "own",
@@ -286,6 +290,13 @@ mod tests {
             targets(&g, &route(&[], &["0000:02:01.0"])),
             vec![(1, Why::Upstream), (4, Why::Unclaimed)]
         );
+    }
+
+    #[test]
+    fn every_why_indexes_its_own_place() {
+        for (i, w) in Why::ALL.iter().enumerate() {
+            assert_eq!(*w as usize, i, "{}", w.name());
+        }
     }
 
     #[test]
