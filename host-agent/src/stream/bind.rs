@@ -96,7 +96,23 @@ impl Bindings {
     /// A handshake of guest `guest` that named `uuid` (lowercase, as the guest sends it);
     /// `vms` maps each VM of this host to its SMBIOS UUID (read at this handshake, so that a
     /// VM created since the last scan is found).
+    /// A refused guest waits again: whatever it was bound to before is not what it names now.
     pub fn bind(
+        &mut self,
+        guest: usize,
+        uuid: Option<&str>,
+        vms: &BTreeMap<u32, String>,
+    ) -> Result<Bound, Refusal> {
+        let r = self.decide(guest, uuid, vms);
+        if r.is_err() {
+            if let Some(slot) = self.slots.get_mut(guest) {
+                *slot = Slot::Waiting;
+            }
+        }
+        r
+    }
+
+    fn decide(
         &mut self,
         guest: usize,
         uuid: Option<&str>,
@@ -262,6 +278,16 @@ mod tests {
             }
         );
         assert_eq!(b.slots()[1], Slot::Waiting);
+        // a bound guest whose VM is gone from this host (its configuration deleted or moved)
+        // gets nothing more, and its VM is free for another guest
+        assert_eq!(
+            b.bind(0, Some(U101), &BTreeMap::new())
+                .unwrap_err()
+                .reason(),
+            "unknown_vm"
+        );
+        assert_eq!(b.slots()[0], Slot::Waiting);
+        assert_eq!(b.bind(1, Some(U101), &vms()), Ok(Bound::Vm(101)));
         // no VM on the host at all
         assert_eq!(
             b.bind(1, Some(U102), &BTreeMap::new())

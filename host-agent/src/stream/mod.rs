@@ -182,6 +182,7 @@ impl Router {
         match routing.bindings.bind(guest, uuid, &vms) {
             Err(refusal) => {
                 self.m.refused(guest, refusal.reason());
+                self.m.vmid(guest, -1);
                 let why = refusal.to_string();
                 // once per guest and reason: the guest tries again at every backoff
                 if self.m.note_refusal(guest, &why) {
