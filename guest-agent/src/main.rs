@@ -149,6 +149,11 @@ struct RunArgs {
     /// de-duplication, so a restarted guest neither repeats nor re-requests events.
     #[arg(long, env = "GPUFEED_EVENT_JOURNAL")]
     event_journal: Option<PathBuf>,
+    /// Where sysfs is: the hub names this VM to host agents by
+    /// `class/dmi/id/product_uuid` under it (its SMBIOS system UUID, by which a Proxmox host
+    /// sends it its VM's events) and looks there for the KVM PTP clock.
+    #[arg(long, default_value = "/sys", env = "GPUFEED_SYSFS_ROOT")]
+    sysfs_root: PathBuf,
     /// A spike joins a host event up to this long before it...
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     join_before: Duration,
@@ -417,6 +422,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             Some(listen) => {
                 let mut hc = hub::HubConfig::new(listen, args.tls_dir.clone());
                 hc.journal = args.event_journal.clone();
+                hc.sysfs_root = args.sysfs_root.clone();
                 readiness::start_stream(hc, &registry, joined.clone()).await?
             }
             None => {

@@ -212,6 +212,44 @@ fn expand_all_functions(roots: &Roots, slot: &str) -> Vec<String> {
     v
 }
 
+/// The SMBIOS system UUID of a VM's running configuration: the `uuid=` of its `smbios1:`
+/// line (the sections after the first `[` are snapshots and pending changes). `None` where
+/// there is none or it is not a UUID.
+pub fn smbios_uuid_of_conf(text: &str) -> Option<String> {
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            break;
+        }
+        let Some(value) = line.strip_prefix("smbios1:") else {
+            continue;
+        };
+        return value
+            .split(',')
+            .filter_map(|part| part.trim().strip_prefix("uuid="))
+            .find_map(gpufeed_shared::smbios::parse_uuid);
+    }
+    None
+}
+
+/// Every VM of this host with an SMBIOS UUID (`smbios1: uuid=` of
+/// `/etc/pve/qemu-server/<vmid>.conf`): what a guest's `product_uuid` is matched against.
+/// Read whenever a guest names its VM, so that a VM created since the last scan is found.
+pub fn vm_smbios_uuids(roots: &Roots) -> BTreeMap<u32, String> {
+    let dir = roots.pve().join("qemu-server");
+    let Ok(rd) = std::fs::read_dir(&dir) else {
+        return BTreeMap::new();
+    };
+    rd.filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let vmid = name.strip_suffix(".conf")?.parse::<u32>().ok()?;
+            let text = std::fs::read_to_string(e.path()).ok()?;
+            Some((vmid, smbios_uuid_of_conf(&text)?))
+        })
+        .collect()
+}
+
 /// Read every `/etc/pve/qemu-server/<vmid>.conf` and resolve `hostpciN` entries.
 /// `node` is this Proxmox node's name (for `mapping=`).
 pub fn scan_pve(roots: &Roots, node: &str) -> PveScan {
@@ -597,6 +635,27 @@ pub fn discover(roots: &Roots, node: &str, extra: &[String]) -> (PveScan, Vec<De
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn smbios_uuid_of_the_running_config() {
+        let conf = "boot: order=scsi0\nsmbios1: uuid=9A8B7C6D-0101-4000-8000-000000000101,manufacturer=cHZl\nhostpci0: 0000:03:00,pcie=1\n[snap1]\nsmbios1: uuid=11111111-2222-3333-4444-555555555555\n";
+        assert_eq!(
+            smbios_uuid_of_conf(conf).as_deref(),
+            Some("9a8b7c6d-0101-4000-8000-000000000101")
+        );
+        assert_eq!(
+            smbios_uuid_of_conf("smbios1: base64=1,uuid=11111111-2222-3333-4444-555555555555")
+                .as_deref(),
+            Some("11111111-2222-3333-4444-555555555555")
+        );
+        // only a snapshot has one; a malformed one; none
+        assert_eq!(
+            smbios_uuid_of_conf("[s]\nsmbios1: uuid=11111111-2222-3333-4444-555555555555"),
+            None
+        );
+        assert_eq!(smbios_uuid_of_conf("smbios1: uuid=xyz"), None);
+        assert_eq!(smbios_uuid_of_conf("memory: 4096"), None);
+    }
 
     #[test]
     fn bdf_forms() {

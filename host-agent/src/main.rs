@@ -168,6 +168,20 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
 
 const STREAM_START: &str = "starting the host → guest stream";
 
+/// On a Proxmox host guests are bound to the VMs they name; elsewhere (no `/etc/pve` under
+/// the root) there are no VMs to bind to, and a guest without a filter gets every event.
+fn stream_vms(agent: &Agent) -> Option<gpufeed_host::stream::Vms> {
+    let roots = &agent.ctx.roots;
+    if !roots.pve().is_dir() {
+        tracing::info!(pve = %roots.pve().display(), "no Proxmox configuration: guests are not bound to VMs; a guest without vmids or devices gets every event");
+        return None;
+    }
+    Some(gpufeed_host::stream::Vms {
+        roots: roots.clone(),
+        topo: agent.ctx.topo.clone(),
+    })
+}
+
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let listener = gpufeed_shared::http::bind(cfg.metrics_listen)
         .with_context(|| format!("cannot listen on {} (metrics_listen)", cfg.metrics_listen))?;
@@ -180,6 +194,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
                 agent.node().to_string(),
                 agent.bus.subscribe(),
                 &agent.metrics.registry,
+                stream_vms(&agent),
             )
             .context(STREAM_START)?,
         ),

@@ -61,7 +61,7 @@ async fn gpufeed_host_binary_streams_and_resumes_after_restart() {
         .unwrap();
     let args = certs::CertsInitArgs {
         out: work.path().join("deploy"),
-        guest_addr: addr.to_string(),
+        guest_addr: vec![addr.to_string()],
         hosts: vec!["pve1".into()],
         namespace: "gpufeed".into(),
         secret_name: "gpufeed-guest-tls".into(),

@@ -18,6 +18,7 @@ pub mod http;
 pub mod procstat;
 pub mod proto;
 pub mod ratelog;
+pub mod smbios;
 #[cfg(feature = "stream")]
 pub mod stream;
 pub mod tls;

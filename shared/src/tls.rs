@@ -406,7 +406,16 @@ pub type Validity = ((i32, u8, u8), (i32, u8, u8));
 impl Ca {
     /// A fresh CA (ECDSA P-256), valid from last year for 20 years.
     pub fn new(common_name: &str) -> Result<Self, TlsError> {
-        let key = rcgen::KeyPair::generate()?;
+        Self::with_key(common_name, rcgen::KeyPair::generate()?)
+    }
+
+    /// The CA whose key is `key_pem` (a `ca-key.pem` that `certs init` wrote): what it issues
+    /// verifies against that deployment's `ca.pem`, which names the same subject and key.
+    pub fn from_key_pem(common_name: &str, key_pem: &str) -> Result<Self, TlsError> {
+        Self::with_key(common_name, rcgen::KeyPair::from_pem(key_pem)?)
+    }
+
+    fn with_key(common_name: &str, key: rcgen::KeyPair) -> Result<Self, TlsError> {
         let mut p = rcgen::CertificateParams::new(Vec::<String>::new())?;
         p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
         p.distinguished_name
@@ -469,6 +478,9 @@ impl Ca {
     }
 }
 
+/// The subject of a deployment's CA.
+pub const CA_NAME: &str = "gpufeed deployment CA";
+
 /// Everything `gpufeed-guest certs init` creates.
 pub struct Deployment {
     pub ca: Ca,
@@ -482,15 +494,23 @@ impl Deployment {
     /// Creates the CA, the guest server certificate for `guest_name` (DNS name or IP) and one
     /// client certificate per host.
     pub fn generate(guest_name: &str, hosts: &[String]) -> Result<Self, TlsError> {
-        let ca = Ca::new("gpufeed deployment CA")?;
-        let guest = ca.issue(&[guest_name.to_owned()], false, None)?;
+        Self::generate_for(&[guest_name.to_owned()], hosts)
+    }
+
+    /// [`generate`](Self::generate) for a site with several guests (one per GPU VM): one
+    /// server certificate names them all (`guest_names`, the first is `guest_name` and the
+    /// CN), so that every guest's `--tls-dir` is the same Secret.
+    pub fn generate_for(guest_names: &[String], hosts: &[String]) -> Result<Self, TlsError> {
+        let ca = Ca::new(CA_NAME)?;
+        let guest = ca.issue(guest_names, false, None)?;
+        let guest_name = guest_names.first().cloned().unwrap_or_default();
         let hosts = hosts
             .iter()
             .map(|h| Ok((h.clone(), ca.issue_host(h)?)))
             .collect::<Result<Vec<_>, TlsError>>()?;
         Ok(Deployment {
             ca,
-            guest_name: guest_name.to_owned(),
+            guest_name,
             guest,
             hosts,
         })

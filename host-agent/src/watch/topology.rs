@@ -45,6 +45,27 @@ impl Topology {
         self.aer_devices.get(bdf).and_then(|x| x.0)
     }
 
+    /// A VM's passed-through devices, and the bridges and ports above them up to the root
+    /// ports (each once, none of the VM's own devices): whose events reach the guest bound to
+    /// that VM.
+    pub fn devices_of_vm(&self, vmid: u32) -> (Vec<String>, Vec<String>) {
+        let mine = || {
+            self.devices
+                .iter()
+                .filter(move |d| d.assignment.vmid == Some(vmid))
+        };
+        let devices: BTreeSet<String> = mine().map(|d| d.assignment.bdf.clone()).collect();
+        let upstream: BTreeSet<String> = mine()
+            .flat_map(|d| d.path.iter())
+            .filter(|b| !devices.contains(*b))
+            .cloned()
+            .collect();
+        (
+            devices.into_iter().collect(),
+            upstream.into_iter().collect(),
+        )
+    }
+
     /// All BDFs on the paths of a VM's devices.
     pub fn bdfs_of_vm(&self, vmid: u32) -> Vec<String> {
         self.devices

@@ -169,6 +169,13 @@ impl GuestConnection {
         }
     }
 
+    /// Names this guest's VM by its SMBIOS system UUID to hosts that take it (see
+    /// [`super::caps::VM_IDENTITY`]).
+    pub fn with_vm_uuid(mut self, uuid: Option<String>) -> Self {
+        self.session = self.session.with_vm_uuid(uuid);
+        self
+    }
+
     pub fn host(&self) -> &str {
         self.session.host()
     }

@@ -154,6 +154,11 @@ impl HostConnection {
         m
     }
 
+    /// The SMBIOS system UUID of the guest's VM, where its `WelcomeVm` named one.
+    pub fn peer_vm_uuid(&self) -> Option<&str> {
+        self.session.peer_vm_uuid()
+    }
+
     /// Capabilities announced by the guest (0 before the `Welcome`).
     pub fn peer_capabilities(&self) -> u64 {
         self.session.peer_capabilities()

@@ -14,6 +14,12 @@ pub const ALPN: &[u8] = b"gpufeed/1";
 /// sent and a peer announcing one is disconnected.
 pub const MAX_FRAME_LEN: usize = 64 * 1024;
 
+/// The QUIC application close code with which a host ends a connection to a guest it will not
+/// stream to because the guest's VM identity does not bind it to one of the host's VMs (no VM
+/// of the host has its UUID, or another guest holds that VM). The close reason says which.
+/// The hub's own codes (1 to 3) are below it.
+pub const CLOSE_VM_UNBOUND: u32 = 4;
+
 /// Capability bits exchanged in [`Hello`] / [`Welcome`].
 pub mod caps {
     /// The peer answers / sends clock probes on the control stream.
@@ -27,8 +33,12 @@ pub mod caps {
     /// which number everything it sends lies, so that a damaged or hostile number is refused
     /// alone instead of counted as a gap.
     pub const SEQ_HORIZON: u64 = 1 << 3;
+    /// Host: it takes [`super::Message::WelcomeVm`] instead of `Welcome` (a guest answers so
+    /// only to a `Hello` with this bit: an older host would not decode it). Guest: it names
+    /// its VM that way when it can read its SMBIOS system UUID.
+    pub const VM_IDENTITY: u64 = 1 << 4;
     /// Everything this build implements.
-    pub const ALL: u64 = CLOCK_PROBE | SPOOL_LOSS | HOST_STATE | SEQ_HORIZON;
+    pub const ALL: u64 = CLOCK_PROBE | SPOOL_LOSS | HOST_STATE | SEQ_HORIZON | VM_IDENTITY;
 }
 
 /// Every message of the protocol. Which stream may carry which variant is checked by the
@@ -51,6 +61,10 @@ pub enum Message {
     /// every number handed out so far is below `below` (appended last: the variants before
     /// keep their postcard tags).
     Horizon(Horizon),
+    /// Guest → host instead of `Welcome`, only where the host's `Hello` announced
+    /// [`caps::VM_IDENTITY`]: the `Welcome` and the VM the guest runs in, so that the host
+    /// routes it that VM's events (appended last, like `Horizon`).
+    WelcomeVm(WelcomeVm),
 }
 
 impl Message {
@@ -67,6 +81,7 @@ impl Message {
             Message::ClockReply(_) => "clock_reply",
             Message::HostState(_) => "host_state",
             Message::Horizon(_) => "horizon",
+            Message::WelcomeVm(_) => "welcome_vm",
         }
     }
 }
@@ -91,6 +106,16 @@ pub struct Welcome {
     pub protocol_version: u16,
     pub resume_from: Option<u64>,
     pub capabilities: u64,
+}
+
+/// Guest → host: a [`Welcome`] that names the guest's VM by its SMBIOS system UUID (what
+/// `/sys/class/dmi/id/product_uuid` reads in the guest; the `smbios1: uuid=` of the VM's
+/// configuration on a Proxmox host). The host checks it against its VMs; it never trusts it
+/// beyond choosing which events to send (the certificate still says which guest this is).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WelcomeVm {
+    pub welcome: Welcome,
+    pub smbios_uuid: String,
 }
 
 /// Guest → host: the connection is refused; the guest closes it after sending this.

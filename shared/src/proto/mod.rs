@@ -10,7 +10,10 @@
 //!
 //! # Streams of a connection
 //! * **Control** (bidirectional, opened by the host): host sends [`Hello`], guest answers
-//!   [`Welcome`] or [`Reject`]. Afterwards the guest sends [`Ack`]s and [`ClockProbe`]s, the host
+//!   [`Welcome`] or [`Reject`]; to a host that announces [`caps::VM_IDENTITY`] a guest that
+//!   knows its SMBIOS system UUID answers [`WelcomeVm`] instead (the `Welcome` and the UUID),
+//!   by which the host binds it to one of its VMs; a host that will not stream to the guest
+//!   closes the connection with [`CLOSE_VM_UNBOUND`] and the reason. Afterwards the guest sends [`Ack`]s and [`ClockProbe`]s, the host
 //!   answers probes with [`ClockReply`].
 //!   Where the guest announced [`caps::HOST_STATE`] the host also sends [`Message::HostState`]
 //!   when its series for this guest changed, looked at once per state interval and right
@@ -51,7 +54,8 @@ pub use host::{HostConnection, HostOutput, StatePacing, StateSender};
 pub use ledger::{Ledger, SeqError, MAX_SEQ};
 pub use message::{
     caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Horizon, Message, Reject, SpoolLoss,
-    Welcome, ALPN, MAX_FRAME_LEN, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    Welcome, WelcomeVm, ALPN, CLOSE_VM_UNBOUND, MAX_FRAME_LEN, MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
 };
 #[cfg(feature = "stream")]
 pub use reconnect::{Attempt, Reconnect};

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use super::ledger::MAX_SEQ;
 use super::message::{
     caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Message, Reject, SpoolLoss, Welcome,
-    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    WelcomeVm, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use crate::clock::ClockSample;
 
@@ -67,6 +67,8 @@ pub struct ClientSession {
     hello: Hello,
     state: ClientState,
     peer_caps: u64,
+    /// The SMBIOS system UUID the guest named in a [`WelcomeVm`].
+    peer_vm: Option<String>,
 }
 
 impl ClientSession {
@@ -80,6 +82,7 @@ impl ClientSession {
             },
             state: ClientState::AwaitWelcome,
             peer_caps: 0,
+            peer_vm: None,
         }
     }
 
@@ -91,6 +94,12 @@ impl ClientSession {
     /// Capabilities announced by the guest.
     pub fn peer_capabilities(&self) -> u64 {
         self.peer_caps
+    }
+
+    /// The SMBIOS system UUID of the guest's VM, where its answer named one (a guest older than
+    /// [`caps::VM_IDENTITY`], or one that cannot read its UUID, names none).
+    pub fn peer_vm_uuid(&self) -> Option<&str> {
+        self.peer_vm.as_deref()
     }
 
     /// Handles a message read from the control stream. `now_realtime_ns` is the host's
@@ -106,6 +115,20 @@ impl ClientSession {
                 self.peer_caps = w.capabilities;
                 Ok(ClientAction::Start {
                     resume_from: w.resume_from,
+                })
+            }
+            (
+                ClientState::AwaitWelcome,
+                Message::WelcomeVm(WelcomeVm {
+                    welcome,
+                    smbios_uuid,
+                }),
+            ) if self.hello.capabilities & caps::VM_IDENTITY != 0 => {
+                self.state = ClientState::Streaming;
+                self.peer_caps = welcome.capabilities;
+                self.peer_vm = Some(smbios_uuid);
+                Ok(ClientAction::Start {
+                    resume_from: welcome.resume_from,
                 })
             }
             (ClientState::AwaitWelcome, Message::Reject(Reject { reason })) => {
@@ -400,6 +423,8 @@ pub struct ServerSession {
     last_seq: Option<u64>,
     /// The host's last [`super::Horizon`] on this connection.
     horizon: Option<u64>,
+    /// This guest's SMBIOS system UUID, named in a [`WelcomeVm`] to hosts that take it.
+    vm_uuid: Option<String>,
 }
 
 impl ServerSession {
@@ -411,7 +436,15 @@ impl ServerSession {
             outstanding: Vec::new(),
             last_seq: None,
             horizon: None,
+            vm_uuid: None,
         }
+    }
+
+    /// Names this guest's VM (its SMBIOS system UUID) to hosts that announce
+    /// [`caps::VM_IDENTITY`].
+    pub fn with_vm_uuid(mut self, uuid: Option<String>) -> Self {
+        self.vm_uuid = uuid;
+        self
     }
 
     pub fn host(&self) -> &str {
@@ -459,11 +492,21 @@ impl ServerSession {
                     ));
                 }
                 self.state = ServerState::Streaming { boot_id: h.boot_id };
-                Ok(ServerAction::Welcome(Message::Welcome(Welcome {
+                let welcome = Welcome {
                     protocol_version: PROTOCOL_VERSION,
                     resume_from: dedup.resume_from(&self.host, h.boot_id),
                     capabilities: caps::ALL,
-                })))
+                };
+                // Only a host that announced the bit decodes the longer answer.
+                Ok(ServerAction::Welcome(
+                    match (&self.vm_uuid, h.capabilities & caps::VM_IDENTITY != 0) {
+                        (Some(uuid), true) => Message::WelcomeVm(WelcomeVm {
+                            welcome,
+                            smbios_uuid: uuid.clone(),
+                        }),
+                        _ => Message::Welcome(welcome),
+                    },
+                ))
             }
             (ServerState::Streaming { .. }, Message::ClockReply(r)) => {
                 match self
@@ -694,6 +737,148 @@ mod tests {
         assert_eq!(d.doubt_below("pve1", 1 << 40), Some(9));
         assert_eq!(d.doubt_below("pve1", 1), None);
         assert!(!d.seed_doubt("pve1", 1 << 40, u64::MAX));
+    }
+
+    /// The messages as a build before [`caps::VM_IDENTITY`] knew them (same order, so the
+    /// same postcard tags): what an older peer decodes.
+    #[derive(Debug, serde::Serialize, serde::Deserialize)]
+    enum OldMessage {
+        Hello(Hello),
+        Welcome(Welcome),
+        Reject(Reject),
+        Event(EventFrame),
+        SpoolLoss(SpoolLoss),
+        Ack(Ack),
+        ClockProbe(ClockProbe),
+        ClockReply(ClockReply),
+        HostState(crate::hoststate::HostState),
+        Horizon(super::super::Horizon),
+    }
+
+    /// What the older build's codec does with a frame body: postcard, nothing left over.
+    fn old_decode(m: &Message) -> Result<OldMessage, String> {
+        let body = postcard::to_allocvec(m).unwrap();
+        match postcard::take_from_bytes::<OldMessage>(&body) {
+            Ok((m, [])) => Ok(m),
+            Ok((_, rest)) => Err(format!("{} trailing bytes", rest.len())),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    const UUID: &str = "9a8b7c6d-0101-4000-8000-000000000101";
+    /// Every bit an older build announced.
+    const OLD_CAPS: u64 = caps::ALL & !caps::VM_IDENTITY;
+
+    #[test]
+    fn a_guest_names_its_vm_to_a_host_that_takes_it() {
+        let mut host = ClientSession::new("pve1", 7);
+        let mut guest = ServerSession::new("pve1").with_vm_uuid(Some(UUID.into()));
+        let ServerAction::Welcome(w) = guest
+            .handle_control(wire(host.hello()), &Dedup::new(), 0)
+            .unwrap()
+        else {
+            panic!("no welcome")
+        };
+        assert!(matches!(&w, Message::WelcomeVm(v) if v.smbios_uuid == UUID));
+        assert_eq!(
+            host.handle(wire(w), 0).unwrap(),
+            ClientAction::Start { resume_from: None }
+        );
+        assert_eq!(host.peer_vm_uuid(), Some(UUID));
+        assert_eq!(host.peer_capabilities(), caps::ALL);
+        // a guest that cannot read its UUID answers as before
+        let mut host = ClientSession::new("pve1", 7);
+        let mut guest = ServerSession::new("pve1").with_vm_uuid(None);
+        let ServerAction::Welcome(w) = guest
+            .handle_control(host.hello(), &Dedup::new(), 0)
+            .unwrap()
+        else {
+            panic!("no welcome")
+        };
+        assert!(matches!(w, Message::Welcome(_)));
+        host.handle(w, 0).unwrap();
+        assert_eq!(host.peer_vm_uuid(), None);
+    }
+
+    #[test]
+    fn an_older_host_gets_a_welcome_it_decodes() {
+        // the older host's Hello, as it encodes it, decoded by this guest
+        let old_hello = OldMessage::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            host_id: "pve1".into(),
+            boot_id: 7,
+            capabilities: OLD_CAPS,
+        });
+        let hello: Message = postcard::from_bytes(&postcard::to_allocvec(&old_hello).unwrap())
+            .expect("this build decodes an older Hello");
+        let mut guest = ServerSession::new("pve1").with_vm_uuid(Some(UUID.into()));
+        let ServerAction::Welcome(w) = guest.handle_control(hello, &Dedup::new(), 0).unwrap()
+        else {
+            panic!("no welcome")
+        };
+        // no VM named: the older host would not decode it
+        assert!(
+            matches!(old_decode(&w), Ok(OldMessage::Welcome(_))),
+            "{w:?}"
+        );
+        // which it would not: the new message is a tag the older build does not have
+        let vm = Message::WelcomeVm(WelcomeVm {
+            welcome: Welcome {
+                protocol_version: PROTOCOL_VERSION,
+                resume_from: None,
+                capabilities: caps::ALL,
+            },
+            smbios_uuid: UUID.into(),
+        });
+        assert!(old_decode(&vm).is_err());
+    }
+
+    #[test]
+    fn an_older_guest_welcome_starts_the_stream_without_a_vm() {
+        let old = OldMessage::Welcome(Welcome {
+            protocol_version: PROTOCOL_VERSION,
+            resume_from: Some(3),
+            capabilities: OLD_CAPS,
+        });
+        let mut d = FrameDecoder::default();
+        let body = postcard::to_allocvec(&old).unwrap();
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend(&body);
+        d.push(&frame);
+        let w = d.next_frame().unwrap().expect("a frame");
+        let mut host = ClientSession::new("pve1", 7);
+        assert_eq!(
+            host.handle(w, 0).unwrap(),
+            ClientAction::Start {
+                resume_from: Some(3)
+            }
+        );
+        assert_eq!(host.peer_vm_uuid(), None);
+        assert_eq!(host.peer_capabilities(), OLD_CAPS);
+        // the tags before the new one still mean what they meant
+        let old_horizon = OldMessage::Horizon(super::super::Horizon { below: 9 });
+        assert_eq!(
+            postcard::from_bytes::<Message>(&postcard::to_allocvec(&old_horizon).unwrap()).unwrap(),
+            Message::Horizon(super::super::Horizon { below: 9 })
+        );
+    }
+
+    #[test]
+    fn a_vm_named_to_a_host_that_did_not_ask_is_a_protocol_error() {
+        let mut host = ClientSession::new("pve1", 7);
+        host.hello.capabilities = OLD_CAPS;
+        let w = Message::WelcomeVm(WelcomeVm {
+            welcome: Welcome {
+                protocol_version: PROTOCOL_VERSION,
+                resume_from: None,
+                capabilities: caps::ALL,
+            },
+            smbios_uuid: UUID.into(),
+        });
+        assert_eq!(
+            host.handle(w, 0).unwrap_err().reason(),
+            "unexpected_message"
+        );
     }
 
     #[test]

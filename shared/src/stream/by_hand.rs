@@ -45,8 +45,10 @@ pub async fn hello(
     send.write_all(&hello).await?;
     let mut frames = FrameDecoder::default();
     loop {
-        if let Some(Message::Welcome(w)) = frames.next_frame()? {
-            return Ok((conn, send, recv, w));
+        match frames.next_frame()? {
+            Some(Message::Welcome(w)) => return Ok((conn, send, recv, w)),
+            Some(Message::WelcomeVm(w)) => return Ok((conn, send, recv, w.welcome)),
+            _ => {}
         }
         let chunk = recv
             .read_chunk(1 << 16, true)

@@ -153,7 +153,9 @@ pub struct GuestEndpoint {
     /// `endpoint`.
     #[serde(default)]
     pub server_name: String,
-    /// VMIDs served by this guest. Empty together with `devices`: every event.
+    /// VMIDs served by this guest. Empty together with `devices`: on a Proxmox host the guest
+    /// gets the events of the VM whose SMBIOS UUID it names at its handshake; elsewhere, or
+    /// where it names none, every event. Either list set: routed by them (an override).
     #[serde(default)]
     pub vmids: Vec<u32>,
     /// PCI devices (BDF) passed through to this guest.

@@ -13,7 +13,9 @@ use tokio::sync::watch;
 use super::guest::{Common, Guest};
 use crate::clock::monotonic_ns;
 use crate::proto::reconnect::{Attempt, Reconnect, FAST_RECONNECT_MAX};
-use crate::proto::{encode, FrameDecoder, HostConnection, HostOutput, Message, StatePacing};
+use crate::proto::{
+    encode, FrameDecoder, HostConnection, HostOutput, Message, StatePacing, CLOSE_VM_UNBOUND,
+};
 use crate::tls;
 
 /// Why a connection attempt or an established connection ended.
@@ -60,6 +62,8 @@ pub enum ConnError {
     Spool(#[from] super::spool::SpoolError),
     #[error("guest rejected this host: {0}")]
     Rejected(String),
+    #[error("not streaming to this guest: {0}")]
+    Unbound(String),
     #[error("guest closed the control stream")]
     ControlClosed,
     #[error("unexpected {0:?} from the connection state")]
@@ -216,12 +220,23 @@ async fn connect_and_stream(
     let res = stream(g, c, &conn, stop).await;
     let (code, why): (u32, &[u8]) = match &res {
         Ok(Outcome::Stopped) => (CLOSE_SHUTDOWN, b"shutdown"),
+        // the guest logs and counts the reason (kept well inside one packet)
+        Err(ConnError::Unbound(reason)) => (CLOSE_VM_UNBOUND, cut(reason.as_bytes(), 200)),
         _ => (CLOSE_PROTOCOL, b"error"),
     };
     conn.close(code.into(), why);
     // Give the close frame a moment to leave; never block shutdown for long.
     let _ = tokio::time::timeout(Duration::from_millis(200), endpoint.wait_idle()).await;
     res
+}
+
+/// At most `max` bytes of `b`, cut at a UTF-8 boundary.
+fn cut(b: &[u8], max: usize) -> &[u8] {
+    let mut n = b.len().min(max);
+    while n > 0 && std::str::from_utf8(&b[..n]).is_err() {
+        n -= 1;
+    }
+    &b[..n]
 }
 
 /// Reads the next message of a control stream.
@@ -305,6 +320,14 @@ async fn stream(
             None => continue,
         }
     };
+    // Which VM the guest runs in decides what it gets; a guest the host cannot bind to one of
+    // its VMs gets nothing (rather than everything), and is told why.
+    if let Some(bind) = &c.binder {
+        if let Err(reason) = bind(g.index, session.peer_vm_uuid()) {
+            g.m.connects_unbound.inc();
+            return Err(ConnError::Unbound(reason));
+        }
+    }
     g.m.connects_ok.inc();
     g.m.connected.set(1);
     let cursor = {

@@ -52,8 +52,15 @@ pub(crate) struct Common {
     pub(super) cfg: StreamConfig,
     pub(super) clock: Arc<dyn ReferenceClock>,
     pub(super) state: Option<StateSource>,
+    pub(super) binder: Option<Binder>,
 }
 
 /// The host's series for guest `index` (its position in [`StreamConfig::guests`]) at the given
 /// reference time; sent to guests that take host state.
 pub type StateSource = Arc<dyn Fn(usize, i64) -> crate::hoststate::HostState + Send + Sync>;
+
+/// Decides, at each handshake, whether guest `index` (its position in
+/// [`StreamConfig::guests`]) may be streamed to, given the SMBIOS system UUID its answer named
+/// (`None`: it named none). `Err` carries the reason: the host then closes the connection
+/// with [`crate::proto::CLOSE_VM_UNBOUND`] and that reason, and tries again later.
+pub type Binder = Arc<dyn Fn(usize, Option<&str>) -> Result<(), String> + Send + Sync>;

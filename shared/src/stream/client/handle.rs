@@ -11,7 +11,7 @@ use tokio::sync::{watch, Notify};
 use super::config::StreamConfig;
 use super::conn;
 use super::error::StreamError;
-use super::guest::{Common, Guest, StateSource};
+use super::guest::{Binder, Common, Guest, StateSource};
 use super::metrics::{GuestMetrics, Metrics};
 use super::spool::{Spool, SpoolLimits};
 use crate::clock::ReferenceClock;
@@ -48,7 +48,8 @@ pub struct SpoolStatus {
 /// Starts a connection task per guest of `cfg`, as `host_id` (which must be the identity in the
 /// client certificate); clock replies carry `clock`'s time (production:
 /// [`crate::clock::SystemClock`]), and `state`, where given, is the host's series for each
-/// guest, sent as host state. Must be called inside a tokio runtime. Events are given through
+/// guest, sent as host state; `binder`, where given, decides at each handshake whether the
+/// guest may be streamed to (see [`Binder`]). Must be called inside a tokio runtime. Events are given through
 /// [`StreamHandle::spools`].
 pub fn start(
     cfg: StreamConfig,
@@ -56,6 +57,7 @@ pub fn start(
     registry: &Registry,
     clock: Arc<dyn ReferenceClock>,
     state: Option<StateSource>,
+    binder: Option<Binder>,
 ) -> Result<StreamHandle, StreamError> {
     let metrics = Metrics::new(registry)?;
     let limits = SpoolLimits {
@@ -85,6 +87,7 @@ pub fn start(
             connects_ok: metrics.connects.with_label_values(&[&label, "ok"]),
             connects_err: metrics.connects.with_label_values(&[&label, "error"]),
             connects_rejected: metrics.connects.with_label_values(&[&label, "rejected"]),
+            connects_unbound: metrics.connects.with_label_values(&[&label, "unbound"]),
         };
         tracing::info!(
             guest = %label,
@@ -112,6 +115,7 @@ pub fn start(
         cfg,
         clock: clock.clone(),
         state,
+        binder,
     });
     let tasks = guests
         .iter()
@@ -376,7 +380,7 @@ mod tests {
             ..StreamConfig::default()
         };
         let clock = Arc::new(crate::clock::SystemClock);
-        start(cfg, "pve1".into(), &Registry::new(), clock, None).unwrap()
+        start(cfg, "pve1".into(), &Registry::new(), clock, None, None).unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -51,7 +51,7 @@ impl Metrics {
             connects: IntCounterVec::new(
                 Opts::new(
                     "gpufeed_host_stream_connects_total",
-                    "Connection attempts by result (ok, error, rejected)",
+                    "Connection attempts by result (ok, error, rejected by the guest, unbound: the guest's VM identity binds it to none of this host's VMs)",
                 ),
                 &["guest", "result"],
             )?,
@@ -85,4 +85,5 @@ pub(super) struct GuestMetrics {
     pub(super) connects_ok: IntCounter,
     pub(super) connects_err: IntCounter,
     pub(super) connects_rejected: IntCounter,
+    pub(super) connects_unbound: IntCounter,
 }

@@ -13,7 +13,8 @@
 //! `gpufeed_host_stream_events_spooled_total`, `gpufeed_host_stream_events_sent_total`,
 //! `gpufeed_host_stream_events_dropped_total`, `gpufeed_host_stream_spool_events`,
 //! `gpufeed_host_stream_spool_disk_bytes`, `gpufeed_host_stream_acked_seq`,
-//! `gpufeed_host_stream_connects_total{result}`; and `gpufeed_host_stream_bus_lagged_total`
+//! `gpufeed_host_stream_connects_total{result}` (`ok`, `error`, `rejected` by the guest, `unbound`: the
+//! host's [`Binder`] refused the guest's VM identity); and `gpufeed_host_stream_bus_lagged_total`
 //! (counted by the agent's bus subscriber, see [`StreamHandle::bus_lagged`]).
 //!
 //! Layout, importing one way: `meta`, then `spool`, and `metrics` at the bottom; `error`
@@ -33,5 +34,5 @@ pub mod spool;
 
 pub use config::{GuestEndpoint, StreamConfig};
 pub use error::StreamError;
-pub use guest::StateSource;
+pub use guest::{Binder, StateSource};
 pub use handle::{start, Beat, Liveness, RawEvent, SpoolStatus, Spools, StreamHandle};

@@ -143,6 +143,19 @@ async fn handle_incoming(
         Err(End::Lost(e)) => {
             tracing::info!(host = %host, %remote, "hub: connection ended: {e}")
         }
+        Err(End::Unbound(why)) => {
+            inner
+                .metrics
+                .unbound
+                .with_label_values(&[host.as_str()])
+                .inc();
+            if let Some(unlogged) = inner
+                .host_log
+                .note((host.clone(), "unbound"), std::time::Instant::now())
+            {
+                tracing::warn!(host = %host, %remote, vm_uuid = ?inner.vm_uuid, unlogged, "hub: the host refused to stream to this guest: {why}");
+            }
+        }
         Err(End::Unavailable) => {
             conn.close(CLOSE_UNAVAILABLE.into(), b"journal unavailable");
         }

@@ -15,6 +15,7 @@ use super::shared::Inner;
 use crate::clock;
 use crate::proto::{
     encode, DecodeError, FrameDecoder, GuestConnection, Message, ServerAction, Staged,
+    CLOSE_VM_UNBOUND,
 };
 
 /// How long the driver would sleep should the core name no deadline (it always names one: the
@@ -27,6 +28,9 @@ pub(super) enum End {
     Rejected(&'static str, String),
     /// Transport ended (peer gone, timeout).
     Lost(String),
+    /// The host will not stream to this guest: it cannot bind the guest's VM identity to one
+    /// of its VMs (the host's reason). Counted and logged; the host tries again later.
+    Unbound(String),
     /// This guest could not take the events (its journal write failed; logged there): they
     /// were neither delivered nor acknowledged, and closing makes the host send them again.
     Unavailable,
@@ -34,17 +38,32 @@ pub(super) enum End {
 
 impl From<quinn::ReadError> for End {
     fn from(e: quinn::ReadError) -> Self {
-        End::Lost(e.to_string())
+        match e {
+            quinn::ReadError::ConnectionLost(c) => c.into(),
+            e => End::Lost(e.to_string()),
+        }
     }
 }
 impl From<quinn::WriteError> for End {
     fn from(e: quinn::WriteError) -> Self {
-        End::Lost(e.to_string())
+        match e {
+            quinn::WriteError::ConnectionLost(c) => c.into(),
+            e => End::Lost(e.to_string()),
+        }
     }
 }
 impl From<quinn::ConnectionError> for End {
     fn from(e: quinn::ConnectionError) -> Self {
-        End::Lost(e.to_string())
+        match e {
+            quinn::ConnectionError::ApplicationClosed(c)
+                if c.error_code == CLOSE_VM_UNBOUND.into() =>
+            {
+                // The host is authenticated, but its reason is still only shown, bounded.
+                let why = String::from_utf8_lossy(&c.reason);
+                End::Unbound(why.chars().take(200).collect())
+            }
+            e => End::Lost(e.to_string()),
+        }
     }
 }
 impl From<DecodeError> for End {
@@ -83,7 +102,8 @@ impl<'a> Conn<'a> {
             inner,
             host,
             remote,
-            core: GuestConnection::new(host, inner.cfg.timing(), clock::monotonic_ns()),
+            core: GuestConnection::new(host, inner.cfg.timing(), clock::monotonic_ns())
+                .with_vm_uuid(inner.vm_uuid.clone()),
             handshake_done: false,
         }
     }
@@ -168,6 +188,7 @@ impl<'a> Conn<'a> {
                 Self::write(&mut ctl_send, &w).await?;
                 let resume = match &w {
                     Message::Welcome(w) => w.resume_from,
+                    Message::WelcomeVm(w) => w.welcome.resume_from,
                     _ => None,
                 };
                 (boot, resume)

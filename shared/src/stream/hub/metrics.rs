@@ -1,9 +1,10 @@
-//! The hub's series (listed in the [module docs](super), and these two:
+//! The hub's series (listed in the [module docs](super), and these three:
 //! `gpufeed_stream_events_possible_duplicate_total{host}`, events delivered (or losses
-//! counted) of a sequence space the guest could not tell from one it forgot, and
+//! counted) of a sequence space the guest could not tell from one it forgot;
 //! `gpufeed_stream_journal_damaged_records_total`, records of the event journal found damaged
-//! when it was opened). The KVM PTP gauge is registered by [`super::serve`] only where the
-//! clock exists.
+//! when it was opened; `gpufeed_stream_vm_unbound_total{host}`, connections the host ended
+//! because it could not bind this guest to one of its VMs). The KVM PTP gauge is registered by
+//! [`super::serve`] only where the clock exists.
 
 use prometheus::{Gauge, GaugeVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
 
@@ -16,6 +17,7 @@ pub(super) struct Metrics {
     pub(super) journal_damaged: IntCounter,
     pub(super) lag: GaugeVec,
     pub(super) rejected: IntCounterVec,
+    pub(super) unbound: IntCounterVec,
     pub(super) offset: GaugeVec,
     pub(super) rtt: GaugeVec,
     pub(super) ptp: Gauge,
@@ -78,6 +80,13 @@ impl Metrics {
                 ),
                 &["host", "reason"],
             )?,
+            unbound: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_stream_vm_unbound_total",
+                    "Connections the host ended because this guest's VM identity binds it to none of the host's VMs",
+                ),
+                h,
+            )?,
             offset: GaugeVec::new(
                 Opts::new(
                     "gpufeed_clock_offset_seconds",
@@ -105,6 +114,7 @@ impl Metrics {
         r.register(Box::new(m.journal_damaged.clone()))?;
         r.register(Box::new(m.lag.clone()))?;
         r.register(Box::new(m.rejected.clone()))?;
+        r.register(Box::new(m.unbound.clone()))?;
         r.register(Box::new(m.offset.clone()))?;
         r.register(Box::new(m.rtt.clone()))?;
         Ok(m)

@@ -40,9 +40,10 @@
 //! [`Hub`]) and reloads the TLS files; `shared` holds the state the tasks share; `accept` takes
 //! a connection from admission to an authenticated host, and `conn` drives it from the `Hello`
 //! on. [`HubConfig`] is in `config`, the series in `metrics`, [`ReceivedEvent`] and
-//! [`UnknownEvent`] in `event`, [`HubError`] and the close codes in `error`.
+//! [`UnknownEvent`] in `event`, [`HubError`] and the close codes in `error`, this guest's VM
+//! identity (its SMBIOS system UUID) in `vm`.
 //!
-//! The modules import one way: `event`, `error`, `config`, `metrics` and `host_state` are the
+//! The modules import one way: `event`, `error`, `config`, `metrics`, `vm` and `host_state` are the
 //! bottom; `recent` and `intake` above them, `batch` above `recent`, `journal` above `batch`;
 //! `shared` above those, then `conn`, `accept` (which runs `conn`) and `server` (which spawns
 //! `accept`) on top. A module takes a sibling by its own path (`super::shared::Inner`); this file
@@ -62,6 +63,7 @@ mod metrics;
 pub mod recent;
 mod server;
 mod shared;
+pub mod vm;
 
 pub use config::HubConfig;
 pub use error::{HubError, CLOSE_PROTOCOL, CLOSE_REFUSED, CLOSE_UNAVAILABLE, UNVERIFIED};

@@ -16,7 +16,7 @@ use super::event::ReceivedEvent;
 use super::intake::{self, Delivery};
 use super::metrics::Metrics;
 use super::shared::{Inner, State, UNVERIFIED_LOG_INTERVAL};
-use super::{host_state, journal, recent};
+use super::{host_state, journal, recent, vm};
 use crate::admission;
 use crate::clock::KvmPtp;
 use crate::proto::Dedup;
@@ -167,6 +167,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         unverified_log: crate::ratelog::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
         host_log: crate::ratelog::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
         live: Mutex::new(HashMap::new()),
+        vm_uuid: vm::read(&cfg.sysfs_root),
         cfg,
     });
     tokio::spawn(accept::accept_loop(inner.clone()));

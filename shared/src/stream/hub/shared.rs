@@ -36,6 +36,8 @@ pub(super) struct Inner {
     /// The hosts' own series, exported in this guest's scrape.
     pub(super) host_states: Arc<host_state::HostStates>,
     pub(super) admission: admission::Admission,
+    /// This guest's SMBIOS system UUID (see [`super::vm`]), named to hosts that take it.
+    pub(super) vm_uuid: Option<String>,
     /// Authenticated connections by `stable_id`, with their host: closed when the host leaves
     /// `allowed-hosts`.
     pub(super) live: Mutex<HashMap<usize, (String, quinn::Connection)>>,
