@@ -73,8 +73,10 @@ container_root() {
     for lib in $(ldd "$binary" | grep -o '/[^ )]*'); do
         install -D -m 0755 "$(readlink -f "$lib")" "$1$lib"
     done
+    # mount points of the service's mounts (a read-only root cannot make them at start):
+    # /host/usr/local is the host's, for the NVIDIA extensions' NVML
     mkdir -p "$1/var/lib/gpufeed" "$1/etc/gpufeed/tls" "$1/host/sys/fs/cgroup" \
-        "$1/sys" "$1/proc" "$1/dev" "$1/tmp"
+        "$1/host/usr/local" "$1/sys" "$1/proc" "$1/dev" "$1/tmp"
     # The agent runs as root on a read-only root and writes nothing to /tmp; a world-writable
     # directory would only be a hazard, and Talos refuses extensions that contain one.
     chmod 0755 "$1/tmp"
