@@ -10,6 +10,9 @@
 //! * `/run/nvidia/driver/usr/lib/x86_64-linux-gnu`, `/run/nvidia/driver/usr/lib64`: the GPU
 //!   Operator's driver root on the host, seen through a hostPath mount.
 
+/// The library's name as the driver installs it.
+pub const LIBRARY: &str = "libnvidia-ml.so.1";
+
 /// Directories searched after the configured library, in order.
 pub const STANDARD_DIRS: [&str; 7] = [
     "/usr/lib/x86_64-linux-gnu",
@@ -26,11 +29,11 @@ pub const STANDARD_DIRS: [&str; 7] = [
 /// given on purpose is the only one tried: an operator who names one means it.
 pub fn candidates(configured: &str) -> Vec<String> {
     let mut out = vec![configured.to_string()];
-    if configured == super::LIBRARY {
+    if configured == LIBRARY {
         out.extend(
             STANDARD_DIRS
                 .iter()
-                .map(|d| format!("{d}/{}", super::LIBRARY))
+                .map(|d| format!("{d}/{}", LIBRARY))
                 .filter(|p| std::path::Path::new(p).exists()),
         );
     }
@@ -39,10 +42,10 @@ pub fn candidates(configured: &str) -> Vec<String> {
 
 /// Why no NVML was found, with the fix, for logs, doctor and `/readyz`.
 pub fn not_found(configured: &str, why: &str) -> String {
-    let what = if configured == super::LIBRARY {
+    let what = if configured == LIBRARY {
         format!(
             "{} not found in the loader's path nor in {}",
-            super::LIBRARY,
+            LIBRARY,
             STANDARD_DIRS.join(", ")
         )
     } else {
@@ -63,7 +66,7 @@ mod tests {
             super::candidates("/opt/x/libnvidia-ml.so.1"),
             ["/opt/x/libnvidia-ml.so.1"]
         );
-        let c = super::candidates(super::super::LIBRARY);
+        let c = super::candidates(super::LIBRARY);
         assert_eq!(c[0], "libnvidia-ml.so.1");
         assert!(c[1..].iter().all(|p| p.starts_with('/')));
         let why = super::not_found("libnvidia-ml.so.1", "cannot open");

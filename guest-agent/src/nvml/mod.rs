@@ -32,8 +32,7 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr, CString};
 use codes::{ERROR_INSUFFICIENT_SIZE, ERROR_NOT_FOUND, SUCCESS};
 pub use failures::{Failure, Failures};
 
-/// The library's name as the driver installs it.
-pub const LIBRARY: &str = "libnvidia-ml.so.1";
+pub use locate::LIBRARY;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NvmlError {
