@@ -120,9 +120,18 @@ impl Live {
         .filter(|(_, v)| v.is_none())
         .map(|(r, _)| r)
         .collect();
+        // fully configured: priced from the start, as before NVML was read live
+        let current = match (configured.memory_bytes, configured.link_bytes_per_second) {
+            (Some(memory_bytes), Some(link_bytes_per_second)) => Some(GpuCapacity {
+                memory_bytes,
+                link_bytes_per_second,
+                gpus: configured.gpus.unwrap_or(1).max(1),
+            }),
+            _ => None,
+        };
         Live {
             configured,
-            current: None,
+            current,
             reason: if missing.is_empty() {
                 ""
             } else {
@@ -162,14 +171,15 @@ impl Live {
                     link_bytes_per_second,
                     gpus: input.gpus.unwrap_or(1).max(1),
                 };
+                let first = self.said.is_none();
                 let line = match self.current.replace(now) {
-                    None => format!("GPU capacity for the cost: {}", show(&now)),
-                    Some(was) if was == now => return,
-                    Some(was) => format!(
+                    Some(was) if was == now && !first => return,
+                    Some(was) if !first => format!(
                         "GPU capacity for the cost changed: {} (was {})",
                         show(&now),
                         show(&was)
                     ),
+                    _ => format!("GPU capacity for the cost: {}", show(&now)),
                 };
                 self.said = Some(line.clone());
                 tracing::info!("{line}");
@@ -260,6 +270,13 @@ mod tests {
         l.update(&Reported::ProbeOff);
         assert_eq!(l.current, None);
         assert_eq!(l.missing, ["link_bytes_per_second"]);
+        // both configured: priced before any tick
+        let both = CapacityInput {
+            memory_bytes: Some(20),
+            link_bytes_per_second: Some(5),
+            gpus: None,
+        };
+        assert_eq!(Live::new(both).current.map(|c| c.gpus), Some(1));
         assert_eq!(l.reason, "nvml_probe_off");
         l.update(&nvml(80, 16, 2));
         assert_eq!(

@@ -119,13 +119,22 @@ impl FinOps {
             .collect();
         let advisor = mps::MpsAdvisor::new(cfg.mps);
         let capacity = cfg.cost.as_ref().map(|c| live::Live::new(c.configured));
+        // a capacity known from the configuration prices from the start
+        let meter = cfg.cost.as_ref().zip(capacity.as_ref()).and_then(|(c, l)| {
+            let capacity = l.current?;
+            Some(cost::Meter::new(cost::CostModel {
+                hourly_rate: c.hourly_rate,
+                weights: c.weights,
+                capacity,
+            }))
+        });
         FinOps(Arc::new(Inner {
             cfg,
             pods,
             state: Mutex::new(State {
                 last: None,
                 previous: HashMap::new(),
-                meter: None,
+                meter,
                 capacity,
                 advisor,
             }),
