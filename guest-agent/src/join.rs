@@ -640,9 +640,7 @@ mod tests {
         let pods = PodStore::default();
         let join = Join::new(Config::default(), pods.clone(), "node".into(), vec![]);
         let finops = crate::finops::FinOps::new(
-            crate::finops::Settings::default()
-                .validate(crate::finops::CapacityInput::default())
-                .unwrap(),
+            crate::finops::Settings::default().validate().unwrap(),
             pods,
         );
         let store = Arc::new(Mutex::new(Store::default()));

@@ -263,15 +263,9 @@ fn node_name(arg: Option<String>) -> String {
 }
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
-    let settings = args.finops.settings();
-    // The cost shares' denominators from the GPUs themselves when NVML is there (configured
-    // values win); looked up only when a cost is asked for.
-    let discovered = if settings.hourly_rate.is_some() {
-        finops::config::CapacityInput::discovered(&args.units)
-    } else {
-        finops::CapacityInput::default()
-    };
-    let finops_cfg = settings.validate(discovered)?;
+    // The cost shares' denominators not configured come from NVML at each tick (finops::live):
+    // no GPU capacity at start is no reason to refuse it.
+    let finops_cfg = args.finops.settings().validate()?;
     let selected = probes::select(&args.probes).context("--probes")?;
     let cgroup_root = match args.cgroup_root {
         Some(p) => p,

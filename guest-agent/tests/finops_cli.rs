@@ -75,20 +75,55 @@ fn each_invalid_finops_setting_is_refused_by_name() {
     }
 }
 
+/// A rate with no capacity configured (and here no NVML) is no refusal: the capacity comes
+/// from NVML at run time, and an agent on a node without it must start (a DaemonSet would
+/// crash-loop on every CPU node). Whatever else stops it (privileges when not root), it is
+/// never a capacity flag. Malformed values stay refusals by name.
 #[test]
-fn a_rate_without_capacities_names_the_missing_one() {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
-        .args(["run", "--no-kube"])
+fn a_rate_without_capacities_starts_and_malformed_values_are_refused() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args(["run", "--no-kube", "--metrics-listen", "127.0.0.1:0"])
+        .args([
+            "--probes",
+            "nvml",
+            "--nvml-library",
+            "/nonexistent/libnvidia-ml.so.1",
+        ])
         .args(["--gpu-hourly-rate", "1", "--gpu-memory-bytes", "24GiB"])
         .env_remove("GPUFEED_GPU_LINK_BYTES_PER_SECOND")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(3);
+    let exited = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    if exited.is_none() {
+        child.kill().unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("exited: {exited:?}");
+    assert!(
+        exited.is_none() || !err.contains("--gpu-link-bytes-per-second"),
+        "refused for the capacity: {err}"
+    );
+    // a malformed rate is refused by the flag's parser, by name
+    let out = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args(["run", "--no-kube", "--gpu-hourly-rate", "2.5EUR"])
+        .env_remove("GPUFEED_GPU_HOURLY_RATE")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(
-        err.contains("--gpu-link-bytes-per-second: not set"),
-        "{err}"
-    );
+    assert!(err.contains("--gpu-hourly-rate"), "{err}");
     // a unit it does not know is refused by the flag's parser, also by name
     let out = Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
         .args(["run", "--no-kube", "--gpu-memory-bytes", "80XB"])

@@ -73,8 +73,12 @@ async fn cost_per_tenant_and_idle_follow_what_the_gpus_did() {
         "the pods known from the API"
     );
     let node_cost = |s: &[Sample]| value(s, "gpufeed_gpu_node_cost_total", &[("currency", "EUR")]);
-    let first = Instant::now();
-    let node_first = node_cost(&agent.scrape()).expect("the node's cost");
+    // the cost starts at the first tick that has NVML's capacity (none is configured)
+    let (node_first, first) = wait_for(Duration::from_secs(10), || {
+        let t = Instant::now();
+        node_cost(&agent.scrape()).map(|v| (v, t))
+    })
+    .expect("the node's cost");
 
     // The pods start on the GPUs: chat-0 at 90% of GPU 0, chat-1 at 40% of GPU 1, embed-0 at
     // 10% of GPU 0, embed-1 holds memory on GPU 1 and computes nothing (an idle model).

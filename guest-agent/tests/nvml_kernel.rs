@@ -306,27 +306,7 @@ fn nvml_series_per_pod_on_metrics() {
         "the node's cost accrues with NVML's capacities"
     );
     drop(with);
-    // ... and without NVML the same command line is refused, naming what is missing
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
-        .args([
-            "run",
-            "--no-kube",
-            "--probes",
-            "nvml",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        .args([
-            "--nvml-library",
-            "/nonexistent/libnvidia-ml.so.1",
-            "--gpu-hourly-rate",
-            "3.6",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
-    assert!(err.contains("--gpu-memory-bytes"), "{err}");
+    // ... and without NVML the same command line starts (nvml_cost_without_nvml_at_start_*)
 
     let absent = Agent::no_kube(
         "200ms",
@@ -563,8 +543,8 @@ fn nvml_a_lost_gpu_is_counted_and_the_others_keep_their_numbers() {
     let counted = value(&s, "gpufeed_nvml_errors_total", &lost).unwrap();
     let answered = nvml.errors_answered(1, HANDLE, GPU_IS_LOST) as f64;
     eprintln!("GPU 1 lost: {counted} counted, {answered} answered by the stand-in");
-    // the scrape may come a tick after the stand-in answered (two calls a tick: the agent's
-    // survey at start and per tick, and the cost model's once)
+    // the scrape may come a tick after the stand-in answered (the agent's survey at start and
+    // per tick; the cost takes the probe's capacity, it makes no call of its own)
     assert!(counted >= 5.0 && counted <= answered && answered - counted <= 3.0);
     assert_eq!(
         find(&s, "gpufeed_nvml_errors_total", &[])
@@ -688,6 +668,131 @@ fn nvml_without_an_optional_call_the_agent_prices_with_what_it_read() {
         Some(20.0 * 1024.0)
     );
     assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(2.0));
+}
+
+/// A cost asked for with no capacity configured and no NVML at start (the path
+/// `--nvml-library` names is created later): the agent starts, serves every other number and
+/// says with `gpufeed_gpu_cost_capacity{reason}` and one log line why there is no cost. Once
+/// the library appears the cost divides by the capacity NVML reports: a pod holding VRAM
+/// (weights 0,1,0: VRAM alone) costs, per unit of the node's cost, its VRAM ÷ the stand-in's
+/// memory; GPU 1 lost, then back, changes that memory, and the cost follows each.
+#[test]
+fn nvml_cost_without_nvml_at_start_waits_then_follows_the_capacity() {
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let late = scratch.path().join("late");
+    std::fs::create_dir(&late).unwrap();
+    let lib_path = late.join("libnvidia-ml.so.1");
+    let nvml = StandInNvml::new(scratch.path());
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let a0 = a.spawn("exec sleep 60");
+    let vram = 3 * GIB;
+    nvml.set_processes(&[(a0, 0, vram, 0)]);
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml",
+        &[
+            "--nvml-library",
+            lib_path.to_str().unwrap(),
+            "--gpu-hourly-rate",
+            "3.6",
+            "--gpu-cost-weights",
+            "0,1,0",
+        ],
+    );
+    let capacity = |s: &[Sample], resource: &str| {
+        let f = find(s, "gpufeed_gpu_cost_capacity", &[("resource", resource)]);
+        assert_eq!(f.len(), 1, "{resource}: {f:?}");
+        (
+            f[0].value,
+            f[0].labels.get("reason").cloned().unwrap_or_default(),
+        )
+    };
+    let s = wait_for(Duration::from_secs(10), || {
+        let s = agent.scrape();
+        // past the first tick (`not_read_yet` before it)
+        let read = find(&s, "gpufeed_gpu_cost_capacity", &[])
+            .iter()
+            .any(|x| x.labels.get("reason").is_some_and(|r| r != "not_read_yet"));
+        read.then_some(s)
+    })
+    .unwrap_or_else(|| panic!("the capacity series; log:\n{}", agent.log_text()));
+    for resource in ["memory_bytes", "link_bytes_per_second", "gpus"] {
+        let got = capacity(&s, resource);
+        eprintln!("without NVML: {resource} = {got:?}");
+        assert_eq!(got, (0.0, "nvml_not_loaded".to_string()), "{resource}");
+    }
+    assert_eq!(
+        value(&s, "gpufeed_probe_up", &[("probe", "nvml")]),
+        Some(1.0)
+    );
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(0.0));
+    assert!(find(&s, "gpufeed_gpu_node_cost_total", &[]).is_empty());
+    assert!(find(&s, "gpufeed_gpu_cost_total", &[]).is_empty());
+
+    nvml.build(&lib_path, &[]);
+    let link0 = 16 * 1_969_230_769u64;
+    let link1 = 8 * 984_615_384u64;
+    // the pod's cost over an interval ÷ the node's cost over it, the capacity at `memory`
+    // throughout; compared with vram ÷ memory, from the test's own numbers
+    let ratio_at = |memory: u64, link: u64, gpus: f64| {
+        let stable = |s: &[Sample]| {
+            capacity(s, "memory_bytes") == (memory as f64, String::new())
+                && capacity(s, "link_bytes_per_second") == (link as f64, String::new())
+                && capacity(s, "gpus") == (gpus, String::new())
+        };
+        let costs = |s: &[Sample]| {
+            let pod = value(s, "gpufeed_gpu_cost_total", &[("pod", a.uid.as_str())])?;
+            let node = value(s, "gpufeed_gpu_node_cost_total", &[("currency", "USD")])?;
+            (pod > 0.0).then_some((pod, node))
+        };
+        wait_for(Duration::from_secs(10), || {
+            let s = agent.scrape();
+            (stable(&s) && costs(&s).is_some()).then_some(())
+        })
+        .unwrap_or_else(|| panic!("capacity {memory}; log:\n{}", agent.log_text()));
+        // a tick after the change, then an interval with the capacity stable at both ends
+        std::thread::sleep(Duration::from_millis(400));
+        let s1 = agent.scrape();
+        std::thread::sleep(Duration::from_millis(1000));
+        let s2 = agent.scrape();
+        assert!(stable(&s1) && stable(&s2), "the capacity moved");
+        let ((p1, n1), (p2, n2)) = (costs(&s1).unwrap(), costs(&s2).unwrap());
+        let got = (p2 - p1) / (n2 - n1);
+        let want = vram as f64 / memory as f64;
+        eprintln!(
+            "capacity {memory} B, {link} B/s, {gpus} GPUs: pod {p1}..{p2}, node {n1}..{n2}: {got} of the node, want {want}"
+        );
+        assert!(n2 > n1, "the node's cost accrues");
+        assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+    };
+    ratio_at((80 + 24) * GIB, link0 + link1, 2.0);
+    // GPU 1 lost: the cost divides by GPU 0 alone
+    nvml.set_control(&["fail 1 * 15"]);
+    ratio_at(80 * GIB, link0, 1.0);
+    // back: both again
+    nvml.set_control(&[]);
+    ratio_at((80 + 24) * GIB, link0 + link1, 2.0);
+
+    let log = agent.log_text();
+    let lines = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        lines("no GPU capacity, the cost is not computed until there is one: NVML not loaded ("),
+        1,
+        "said once:\n{log}"
+    );
+    assert_eq!(
+        lines("--gpu-memory-bytes and --gpu-link-bytes-per-second not set"),
+        1,
+        "{log}"
+    );
+    assert_eq!(
+        lines("GPU capacity for the cost: memory_bytes="),
+        1,
+        "{log}"
+    );
+    assert_eq!(lines("GPU capacity for the cost changed"), 2, "{log}");
 }
 
 /// NVML that appears after start (the path `--nvml-library` names is created later), and

@@ -3,15 +3,14 @@
 
 use std::time::Duration;
 
-use super::cost::CostModel;
 pub use super::cost::{GpuCapacity, Weights};
 pub use super::error::{ConfigError, LABEL_NAMES};
 use super::labels::PodLabels;
 use super::mps::MpsConfig;
 
-/// Capacities as far as a source knows them: configuration, or the GPU itself (NVML fills one
-/// of these when it is present). [`CapacityInput::or`] layers sources; [`CapacityInput::resolve`]
-/// checks the result.
+/// Capacities as far as a source knows them: configuration, or the GPU itself (what the nvml
+/// probe reports at each tick, [`super::live::Reported`]). [`CapacityInput::or`] layers
+/// sources; [`super::live::Live`] decides what the cost divides by.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct CapacityInput {
     pub memory_bytes: Option<u64>,
@@ -21,57 +20,6 @@ pub struct CapacityInput {
 }
 
 impl CapacityInput {
-    /// The node's GPU capacity as NVML reports it (the library the `nvml` probe's
-    /// `--nvml-library` names, or where driver stacks put it): the GPUs' memory and maximum
-    /// link bandwidth summed (the hourly rate is the node's, so its shares are of all its
-    /// GPUs). Each number from the GPUs that gave it: a GPU that is lost, or whose NVML
-    /// lacks a call, is left out of that sum and said (logged), and the others still price;
-    /// nothing when the library is absent (the configuration must then give them).
-    pub fn discovered(options: &crate::probes::UnitOptions) -> CapacityInput {
-        let library = &options.get::<crate::probes::nvml::Config>().library;
-        let nvml = match crate::nvml::Nvml::open(library) {
-            Ok(crate::nvml::Opened::Loaded(nvml)) => nvml,
-            Ok(crate::nvml::Opened::Absent(why)) => {
-                tracing::warn!("GPU capacity for the cost model: {why}");
-                return CapacityInput::default();
-            }
-            Err(e) => {
-                tracing::warn!("GPU capacity for the cost model: {library}: {e}");
-                return CapacityInput::default();
-            }
-        };
-        let survey = nvml.capacity();
-        for f in &survey.failures {
-            tracing::warn!("GPU capacity for the cost model: {f}; that GPU's number is left out");
-        }
-        CapacityInput::from_gpus(&survey.gpus)
-    }
-
-    /// The sums over the GPUs that gave each number (see [`CapacityInput::discovered`]).
-    pub fn from_gpus(gpus: &[crate::nvml::GpuCapacity]) -> CapacityInput {
-        let sum = |pick: fn(&crate::nvml::GpuCapacity) -> Option<u64>, what: &str| {
-            let given: Vec<u64> = gpus.iter().filter_map(pick).collect();
-            for g in gpus.iter().filter(|g| pick(g).is_none()) {
-                tracing::warn!(
-                    gpu = g.index,
-                    "NVML gave no {what} for this GPU: the cost model leaves it out of the {what}"
-                );
-            }
-            (!given.is_empty()).then(|| given.iter().sum())
-        };
-        let memory_bytes = sum(|g| g.memory_total_bytes, "total memory");
-        let link_bytes_per_second = sum(|g| g.link_bytes_per_second, "link bandwidth");
-        let priced = gpus
-            .iter()
-            .filter(|g| g.memory_total_bytes.is_some())
-            .count();
-        CapacityInput {
-            memory_bytes,
-            link_bytes_per_second,
-            gpus: (priced > 0).then(|| u32::try_from(priced).unwrap_or(u32::MAX)),
-        }
-    }
-
     /// Each capacity from `self`, else from `fallback` (configuration over discovery: an
     /// operator who sets one means it).
     pub fn or(self, fallback: CapacityInput) -> CapacityInput {
@@ -82,20 +30,6 @@ impl CapacityInput {
                 .or(fallback.link_bytes_per_second),
             gpus: self.gpus.or(fallback.gpus),
         }
-    }
-
-    /// Both capacities, non-zero.
-    pub fn resolve(self) -> Result<GpuCapacity, ConfigError> {
-        self.check_nonzero()?;
-        Ok(GpuCapacity {
-            memory_bytes: self
-                .memory_bytes
-                .ok_or(ConfigError::MissingCapacity(MEMORY_FLAG))?,
-            link_bytes_per_second: self
-                .link_bytes_per_second
-                .ok_or(ConfigError::MissingCapacity(LINK_FLAG))?,
-            gpus: self.gpus.unwrap_or(1).max(1),
-        })
     }
 
     fn check_nonzero(&self) -> Result<(), ConfigError> {
@@ -109,8 +43,8 @@ impl CapacityInput {
     }
 }
 
-const MEMORY_FLAG: &str = "--gpu-memory-bytes";
-const LINK_FLAG: &str = "--gpu-link-bytes-per-second";
+pub(super) const MEMORY_FLAG: &str = "--gpu-memory-bytes";
+pub(super) const LINK_FLAG: &str = "--gpu-link-bytes-per-second";
 
 /// FinOps settings as the command line gives them.
 #[derive(Debug, Clone)]
@@ -140,10 +74,14 @@ impl Default for Settings {
     }
 }
 
-/// The cost half of a valid configuration.
+/// The cost half of a valid configuration. The capacity is not in it: it is read live
+/// ([`super::live`]), the configured one first.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CostSettings {
-    pub model: CostModel,
+    pub hourly_rate: f64,
+    pub weights: Weights,
+    /// Configured capacities; what is not set comes from NVML at each tick.
+    pub configured: CapacityInput,
     pub currency: String,
 }
 
@@ -157,9 +95,10 @@ pub struct FinopsConfig {
 }
 
 impl Settings {
-    /// Checks everything; `discovered` are capacities the GPU reported (NVML), used where the
-    /// configuration sets none.
-    pub fn validate(&self, discovered: CapacityInput) -> Result<FinopsConfig, ConfigError> {
+    /// Checks everything. A rate without a configured capacity is valid: the capacity is then
+    /// NVML's, read at each tick, and until there is one the cost waits (an agent on a node
+    /// without NVML must not refuse to start, a DaemonSet would crash-loop on every such node).
+    pub fn validate(&self) -> Result<FinopsConfig, ConfigError> {
         let labels = PodLabels::parse(&self.pod_labels)?;
         let weights = Weights::parse(&self.weights)?;
         let currency = self.currency.trim();
@@ -176,17 +115,12 @@ impl Settings {
         }
         // a zero is wrong whether or not a rate is set
         self.capacity.check_nonzero()?;
-        let cost = match self.hourly_rate {
-            None => None,
-            Some(hourly_rate) => Some(CostSettings {
-                model: CostModel {
-                    hourly_rate,
-                    weights,
-                    capacity: self.capacity.or(discovered).resolve()?,
-                },
-                currency: currency.to_string(),
-            }),
-        };
+        let cost = self.hourly_rate.map(|hourly_rate| CostSettings {
+            hourly_rate,
+            weights,
+            configured: self.capacity,
+            currency: currency.to_string(),
+        });
         if self.mps_sustain < Duration::from_secs(1) {
             return Err(ConfigError::BadSustain(self.mps_sustain));
         }
@@ -209,7 +143,8 @@ pub struct FinopsArgs {
     /// tenant=team.example.com/tenant. Repeatable.
     #[arg(long = "pod-label", value_name = "NAME=KEY")]
     pub pod_labels: Vec<String>,
-    /// The node's price per hour (its GPU included); turns on gpufeed_gpu_cost_total.
+    /// The node's price per hour (its GPU included); turns on gpufeed_gpu_cost_total once the
+    /// GPUs' capacity is known (configured, or from NVML at run time).
     #[arg(
         long,
         value_name = "PRICE",
@@ -301,19 +236,17 @@ mod tests {
             ..Settings::default()
         };
         f(&mut s);
-        s.validate(CapacityInput::default())
+        s.validate()
     }
 
     #[test]
     fn defaults_and_a_full_configuration_are_valid() {
-        let c = Settings::default()
-            .validate(CapacityInput::default())
-            .unwrap();
+        let c = Settings::default().validate().unwrap();
         assert!(c.cost.is_none(), "no rate: no cost");
         let c = with(|s| s.pod_labels = vec!["tenant=team.example.com/tenant".into()]).unwrap();
         let cost = c.cost.unwrap();
-        assert_eq!(cost.model.weights, Weights::default());
-        assert_eq!(cost.model.hourly_rate, 2.5);
+        assert_eq!(cost.weights, Weights::default());
+        assert_eq!(cost.hourly_rate, 2.5);
         assert_eq!(cost.currency, "USD");
         assert_eq!(c.labels.names().collect::<Vec<_>>(), ["tenant"]);
     }
@@ -338,14 +271,15 @@ mod tests {
         assert!(e(|s| s.capacity.memory_bytes = Some(0)).contains("--gpu-memory-bytes"));
         assert!(e(|s| s.capacity.link_bytes_per_second = Some(0))
             .contains("--gpu-link-bytes-per-second: a GPU's capacity cannot be 0"));
-        assert!(e(|s| s.capacity.memory_bytes = None).contains("--gpu-memory-bytes: not set"));
+        // a rate without a configured capacity starts (the capacity comes from NVML, live)
+        assert!(with(|s| s.capacity = CapacityInput::default()).is_ok());
         assert!(e(|s| s.currency = "".into()).contains("--gpu-cost-currency"));
         assert!(e(|s| s.mps_sustain = Duration::from_millis(10)).contains("--mps-sustain"));
         // a zero capacity is refused even without a rate
         let mut s = Settings::default();
         s.capacity.memory_bytes = Some(0);
         assert_eq!(
-            s.validate(CapacityInput::default()).unwrap_err(),
+            s.validate().unwrap_err(),
             ConfigError::ZeroCapacity("--gpu-memory-bytes")
         );
     }
@@ -356,29 +290,6 @@ mod tests {
         assert!(Weights::parse("1,0,0").is_ok());
         assert!(Weights::parse("0.55, 0.35, 0.10").is_ok());
         assert!(Weights::parse("0.55,0.35,0.1001").is_err());
-    }
-
-    #[test]
-    fn discovered_capacities_fill_what_configuration_leaves_open() {
-        let nvml = CapacityInput {
-            memory_bytes: Some(24 << 30),
-            link_bytes_per_second: Some(16_000_000_000),
-            gpus: Some(2),
-        };
-        let mut s = Settings {
-            hourly_rate: Some(1.0),
-            ..Settings::default()
-        };
-        s.capacity.memory_bytes = Some(20 << 30);
-        let cap = s.validate(nvml).unwrap().cost.unwrap().model.capacity;
-        assert_eq!(
-            cap,
-            GpuCapacity {
-                memory_bytes: 20 << 30,
-                link_bytes_per_second: 16_000_000_000,
-                gpus: 2,
-            }
-        );
     }
 
     #[test]

@@ -30,11 +30,6 @@ pub enum ConfigError {
     BadCurrency(String),
     #[error("{0}: a GPU's capacity cannot be 0")]
     ZeroCapacity(&'static str),
-    #[error(
-        "{0}: not set; --gpu-hourly-rate needs the GPU's memory (--gpu-memory-bytes) and link \
-         bandwidth (--gpu-link-bytes-per-second) to divide usage by"
-    )]
-    MissingCapacity(&'static str),
     #[error("--mps-sustain {0:?}: must be at least 1s")]
     BadSustain(Duration),
 }

@@ -7,13 +7,16 @@
 //! advisor ([`mps`]). VRAM is NVML's per-process memory where the node has NVML (it sees
 //! every allocation, the CUDA context's included), else what the CUDA uprobes saw allocated. Its Prometheus collector exports
 //! `gpufeed_gpu_cost_total`, `gpufeed_gpu_idle_cost_total`, `gpufeed_gpu_node_cost_total`,
-//! `gpufeed_mps_recommended_active_thread_percentage` and `gpufeed_pod_info`. docs/finops.md
-//! is the reader's side.
+//! `gpufeed_gpu_cost_capacity`, `gpufeed_mps_recommended_active_thread_percentage` and
+//! `gpufeed_pod_info`. The GPUs' capacity the cost divides by is read at each tick
+//! ([`live`]): the cost waits for one instead of the agent refusing to start, and follows it
+//! when it changes. docs/finops.md is the reader's side.
 
 pub mod config;
 pub mod cost;
 pub mod error;
 pub mod labels;
+pub mod live;
 pub mod mps;
 
 use std::collections::{BTreeMap, HashMap};
@@ -42,14 +45,20 @@ pub const MPS: &str = "gpufeed_mps_recommended_active_thread_percentage";
 pub const POD_INFO: &str = "gpufeed_pod_info";
 pub const CAPACITY: &str = "gpufeed_gpu_cost_capacity";
 
-/// Every pod's GPU running totals at one tick (by pod UID): what FinOps reads of the
-/// collector's state.
-#[derive(Debug, Default)]
-pub struct Totals(HashMap<String, PodTotals>);
+/// Every pod's GPU running totals at one tick (by pod UID), and the GPUs' capacity as the
+/// nvml probe reports it then: what FinOps reads of the collector's state.
+#[derive(Debug)]
+pub struct Totals {
+    pods: HashMap<String, PodTotals>,
+    capacity: live::Reported,
+}
 
 impl Totals {
     pub fn of(shared: &Store) -> Totals {
-        Totals(pod_totals(shared))
+        Totals {
+            pods: pod_totals(shared),
+            capacity: live::Reported::of(shared),
+        }
     }
 }
 
@@ -83,8 +92,10 @@ struct State {
     last: Option<Instant>,
     /// Totals at the previous tick, by pod UID.
     previous: HashMap<String, PodTotals>,
-    /// `None` without an hourly rate.
+    /// `None` without an hourly rate, or until there is a capacity to divide by.
     meter: Option<cost::Meter<CostKey>>,
+    /// What the cost divides by, read at each tick (`None` without an hourly rate).
+    capacity: Option<live::Live>,
     advisor: mps::MpsAdvisor<PodName>,
 }
 
@@ -102,12 +113,21 @@ pub struct FinOps(Arc<Inner>);
 
 impl FinOps {
     pub fn new(cfg: FinopsConfig, pods: PodStore) -> FinOps {
-        let descs = [COST, IDLE_COST, NODE_COST, MPS, POD_INFO]
+        let descs = [COST, IDLE_COST, NODE_COST, CAPACITY, MPS, POD_INFO]
             .iter()
             .filter_map(|n| Desc::new(n.to_string(), n.to_string(), vec![], HashMap::new()).ok())
             .collect();
         let advisor = mps::MpsAdvisor::new(cfg.mps);
-        let meter = cfg.cost.as_ref().map(|c| cost::Meter::new(c.model));
+        let capacity = cfg.cost.as_ref().map(|c| live::Live::new(c.configured));
+        // a capacity known from the configuration prices from the start
+        let meter = cfg.cost.as_ref().zip(capacity.as_ref()).and_then(|(c, l)| {
+            let capacity = l.current?;
+            Some(cost::Meter::new(cost::CostModel {
+                hourly_rate: c.hourly_rate,
+                weights: c.weights,
+                capacity,
+            }))
+        });
         FinOps(Arc::new(Inner {
             cfg,
             pods,
@@ -115,6 +135,7 @@ impl FinOps {
                 last: None,
                 previous: HashMap::new(),
                 meter,
+                capacity,
                 advisor,
             }),
             descs,
@@ -135,8 +156,12 @@ impl FinOps {
     /// The same from totals taken earlier ([`Totals::of`], while the collector's lock is held;
     /// the booking runs without it).
     pub fn book(&self, totals: Totals, now: Instant) {
-        let totals = totals.0;
+        let Totals {
+            pods: totals,
+            capacity: reported,
+        } = totals;
         let mut st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.price_with(&mut st, &reported);
         let Some(last) = st.last.replace(now) else {
             st.previous = totals;
             return;
@@ -190,6 +215,28 @@ impl FinOps {
         st.previous = totals;
     }
 
+    /// The capacity reported this tick into the cost model: the meter starts at the first
+    /// capacity known and divides by the current one from then on.
+    fn price_with(&self, st: &mut State, reported: &live::Reported) {
+        let (Some(c), Some(live)) = (&self.0.cfg.cost, st.capacity.as_mut()) else {
+            return;
+        };
+        live.update(reported);
+        let Some(capacity) = live.current else {
+            return;
+        };
+        match &mut st.meter {
+            Some(meter) => meter.model.capacity = capacity,
+            None => {
+                st.meter = Some(cost::Meter::new(cost::CostModel {
+                    hourly_rate: c.hourly_rate,
+                    weights: c.weights,
+                    capacity,
+                }))
+            }
+        }
+    }
+
     fn families(&self) -> Vec<MetricFamily> {
         let inner = &self.0;
         let mut out = Vec::new();
@@ -225,20 +272,9 @@ impl FinOps {
                 MetricType::COUNTER,
                 vec![counter(&currency(), ledger.node)],
             ));
-            let cap = c.model.capacity;
-            out.push(family(
-                CAPACITY,
-                "What the cost shares divide by, by resource: memory_bytes and link_bytes_per_second (configured, else summed over the GPUs NVML could read at start), gpus (the GPUs priced)",
-                MetricType::GAUGE,
-                [
-                    ("memory_bytes", cap.memory_bytes as f64),
-                    ("link_bytes_per_second", cap.link_bytes_per_second as f64),
-                    ("gpus", f64::from(cap.gpus)),
-                ]
-                .into_iter()
-                .map(|(r, v)| gauge(&Labels::from([("resource", r.to_string())]), v))
-                .collect(),
-            ));
+        }
+        if let Some(live) = &st.capacity {
+            out.push(capacity_family(live));
         }
         out.push(family(
             MPS,
@@ -291,6 +327,37 @@ impl PromCollector for FinOps {
     fn collect(&self) -> Vec<MetricFamily> {
         self.families()
     }
+}
+
+/// What the cost shares divide by, by resource. A resource neither configured nor reported
+/// now has a `reason` (why NVML does not give it) and the last value known, 0 before any:
+/// an agent without a capacity says why its cost series are absent.
+fn capacity_family(live: &live::Live) -> MetricFamily {
+    let cap = live.current;
+    let pick = |f: fn(&GpuCapacity) -> f64| cap.as_ref().map(f).unwrap_or(0.0);
+    let memory = pick(|c| c.memory_bytes as f64);
+    let link = pick(|c| c.link_bytes_per_second as f64);
+    let gpus = pick(|c| f64::from(c.gpus));
+    let samples = [
+        ("memory_bytes", memory),
+        ("link_bytes_per_second", link),
+        ("gpus", gpus),
+    ]
+    .into_iter()
+    .map(|(r, v)| {
+        // the GPU count comes with the memory
+        let missing = live.missing.contains(&r) || (r == "gpus" && cap.is_none());
+        let reason = if missing { live.reason } else { "" };
+        let l = Labels::from([("resource", r.to_string()), ("reason", reason.to_string())]);
+        gauge(&l, v)
+    })
+    .collect();
+    family(
+        CAPACITY,
+        "What the cost shares divide by, by resource: memory_bytes and link_bytes_per_second (configured, else summed over the GPUs NVML reports now), gpus (the GPUs priced); reason: why one is neither configured nor reported now (nvml_not_loaded, nvml_no_gpu, nvml_probe_off, nvml_incomplete, not_read_yet before the first tick), its value then the last known, 0 before any: no cost series until both are known (docs/finops.md)",
+        MetricType::GAUGE,
+        samples,
+    )
 }
 
 fn secs(ns: u64) -> f64 {
@@ -458,7 +525,7 @@ mod tests {
             },
             ..Settings::default()
         }
-        .validate(CapacityInput::default())
+        .validate()
         .unwrap()
     }
 
@@ -581,14 +648,64 @@ mod tests {
 
     #[test]
     fn without_a_rate_there_is_no_cost_series() {
-        let f = FinOps::new(
-            Settings::default()
-                .validate(CapacityInput::default())
-                .unwrap(),
-            PodStore::default(),
-        );
+        let f = FinOps::new(Settings::default().validate().unwrap(), PodStore::default());
         f.tick(&Store::default(), Instant::now());
         let names: Vec<String> = f.families().iter().map(|f| f.name().to_string()).collect();
         assert_eq!(names, [MPS]);
+    }
+
+    /// A rate and no capacity: no cost series, the capacity series says why; NVML's capacity
+    /// reported at a later tick starts the cost, and a change is divided by from then on.
+    #[test]
+    fn the_cost_waits_for_a_capacity_and_follows_it() {
+        let cfg = Settings {
+            hourly_rate: Some(3.6),
+            weights: "0,1,0".into(),
+            ..Settings::default()
+        }
+        .validate()
+        .unwrap();
+        let f = FinOps::new(cfg, PodStore::default());
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        let totals = |reported: live::Reported| Totals {
+            pods: pod_totals(&shared([0, 0], 0, 500.0)),
+            capacity: reported,
+        };
+        f.book(totals(live::Reported::NotLoaded("x".into())), at(0));
+        f.book(totals(live::Reported::NotLoaded("x".into())), at(1));
+        let fams = f.families();
+        assert!(fams
+            .iter()
+            .all(|f| f.name() != COST && f.name() != NODE_COST));
+        let cap = value(&fams, CAPACITY);
+        assert_eq!(cap.len(), 3);
+        for (l, v) in &cap {
+            assert_eq!(*v, 0.0);
+            assert!(
+                l.contains(&("reason".into(), "nvml_not_loaded".into())),
+                "{l:?}"
+            );
+        }
+        let nvml = |memory| {
+            live::Reported::Gpus(CapacityInput {
+                memory_bytes: Some(memory),
+                link_bytes_per_second: Some(10),
+                gpus: Some(1),
+            })
+        };
+        // VRAM only: 500 of 1000 bytes for 1 s at 0.001 a second, then of 2000
+        f.book(totals(nvml(1000)), at(2));
+        f.book(totals(nvml(2000)), at(3));
+        let fams = f.families();
+        let cost = value(&fams, COST)[0].1;
+        let want = 0.001 * 0.5 + 0.001 * 0.25;
+        assert!((cost - want).abs() < 1e-15, "{cost} vs {want}");
+        let memory = value(&fams, CAPACITY)
+            .into_iter()
+            .find(|(l, _)| l.contains(&("resource".into(), "memory_bytes".into())))
+            .unwrap();
+        assert_eq!(memory.1, 2000.0);
+        assert!(memory.0.contains(&("reason".into(), String::new())));
     }
 }
