@@ -1153,6 +1153,15 @@ fn nvml_mps_server_time_goes_to_its_clients_by_their_gpu_activity() {
             nvml.path(),
         ],
     );
+    // the clients start once the agent reads NVML and knows the server (on a loaded machine
+    // its start takes seconds): their activity is then all seen, a's three seconds against b's one
+    let up = wait_for(Duration::from_secs(30), || {
+        let s = agent.scrape();
+        (value(&s, "gpufeed_nvml_mps_servers", &[]) == Some(1.0)
+            && value(&s, "gpufeed_gpu_compute_source", &[("source", "nvml")]) == Some(1.0))
+        .then_some(())
+    });
+    assert!(up.is_some(), "{}", agent.log.lock().unwrap());
     std::fs::write(&go, "").unwrap();
     let sum_of = |s: &[Sample], name: &str, p: &Pod| {
         find(s, name, &[("pod", p.uid.as_str())])
@@ -1161,12 +1170,6 @@ fn nvml_mps_server_time_goes_to_its_clients_by_their_gpu_activity() {
             .sum::<f64>()
     };
     std::thread::sleep(Duration::from_millis(3000));
-    let s = agent.scrape();
-    assert_eq!(value(&s, "gpufeed_nvml_mps_servers", &[]), Some(1.0));
-    assert_eq!(
-        value(&s, "gpufeed_gpu_compute_source", &[("source", "nvml")]),
-        Some(1.0)
-    );
     // the server stops; once its last samples are read, every SM-second it had is booked
     nvml.set_processes(&clients(0));
     std::thread::sleep(Duration::from_millis(1000));
