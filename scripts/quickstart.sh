@@ -147,7 +147,8 @@ wait_metric() {
 }
 wait_metric "http://$guest_metrics/metrics" '^gpufeed_probe_up\{probe="sched_latency"\} 1' 60
 wait_metric "http://$guest_metrics/metrics" "^gpufeed_stream_connected\\{[^}]*host=\"$host\"[^}]*\\} 1" 60
-wait_metric "http://$host_metrics/metrics" '^gpufeed_host_stream_connected\{[^}]*guest="guest"[^}]*\} 1' 30
+# `certs init` names the guest in host.toml by its address's host part
+wait_metric "http://$host_metrics/metrics" "^gpufeed_host_stream_connected\\{[^}]*guest=\"${quic%:*}\"[^}]*\\} 1" 30
 
 cat <<MSG
 gpufeed on this machine (state and logs in $state)

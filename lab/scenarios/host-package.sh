@@ -63,7 +63,8 @@ done
 report instance "$(test -d /sys/kernel/tracing/instances/gpufeed && echo present || echo absent)"
 report instance_events "$(cat /sys/kernel/tracing/instances/gpufeed/events/ras/aer_event/enable 2>/dev/null)"
 report bridge_series "$(metrics | grep -c '^gpufeed_host_bridge_bytes_total{.*port="tap100i0"' || true)"
-report spool "$(ls /var/lib/gpufeed/spool/guest 2>/dev/null | tr '\n' ' ')"
+# the guest's spool, named as `certs init` names the guest: by its address's host part
+report spool "$( (ls /var/lib/gpufeed/spool/10.0.2.99 2>/dev/null || true) | tr '\n' ' ')"
 report tracefs_log "$(journalctl -u "$unit" -b --no-pager -o cat | grep -m1 -i 'tracefs' || true)"
 # structured fields: the unit's records carry WATCHER (and the others) as journal fields
 report journal_fields "$(journalctl -u "$unit" -b -o json --no-pager | grep -o '"WATCHER":"[a-z_]*"' | sort -u | tr '\n' ' ')"
