@@ -45,3 +45,19 @@ impl ReceivedEvent {
         self.host_realtime_ns - self.clock_offset_ns.unwrap_or(0)
     }
 }
+
+/// A received event numbered `seq`, for the hub's tests.
+#[cfg(test)]
+pub(super) fn sample(seq: u64) -> ReceivedEvent {
+    ReceivedEvent {
+        host: "pve1".into(),
+        boot_id: 1,
+        seq,
+        kind: HostEvent::KmsgLost { count: seq }.kind(),
+        host_realtime_ns: 0,
+        host_monotonic_ns: 0,
+        received_realtime_ns: 0,
+        clock_offset_ns: None,
+        event: HostEvent::KmsgLost { count: seq },
+    }
+}

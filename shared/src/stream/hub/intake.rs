@@ -122,20 +122,9 @@ impl Intake {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::HostEvent;
 
     fn event(seq: u64) -> Delivery {
-        Delivery::Event(ReceivedEvent {
-            host: "pve1".into(),
-            boot_id: 1,
-            seq,
-            kind: 0,
-            host_realtime_ns: 0,
-            host_monotonic_ns: 0,
-            received_realtime_ns: 0,
-            clock_offset_ns: None,
-            event: HostEvent::KmsgLost { count: seq },
-        })
+        Delivery::Event(super::super::event::sample(seq))
     }
 
     fn dropped(i: &Intake) -> u64 {

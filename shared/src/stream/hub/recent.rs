@@ -53,21 +53,8 @@ impl Recent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::HostEvent;
 
-    fn ev(seq: u64) -> ReceivedEvent {
-        ReceivedEvent {
-            host: "pve1".into(),
-            boot_id: 1,
-            seq,
-            kind: 0,
-            host_realtime_ns: 0,
-            host_monotonic_ns: 0,
-            received_realtime_ns: 0,
-            clock_offset_ns: None,
-            event: HostEvent::KmsgLost { count: seq },
-        }
-    }
+    use super::super::event::sample as ev;
 
     #[test]
     fn bounded_in_count_and_bytes_newest_kept() {
