@@ -9,7 +9,7 @@
 //! signals, seven windows) with log-normal noise; a tenth of the pods are hot for 5 ticks
 //! every 30 s and a host event arrives every 30 s, so spikes and joins happen.
 //!
-//! Reports, per pod count: `Join::tick` (the collector's windows merged per pod and signal,
+//! Reports, per pod count: `JoinOwner::tick` (the collector's windows merged per pod and signal,
 //! then the correlator) in µs per tick, wall and thread CPU; the time to render /metrics
 //! (`Exposition::render`: the agent's series and the correlator's); the process RSS.
 //! Targets: tick ≤ 1 ms at 250 pods, render ≤ 20 ms at 250 and 1,000 pods, RSS ≤ 40 MB.
@@ -28,7 +28,7 @@ use gpufeed_guest::collect::{Owner, OwnerStats, Store, TickReport};
 use gpufeed_guest::correlate::Config;
 use gpufeed_guest::exporter::{AgentCollector, Exposition};
 use gpufeed_guest::hub::ReceivedEvent;
-use gpufeed_guest::join::{Join, JoinCollector};
+use gpufeed_guest::join::{JoinOwner, Settings};
 use gpufeed_guest::pods::{PodMeta, PodStore};
 use gpufeed_guest::probes::hist::Hist;
 use gpufeed_guest::probes::signal::{SignalWindow, WindowValue};
@@ -301,7 +301,14 @@ fn run(pods: usize) {
     let shared = Arc::new(Mutex::new(shared(pods, &store, &mut rng)));
     // the pods the collector has: every pod of the store's owners
     let live = shared.lock().expect("shared").pod_uids();
-    let join = Join::new(Config::default(), store.clone(), "node-1".into(), vec![]);
+    let mut join = JoinOwner::new(
+        Settings {
+            correlate: Config::default(),
+            node: "node-1".into(),
+            ..Settings::default()
+        },
+        store.clone(),
+    );
     let registry = prometheus::Registry::new();
     let probes = [
         "sched_latency",
@@ -314,29 +321,31 @@ fn run(pods: usize) {
     .map(ProbeStatus::up)
     .to_vec();
     let agent = AgentCollector::new(shared.clone(), store, FAMILIES.iter().collect(), probes);
-    registry
-        .register(Box::new(JoinCollector::new(join.clone())))
-        .expect("register");
-    let exposition = Exposition::new(registry, Arc::new(agent));
 
     let (mut wall, mut cpu) = (Vec::new(), Vec::new());
     for t in 0..WARMUP + MEASURED {
         let w = windows(pods, t, &mut rng);
         if t % 30 == 1 {
-            join.host_event(&link_event(t as u64));
+            join.host_event(&link_event(t as u64), now_ns());
         }
         let input = TickReport {
             windows: w,
             gauges: Vec::new(),
             live: live.clone(),
+            gpu_busy: Some(true),
         };
         let (start, cpu_start) = (Instant::now(), thread_cpu_ns());
-        join.tick(&input);
+        join.tick(&input, Instant::now(), now_ns());
         if t >= WARMUP {
             cpu.push((thread_cpu_ns() - cpu_start) as f64 / 1e3);
             wall.push(start.elapsed().as_secs_f64() * 1e6);
         }
     }
+    // the scrape reads the series the join published after its last tick
+    registry
+        .register(Box::new(Published(join.series(now_ns()))))
+        .expect("register");
+    let exposition = Exposition::new(registry, Arc::new(agent));
     let (mut render, mut render_cpu) = (Vec::new(), Vec::new());
     let mut bytes = 0;
     for _ in 0..RENDERS {
@@ -355,7 +364,7 @@ fn run(pods: usize) {
     for (what, v) in [("wall", &mut wall), ("cpu", &mut cpu)] {
         let (p50, p99, max) = summary(v);
         println!(
-            "scale: {pods} pods, {windows} windows/tick: Join::tick {what} µs: p50 {p50:.0}, p99 {p99:.0}, max {max:.0} (target ≤ 1000 at 250 pods)"
+            "scale: {pods} pods, {windows} windows/tick: JoinOwner::tick {what} µs: p50 {p50:.0}, p99 {p99:.0}, max {max:.0} (target ≤ 1000 at 250 pods)"
         );
     }
     for (what, v) in [("wall", &mut render), ("cpu", &mut render_cpu)] {
@@ -365,6 +374,26 @@ fn run(pods: usize) {
         );
     }
     println!("scale: {pods} pods: RSS {:.1} MB (target ≤ 40)", rss_mb());
+}
+
+/// The join's series as its driver publishes them: a scrape clones the published families.
+struct Published(Vec<prometheus::proto::MetricFamily>);
+
+impl prometheus::core::Collector for Published {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        Vec::new()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.0.clone()
+    }
+}
+
+fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
 }
 
 fn main() {

@@ -87,6 +87,9 @@ pub struct TickReport {
     /// UIDs of the pods the collector has after the tick (by UID: a pod whose
     /// names arrive is the same pod, not one gone and one new).
     pub live: FxHashSet<String>,
+    /// Whether the GPU worked this tick (`probes::gpu_activity`); `None`: nothing loaded can
+    /// tell.
+    pub gpu_busy: Option<bool>,
 }
 
 /// One tick's deltas, merged per owner and series.
@@ -330,7 +333,13 @@ impl Collector {
             },
             gauges: gauges.clone(),
             live: FxHashSet::default(),
+            gpu_busy: None,
         };
+        report.gpu_busy = crate::probes::gpu_activity::gpu_busy(
+            &report.windows,
+            &report.gauges,
+            crate::probes::gpu_activity::sees_gpu_work(&signals),
+        );
         for (owner, series) in deltas {
             let o = match shared.owners.get_mut(&owner) {
                 Some(o) => o,

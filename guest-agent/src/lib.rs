@@ -26,4 +26,5 @@ pub mod privileges;
 pub mod probes;
 pub mod readiness;
 pub mod selftest;
+pub mod tick_loop;
 pub mod web;

@@ -2,8 +2,6 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +11,7 @@ use clap::{Parser, Subcommand};
 use gpufeed_guest::probes::unit::LoadContext;
 use gpufeed_guest::{
     certs, cgroups, collect, correlate, doctor, exporter, finops, hub, incident, join, pods,
-    privileges, probes, readiness, web,
+    privileges, probes, readiness, tick_loop, web,
 };
 
 /// Default /metrics port: not used by any well-known exporter.
@@ -295,7 +293,6 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         lockdown: lockdown.as_deref(),
     };
     let (units, statuses) = probes::load(&ctx, &selected).map_err(load_error)?;
-    let probes_up: Vec<&'static str> = statuses.iter().filter(|s| s.up).map(|s| s.name).collect();
     for s in &statuses {
         match &s.reason {
             None => tracing::info!(probe = s.name, "probe attached"),
@@ -355,49 +352,28 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     let node = node_name(args.node_name.clone());
-    let joined = join::Join::new(join_cfg, pods.clone(), node, args.simulated_hosts.clone());
-    if let Some(t) = args.profile_url.clone() {
+    if let Some(t) = &args.profile_url {
         tracing::info!(template = %t, "profile links on the incident page");
-        joined.set_profile(t);
     }
-    joined.set_probes_up(probes_up);
-    registry.register(Box::new(join::JoinCollector::new(joined.clone())))?;
+    let joined = join::Join::start(
+        join::Settings {
+            correlate: join_cfg,
+            node,
+            simulated: args.simulated_hosts.clone(),
+            profile: args.profile_url.clone(),
+        },
+        pods.clone(),
+    )?;
+    registry.register(Box::new(joined.series()))?;
 
-    // The tick runs on its own thread: it is all blocking syscalls. At shutdown
-    // it is stopped and joined so that the units are dropped: clsact filters
-    // (kernels before tcx) outlive the process unless detached.
-    let started = Instant::now();
-    let last_tick_ms = Arc::new(AtomicU64::new(0));
-    let (stop_ticks, stopped) = std::sync::mpsc::channel::<()>();
-    let ticks = {
-        let last = last_tick_ms.clone();
-        let interval = args.interval;
-        let joined = joined.clone();
-        std::thread::Builder::new()
-            .name("tick".into())
-            .spawn(move || {
-                let mut next = Instant::now() + interval;
-                loop {
-                    let wait = next.saturating_duration_since(Instant::now());
-                    if stopped.recv_timeout(wait) != Err(RecvTimeoutError::Timeout) {
-                        break; // asked to stop (or the agent is gone)
-                    }
-                    next += interval;
-                    let report = match collector.tick() {
-                        Ok(report) => report,
-                        Err(e) => {
-                            tracing::warn!("reading the cgroup hierarchy failed: {e}");
-                            continue;
-                        }
-                    };
-                    // the join runs on the tick's report, holding no lock of the
-                    // collector's: a scrape never waits for it
-                    join::hand_off(&report, &collector.store, &joined, &finops);
-                    last.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
-                }
-                drop(collector);
-            })?
-    };
+    let last_tick = tick_loop::LastTick::new();
+    let ticks = tick_loop::TickLoop::start(
+        collector,
+        args.interval,
+        joined.clone(),
+        finops,
+        last_tick.clone(),
+    )?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -438,11 +414,9 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         let listener = gpufeed_shared::http::bind(args.metrics_listen)
             .map_err(|e| exporter::bind_error(args.metrics_listen, e))?;
         tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz, /doctor, /events, /api/state and the page at /");
-        let stale_after = (args.interval * 3).as_millis() as u64 + 1000;
-        let healthy: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || {
-            let now = started.elapsed().as_millis() as u64;
-            now.saturating_sub(last_tick_ms.load(Ordering::Relaxed)) <= stale_after
-        });
+        let stale_after = args.interval * 3 + Duration::from_secs(1);
+        let healthy: Arc<dyn Fn() -> bool + Send + Sync> =
+            Arc::new(move || last_tick.age() <= stale_after);
         let health_listen = args.health_listen.unwrap_or_else(|| {
             let port = if args.metrics_listen.port() == 0 { 0 } else { DEFAULT_HEALTH_PORT };
             SocketAddr::from(([127, 0, 0, 1], port))
@@ -463,10 +437,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     });
     // the tick in progress ends first; then its thread drops the units
-    let _ = stop_ticks.send(());
-    if ticks.join().is_err() {
-        tracing::warn!("the tick thread panicked; its probes were not detached");
-    }
+    ticks.stop();
     served
 }
 

@@ -28,7 +28,7 @@ pub const STREAM_OFF: &str =
 pub async fn start_stream(
     cfg: HubConfig,
     registry: &prometheus::Registry,
-    joined: Arc<Join>,
+    joined: Join,
 ) -> anyhow::Result<Stream> {
     match hub::serve(cfg.clone(), registry).await {
         Ok(h) => {
@@ -53,7 +53,7 @@ fn log_waiting(why: &str) {
     );
 }
 
-async fn retry(cfg: HubConfig, registry: prometheus::Registry, joined: Arc<Join>, stream: Stream) {
+async fn retry(cfg: HubConfig, registry: prometheus::Registry, joined: Join, stream: Stream) {
     loop {
         tokio::time::sleep(cfg.tls_reload_interval).await;
         match hub::serve(cfg.clone(), &registry).await {

@@ -7,25 +7,25 @@
 //! * [`Correlator::observe`]: every tick, one [`SignalWindow`] per (pod, signal); each feeds
 //!   that signal's [`detector`] and a detected spike is joined to the host events in reach.
 //! * [`Correlator::host_event`]: a host event with the clock offset the hub measured; it is
-//!   classified ([`events`]), counted, listed and joined to the spikes in reach ([`join`]).
+//!   classified ([`events`]), counted, listed and joined to the spikes in reach ([`pairing`]).
 //! * [`Correlator::gpu_window`]: every tick, whether the GPU worked ([`gpu`]); a link's speed
 //!   change at full width is read against what the GPU did after it (power management or a
 //!   degradation), and waits for those windows if they are not in yet.
 //! * [`Correlator::forget_pod`]: the pod is gone; its state and series go with it.
-//! * Outputs in [`export`]: the `gpufeed_*` correlation series and the recent events as JSON.
+//! * Outputs in [`views`]: the `gpufeed_*` correlation series and the recent events as JSON.
 //!
 //! The design, defaults and measured precision are in docs/correlation.md.
 
 pub mod baseline;
 pub mod detector;
 pub mod events;
-pub mod export;
 pub mod gpu;
-pub mod join;
+pub mod pairing;
 #[cfg(test)]
 mod scenarios;
 #[cfg(test)]
 mod tests;
+pub mod views;
 pub mod window;
 
 use std::collections::{BTreeMap, HashMap};
@@ -50,7 +50,7 @@ pub struct Observed {
 use events::Payload;
 use gpu::GpuLog;
 use gpufeed_shared::event::HostEvent;
-use join::{JoinConfig, Joiner, NewJoin};
+use pairing::{JoinConfig, Joiner, NewJoin};
 
 /// Settings of the correlator. [`Config::default`] gives the documented defaults.
 #[derive(Debug, Clone, PartialEq)]

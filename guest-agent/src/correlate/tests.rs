@@ -135,7 +135,7 @@ fn value(fams: &[MetricFamily], name: &str, labels: &[(&str, &str)]) -> Option<f
 
 fn spikes_of(sim: &Sim, p: &str) -> Option<f64> {
     sim.value(
-        export::LATENCY_SPIKES,
+        views::LATENCY_SPIKES,
         &[
             ("signal", "run_queue_wait"),
             ("namespace", "ml"),
@@ -146,7 +146,7 @@ fn spikes_of(sim: &Sim, p: &str) -> Option<f64> {
 
 fn correlated(sim: &Sim, event: &str, p: &str) -> Option<f64> {
     sim.value(
-        export::CORRELATED_SPIKES,
+        views::CORRELATED_SPIKES,
         &[
             ("event", event),
             ("signal", "run_queue_wait"),
@@ -187,14 +187,14 @@ fn link_degradation_joins_the_pod_that_spiked_and_not_the_other() {
     assert_eq!(correlated(&sim, "link_degraded", "batch-0"), None);
     assert_eq!(
         sim.value(
-            export::HOST_EVENTS,
+            views::HOST_EVENTS,
             &[("host", "pve1"), ("event", "link_degraded")]
         ),
         Some(1.0)
     );
     // Baseline median of 40..44 is 42; every window of the episode was 900.
     let impact = sim.value(
-        export::EVENT_IMPACT,
+        views::EVENT_IMPACT,
         &[
             ("event", "link_degraded"),
             ("signal", "run_queue_wait"),
@@ -204,7 +204,7 @@ fn link_degradation_joins_the_pod_that_spiked_and_not_the_other() {
     );
     assert_eq!(impact, Some(900.0 / 42.0));
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
+        sim.value(views::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(1.0)
     );
     let ev = &sim.c.recent_events()[0];
@@ -264,7 +264,7 @@ fn a_late_event_explains_a_spike_already_counted_as_unexplained() {
     assert_eq!(un.len(), 1);
     assert!(!un[0].pending);
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
+        sim.value(views::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(0.0)
     );
     // The host was disconnected; its spool delivers the event now, 16 s late.
@@ -272,7 +272,7 @@ fn a_late_event_explains_a_spike_already_counted_as_unexplained() {
     assert_eq!(correlated(&sim, "link_degraded", "vllm-0"), Some(1.0));
     assert!(sim.c.unexplained_spikes(sim.now()).is_empty());
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
+        sim.value(views::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(1.0)
     );
 }
@@ -289,7 +289,7 @@ fn a_fresh_spike_is_pending_before_it_is_unexplained() {
     assert!(un[0].pending);
     // Pending spikes are not in the ratio yet.
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
+        sim.value(views::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         None
     );
     assert_eq!(spikes_of(&sim, "vllm-0"), Some(1.0));
@@ -338,7 +338,7 @@ fn overlapping_events_count_a_spike_once_per_kind() {
     assert_eq!(spikes_of(&sim, "vllm-0"), Some(1.0));
     assert_eq!(correlated(&sim, "link_down", "vllm-0"), Some(1.0));
     assert_eq!(correlated(&sim, "aer_fatal", "vllm-0"), Some(1.0));
-    let host = |e| sim.value(export::HOST_EVENTS, &[("host", "pve1"), ("event", e)]);
+    let host = |e| sim.value(views::HOST_EVENTS, &[("host", "pve1"), ("event", e)]);
     assert_eq!(host("aer_fatal"), Some(3.0), "every event is counted");
     assert_eq!(host("link_down"), Some(2.0));
     let evs = sim.c.recent_events();
@@ -350,7 +350,7 @@ fn overlapping_events_count_a_spike_once_per_kind() {
     let lags: Vec<i64> = evs.iter().map(|e| e.affected[0].lag_ms).collect();
     assert_eq!(lags, vec![-1500, 100, 800]);
     assert_eq!(
-        sim.value(export::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
+        sim.value(views::SPIKE_EXPLAINED, &[("signal", "run_queue_wait")]),
         Some(1.0)
     );
 }
@@ -440,7 +440,7 @@ fn flat_zero_and_a_warming_pod_do_not_storm() {
     let fams = sim.c.metric_families(sim.now());
     let f = fams
         .iter()
-        .find(|f| f.name() == export::LATENCY_SPIKES)
+        .find(|f| f.name() == views::LATENCY_SPIKES)
         .unwrap();
     assert!(f.get_metric().is_empty(), "{:?}", f.get_metric());
     assert!(sim.c.recent_events().iter().all(|e| e.affected.is_empty()));
@@ -458,9 +458,9 @@ fn a_host_event_with_no_spike_correlates_nothing() {
     assert!(ev.text.ends_with("no pod spiked"), "{}", ev.text);
     let fams = sim.c.metric_families(sim.now());
     for name in [
-        export::CORRELATED_SPIKES,
-        export::EVENT_IMPACT,
-        export::LATENCY_SPIKES,
+        views::CORRELATED_SPIKES,
+        views::EVENT_IMPACT,
+        views::LATENCY_SPIKES,
     ] {
         let f = fams.iter().find(|f| f.name() == name).unwrap();
         assert!(f.get_metric().is_empty(), "{name}");
@@ -468,7 +468,7 @@ fn a_host_event_with_no_spike_correlates_nothing() {
     assert_eq!(
         value(
             &fams,
-            export::HOST_EVENTS,
+            views::HOST_EVENTS,
             &[("host", "pve1"), ("event", "link_degraded")]
         ),
         Some(1.0)
@@ -498,7 +498,7 @@ fn an_unknown_kind_is_counted_and_listed_and_explains_nothing() {
             sim.event(&kmsg_link_down(), 30.0, 0.0, 0.0);
         }
     });
-    let host = |e| sim.value(export::HOST_EVENTS, &[("host", "pve1"), ("event", e)]);
+    let host = |e| sim.value(views::HOST_EVENTS, &[("host", "pve1"), ("event", e)]);
     assert_eq!(host("unknown"), Some(1.0));
     assert_eq!(host("kmsg"), Some(1.0));
     let evs = sim.c.recent_events();
@@ -655,7 +655,7 @@ fn a_pod_named_after_its_first_windows_keeps_its_baseline() {
     // Its series carry the names now, not the UID.
     assert_eq!(
         sim.value(
-            export::LATENCY_SPIKES,
+            views::LATENCY_SPIKES,
             &[
                 ("signal", "run_queue_wait"),
                 ("namespace", ""),
@@ -701,7 +701,7 @@ fn power_managed_speed_changes_join_nothing_and_a_drop_under_load_does() {
     }
     assert_eq!(
         sim.value(
-            export::HOST_EVENTS,
+            views::HOST_EVENTS,
             &[("host", "pve1"), ("event", "link_power_managed")]
         ),
         Some(2.0)
@@ -759,7 +759,7 @@ fn a_speed_drop_waits_for_the_gpu_windows_after_it() {
     sim.quiet(&[&a], 10);
     sim.event(&speed(16000, 2500), 10.5, 0.0, 0.0);
     let count =
-        |sim: &Sim, kind| sim.value(export::HOST_EVENTS, &[("host", "pve1"), ("event", kind)]);
+        |sim: &Sim, kind| sim.value(views::HOST_EVENTS, &[("host", "pve1"), ("event", kind)]);
     assert_eq!(
         count(&sim, "link_degraded"),
         None,
@@ -821,7 +821,7 @@ fn a_flood_of_power_managed_changes_is_one_entry_and_keeps_incidents_listed() {
     sim.quiet(&[&a], 5);
     assert_eq!(
         sim.value(
-            export::HOST_EVENTS,
+            views::HOST_EVENTS,
             &[("host", "pve1"), ("event", "link_power_managed")]
         ),
         Some(300.0)
@@ -866,7 +866,7 @@ fn the_spikes_of_a_pod_with_one_busy_connection_thread_or_gpu_process_join() {
                 sim.tick(&[(&p, signal, Some(noisy(t)))]);
             }
             let joined = sim.value(
-                export::CORRELATED_SPIKES,
+                views::CORRELATED_SPIKES,
                 &[
                     ("event", "link_degraded"),
                     ("signal", signal),
@@ -921,17 +921,17 @@ fn a_link_degradation_joins_the_throughput_dip_it_caused() {
             ],
         )
     };
-    assert_eq!(of(export::CORRELATED_SPIKES, "vllm-0"), Some(1.0));
-    assert_eq!(of(export::CORRELATED_SPIKES, "vllm-1"), None);
+    assert_eq!(of(views::CORRELATED_SPIKES, "vllm-0"), Some(1.0));
+    assert_eq!(of(views::CORRELATED_SPIKES, "vllm-1"), None);
     let spikes = |p: &str| {
         sim.value(
-            export::LATENCY_SPIKES,
+            views::LATENCY_SPIKES,
             &[("signal", LINK), ("namespace", "ml"), ("pod", p)],
         )
     };
     assert_eq!((spikes("vllm-0"), spikes("vllm-1")), (Some(1.0), None));
     // the lowest window (2 GB/s × 1.00..1.02) against the quiet median of 8 GB/s × 1.01
-    let impact = of(export::EVENT_IMPACT, "vllm-0").expect("an impact");
+    let impact = of(views::EVENT_IMPACT, "vllm-0").expect("an impact");
     assert!((impact - 2.0 / 8.08).abs() < 0.005, "{impact}");
     let ev = &sim.c.recent_events()[0];
     assert_eq!(ev.event, "link_degraded");

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 
 use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
 
-use crate::correlate::join::EventRecord;
+use crate::correlate::pairing::EventRecord;
 
 pub const HOST_EVENT_TIMESTAMP: &str = "gpufeed_host_event_timestamp_seconds";
 pub const HELP: &str =

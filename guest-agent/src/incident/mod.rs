@@ -13,7 +13,7 @@ pub mod timeline;
 use gpufeed_shared::hoststate::{names, HostState};
 use serde::{Deserialize, Serialize};
 
-use crate::correlate::export::SpikeView;
+use crate::correlate::views::SpikeView;
 use crate::correlate::LinkCondition;
 
 pub use explain::explain;

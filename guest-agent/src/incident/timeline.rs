@@ -29,7 +29,7 @@ use gpufeed_shared::event::{HostEvent, PcieLinkChange};
 
 use super::link::LinkView;
 use crate::correlate::events::Classified;
-use crate::correlate::join::{EventRecord, SpikeRecord};
+use crate::correlate::pairing::{EventRecord, SpikeRecord};
 use crate::correlate::{Observed, PodKey, WindowRef};
 
 /// Link changes kept per link (an idle GPU that flaps between speeds makes many).

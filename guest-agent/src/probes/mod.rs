@@ -19,6 +19,7 @@
 pub mod cgroup_batch;
 pub mod cgroup_storage;
 pub mod cuda;
+pub mod gpu_activity;
 pub mod gpu_compute;
 pub mod gpu_driver;
 pub mod gpu_process;

@@ -16,6 +16,8 @@ use axum::extract::Query;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use futures::future::BoxFuture;
+use futures::FutureExt;
 use serde::Deserialize;
 
 use crate::join::Join;
@@ -28,17 +30,21 @@ pub const PAGE: &str = include_str!("index.html");
 const CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
                    img-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'";
 
-/// `/events` as JSON: the correlator's events, each affected pod with its profile link when
-/// `--profile-url` is set.
+/// `/events` as JSON: the correlator's events as the join last published them, each affected
+/// pod with its profile link when `--profile-url` is set.
 pub fn events_json(join: &Join) -> serde_json::Value {
-    let events = join.events();
-    let mut v = serde_json::to_value(&events).unwrap_or_default();
+    let answers = join.answers();
+    let events = &answers.events;
+    let mut v = serde_json::to_value(events).unwrap_or_default();
     for (e, out) in events.iter().zip(v.as_array_mut().into_iter().flatten()) {
         let Some(affected) = out["affected"].as_array_mut() else {
             continue;
         };
         for (a, slot) in e.affected.iter().zip(affected) {
-            if let Some(url) = join.profile_url(&a.namespace, &a.pod, e.time + a.lag_ms) {
+            if let Some(url) = join
+                .settings()
+                .profile_url(&a.namespace, &a.pod, e.time + a.lag_ms)
+            {
                 slot["profile_url"] = url.into();
             }
         }
@@ -50,17 +56,20 @@ pub fn events_json(join: &Join) -> serde_json::Value {
 /// anew (the page polls every 5 s).
 pub const FRESH_FOR: Duration = Duration::from_secs(1);
 
+/// Renders one JSON answer.
+type Render = Box<dyn Fn() -> BoxFuture<'static, Vec<u8>> + Send + Sync>;
+
 /// One JSON answer, rendered at most once per [`FRESH_FOR`] and shared by the requests that
 /// come meanwhile (they wait for the rendering under way instead of starting their own).
 struct Shared {
-    render: Box<dyn Fn() -> Vec<u8> + Send + Sync>,
+    render: Render,
     last: tokio::sync::Mutex<Option<(Instant, Bytes)>>,
 }
 
 impl Shared {
-    fn new(render: impl Fn() -> Vec<u8> + Send + Sync + 'static) -> Arc<Self> {
+    fn new(render: Render) -> Arc<Self> {
         Arc::new(Shared {
-            render: Box::new(render),
+            render,
             last: tokio::sync::Mutex::new(None),
         })
     }
@@ -72,10 +81,7 @@ impl Shared {
                 return body.clone();
             }
         }
-        let me = self.clone();
-        let body = tokio::task::spawn_blocking(move || Bytes::from((me.render)()))
-            .await
-            .unwrap_or_default();
+        let body = Bytes::from((self.render)().await);
         *last = Some((Instant::now(), body.clone()));
         body
     }
@@ -101,14 +107,34 @@ struct PictureOf {
 }
 
 /// `/`, `/events`, `/api/state` and `/api/picture`.
-pub fn router(join: Arc<Join>) -> axum::Router {
+pub fn router(join: Join) -> axum::Router {
     let events = {
         let j = join.clone();
-        Shared::new(move || serde_json::to_vec(&events_json(&j)).unwrap_or_default())
+        Shared::new(Box::new(move || {
+            let j = j.clone();
+            // serialising a few hundred events: off the async workers
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    serde_json::to_vec(&events_json(&j)).unwrap_or_default()
+                })
+                .await
+                .unwrap_or_default()
+            }
+            .boxed()
+        }))
     };
     let state = {
         let j = join.clone();
-        Shared::new(move || serde_json::to_vec(&j.page_state()).unwrap_or_default())
+        Shared::new(Box::new(move || {
+            let j = j.clone();
+            async move {
+                let state = j.page_state().await;
+                tokio::task::spawn_blocking(move || serde_json::to_vec(&*state).unwrap_or_default())
+                    .await
+                    .unwrap_or_default()
+            }
+            .boxed()
+        }))
     };
     axum::Router::new()
         .route(
@@ -132,15 +158,20 @@ pub fn router(join: Arc<Join>) -> axum::Router {
             get(move |Query(q): Query<PictureOf>| {
                 let j = join.clone();
                 async move {
-                    let p =
-                        tokio::task::spawn_blocking(move || j.picture(&q.host, &q.event, q.time))
-                            .await
-                            .ok()
-                            .flatten();
-                    match p {
-                        Some(p) => json(Bytes::from(serde_json::to_vec(&p).unwrap_or_default()))
+                    match j.picture(q.host, q.event, q.time).await {
+                        Ok(Some(p)) => {
+                            json(Bytes::from(serde_json::to_vec(&p).unwrap_or_default()))
+                                .into_response()
+                        }
+                        Ok(None) => {
+                            (StatusCode::NOT_FOUND, "no such event listed\n").into_response()
+                        }
+                        Err(busy) => (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            [(header::RETRY_AFTER, "1")],
+                            format!("{busy}\n"),
+                        )
                             .into_response(),
-                        None => (StatusCode::NOT_FOUND, "no such event listed\n").into_response(),
                     }
                 }
             }),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
 use serde::Serialize;
 
-use super::join::{magnitude, EventRecord, SpikeRecord};
+use super::pairing::{magnitude, EventRecord, SpikeRecord};
 use super::{ns, Correlator, EventKind};
 
 pub const LATENCY_SPIKES: &str = "gpufeed_latency_spikes_total";

@@ -1,0 +1,151 @@
+//! The join in the running agent: the pods' signal windows and the hub's host events go into
+//! the correlator and the incident page's timeline; its series go to /metrics and its views to
+//! `/events`, `/api/state` and the page at `/` (served by [`crate::web`]).
+//!
+//! One owner ([`JoinOwner`]) holds all of it and is fed by one channel of [`Input`]s: a tick's
+//! report (which the tick thread hands over by value: the join holds no lock of the
+//! collector's), a host event, the page's question for an older picture. Its driver
+//! ([`Join`]) publishes the owner's answers after each batch of inputs, so a scrape and the
+//! page read those and never wait for the correlator. [`merge`] turns the collector's windows
+//! into one per (pod, signal).
+
+mod driver;
+pub mod merge;
+mod owner;
+
+pub use driver::{Answers, Busy, Join, JoinSeries, BATCH, QUEUE, STATE_EVERY};
+pub use owner::{Input, JoinOwner, Settings};
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use gpufeed_shared::event::LinkChangeClass;
+    use rustc_hash::FxHashSet;
+
+    use super::*;
+    use crate::collect::{Owner, TickReport};
+    use crate::correlate::events::tests::link;
+    use crate::hub::{Delivery, ReceivedEvent};
+    use crate::pods::PodStore;
+    use crate::probes::signal::{SignalWindow, WindowValue};
+    use crate::probes::unit::Labels;
+    use prometheus::core::Collector;
+
+    fn event(seq: u64) -> ReceivedEvent {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i64;
+        ReceivedEvent {
+            host: "pve1".into(),
+            boot_id: 1,
+            seq,
+            kind: 0,
+            host_realtime_ns: now,
+            host_monotonic_ns: seq,
+            received_realtime_ns: now,
+            clock_offset_ns: Some(0),
+            event: link(
+                LinkChangeClass::WidthReduction,
+                (Some(16), 4),
+                (Some(16), 1),
+            ),
+        }
+    }
+
+    fn report(uid: &str) -> TickReport {
+        TickReport {
+            windows: vec![SignalWindow {
+                owner: Owner::Pod {
+                    uid: uid.into(),
+                    container_id: Some("c1".into()),
+                },
+                signal: "run_queue_wait",
+                labels: Labels::new(),
+                at: Instant::now(),
+                window: Duration::from_secs(1),
+                value: WindowValue::Latency {
+                    count: 3,
+                    sum_us: 30.0,
+                    p50_us: 10.0,
+                    p99_us: 10.0,
+                    max_us: 10.0,
+                },
+            }],
+            live: FxHashSet::from_iter([uid.to_string()]),
+            ..TickReport::default()
+        }
+    }
+
+    fn host_events(join: &Join) -> f64 {
+        join.series()
+            .collect()
+            .iter()
+            .filter(|f| f.name() == crate::correlate::views::HOST_EVENTS)
+            .flat_map(|f| f.get_metric().iter().map(|m| m.get_counter().get_value()))
+            .sum()
+    }
+
+    /// While the join's owner is busy (held), the scrape's series, `/events` and the page's
+    /// state answer at once from what it published; the inputs sent meanwhile wait in its
+    /// queue and are all joined once it is free, a host event within one batch.
+    #[test]
+    fn the_page_and_the_scrape_do_not_wait_for_the_join() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let join = Join::start(Settings::default(), PodStore::default()).unwrap();
+        // the page asked once: the join renders its state from then on
+        let first = Instant::now();
+        assert!(rt.block_on(join.page_state()).timelines.is_empty());
+        assert!(first.elapsed() <= STATE_EVERY * 2, "{:?}", first.elapsed());
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        join.tx_for_tests().send(Input::Hold(held)).unwrap();
+        join.tick(report("u1"));
+        for seq in 1..=3 {
+            join.tx_for_tests()
+                .send(Input::Host(Box::new(Delivery::Event(event(seq)))))
+                .unwrap();
+        }
+        let asked = Instant::now();
+        for _ in 0..20 {
+            assert!(join.answers().events.is_empty());
+            assert_eq!(host_events(&join), 0.0);
+            let state = rt.block_on(join.page_state());
+            assert!(state.timelines.is_empty());
+        }
+        assert!(
+            asked.elapsed() < Duration::from_millis(500),
+            "20 reads of each answer took {:?} with the join held",
+            asked.elapsed()
+        );
+        let freed = Instant::now();
+        drop(release);
+        while host_events(&join) < 3.0 {
+            assert!(
+                freed.elapsed() < BATCH * 10,
+                "the queued host events were not joined"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            join.answers().events.len(),
+            1,
+            "one burst of one kind listed once"
+        );
+        assert_eq!(join.answers().events[0].count, 3);
+    }
+
+    /// The owner alone (as the benchmark drives it): a tick's window reaches the merge, and a
+    /// pod the collector no longer has leaves it.
+    #[test]
+    fn the_owner_merges_a_tick_and_forgets_gone_pods() {
+        let mut owner = JoinOwner::new(Settings::default(), PodStore::default());
+        owner.tick(&report("u1"), Instant::now(), 1_000_000_000);
+        assert_eq!(owner.pods_merged(), 1);
+        owner.tick(&TickReport::default(), Instant::now(), 2_000_000_000);
+        assert_eq!(owner.pods_merged(), 0);
+    }
+}
