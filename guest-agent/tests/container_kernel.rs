@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::gpu::*;
 use common::*;
 use gpufeed_guest::probes;
 use serde_yaml::Value;
@@ -53,9 +54,12 @@ fn have(tool: &str) -> bool {
 /// The pod template spec of the DaemonSet, as `kubectl apply -k` applies it with the host
 /// stream on (the Secret volume and the QUIC listener included).
 fn daemonset_pod_spec() -> Value {
-    manifests::object(&manifests::kustomize("overlays/stream"), "DaemonSet")["spec"]["template"]
-        ["spec"]
-        .clone()
+    overlay_pod_spec("overlays/stream")
+}
+
+/// The DaemonSet's pod template spec as the kustomization at `rel` renders it.
+fn overlay_pod_spec(rel: &str) -> Value {
+    manifests::object(&manifests::kustomize(rel), "DaemonSet")["spec"]["template"]["spec"].clone()
 }
 
 /// Removes the image (unmounting it first) and any container left behind, even when the test
@@ -106,6 +110,8 @@ fn listen_on_loopback(arg: &str) -> String {
         "--metrics-listen=127.0.0.1:0".into()
     } else if arg.starts_with("--quic-listen=") {
         "--quic-listen=127.0.0.1:0".into()
+    } else if arg.starts_with("--health-listen=") {
+        "--health-listen=127.0.0.1:0".into()
     } else {
         arg.into()
     }
@@ -144,6 +150,19 @@ fn runtime_default_seccomp(dir: &Path) -> PathBuf {
 /// `podman run` arguments that reproduce the DaemonSet's pod spec. Panics on anything in the
 /// manifest it does not know how to reproduce, so the test cannot silently run something else.
 fn podman_args(spec: &Value, image: &str, name: &str, tls: &Path, scratch: &Path) -> Vec<String> {
+    podman_args_with(spec, image, name, tls, scratch, None)
+}
+
+/// [`podman_args`], with the NVIDIA container toolkit's injection reproduced from `toolkit`
+/// where the pod asks for its runtime class.
+fn podman_args_with(
+    spec: &Value,
+    image: &str,
+    name: &str,
+    tls: &Path,
+    scratch: &Path,
+    toolkit: Option<&Toolkit>,
+) -> Vec<String> {
     let c = &spec["containers"][0];
     let sc = &c["securityContext"];
     let mut a: Vec<String> = vec![
@@ -164,6 +183,14 @@ fn podman_args(spec: &Value, image: &str, name: &str, tls: &Path, scratch: &Path
     }
     if spec["hostPID"].as_bool() == Some(true) {
         a.extend(["--pid".into(), "host".into()]);
+    }
+    match spec["runtimeClassName"].as_str() {
+        None => {}
+        Some("nvidia") => {
+            let toolkit = toolkit.expect("runtimeClassName nvidia: the test gives a toolkit");
+            a.extend(toolkit.injection(c));
+        }
+        Some(other) => panic!("runtimeClassName {other}: not reproduced by this test"),
     }
     assert_ne!(
         sc["privileged"].as_bool(),
@@ -617,6 +644,15 @@ fn talos_extension_image_layout_and_service_run() {
     let scratch = tempfile::tempdir().unwrap();
     let certs = scratch.path().join("certs");
     certs_init_ok(&certs, "127.0.0.1:7845", "pve1");
+    // The node's /usr/local with the Talos NVIDIA extensions' NVML where they put it (the
+    // stand-in; its own state files are a test-only mount at the paths compiled into it).
+    let standin = scratch.path().join("nvml");
+    std::fs::create_dir_all(&standin).unwrap();
+    let nvml = StandInNvml::new(&standin);
+    let usr_local = scratch.path().join("usr-local");
+    let glibc = usr_local.join("glibc/usr/lib");
+    std::fs::create_dir_all(&glibc).unwrap();
+    std::fs::copy(&nvml.lib, glibc.join("libnvidia-ml.so.1")).unwrap();
     let cname = format!("gf-ext-{tag}");
     let _c = Container(cname.clone());
     let mut args: Vec<String> = [
@@ -644,6 +680,7 @@ fn talos_extension_image_layout_and_service_run() {
         assert_eq!(m["type"].as_str(), Some("bind"));
         let src = match m["source"].as_str().unwrap() {
             "/sys/fs/cgroup" => cgroup2_root(),
+            "/usr/local" => usr_local.clone(),
             "/var/lib/gpufeed" => {
                 let d = scratch.path().join("var-lib-gpufeed");
                 std::fs::create_dir_all(&d).unwrap();
@@ -682,6 +719,7 @@ fn talos_extension_image_layout_and_service_run() {
     {
         args.extend(["--env".into(), e.as_str().unwrap().to_string()]);
     }
+    args.extend(["--volume".into(), format!("{0}:{0}", standin.display())]);
     // Talos gives the service an ephemeral root over the extension's files.
     args.extend([
         "--entrypoint".into(),
@@ -732,5 +770,358 @@ fn talos_extension_image_layout_and_service_run() {
         value(&s, BYTES, &[("pod", &uid)]),
         None,
         "pod veth bytes without the host PID namespace"
+    );
+
+    // NVML, from the NVIDIA extensions' path through the /usr/local mount: the node's GPUs as
+    // the stand-in has them, and a pod's GPU process, which the service cannot see (no host
+    // PID namespace), counted as the node's: its memory exactly, its SM time as the stand-in's
+    // GPUs did it (all but the first sample's period).
+    let gib = 1u64 << 30;
+    let gpu_process = pod.spawn("exec sleep 60");
+    nvml.set_processes(&[(gpu_process, 1, 6 * gib, 50)]);
+    let outside = |s: &[Sample]| {
+        (
+            value(s, "gpufeed_nvml_outside_pods_memory_bytes", &[("gpu", "1")]),
+            value(
+                s,
+                "gpufeed_nvml_outside_pods_sm_seconds_total",
+                &[("gpu", "1")],
+            ),
+        )
+    };
+    let s = wait_for(Duration::from_secs(20), || {
+        let s = agent.scrape();
+        (outside(&s).0 == Some((6 * gib) as f64)).then_some(s)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "NVML in the extension service: {:?}; log:\n{}",
+            outside(&agent.scrape()),
+            agent.log.lock().unwrap()
+        )
+    });
+    assert_eq!(
+        value(&s, "gpufeed_gpu_compute_source", &[("source", "nvml")]),
+        Some(1.0)
+    );
+    assert_eq!(value(&s, "gpufeed_nvml_gpus", &[]), Some(2.0));
+    let total: f64 = find(&s, "gpufeed_gpu_memory_total_bytes", &[])
+        .iter()
+        .map(|x| x.value)
+        .sum();
+    assert_eq!(total, (104 * gib) as f64, "the stand-in's 80 and 24 GiB");
+    std::thread::sleep(Duration::from_secs(2));
+    nvml.set_processes(&[(gpu_process, 1, 6 * gib, 0)]);
+    std::thread::sleep(Duration::from_millis(2500));
+    let booked = outside(&agent.scrape()).1.unwrap_or(0.0);
+    let truth = nvml.sm_seconds(&[gpu_process], Some(1));
+    let period = NVML_SAMPLE_US as f64 / 1e6;
+    eprintln!("outside pods on GPU 1: {booked:.3} SM-s booked, {truth:.3} computed");
+    assert!(truth > 0.5, "the process computed {truth} SM-s");
+    assert!(
+        booked <= truth + 1e-6 && booked >= truth - 0.5 * period - 1e-6,
+        "booked {booked} SM-s, the stand-in's GPU computed {truth}"
+    );
+}
+
+/// What the NVIDIA container toolkit does for a container of the `nvidia` runtime class
+/// (nvidia-container-runtime's prestart hook, libnvidia-container): for the GPUs
+/// `NVIDIA_VISIBLE_DEVICES` names, their device nodes and `/dev/nvidiactl`; for the
+/// `utility` capability of `NVIDIA_DRIVER_CAPABILITIES`, the driver's `libnvidia-ml.so.1`
+/// bind-mounted read-only into the container's library directory. Here the library is the
+/// stand-in NVML and the device nodes are character devices with the NVIDIA driver's numbers
+/// (major 195: minor N for GPU N, 255 for the control device) that no driver answers: NVML,
+/// not the device files, is what the agent reads through them.
+struct Toolkit {
+    nvml: PathBuf,
+    dev: PathBuf,
+    gpus: u32,
+}
+
+impl Toolkit {
+    /// The stand-in's library and `gpus` device nodes made in `dir`.
+    fn new(nvml: &Path, dir: &Path, gpus: u32) -> Toolkit {
+        let dev = dir.join("dev");
+        std::fs::create_dir_all(&dev).unwrap();
+        let mut nodes: Vec<(String, u32)> = (0..gpus).map(|g| (format!("nvidia{g}"), g)).collect();
+        nodes.push(("nvidiactl".into(), 255));
+        for (name, minor) in nodes {
+            sh(&format!(
+                "mknod -m 666 {}/{name} c 195 {minor}",
+                dev.display()
+            ));
+        }
+        Toolkit {
+            nvml: nvml.to_path_buf(),
+            dev,
+            gpus,
+        }
+    }
+
+    /// The `podman run` arguments for the container `c` (its env read as the hook reads it).
+    fn injection(&self, c: &Value) -> Vec<String> {
+        let env = |k: &str| {
+            c["env"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .find(|e| e["name"].as_str() == Some(k))
+                .and_then(|e| e["value"].as_str())
+                .map(str::to_string)
+        };
+        let visible = env("NVIDIA_VISIBLE_DEVICES").expect("NVIDIA_VISIBLE_DEVICES");
+        let caps = env("NVIDIA_DRIVER_CAPABILITIES").expect("NVIDIA_DRIVER_CAPABILITIES");
+        let gpus: Vec<u32> = match visible.as_str() {
+            "all" => (0..self.gpus).collect(),
+            "none" | "void" | "" => vec![],
+            list => list.split(',').map(|g| g.trim().parse().unwrap()).collect(),
+        };
+        let mut a = Vec::new();
+        if !gpus.is_empty() {
+            a.extend([
+                "--device".into(),
+                format!("{}/nvidiactl:/dev/nvidiactl", self.dev.display()),
+            ]);
+        }
+        for g in gpus {
+            a.extend([
+                "--device".into(),
+                format!("{}/nvidia{g}:/dev/nvidia{g}", self.dev.display()),
+            ]);
+        }
+        if caps.split(',').any(|c| c == "utility" || c == "all") {
+            a.extend([
+                "--volume".into(),
+                format!(
+                    "{}:/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1:ro",
+                    self.nvml.display()
+                ),
+            ]);
+        }
+        a
+    }
+}
+
+/// The `full` overlay (host stream, the GPU processes' view, the GPU component) run as the
+/// runtime would, with NVML injected the way the NVIDIA container toolkit injects it for the
+/// runtime class the GPU component asks for: four pods of two tenants on the stand-in's two
+/// GPUs, and the agent inside the container reports each pod's memory exactly, its duty cycle
+/// within 0.02 of the utilisation the stand-in's GPUs ran it at, its compute time against the
+/// stand-in's own record, and its cost over a steady stretch within 2% of the price of that
+/// compute and memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_overlay_reads_nvml_injected_as_the_toolkit_does() {
+    let Some(_lock) = require_root() else { return };
+    if !container_tools() {
+        return;
+    }
+    const GIB: u64 = 1 << 30;
+    const RATE_PER_S: f64 = 0.001; // 3.6 an hour
+    const MEMORY: f64 = (104 * GIB) as f64; // the stand-in's 80 + 24 GiB
+    const W_COMPUTE: f64 = 0.55;
+    const W_VRAM: f64 = 0.35;
+    let tag = uniq();
+    let image = format!("localhost/gpufeed-guest:test-{tag}");
+    let _image = build_image(&[], &image);
+    let scratch = tempfile::tempdir().unwrap();
+    let certs = scratch.path().join("certs");
+    certs_init_ok(&certs, "127.0.0.1:7845", "pve1");
+    // The stand-in writes what its GPUs did beside it: its directory is where the agent's
+    // process finds it (the library's compiled-in paths), a test-only mount.
+    let standin = scratch.path().join("nvml");
+    std::fs::create_dir_all(&standin).unwrap();
+    let nvml = StandInNvml::new(&standin);
+    let toolkit = Toolkit::new(&nvml.lib, scratch.path(), 2);
+
+    let sb = CgroupSandbox::new();
+    let (_pods, pids, kube) = two_tenants(
+        &sb,
+        NODE,
+        [
+            ("team-a", "chat", ["chat-0", "chat-1"]),
+            ("team-b", "embed", ["embed-0", "embed-1"]),
+        ],
+    )
+    .await;
+    let kubeconfig = kube.write_kubeconfig(scratch.path());
+    let ca = sh(&format!("base64 -w0 {}", certs.join("ca/ca.pem").display()));
+    let text = std::fs::read_to_string(&kubeconfig).unwrap().replace(
+        "    server: ",
+        &format!(
+            "    certificate-authority-data: {}\n    server: ",
+            ca.trim()
+        ),
+    );
+    std::fs::write(&kubeconfig, text).unwrap();
+
+    let spec = overlay_pod_spec("overlays/full");
+    assert_eq!(spec["runtimeClassName"].as_str(), Some("nvidia"));
+    let name = format!("gf-ct-gpu-{tag}");
+    let _c = Container(name.clone());
+    let mut args = podman_args_with(
+        &spec,
+        &image,
+        &name,
+        &certs.join("guest"),
+        scratch.path(),
+        Some(&toolkit),
+    );
+    let run = args.iter().position(|a| a == "run").unwrap();
+    args.splice(
+        run + 1..run + 1,
+        [
+            "--volume".to_string(),
+            format!("{}:/etc/gpufeed-test/kubeconfig:ro", kubeconfig.display()),
+            "--env".into(),
+            "KUBECONFIG=/etc/gpufeed-test/kubeconfig".into(),
+            "--volume".into(),
+            format!("{0}:{0}", standin.display()),
+        ],
+    );
+    // the cost settings a FinOps user adds (docs/finops.md), at the FinOps tests' tick
+    let finops: Vec<String> = finops_flags(NODE, &[])
+        .into_iter()
+        .skip(4) // --interval 200ms --node-name: the interval below, the node from NODE_NAME
+        .map(str::to_string)
+        .collect();
+    args.extend(["--interval".into(), "200ms".into()]);
+    args.extend(finops);
+    args.extend(["--gpu-cost-currency".into(), "EUR".into()]);
+    let agent = Agent::launch(podman(&args));
+
+    // NVML found where the toolkit put it, and elected
+    let source = wait_for(Duration::from_secs(20), || {
+        value(
+            &agent.scrape(),
+            "gpufeed_gpu_compute_source",
+            &[("source", "nvml")],
+        )
+        .filter(|v| *v == 1.0)
+    });
+    assert!(
+        source.is_some(),
+        "NVML is the compute source in the container; log:\n{}",
+        agent.log.lock().unwrap()
+    );
+    let names = ["chat-0", "chat-1", "embed-0", "embed-1"];
+    let (util, gpu, mem) = (
+        [90u32, 40, 10, 0],
+        [0u32, 1, 0, 1],
+        [20 * GIB, 8 * GIB, 4 * GIB, 12 * GIB],
+    );
+    nvml.set_processes(
+        &(0..4)
+            .map(|i| (pids[i], gpu[i], mem[i], util[i]))
+            .collect::<Vec<_>>(),
+    );
+    let started = std::time::Instant::now();
+
+    // every pod's memory, as NVML lists it, exactly
+    let memory = |s: &[Sample], i: usize| {
+        value(
+            s,
+            "gpufeed_nvml_process_memory_bytes",
+            &[("namespace", "ml"), ("pod", names[i])],
+        )
+    };
+    let listed = wait_for(Duration::from_secs(20), || {
+        let s = agent.scrape();
+        (0..4)
+            .all(|i| memory(&s, i) == Some(mem[i] as f64))
+            .then_some(())
+    });
+    assert!(
+        listed.is_some(),
+        "memory per pod: {:?}",
+        find(&agent.scrape(), "gpufeed_nvml_process_memory_bytes", &[])
+            .iter()
+            .map(|x| (x.label("pod").to_string(), x.value))
+            .collect::<Vec<_>>()
+    );
+    // a full duty window (2 s) of steady use: each pod's duty cycle on its GPU is its use
+    let duty = |s: &[Sample], i: usize| {
+        value(
+            s,
+            "ebpf_gpu_active_compute_duty_cycle",
+            &[("pod", names[i]), ("gpu", &gpu[i].to_string())],
+        )
+    };
+    let steady = wait_for(Duration::from_secs(20), || {
+        let s = agent.scrape();
+        (0..4)
+            .all(|i| duty(&s, i).is_some_and(|d| (d - f64::from(util[i]) / 100.0).abs() <= 0.02))
+            .then_some(s)
+    });
+    assert!(
+        steady.is_some(),
+        "duty cycles within 0.02 of 90/40/10/0%: {:?}",
+        (0..4).map(|i| duty(&agent.scrape(), i)).collect::<Vec<_>>()
+    );
+
+    // the cost over a steady stretch: the time the agent booked (the node's cost ÷ its rate)
+    // at each pod's compute (its utilisation of one of two GPUs) and memory (of 104 GiB)
+    let cost = |s: &[Sample], pod: &str| {
+        value(
+            s,
+            "gpufeed_gpu_cost_total",
+            &[("namespace", "ml"), ("pod", pod), ("currency", "EUR")],
+        )
+        .unwrap_or(0.0)
+    };
+    let node = |s: &[Sample]| {
+        value(s, "gpufeed_gpu_node_cost_total", &[("currency", "EUR")]).expect("the node's cost")
+    };
+    let before = agent.scrape();
+    std::thread::sleep(Duration::from_secs(4));
+    let after = agent.scrape();
+    let booked = (node(&after) - node(&before)) / RATE_PER_S;
+    assert!(booked > 3.0, "{booked} s booked in 4 s");
+    for i in 0..4 {
+        let got = cost(&after, names[i]) - cost(&before, names[i]);
+        let share = W_COMPUTE * f64::from(util[i]) / 100.0 / 2.0 + W_VRAM * mem[i] as f64 / MEMORY;
+        let want = RATE_PER_S * booked * share;
+        eprintln!(
+            "{}: cost {got:.6} over {booked:.2} s, priced {want:.6}",
+            names[i]
+        );
+        assert!(
+            (got - want).abs() <= 0.02 * want,
+            "{}: cost {got} over {booked} s, its compute and memory price {want}",
+            names[i]
+        );
+    }
+
+    // compute time against the stand-in's own record of what each process did: all of it
+    // but the first sample's period (the agent books a process from its first read)
+    nvml.set_processes(
+        &(0..4)
+            .map(|i| (pids[i], gpu[i], mem[i], 0))
+            .collect::<Vec<_>>(),
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let s = agent.scrape();
+    let period = NVML_SAMPLE_US as f64 / 1e6;
+    for i in 0..4 {
+        let truth = nvml.sm_seconds(&[pids[i]], None);
+        let got: f64 = find(
+            &s,
+            "ebpf_gpu_compute_time_seconds_total",
+            &[("pod", names[i])],
+        )
+        .iter()
+        .map(|x| x.value)
+        .sum();
+        let u = f64::from(util[i]) / 100.0;
+        eprintln!("{}: {got:.3} SM-s booked, {truth:.3} computed", names[i]);
+        assert!(
+            got <= truth + 1e-6 && got >= truth - u * period - 1e-6,
+            "{}: booked {got} SM-s, the stand-in's GPUs computed {truth}",
+            names[i]
+        );
+    }
+    assert!(
+        nvml.sm_seconds(&[pids[0]], None) > 0.9 * 4.0,
+        "chat-0 ran at 90% for {:?}",
+        started.elapsed()
     );
 }
