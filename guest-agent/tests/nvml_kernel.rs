@@ -1012,6 +1012,108 @@ fn prometheus_alerts_on_a_gpu_node_without_nvml_and_the_doctor_says_why() {
     );
 }
 
+/// A MIG GPU with GPM (the stand-in's GPU 1, as on Hopper): each instance's SM utilisation
+/// between two GPM samples, shared by its processes: first through the library (an instance's
+/// first sample books nothing, the next its SMs' busy share of the time between), then the
+/// agent: two pods on two instances of GPU 1 get the compute time the stand-in's instances
+/// did (its truth file) within the first interval and a sample period, their duty cycles
+/// their instances' utilisation, and the GPU is not said unattributed.
+#[test]
+fn nvml_mig_compute_per_instance_from_gpm() {
+    let scratch = tempfile::tempdir().unwrap();
+    let lib = StandInNvml::new(scratch.path());
+    lib.set_control(&["mig 1", "gpm 1", "instance 202 3 1"]);
+    lib.set_processes(&[(202, 1, 5 * GIB, 60)]);
+    let mut nvml = Nvml::load(lib.path()).unwrap().unwrap();
+    let first = nvml.read();
+    assert!(first.failures.is_empty(), "{:?}", first.failures);
+    assert_eq!(first.gpus[0].mig_sm, None, "GPU 0 is not in MIG mode");
+    assert_eq!(
+        first.gpus[1].mig_sm,
+        Some(vec![]),
+        "a first sample books nothing"
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    let r = nvml.read();
+    let i = r.gpus[1].mig_sm.clone().unwrap();
+    assert_eq!(i.len(), 1, "{i:?}");
+    assert_eq!(i[0].gpu_instance, 3);
+    // the stand-in's GPM rate is on its 100 ms grid, the span the library's own clock
+    let busy = i[0].sm_ns as f64 / i[0].span_ns as f64;
+    assert!((busy - 0.6).abs() < 0.08, "instance 3 busy {busy}");
+    drop(nvml);
+
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut a = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut b = Pod::random(&sb, Layout::Systemd, "burstable");
+    let (a1, b1) = (a.spawn("exec sleep 60"), b.spawn("exec sleep 60"));
+    lib.set_control(&[
+        "mig 1",
+        "gpm 1",
+        &format!("instance {a1} 3 1"),
+        &format!("instance {b1} 5 0"),
+    ]);
+    let (ua, ub) = (60u32, 30u32);
+    lib.set_processes(&[(a1, 1, 5 * GIB, ua), (b1, 1, 3 * GIB, ub)]);
+    let agent = Agent::no_kube(
+        "200ms",
+        "nvml",
+        &["--nvml-library", lib.path(), "--gpu-duty-window", "2s"],
+    );
+    let compute = |s: &[Sample], pod: &Pod| {
+        value(
+            s,
+            "ebpf_gpu_compute_time_seconds_total",
+            &[("pod", pod.uid.as_str()), ("gpu", "1")],
+        )
+    };
+    let duty = |s: &[Sample], pod: &Pod| {
+        value(
+            s,
+            "ebpf_gpu_active_compute_duty_cycle",
+            &[("pod", pod.uid.as_str()), ("gpu", "1")],
+        )
+    };
+    let steady = wait_for(Duration::from_secs(15), || {
+        let s = agent.scrape();
+        let near =
+            |d: Option<f64>, u: u32| d.is_some_and(|d| (d - f64::from(u) / 100.0).abs() <= 0.05);
+        (near(duty(&s, &a), ua) && near(duty(&s, &b), ub)).then_some(s)
+    });
+    let s = steady.unwrap_or_else(|| {
+        let s = agent.scrape();
+        panic!(
+            "duty cycles {:?} {:?} for 0.6 and 0.3; log:\n{}",
+            duty(&s, &a),
+            duty(&s, &b),
+            agent.log.lock().unwrap()
+        )
+    });
+    assert!(
+        find(&s, "gpufeed_gpu_compute_unattributed", &[("gpu", "1")]).is_empty(),
+        "GPM gives the MIG GPU's compute"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    lib.set_processes(&[(a1, 1, 5 * GIB, 0), (b1, 1, 3 * GIB, 0)]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let s = agent.scrape();
+    let period = NVML_SAMPLE_US as f64 / 1e6;
+    for (pod, pid, u) in [(&a, a1, ua), (&b, b1, ub)] {
+        let truth = lib.sm_seconds(&[pid], Some(1));
+        let got = compute(&s, pod).unwrap_or(0.0);
+        let u = f64::from(u) / 100.0;
+        eprintln!("{}: {got:.3} SM-s booked, its instance {truth:.3}", pod.uid);
+        // the first interval (an instance's first sample) and a grid period either way
+        assert!(
+            (got - truth).abs() <= u * (0.2 + 2.0 * period) + 1e-6 && truth > 0.5,
+            "{}: booked {got} SM-s, its instance computed {truth}",
+            pod.uid
+        );
+    }
+    assert!(find(&s, "gpufeed_nvml_errors_total", &[]).is_empty());
+}
+
 /// A GPU in MIG mode (the stand-in's GPU 1): NVML keeps no per-process utilisation there, so
 /// the library reads each process's MIG instance and memory and asks for no samples; the
 /// agent exports each container's memory per instance and says that GPU's compute is

@@ -21,6 +21,7 @@
 
 pub mod codes;
 pub mod failures;
+pub mod gpm;
 pub mod locate;
 pub mod mps;
 pub mod process;
@@ -197,6 +198,9 @@ pub struct Nvml {
     opened: String,
     /// Per GPU, the newest utilisation sample seen (µs), to ask only for newer.
     last_seen: HashMap<u32, c_ulonglong>,
+    /// GPM's calls, where this NVML has them, and the MIG instances' samples.
+    gpm_api: Option<Box<gpm::Api>>,
+    gpm: Box<gpm::Instances>,
 }
 
 // SAFETY: NVML is thread-safe (documented); the handle is only a library handle.
@@ -343,6 +347,9 @@ impl Nvml {
             missing,
             opened: library.to_string(),
             last_seen: HashMap::new(),
+            // SAFETY: lib is the live handle of this NVML.
+            gpm_api: unsafe { gpm::Api::of(lib) }.map(Box::new),
+            gpm: Box::default(),
         }))
     }
 
@@ -438,13 +445,26 @@ impl Nvml {
     pub fn read_gpu(&mut self, gpu: &Gpu, failures: &mut Vec<Failure>) -> sm_time::GpuReading {
         let mig = self.mig_enabled(gpu, failures);
         // on a MIG GPU the driver keeps no per-process utilisation (NOT_SUPPORTED each read):
-        // not asked, and said as unattributed compute instead of read as 0
+        // not asked; GPM gives each instance's, else the compute is said unattributed
         let samples = if mig {
             Vec::new()
         } else {
             self.samples(gpu, failures)
         };
         let running = self.running(gpu, failures);
+        let mig_sm = match self.gpm_api.as_deref().copied() {
+            Some(api) if mig && self.gpm.supported(&api, gpu, failures) => {
+                let mut instances: Vec<u32> = running
+                    .iter()
+                    .map(|p| p.gpu_instance_id)
+                    .filter(|gi| *gi != c_uint::MAX)
+                    .collect();
+                instances.sort_unstable();
+                instances.dedup();
+                Some(self.gpm.read(&api, gpu, &instances, failures))
+            }
+            _ => None,
+        };
         let memory = |p: &ProcessInfo| {
             (p.used_gpu_memory != VALUE_NOT_AVAILABLE).then_some(p.used_gpu_memory)
         };
@@ -464,6 +484,7 @@ impl Nvml {
                     })
                     .collect()
             }),
+            mig_sm,
         }
     }
 
@@ -610,6 +631,9 @@ fn realtime_us() -> u64 {
 
 impl Drop for Nvml {
     fn drop(&mut self) {
+        if let Some(api) = self.gpm_api.as_deref() {
+            self.gpm.clear(api);
+        }
         // SAFETY: NVML was initialised by load; the handle came from dlopen.
         unsafe {
             (self.core.shutdown)();

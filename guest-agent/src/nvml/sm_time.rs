@@ -51,6 +51,9 @@ pub struct GpuReading {
     /// On a GPU in MIG mode, each process's MIG instance (NVML gives no per-process
     /// utilisation there, so `samples` is empty); None when the GPU is not in MIG mode.
     pub mig: Option<Vec<MigProcess>>,
+    /// On a MIG GPU with GPM, each instance's SM time since the previous read (its
+    /// processes share it); None where nothing gives a MIG GPU's compute.
+    pub mig_sm: Option<Vec<super::gpm::InstanceSm>>,
 }
 
 /// A process on a MIG instance: the GPU instance and compute instance it runs in.
@@ -188,6 +191,7 @@ mod tests {
             read_at_us: at_ms * MS,
             processes: procs.iter().map(|p| (*p, Some(1))).collect(),
             mig: None,
+            mig_sm: None,
             samples: samples
                 .iter()
                 .map(|&(pid, t_ms, pct)| UtilSample {

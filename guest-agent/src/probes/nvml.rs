@@ -428,9 +428,10 @@ impl Probe for NvmlUnit {
                 .cloned()
         };
         let mut per_owner: HashMap<Owner, OwnerUse> = HashMap::new();
+        // MIG GPUs where nothing gives the compute (no GPM): said unattributed
         self.mig_gpus = readings
             .iter()
-            .filter(|r| r.mig.is_some())
+            .filter(|r| r.mig.is_some() && r.mig_sm.is_none())
             .map(|r| r.gpu)
             .collect();
         // each owner's recent GPU activity: one tick's is noisy (a driver call is booked in
@@ -487,6 +488,37 @@ impl Probe for NvmlUnit {
                     e.utilization += p.utilization * ns as f64 / p.sm_ns as f64;
                 }
                 *e.sm_ns.entry(p.gpu).or_default() += ns;
+            }
+        }
+        // MIG with GPM: each instance's SM time, shared evenly by its processes (one pod
+        // per instance is the rule: a MIG slice is handed out whole)
+        for r in &readings {
+            let (Some(procs), Some(instances)) = (&r.mig, &r.mig_sm) else {
+                continue;
+            };
+            for i in instances {
+                let on: Vec<u32> = procs
+                    .iter()
+                    .filter(|p| p.gpu_instance == i.gpu_instance)
+                    .map(|p| p.pid)
+                    .collect();
+                let Some(n) = std::num::NonZeroU64::new(on.len() as u64) else {
+                    continue;
+                };
+                let (share, utilization) = (
+                    i.sm_ns / n,
+                    i.sm_ns as f64 / i.span_ns.max(1) as f64 / n.get() as f64,
+                );
+                for pid in on {
+                    match owner_of(pid) {
+                        Some(owner) => {
+                            let e = per_owner.entry(owner).or_default();
+                            e.utilization += utilization;
+                            *e.sm_ns.entry(r.gpu).or_default() += share;
+                        }
+                        None => *self.outside_sm_ns.entry(r.gpu).or_default() += share,
+                    }
+                }
             }
         }
         // the GPUs each pod's processes are on, for the link signal
@@ -635,7 +667,7 @@ impl Probe for NvmlUnit {
             },
             NodeFamily {
                 name: UNATTRIBUTED,
-                help: "1 for each GPU whose compute time NVML cannot attribute to processes (reason mig: a MIG GPU keeps no per-process utilisation): its containers have no compute time from NVML, which is not 0",
+                help: "1 for each GPU whose compute time NVML cannot attribute to processes (reason mig: a MIG GPU keeps no per-process utilisation, and this GPU or NVML has no GPM to give its instances'): its containers have no compute time from NVML, which is not 0",
                 kind: Kind::Gauge,
                 samples: self
                     .mig_gpus
