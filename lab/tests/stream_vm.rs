@@ -11,10 +11,14 @@
 //! * `stop`/`cont` over QMP are VM-state events, delivered to the guest once it runs again;
 //! * the vCPU run delay is the real vCPU threads' (`CPU n/TCG`) schedstat;
 //! * the VM's bytes on its bridge port equal the VM's own interface counters within 1%;
+//! * the guest is bound to its VM by the SMBIOS UUID QEMU gives it (`-smbios type=1,uuid=`,
+//!   the VM config's `smbios1: uuid=`), with no VM ids in the host's configuration;
 //! * a link change of the host reaches the VM's /events and /metrics;
 //! * while the link keeps changing, the host agent is SIGKILLed and restarted and so is the
 //!   guest agent: the guest's journal holds every event the host emitted once, no holes, no
-//!   duplicates.
+//!   duplicates;
+//! * the VM restarted (a new QEMU pid, the same vmid and UUID) is bound and watched again, and
+//!   the host's next link change reaches it.
 
 mod common;
 
@@ -200,9 +204,23 @@ fn a_real_qemu_watched_like_proxmox_and_the_stream_across_the_vm_boundary() {
     std::fs::create_dir_all(&qs).unwrap();
     std::fs::create_dir_all(root.join("etc/pve/qemu-server")).unwrap();
     let mac = format!("BC:24:11:00:{:02X}:{:02X}", tag / 256 % 256, tag % 256);
+    // the VM's SMBIOS UUID as Proxmox sets it (`smbios1: uuid=` → `-smbios type=1,uuid=`): the
+    // guest agent reads it from the VM's firmware tables and the host binds it to this VM by
+    // it (no vmids in the host's configuration); a second VM of the host, with its own UUID
+    // and another GPU, is not this guest's
+    let uuid = format!("6a1b0c2d-3e4f-4a5b-8c6d-{:012x}", 0x1ab0_0000 + tag);
     std::fs::write(
         root.join(format!("etc/pve/qemu-server/{vmid}.conf")),
-        format!("name: lab\nhostpci0: {GPU},pcie=1\nnet0: virtio={mac},bridge={bridge}\n"),
+        format!(
+            "name: lab\nsmbios1: uuid={uuid}\nhostpci0: {GPU},pcie=1\n\
+             net0: virtio={mac},bridge={bridge}\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        root.join(format!("etc/pve/qemu-server/{}.conf", vmid + 1)),
+        "name: other\nsmbios1: uuid=0b9f8e7d-6c5b-4a39-8827-160514030201\n\
+         hostpci0: 0000:41:00.0,pcie=1\n",
     )
     .unwrap();
 
@@ -248,6 +266,8 @@ fn a_real_qemu_watched_like_proxmox_and_the_stream_across_the_vm_boundary() {
         format!("tap,id=n0,ifname={tap},script=no,downscript=no"),
         "-device".into(),
         format!("virtio-net-pci,netdev=n0,mac={mac}"),
+        "-smbios".into(),
+        format!("type=1,uuid={uuid}"),
     ];
     let image = payload.image().unwrap();
     let mut vm = Vm::start(&cache, &spec, &image).unwrap();
@@ -296,7 +316,6 @@ spool_dir = "{spool}"
 [[stream.guests]]
 name = "guest"
 endpoint = "{guest_ip}:7845"
-vmids = [{vmid}]
 "#,
             root = root.display(),
             metrics = host.metrics,
@@ -318,6 +337,27 @@ vmids = [{vmid}]
             ) == Some(1.0);
             (up_host && up_guest).then_some(())
         },
+    );
+
+    // bound by the UUID QEMU gave the VM's firmware
+    wait_for(
+        "the guest bound to its VM by its SMBIOS UUID",
+        Duration::from_secs(30),
+        || {
+            let m = host.scrape();
+            (value(&m, "gpufeed_host_stream_guest_vmid", &[("guest", "guest")])
+                == Some(f64::from(vmid)))
+            .then_some(())
+        },
+    );
+    assert_eq!(
+        value(
+            &guest_metrics(),
+            "gpufeed_stream_vm_unbound_total",
+            &[("host", HOST)]
+        )
+        .unwrap_or(0.0),
+        0.0
     );
 
     // the VM's QEMU, found the Proxmox way, and its state
@@ -553,6 +593,45 @@ vmids = [{vmid}]
         "lab: stream: {} events accepted once each through a host SIGKILL and a guest SIGKILL \
          ({flaps} link changes provoked)",
         sorted.len()
+    );
+    vm.send("quit").unwrap();
+    let _ = vm.expect("done", Duration::from_secs(60));
+
+    // the VM restarted (a new QEMU, a new pid, the same vmid and UUID): bound again, watched
+    // again, and the host's link changes reach its new guest agent
+    let _ = vm.wait_exit(Duration::from_secs(60));
+    drop(vm);
+    let mut vm = Vm::start(&cache, &spec, &image).unwrap();
+    vm.expect("ready", Duration::from_secs(300)).unwrap();
+    assert_ne!(vm.pid(), qemu, "a new QEMU process");
+    wait_for(
+        "the restarted VM's guest bound again and its VM running",
+        Duration::from_secs(60),
+        || {
+            let m = host.scrape();
+            (value(&m, "gpufeed_host_stream_guest_vmid", &[("guest", "guest")])
+                == Some(f64::from(vmid))
+                && value(&m, "gpufeed_host_vm_up", &[("vmid", &vm_label)]) == Some(1.0)
+                && value(
+                    &guest_metrics(),
+                    "gpufeed_stream_connected",
+                    &[("host", HOST)],
+                ) == Some(1.0))
+            .then_some(())
+        },
+    );
+    link("2.5 GT/s PCIe", "1");
+    wait_for(
+        "the link change in the restarted VM's guest",
+        Duration::from_secs(30),
+        || {
+            (value(
+                &guest_metrics(),
+                "gpufeed_host_pcie_link_width",
+                &[("bdf", GPU), ("host", HOST)],
+            ) == Some(1.0))
+            .then_some(())
+        },
     );
     vm.send("quit").unwrap();
     let _ = vm.expect("done", Duration::from_secs(60));
