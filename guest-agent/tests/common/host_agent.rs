@@ -74,14 +74,25 @@ pub fn start_host(dir: &Path, quic: u16, iv: HostIntervals) -> HostAgent {
 /// [`start_host`] with `bridge` as the body of the config's `[bridge]` section (the default
 /// reads no bridge: this machine's own are not the test's).
 pub fn start_host_with(dir: &Path, quic: u16, iv: HostIntervals, bridge: &str) -> HostAgent {
-    certs_init_ok(&dir.join("certs"), &format!("127.0.0.1:{quic}"), HOST);
+    start_host_named(dir, HOST, quic, iv, bridge)
+}
+
+/// [`start_host_with`] for a host agent named `host` (a fleet of several).
+pub fn start_host_named(
+    dir: &Path,
+    host: &str,
+    quic: u16,
+    iv: HostIntervals,
+    bridge: &str,
+) -> HostAgent {
+    certs_init_ok(&dir.join("certs"), &format!("127.0.0.1:{quic}"), host);
     let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let certs = dir.join("certs");
     let line = |k: &str, v: Option<u64>| v.map(|v| format!("{k} = {v}\n")).unwrap_or_default();
     // The recorded tree as root, the GPU to watch, a memory spool, and no watcher that would
     // read this machine's own bridges or uevents.
     let cfg = format!(
-        r#"host_id = "{HOST}"
+        r#"host_id = "{host}"
 root = "{root}"
 metrics_listen = "{metrics}"
 devices = ["{GPU}"]
@@ -110,15 +121,15 @@ endpoint = "127.0.0.1:{quic}"
         bridge = bridge,
         poll = line("poll_interval_ms", iv.pcie_poll_ms),
         state = line("state_interval_ms", iv.state_ms),
-        ca = certs.join("hosts").join(HOST).join("tls/ca.pem").display(),
+        ca = certs.join("hosts").join(host).join("tls/ca.pem").display(),
         cert = certs
             .join("hosts")
-            .join(HOST)
+            .join(host)
             .join("tls/host.pem")
             .display(),
         key = certs
             .join("hosts")
-            .join(HOST)
+            .join(host)
             .join("tls/host-key.pem")
             .display(),
     );
@@ -150,6 +161,18 @@ pub fn guest_of_host(
     probes: &str,
     extra: &[&str],
 ) -> super::Agent {
+    guest_of_host_named(dir, HOST, quic, interval, probes, extra)
+}
+
+/// [`guest_of_host`] of the host agent named `host` ([`start_host_named`]).
+pub fn guest_of_host_named(
+    dir: &Path,
+    host: &str,
+    quic: u16,
+    interval: &str,
+    probes: &str,
+    extra: &[&str],
+) -> super::Agent {
     let tls = dir.join("certs/guest");
     let listen = format!("127.0.0.1:{quic}");
     let mut args = vec!["--quic-listen", &listen, "--tls-dir", tls.to_str().unwrap()];
@@ -157,7 +180,7 @@ pub fn guest_of_host(
     let agent = super::Agent::no_kube(interval, probes, &args);
     wait_for(Duration::from_secs(30), || {
         let s = agent.scrape();
-        (super::value(&s, "gpufeed_stream_connected", &[("host", HOST)]) == Some(1.0)
+        (super::value(&s, "gpufeed_stream_connected", &[("host", host)]) == Some(1.0)
             && super::value(&s, "gpufeed_host_pcie_link_width", &[("bdf", GPU)]) == Some(4.0))
         .then_some(())
     })

@@ -822,6 +822,30 @@ impl Prometheus {
     /// Prometheus (1 s global interval) with the `scrape_configs:` document that `configure`
     /// returns; `configure` gets Prometheus's own directory, for any files the document names.
     pub fn start_with(configure: impl FnOnce(&Path) -> String) -> Prometheus {
+        let p = Prometheus::spawn(configure, &[]);
+        // Prometheus takes a few seconds after "ready" before its first scrape:
+        // wait for it, so that later rate() windows hold a sample every second
+        wait_for(Duration::from_secs(30), || {
+            let up = p.query("up").ok()?;
+            up.iter().any(|s| s["value"][1] == "1").then_some(())
+        })
+        .expect("prometheus scraped the agent");
+        p
+    }
+
+    /// A Prometheus that scrapes nothing and takes what others write to it (remote write,
+    /// `--web.enable-remote-write-receiver`, at `/api/v1/write`): a long-term store's stand-in.
+    pub fn receiver() -> Prometheus {
+        Prometheus::spawn(|_| String::new(), &["--web.enable-remote-write-receiver"])
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// Started with the configuration `configure` returns and `extra` flags; ready.
+    fn spawn(configure: impl FnOnce(&Path) -> String, extra: &[&str]) -> Prometheus {
         let dir = tempfile::tempdir().unwrap();
         let scrape_configs = configure(dir.path());
         let cfg = dir.path().join("prometheus.yml");
@@ -839,6 +863,7 @@ impl Prometheus {
                 dir.path().join("data").display()
             ))
             .arg(format!("--web.listen-address={addr}"))
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -850,13 +875,6 @@ impl Prometheus {
         };
         wait_for(Duration::from_secs(30), || http_get(p.addr, "/-/ready"))
             .expect("prometheus ready");
-        // Prometheus takes a few seconds after "ready" before its first scrape:
-        // wait for it, so that later rate() windows hold a sample every second
-        wait_for(Duration::from_secs(30), || {
-            let up = p.query("up").ok()?;
-            up.iter().any(|s| s["value"][1] == "1").then_some(())
-        })
-        .expect("prometheus scraped the agent");
         p
     }
 
