@@ -175,4 +175,23 @@ fn prometheus_scrapes_agent_and_queries_give_one_series_per_busy_pod() {
             panic!("PromQL in {file} does not evaluate: {e}\n{q}");
         }
     }
+
+    // The series budget of a busy pod (a CPU-bound container and one TCP upload through a
+    // shaped link: run-queue latency, RTT, retransmits, tc bytes and drops), as Prometheus
+    // stores them: docs/benchmarks.md sizes a node from it. A probe that adds series per pod
+    // must raise this on purpose.
+    const SERIES_PER_BUSY_POD: usize = 80;
+    for uid in &busy_uids {
+        let n = prom
+            .query(&format!("count({{pod=\"{uid}\"}})"))
+            .unwrap()
+            .first()
+            .and_then(|s| s["value"][1].as_str()?.parse::<f64>().ok())
+            .unwrap_or(0.0) as usize;
+        eprintln!("series budget: busy pod {uid}: {n} series");
+        assert!(
+            n > 0 && n <= SERIES_PER_BUSY_POD,
+            "pod {uid} has {n} series (budget {SERIES_PER_BUSY_POD})"
+        );
+    }
 }
