@@ -333,6 +333,7 @@ fn run(pods: usize) {
             gauges: Vec::new(),
             live: live.clone(),
             gpu_busy: Some(true),
+            ..TickReport::default()
         };
         let (start, cpu_start) = (Instant::now(), thread_cpu_ns());
         join.tick(&input, Instant::now(), now_ns());

@@ -25,58 +25,14 @@ use crate::probes::unit::{
 };
 
 pub use crate::owner::Owner;
+pub use gpu_totals::{GpuTotals, NvmlCapacity, PodGpuTotals};
+pub use store::{OwnerStats, SelfStats, Store};
 
-/// Cumulative numbers of one owner since the agent first saw it.
-#[derive(Debug, Clone, Default)]
-pub struct OwnerStats {
-    /// Running totals per (family, labels the unit added).
-    pub series: BTreeMap<(&'static str, Labels), Value>,
-    /// Live cgroups that map to this owner in the last tick.
-    pub live_cgroups: usize,
-    /// When the owner lost its last cgroup or was deleted from the API.
-    pub gone_since: Option<Instant>,
-}
+mod gpu_totals;
+mod store;
 
-/// Self-observation numbers exported beside the data.
-#[derive(Debug, Clone, Default)]
-pub struct SelfStats {
-    pub cgroups: usize,
-    pub owners_pod: usize,
-    pub owners_slice: usize,
-    pub last_tick_seconds: f64,
-    pub ticks: u64,
-    /// each loaded unit's own numbers, in registry order
-    pub units: Vec<UnitStats>,
-    /// the node's GPU compute source and why better ones are not used (doctor)
-    pub compute: crate::probes::ComputeStatus,
-}
-
-/// The exporter's store: every owner's running totals, the gauges as their
-/// units last set them, the agent's own numbers. A scrape renders it; FinOps
-/// books the GPU owners' totals from it after each tick.
-#[derive(Default)]
-pub struct Store {
-    pub owners: FxHashMap<Owner, OwnerStats>,
-    pub stats: SelfStats,
-    /// Gauge families as their units last set them.
-    pub gauges: HashMap<&'static str, Vec<GaugeValue>>,
-}
-
-impl Store {
-    /// UIDs of the pods that have series.
-    pub fn pod_uids(&self) -> FxHashSet<String> {
-        self.owners
-            .keys()
-            .filter_map(|o| match o {
-                Owner::Pod { uid, .. } => Some(uid.clone()),
-                _ => None,
-            })
-            .collect()
-    }
-}
-
-/// What one tick read, handed on by value (to the join) instead of being left
-/// in the store: the join runs without any lock of the collector's.
+/// What one tick read, handed on by value (to the join and FinOps) instead of being left
+/// in the store: they run without any lock of the collector's.
 #[derive(Debug, Default)]
 pub struct TickReport {
     /// The tick's signal windows (see `probes::signal`); none for the first
@@ -90,6 +46,8 @@ pub struct TickReport {
     /// Whether the GPU worked this tick (`probes::gpu_activity`); `None`: nothing loaded can
     /// tell.
     pub gpu_busy: Option<bool>,
+    /// The pods' GPU running totals and the GPUs' capacity after the tick, for FinOps.
+    pub gpu: GpuTotals,
 }
 
 /// One tick's deltas, merged per owner and series.
@@ -334,6 +292,7 @@ impl Collector {
             gauges: gauges.clone(),
             live: FxHashSet::default(),
             gpu_busy: None,
+            gpu: GpuTotals::default(),
         };
         report.gpu_busy = crate::probes::gpu_activity::gpu_busy(
             &report.windows,
@@ -400,6 +359,7 @@ impl Collector {
                 .unwrap_or_default(),
         };
         report.live = shared.pod_uids();
+        report.gpu = GpuTotals::of(&shared);
         Ok(report)
     }
 }

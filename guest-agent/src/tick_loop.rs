@@ -1,6 +1,6 @@
 //! The tick loop: the collector ticks on a thread of its own every interval (a tick is all
-//! blocking syscalls), and hands each tick's report by value to the join and the GPU owners'
-//! running totals to FinOps, holding no lock while they work: a scrape, which locks the
+//! blocking syscalls), and hands each tick's report by value: its GPU totals to FinOps, the
+//! rest to the join. Neither holds a lock of the collector's: a scrape, which locks the
 //! collector's store to render the owners' series, never waits for them.
 //!
 //! At shutdown the loop is stopped and its thread joined, so that the units are dropped: clsact
@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::collect::Collector;
-use crate::finops::{FinOps, Totals};
+use crate::finops::FinOps;
 use crate::join::Join;
 
 /// The running loop.
@@ -75,16 +75,15 @@ impl TickLoop {
                         break; // asked to stop (or the agent is gone)
                     }
                     next += interval;
-                    let report = match collector.tick() {
+                    let mut report = match collector.tick() {
                         Ok(report) => report,
                         Err(e) => {
                             tracing::warn!("reading the cgroup hierarchy failed: {e}");
                             continue;
                         }
                     };
-                    // the totals are read under the store's lock, booked after it is released
-                    let totals =
-                        Totals::of(&collector.store.lock().unwrap_or_else(|e| e.into_inner()));
+                    // FinOps takes its part of the report; the join the rest
+                    let totals = std::mem::take(&mut report.gpu);
                     join.tick(report);
                     finops.book(totals, Instant::now());
                     last.mark();

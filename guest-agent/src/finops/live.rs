@@ -3,12 +3,10 @@
 //! node, a driver loaded late) still starts and reports everything else; NVML that appears
 //! later, or a GPU that comes back (an eGPU replugged), counts in the cost from then on.
 //!
-//! [`Reported::of`] reads the collector's state; [`Live::update`] is the decision, with no IO
-//! but its log lines (each said once, when what it says changes).
+//! [`Reported`] is what the tick's report says of the GPUs ([`NvmlCapacity`]); [`Live::update`]
+//! is the decision, with no IO but its log lines (each said once, when what it says changes).
 
-use crate::collect::Store;
-use crate::probes::gpu_compute::ComputeSource;
-use crate::probes::nvml::{LIBRARY_INFO, LINK_MAX, MEMORY_TOTAL};
+use crate::collect::NvmlCapacity;
 
 use super::config::{CapacityInput, GpuCapacity, LINK_FLAG, MEMORY_FLAG};
 
@@ -25,49 +23,30 @@ pub enum Reported {
     ProbeOff,
 }
 
-impl Reported {
-    /// From the nvml unit's node series of the last tick (the same numbers
-    /// `gpufeed_gpu_memory_total_bytes` and `gpufeed_gpu_link_max_bytes_per_second` export).
-    pub fn of(shared: &Store) -> Reported {
-        let Some(node) = shared
-            .stats
-            .units
-            .iter()
-            .map(|u| &u.node)
-            .find(|n| n.iter().any(|f| f.name == LIBRARY_INFO))
-        else {
-            return Reported::ProbeOff;
-        };
-        let samples = |name: &str| {
-            node.iter()
-                .filter(|f| f.name == name)
-                .flat_map(|f| f.samples.iter().map(|(_, v)| *v))
-                .filter(|v| v.is_finite() && *v > 0.0)
-                .collect::<Vec<f64>>()
-        };
-        if samples(LIBRARY_INFO).is_empty() {
-            let why = shared
-                .stats
-                .compute
-                .unavailable
-                .iter()
-                .find(|(s, _)| *s == ComputeSource::Nvml)
-                .map(|(_, why)| why.clone())
-                .unwrap_or_else(|| "no NVML library found".into());
-            return Reported::NotLoaded(why);
+impl From<&NvmlCapacity> for Reported {
+    /// What the tick's report says of the GPUs: NVML with no GPU's capacity is `NoGpu`, else
+    /// the sums over the GPUs that gave each number.
+    fn from(nvml: &NvmlCapacity) -> Reported {
+        match nvml {
+            NvmlCapacity::ProbeOff => Reported::ProbeOff,
+            NvmlCapacity::NotLoaded(why) => Reported::NotLoaded(why.clone()),
+            NvmlCapacity::Gpus { memory, link } if memory.is_empty() && link.is_empty() => {
+                Reported::NoGpu
+            }
+            NvmlCapacity::Gpus { memory, link } => {
+                let sum = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() as u64);
+                Reported::Gpus(CapacityInput {
+                    memory_bytes: sum(memory),
+                    link_bytes_per_second: sum(link),
+                    gpus: (!memory.is_empty())
+                        .then(|| u32::try_from(memory.len()).unwrap_or(u32::MAX)),
+                })
+            }
         }
-        let (memory, link) = (samples(MEMORY_TOTAL), samples(LINK_MAX));
-        if memory.is_empty() && link.is_empty() {
-            return Reported::NoGpu;
-        }
-        let sum = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() as u64);
-        Reported::Gpus(CapacityInput {
-            memory_bytes: sum(&memory),
-            link_bytes_per_second: sum(&link),
-            gpus: (!memory.is_empty()).then(|| u32::try_from(memory.len()).unwrap_or(u32::MAX)),
-        })
     }
+}
 
+impl Reported {
     fn input(&self) -> CapacityInput {
         match self {
             Reported::Gpus(c) => *c,
@@ -290,30 +269,17 @@ mod tests {
     }
 
     #[test]
-    fn the_nvml_units_series_are_read() {
-        use crate::probes::model::{Kind, NodeFamily, UnitStats};
-        use crate::probes::unit::Labels;
-        let gpu = |g: &str| Labels::from([("gpu", g.to_string())]);
-        let fam = |name, samples| NodeFamily {
-            name,
-            help: "",
-            kind: Kind::Gauge,
-            samples,
-        };
-        let mut s = Store::default();
-        assert_eq!(Reported::of(&s), Reported::ProbeOff);
-        s.stats.units = vec![UnitStats {
-            node: vec![fam(LIBRARY_INFO, vec![])],
-            ..UnitStats::default()
-        }];
-        assert!(matches!(Reported::of(&s), Reported::NotLoaded(_)));
-        s.stats.units[0].node = vec![
-            fam(LIBRARY_INFO, vec![(Labels::new(), 1.0)]),
-            fam(MEMORY_TOTAL, vec![(gpu("0"), 80.0), (gpu("1"), 24.0)]),
-            fam(LINK_MAX, vec![(gpu("0"), 16.0)]),
-        ];
-        assert_eq!(Reported::of(&s), nvml(104, 16, 2));
-        s.stats.units[0].node.truncate(1);
-        assert_eq!(Reported::of(&s), Reported::NoGpu);
+    fn the_report_says_what_the_gpus_gave() {
+        assert_eq!(Reported::from(&NvmlCapacity::ProbeOff), Reported::ProbeOff);
+        assert!(matches!(
+            Reported::from(&NvmlCapacity::NotLoaded("x".into())),
+            Reported::NotLoaded(_)
+        ));
+        let gpus = |memory: Vec<f64>, link: Vec<f64>| NvmlCapacity::Gpus { memory, link };
+        assert_eq!(
+            Reported::from(&gpus(vec![80.0, 24.0], vec![16.0])),
+            nvml(104, 16, 2)
+        );
+        assert_eq!(Reported::from(&gpus(vec![], vec![])), Reported::NoGpu);
     }
 }

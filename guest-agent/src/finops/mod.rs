@@ -1,9 +1,9 @@
 //! GPU FinOps: the per-pod GPU series turned into cost per tenant and into advice.
 //!
-//! After every map-reading tick [`FinOps::tick`] reads the GPU probes' running totals from the
-//! collector's shared state (compute time per GPU, duty cycle, VRAM, PCIe bytes, and the time
-//! threads waited for the GPU in driver calls and CUDA synchronisation), sums them per pod,
-//! and feeds the differences to two sans-IO parts: the cost model ([`cost`]) and the MPS
+//! After every map-reading tick [`FinOps::book`] takes the GPU probes' running totals from the
+//! collector's tick report ([`crate::collect::GpuTotals`]: compute time per GPU, duty cycle,
+//! VRAM, PCIe bytes, and the time threads waited for the GPU in driver calls and CUDA
+//! synchronisation, per pod), and feeds the differences to two sans-IO parts: the cost model ([`cost`]) and the MPS
 //! advisor ([`mps`]). VRAM is NVML's per-process memory where the node has NVML (it sees
 //! every allocation, the CUDA context's included), else what the CUDA uprobes saw allocated. Its Prometheus collector exports
 //! `gpufeed_gpu_cost_total`, `gpufeed_gpu_idle_cost_total`, `gpufeed_gpu_node_cost_total`,
@@ -26,14 +26,10 @@ use std::time::{Duration, Instant};
 use prometheus::core::{Collector as PromCollector, Desc};
 use prometheus::proto::{MetricFamily, MetricType};
 
-use crate::collect::{Owner, Store};
+use crate::collect::{GpuTotals, PodGpuTotals as PodTotals};
 use crate::families::{counter, family, gauge};
 use crate::pods::{PodMeta, PodStore};
-use crate::probes::cuda::{PCIE, SYNC_WAIT, VRAM};
-use crate::probes::gpu_compute::{COMPUTE, DUTY};
-use crate::probes::gpu_driver::IOCTL;
-use crate::probes::nvml::MEMORY as NVML_MEMORY;
-use crate::probes::unit::{Labels, Value};
+use crate::probes::unit::Labels;
 
 pub use config::{CapacityInput, ConfigError, FinopsArgs, FinopsConfig, GpuCapacity, Settings};
 pub use labels::PodLabels;
@@ -44,38 +40,6 @@ pub const NODE_COST: &str = "gpufeed_gpu_node_cost_total";
 pub const MPS: &str = "gpufeed_mps_recommended_active_thread_percentage";
 pub const POD_INFO: &str = "gpufeed_pod_info";
 pub const CAPACITY: &str = "gpufeed_gpu_cost_capacity";
-
-/// Every pod's GPU running totals at one tick (by pod UID), and the GPUs' capacity as the
-/// nvml probe reports it then: what FinOps reads of the collector's state.
-#[derive(Debug)]
-pub struct Totals {
-    pods: HashMap<String, PodTotals>,
-    capacity: live::Reported,
-}
-
-impl Totals {
-    pub fn of(shared: &Store) -> Totals {
-        Totals {
-            pods: pod_totals(shared),
-            capacity: live::Reported::of(shared),
-        }
-    }
-}
-
-/// A pod's GPU running totals at one tick, summed over its containers.
-#[derive(Debug, Clone, Default)]
-struct PodTotals {
-    /// Compute time per GPU (`None`: the source does not say which), ns.
-    compute_ns: BTreeMap<Option<u32>, u64>,
-    /// Driver call time summed over calls (overlapping calls each count), ns.
-    call_ns: u64,
-    /// Time blocked in CUDA synchronisation, summed over calls, ns.
-    sync_ns: u64,
-    pcie_bytes: u64,
-    vram_bytes: f64,
-    /// The duty cycle of its busiest GPU (its containers' on that GPU summed).
-    duty: Option<f64>,
-}
 
 /// Who a cost line is for, resolved when the cost is booked.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -147,19 +111,12 @@ impl FinOps {
         self.0.cfg.labels.clone()
     }
 
-    /// Books the interval since the previous call. `shared`: the collector's state after its
-    /// tick. The first call only takes the baseline.
-    pub fn tick(&self, shared: &Store, now: Instant) {
-        self.book(Totals::of(shared), now)
-    }
-
-    /// The same from totals taken earlier ([`Totals::of`], while the collector's lock is held;
-    /// the booking runs without it).
-    pub fn book(&self, totals: Totals, now: Instant) {
-        let Totals {
-            pods: totals,
-            capacity: reported,
-        } = totals;
+    /// Books the interval since the previous call from a tick's GPU totals (the collector's
+    /// report: FinOps holds no lock of the collector's). The first call only takes the
+    /// baseline.
+    pub fn book(&self, totals: GpuTotals, now: Instant) {
+        let GpuTotals { pods: totals, nvml } = totals;
+        let reported = live::Reported::from(&nvml);
         let mut st = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
         self.price_with(&mut st, &reported);
         let Some(last) = st.last.replace(now) else {
@@ -372,70 +329,17 @@ fn pod_name(uid: &str, meta: Option<&PodMeta>) -> PodName {
     }
 }
 
-/// Every pod with a GPU series, with its totals.
-fn pod_totals(shared: &Store) -> HashMap<String, PodTotals> {
-    let mut out: HashMap<String, PodTotals> = HashMap::new();
-    for (owner, o) in &shared.owners {
-        let Owner::Pod { uid, .. } = owner else {
-            continue;
-        };
-        for ((family, labels), value) in &o.series {
-            let t = match *family {
-                COMPUTE | IOCTL | PCIE | SYNC_WAIT => out.entry(uid.clone()).or_default(),
-                _ => continue,
-            };
-            match (*family, value) {
-                (COMPUTE, Value::Count(ns)) => {
-                    *t.compute_ns.entry(gpu_of(labels)).or_default() += ns;
-                }
-                (IOCTL, Value::Hist(h)) => t.call_ns += h.sum_ns,
-                (SYNC_WAIT, Value::Hist(h)) => t.sync_ns += h.sum_ns,
-                (PCIE, Value::Count(b)) => t.pcie_bytes += b,
-                _ => {}
-            }
-        }
-    }
-    // NVML sees every process's memory; the uprobes only the allocations made after they
-    // attached
-    let vram = if shared.gauges.contains_key(NVML_MEMORY) {
-        NVML_MEMORY
-    } else {
-        VRAM
-    };
-    let mut duty: HashMap<(&str, Option<u32>), f64> = HashMap::new();
-    for (family, values) in &shared.gauges {
-        if *family != vram && *family != DUTY {
-            continue;
-        }
-        for g in values {
-            let Owner::Pod { uid, .. } = &g.owner else {
-                continue;
-            };
-            if *family == vram {
-                out.entry(uid.clone()).or_default().vram_bytes += g.value;
-            } else {
-                *duty.entry((uid.as_str(), gpu_of(&g.labels))).or_default() += g.value;
-            }
-        }
-    }
-    for ((uid, _), d) in duty {
-        let t = out.entry(uid.to_string()).or_default();
-        t.duty = Some(t.duty.unwrap_or(0.0).max(d.min(1.0)));
-    }
-    out
-}
-
-/// The `gpu` label of a compute series (NVML's index), if it has one.
-fn gpu_of(labels: &Labels) -> Option<u32> {
-    labels.get("gpu").and_then(|g| g.parse().ok())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collect::OwnerStats;
+    use crate::collect::{NvmlCapacity, Owner, OwnerStats, Store};
+    use crate::probes::cuda::{PCIE, VRAM};
+    use crate::probes::gpu_compute::{COMPUTE, DUTY};
+    use crate::probes::gpu_driver::IOCTL;
     use crate::probes::hist::Hist;
+    use crate::probes::nvml::MEMORY as NVML_MEMORY;
     use crate::probes::unit::GaugeValue;
+    use crate::probes::unit::Value;
 
     fn pod(uid: &str, cid: &str) -> Owner {
         Owner::Pod {
@@ -554,11 +458,11 @@ mod tests {
         let pods = PodStore::default();
         let f = FinOps::new(config(), pods.clone());
         let t0 = Instant::now();
-        f.tick(&shared([1_000_000_000, 0], 100, 500.0), t0);
+        f.book(GpuTotals::of(&shared([1_000_000_000, 0], 100, 500.0)), t0);
         // 2 s later: container 0 +0.5 s, container 1 +0.5 s of driver time, 50 more bytes,
         // 250 bytes of VRAM held
-        f.tick(
-            &shared([1_500_000_000, 500_000_000], 150, 250.0),
+        f.book(
+            GpuTotals::of(&shared([1_500_000_000, 500_000_000], 150, 250.0)),
             t0 + Duration::from_secs(2),
         );
         let fams = f.families();
@@ -598,7 +502,7 @@ mod tests {
 
     #[test]
     fn totals_sum_containers_and_take_the_busiest_duty() {
-        let t = pod_totals(&shared([3, 4], 9, 7.0));
+        let t = GpuTotals::of(&shared([3, 4], 9, 7.0)).pods;
         assert_eq!(t.len(), 1);
         let a = &t["a"];
         assert_eq!(a.compute_ns, BTreeMap::from([(None, 7)]));
@@ -636,7 +540,7 @@ mod tests {
         };
         s.gauges
             .insert(NVML_MEMORY, vec![mem("c0", 1000.0), mem("c1", 24.0)]);
-        let a = &pod_totals(&s)["a"];
+        let a = &GpuTotals::of(&s).pods["a"];
         assert_eq!(
             a.compute_ns,
             BTreeMap::from([(None, 0), (Some(0), 5), (Some(1), 6)])
@@ -649,7 +553,7 @@ mod tests {
     #[test]
     fn without_a_rate_there_is_no_cost_series() {
         let f = FinOps::new(Settings::default().validate().unwrap(), PodStore::default());
-        f.tick(&Store::default(), Instant::now());
+        f.book(GpuTotals::default(), Instant::now());
         let names: Vec<String> = f.families().iter().map(|f| f.name().to_string()).collect();
         assert_eq!(names, [MPS]);
     }
@@ -668,12 +572,12 @@ mod tests {
         let f = FinOps::new(cfg, PodStore::default());
         let t0 = Instant::now();
         let at = |s| t0 + Duration::from_secs(s);
-        let totals = |reported: live::Reported| Totals {
-            pods: pod_totals(&shared([0, 0], 0, 500.0)),
-            capacity: reported,
+        let totals = |nvml: NvmlCapacity| GpuTotals {
+            pods: GpuTotals::of(&shared([0, 0], 0, 500.0)).pods,
+            nvml,
         };
-        f.book(totals(live::Reported::NotLoaded("x".into())), at(0));
-        f.book(totals(live::Reported::NotLoaded("x".into())), at(1));
+        f.book(totals(NvmlCapacity::NotLoaded("x".into())), at(0));
+        f.book(totals(NvmlCapacity::NotLoaded("x".into())), at(1));
         let fams = f.families();
         assert!(fams
             .iter()
@@ -687,12 +591,9 @@ mod tests {
                 "{l:?}"
             );
         }
-        let nvml = |memory| {
-            live::Reported::Gpus(CapacityInput {
-                memory_bytes: Some(memory),
-                link_bytes_per_second: Some(10),
-                gpus: Some(1),
-            })
+        let nvml = |memory: u64| NvmlCapacity::Gpus {
+            memory: vec![memory as f64],
+            link: vec![10.0],
         };
         // VRAM only: 500 of 1000 bytes for 1 s at 0.001 a second, then of 2000
         f.book(totals(nvml(1000)), at(2));

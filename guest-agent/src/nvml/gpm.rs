@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use super::codes::SUCCESS;
 use super::failures::Failure;
-use super::{symbol, Device, Gpu};
+use super::ffi::{symbol, Device, Gpu};
 
 /// `nvmlGpmSample_t`: an opaque sample NVML allocates.
 type Sample = *mut c_void;

@@ -21,6 +21,7 @@
 
 pub mod codes;
 pub mod failures;
+mod ffi;
 pub mod gpm;
 pub mod locate;
 pub mod mps;
@@ -32,6 +33,8 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr, CString};
 
 use codes::{ERROR_INSUFFICIENT_SIZE, ERROR_NOT_FOUND, SUCCESS};
 pub use failures::{Failure, Failures};
+pub use ffi::Gpu;
+use ffi::{symbol, Device};
 
 pub use locate::LIBRARY;
 
@@ -105,15 +108,6 @@ pub fn pcie_lane_bytes_per_second(generation: u32) -> u64 {
         6 => 64 * GT / 8 * 128 / 130,
         _ => 0,
     }
-}
-
-type Device = *mut c_void;
-
-/// A GPU NVML enumerated this read: its index and handle (valid while NVML is initialised).
-#[derive(Debug, Clone, Copy)]
-pub struct Gpu {
-    pub index: u32,
-    handle: Device,
 }
 
 #[repr(C)]
@@ -205,22 +199,6 @@ pub struct Nvml {
 
 // SAFETY: NVML is thread-safe (documented); the handle is only a library handle.
 unsafe impl Send for Nvml {}
-
-/// dlsym of `name` as a function pointer of type `F`; None when the library lacks it.
-///
-/// # Safety
-/// `F` must be the function's real C signature.
-unsafe fn symbol<F: Copy>(lib: *mut c_void, name: &'static str) -> Option<F> {
-    let c = CString::new(name).ok()?;
-    // SAFETY: lib is a live dlopen handle and c a valid C string.
-    let p = unsafe { libc::dlsym(lib, c.as_ptr()) };
-    if p.is_null() || std::mem::size_of::<F>() != std::mem::size_of::<*mut c_void>() {
-        return None;
-    }
-    // SAFETY: F is a function pointer type of the same size (checked), and
-    // the caller guarantees it is the symbol's signature.
-    Some(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
-}
 
 /// dlerror's text, or "".
 fn dl_error() -> String {

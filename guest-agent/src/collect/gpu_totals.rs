@@ -1,0 +1,198 @@
+//! What FinOps reads of a tick, taken by the collector at the end of it while it holds its
+//! store (the report carries it on by value): every pod's GPU running totals, summed over its
+//! containers, and the GPUs' capacity as the nvml unit reports it then. FinOps decides from
+//! these ([`crate::finops::live`]); nothing here prices.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::probes::cuda::{PCIE, SYNC_WAIT, VRAM};
+use crate::probes::gpu_compute::{ComputeSource, COMPUTE, DUTY};
+use crate::probes::gpu_driver::IOCTL;
+use crate::probes::nvml::{LIBRARY_INFO, LINK_MAX, MEMORY as NVML_MEMORY, MEMORY_TOTAL};
+use crate::probes::unit::{Labels, Value};
+
+use crate::owner::Owner;
+
+use super::store::Store;
+
+/// Every pod's GPU running totals at one tick (by pod UID), and the GPUs' capacity.
+#[derive(Debug, Clone, Default)]
+pub struct GpuTotals {
+    pub pods: HashMap<String, PodGpuTotals>,
+    pub nvml: NvmlCapacity,
+}
+
+/// A pod's GPU running totals at one tick, summed over its containers.
+#[derive(Debug, Clone, Default)]
+pub struct PodGpuTotals {
+    /// Compute time per GPU (`None`: the source does not say which), ns.
+    pub compute_ns: BTreeMap<Option<u32>, u64>,
+    /// Driver call time summed over calls (overlapping calls each count), ns.
+    pub call_ns: u64,
+    /// Time blocked in CUDA synchronisation, summed over calls, ns.
+    pub sync_ns: u64,
+    pub pcie_bytes: u64,
+    pub vram_bytes: f64,
+    /// The duty cycle of its busiest GPU (its containers' on that GPU summed).
+    pub duty: Option<f64>,
+}
+
+/// The GPUs' capacity as the nvml unit reports it at one tick.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum NvmlCapacity {
+    /// The nvml unit is not loaded (`--probes` leaves it out).
+    #[default]
+    ProbeOff,
+    /// The unit runs without NVML: why (where it looked).
+    NotLoaded(String),
+    /// NVML is loaded: each GPU's total memory and maximum link bandwidth it gave (either may
+    /// be empty: no GPU enumerated, all lost, or a call it lacks).
+    Gpus { memory: Vec<f64>, link: Vec<f64> },
+}
+
+impl GpuTotals {
+    pub fn of(shared: &Store) -> GpuTotals {
+        GpuTotals {
+            pods: pod_totals(shared),
+            nvml: nvml_capacity(shared),
+        }
+    }
+}
+
+/// From the nvml unit's node series of the tick (the same numbers
+/// `gpufeed_gpu_memory_total_bytes` and `gpufeed_gpu_link_max_bytes_per_second` export).
+fn nvml_capacity(shared: &Store) -> NvmlCapacity {
+    let Some(node) = shared
+        .stats
+        .units
+        .iter()
+        .map(|u| &u.node)
+        .find(|n| n.iter().any(|f| f.name == LIBRARY_INFO))
+    else {
+        return NvmlCapacity::ProbeOff;
+    };
+    let samples = |name: &str| {
+        node.iter()
+            .filter(|f| f.name == name)
+            .flat_map(|f| f.samples.iter().map(|(_, v)| *v))
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect::<Vec<f64>>()
+    };
+    if samples(LIBRARY_INFO).is_empty() {
+        let why = shared
+            .stats
+            .compute
+            .unavailable
+            .iter()
+            .find(|(s, _)| *s == ComputeSource::Nvml)
+            .map(|(_, why)| why.clone())
+            .unwrap_or_else(|| "no NVML library found".into());
+        return NvmlCapacity::NotLoaded(why);
+    }
+    NvmlCapacity::Gpus {
+        memory: samples(MEMORY_TOTAL),
+        link: samples(LINK_MAX),
+    }
+}
+
+/// Every pod with a GPU series, with its totals.
+fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
+    let mut out: HashMap<String, PodGpuTotals> = HashMap::new();
+    for (owner, o) in &shared.owners {
+        let Owner::Pod { uid, .. } = owner else {
+            continue;
+        };
+        for ((family, labels), value) in &o.series {
+            let t = match *family {
+                COMPUTE | IOCTL | PCIE | SYNC_WAIT => out.entry(uid.clone()).or_default(),
+                _ => continue,
+            };
+            match (*family, value) {
+                (COMPUTE, Value::Count(ns)) => {
+                    *t.compute_ns.entry(gpu_of(labels)).or_default() += ns;
+                }
+                (IOCTL, Value::Hist(h)) => t.call_ns += h.sum_ns,
+                (SYNC_WAIT, Value::Hist(h)) => t.sync_ns += h.sum_ns,
+                (PCIE, Value::Count(b)) => t.pcie_bytes += b,
+                _ => {}
+            }
+        }
+    }
+    // NVML sees every process's memory; the uprobes only the allocations made after they
+    // attached
+    let vram = if shared.gauges.contains_key(NVML_MEMORY) {
+        NVML_MEMORY
+    } else {
+        VRAM
+    };
+    let mut duty: HashMap<(&str, Option<u32>), f64> = HashMap::new();
+    for (family, values) in &shared.gauges {
+        if *family != vram && *family != DUTY {
+            continue;
+        }
+        for g in values {
+            let Owner::Pod { uid, .. } = &g.owner else {
+                continue;
+            };
+            if *family == vram {
+                out.entry(uid.clone()).or_default().vram_bytes += g.value;
+            } else {
+                *duty.entry((uid.as_str(), gpu_of(&g.labels))).or_default() += g.value;
+            }
+        }
+    }
+    for ((uid, _), d) in duty {
+        let t = out.entry(uid.to_string()).or_default();
+        t.duty = Some(t.duty.unwrap_or(0.0).max(d.min(1.0)));
+    }
+    out
+}
+
+/// The `gpu` label of a compute series (NVML's index), if it has one.
+fn gpu_of(labels: &Labels) -> Option<u32> {
+    labels.get("gpu").and_then(|g| g.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probes::model::{Kind, NodeFamily, UnitStats};
+
+    #[test]
+    fn the_nvml_units_series_are_read() {
+        let gpu = |g: &str| Labels::from([("gpu", g.to_string())]);
+        let fam = |name, samples| NodeFamily {
+            name,
+            help: "",
+            kind: Kind::Gauge,
+            samples,
+        };
+        let mut s = Store::default();
+        assert_eq!(nvml_capacity(&s), NvmlCapacity::ProbeOff);
+        s.stats.units = vec![UnitStats {
+            node: vec![fam(LIBRARY_INFO, vec![])],
+            ..UnitStats::default()
+        }];
+        assert!(matches!(nvml_capacity(&s), NvmlCapacity::NotLoaded(_)));
+        s.stats.units[0].node = vec![
+            fam(LIBRARY_INFO, vec![(Labels::new(), 1.0)]),
+            fam(MEMORY_TOTAL, vec![(gpu("0"), 80.0), (gpu("1"), 24.0)]),
+            fam(LINK_MAX, vec![(gpu("0"), 16.0)]),
+        ];
+        assert_eq!(
+            nvml_capacity(&s),
+            NvmlCapacity::Gpus {
+                memory: vec![80.0, 24.0],
+                link: vec![16.0]
+            }
+        );
+        s.stats.units[0].node.truncate(1);
+        assert_eq!(
+            nvml_capacity(&s),
+            NvmlCapacity::Gpus {
+                memory: vec![],
+                link: vec![]
+            }
+        );
+    }
+}
