@@ -329,6 +329,23 @@ fn api_pod_list(uid: &str, ip: &str) -> String {
     .to_string()
 }
 
+/// The fake API server's kubeconfig for an agent in a container, written in `dir`. The image
+/// has no system CA bundle (a pod gets its API CA from the service account); the client wants
+/// a root even for this plain-HTTP server: the deployment CA in `certs` stands in.
+fn container_kubeconfig(kube: &common::fake_kube::FakeKube, dir: &Path, certs: &Path) -> PathBuf {
+    let kubeconfig = kube.write_kubeconfig(dir);
+    let ca = sh(&format!("base64 -w0 {}", certs.join("ca/ca.pem").display()));
+    let text = std::fs::read_to_string(&kubeconfig).unwrap().replace(
+        "    server: ",
+        &format!(
+            "    certificate-authority-data: {}\n    server: ",
+            ca.trim()
+        ),
+    );
+    std::fs::write(&kubeconfig, text).unwrap();
+    kubeconfig
+}
+
 fn podman(args: &[String]) -> Command {
     let mut cmd = Command::new("podman");
     cmd.args(args);
@@ -381,18 +398,7 @@ fn daemonset_container_runs_with_its_capabilities_and_counts_a_pod() {
         api_pod_list(&uid, pod.ip.as_deref().unwrap()),
         vec![],
     ));
-    let kubeconfig = kube.write_kubeconfig(scratch.path());
-    // The image has no system CA bundle (a pod gets its API CA from the service account);
-    // the client wants a root even for this plain-HTTP server: the deployment CA stands in.
-    let ca = sh(&format!("base64 -w0 {}", certs.join("ca/ca.pem").display()));
-    let text = std::fs::read_to_string(&kubeconfig).unwrap().replace(
-        "    server: ",
-        &format!(
-            "    certificate-authority-data: {}\n    server: ",
-            ca.trim()
-        ),
-    );
-    std::fs::write(&kubeconfig, text).unwrap();
+    let kubeconfig = container_kubeconfig(&kube, scratch.path(), &certs);
     let name = format!("gf-ct-{tag}");
     let _c = Container(name.clone());
     let mut args = podman_args(&spec, &image, &name, &certs.join("guest"), scratch.path());
@@ -934,25 +940,8 @@ async fn full_overlay_reads_nvml_injected_as_the_toolkit_does() {
     let toolkit = Toolkit::new(&nvml.lib, scratch.path(), 2);
 
     let sb = CgroupSandbox::new();
-    let (_pods, pids, kube) = two_tenants(
-        &sb,
-        NODE,
-        [
-            ("team-a", "chat", ["chat-0", "chat-1"]),
-            ("team-b", "embed", ["embed-0", "embed-1"]),
-        ],
-    )
-    .await;
-    let kubeconfig = kube.write_kubeconfig(scratch.path());
-    let ca = sh(&format!("base64 -w0 {}", certs.join("ca/ca.pem").display()));
-    let text = std::fs::read_to_string(&kubeconfig).unwrap().replace(
-        "    server: ",
-        &format!(
-            "    certificate-authority-data: {}\n    server: ",
-            ca.trim()
-        ),
-    );
-    std::fs::write(&kubeconfig, text).unwrap();
+    let (_pods, pids, kube) = two_tenants(&sb, NODE, CHAT_AND_EMBED).await;
+    let kubeconfig = container_kubeconfig(&kube, scratch.path(), &certs);
 
     let spec = overlay_pod_spec("overlays/full");
     assert_eq!(spec["runtimeClassName"].as_str(), Some("nvidia"));

@@ -36,15 +36,7 @@ async fn cost_per_tenant_and_idle_follow_what_the_gpus_did() {
     let scratch = tempfile::tempdir().unwrap();
     let nvml = StandInNvml::new(scratch.path());
     let sb = CgroupSandbox::new();
-    let (_pods, pids, kube) = two_tenants(
-        &sb,
-        NODE,
-        [
-            ("team-a", "chat", ["chat-0", "chat-1"]),
-            ("team-b", "embed", ["embed-0", "embed-1"]),
-        ],
-    )
-    .await;
+    let (_pods, pids, kube) = two_tenants(&sb, NODE, CHAT_AND_EMBED).await;
     let flags = [
         "--probes",
         "nvml",

@@ -326,6 +326,12 @@ pub fn finops_flags<'a>(node: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 /// A tenant's app: the tenant, the app's name and its two pods' names.
 pub type TenantApp<'a> = (&'a str, &'a str, [&'a str; 2]);
 
+/// Two tenants' apps: team-a's chat (chat-0, chat-1) and team-b's embed (embed-0, embed-1).
+pub const CHAT_AND_EMBED: [TenantApp<'static>; 2] = [
+    ("team-a", "chat", ["chat-0", "chat-1"]),
+    ("team-b", "embed", ["embed-0", "embed-1"]),
+];
+
 /// Two pods of each app in `apps` (the first on the cgroupfs layout, the second on systemd's),
 /// labelled with the app's tenant under [`TENANT_KEY`] and its name under
 /// `app.kubernetes.io/name`, on `node`: the pods, each running `sleep 120`, their pids, and the
