@@ -329,6 +329,19 @@ fn api_pod_list(uid: &str, ip: &str) -> String {
     .to_string()
 }
 
+/// A scratch directory with `certs init`'s files (`certs/`) and the stand-in NVML (`nvml/`:
+/// the stand-in writes what its GPUs did beside it, so its directory is where the agent's
+/// process finds it, at the paths compiled into the library: a test-only mount).
+fn scratch_with_nvml() -> (tempfile::TempDir, PathBuf, PathBuf, StandInNvml) {
+    let scratch = tempfile::tempdir().unwrap();
+    let certs = scratch.path().join("certs");
+    certs_init_ok(&certs, "127.0.0.1:7845", "pve1");
+    let standin = scratch.path().join("nvml");
+    std::fs::create_dir_all(&standin).unwrap();
+    let nvml = StandInNvml::new(&standin);
+    (scratch, certs, standin, nvml)
+}
+
 /// The fake API server's kubeconfig for an agent in a container, written in `dir`. The image
 /// has no system CA bundle (a pod gets its API CA from the service account); the client wants
 /// a root even for this plain-HTTP server: the deployment CA in `certs` stands in.
@@ -647,14 +660,8 @@ fn talos_extension_image_layout_and_service_run() {
     }
 
     // Run, as Talos runs an extension service.
-    let scratch = tempfile::tempdir().unwrap();
-    let certs = scratch.path().join("certs");
-    certs_init_ok(&certs, "127.0.0.1:7845", "pve1");
-    // The node's /usr/local with the Talos NVIDIA extensions' NVML where they put it (the
-    // stand-in; its own state files are a test-only mount at the paths compiled into it).
-    let standin = scratch.path().join("nvml");
-    std::fs::create_dir_all(&standin).unwrap();
-    let nvml = StandInNvml::new(&standin);
+    let (scratch, certs, standin, nvml) = scratch_with_nvml();
+    // The node's /usr/local with the Talos NVIDIA extensions' NVML where they put it.
     let usr_local = scratch.path().join("usr-local");
     let glibc = usr_local.join("glibc/usr/lib");
     std::fs::create_dir_all(&glibc).unwrap();
@@ -929,14 +936,7 @@ async fn full_overlay_reads_nvml_injected_as_the_toolkit_does() {
     let tag = uniq();
     let image = format!("localhost/gpufeed-guest:test-{tag}");
     let _image = build_image(&[], &image);
-    let scratch = tempfile::tempdir().unwrap();
-    let certs = scratch.path().join("certs");
-    certs_init_ok(&certs, "127.0.0.1:7845", "pve1");
-    // The stand-in writes what its GPUs did beside it: its directory is where the agent's
-    // process finds it (the library's compiled-in paths), a test-only mount.
-    let standin = scratch.path().join("nvml");
-    std::fs::create_dir_all(&standin).unwrap();
-    let nvml = StandInNvml::new(&standin);
+    let (scratch, certs, standin, nvml) = scratch_with_nvml();
     let toolkit = Toolkit::new(&nvml.lib, scratch.path(), 2);
 
     let sb = CgroupSandbox::new();
