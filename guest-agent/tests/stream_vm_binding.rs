@@ -12,6 +12,8 @@
 //! host refuses it (`unknown_vm`) and it counts the refusal; the fourth names VM 101 while VM
 //! 101's guest holds it (`vm_taken`). Neither ever connects or gets an event. A guest agent
 //! restarted (its VM rebooted: same UUID) is bound to its VM again and gets the next drop.
+//! VM 102 migrates to a second host of the site: the first counts what it held for it as
+//! moved (`gpufeed_host_stream_events_moved_total`), the second binds its guest.
 
 mod common;
 
@@ -109,15 +111,31 @@ fn plain_link(root: &Path, speed: &str, width: &str) {
 
 /// The host agent on `dir/root`, serving the four guests on `ports`, none with a filter.
 fn start_host(dir: &Path, ports: &[u16; 4]) -> (Proc, SocketAddr) {
+    let guests = ["vm101", "vm102", "stranger", "twin"];
+    start_named_host(
+        dir,
+        HOST,
+        "root",
+        &guests.into_iter().zip(*ports).collect::<Vec<_>>(),
+    )
+}
+
+/// The host agent `host` on `dir/<root>` (its bundle in `dir/certs/hosts/<host>`), serving
+/// `guests` (name, port), none with a filter.
+fn start_named_host(
+    dir: &Path,
+    host: &str,
+    root: &str,
+    guests: &[(&str, u16)],
+) -> (Proc, SocketAddr) {
     let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let tls = dir.join("certs/hosts").join(HOST).join("tls");
-    let guests: String = ["vm101", "vm102", "stranger", "twin"]
+    let tls = dir.join("certs/hosts").join(host).join("tls");
+    let guests: String = guests
         .iter()
-        .zip(ports)
         .map(|(n, p)| format!("[[stream.guests]]\nname = \"{n}\"\nendpoint = \"127.0.0.1:{p}\"\n"))
         .collect();
     let cfg = format!(
-        r#"host_id = "{HOST}"
+        r#"host_id = "{host}"
 root = "{root}"
 metrics_listen = "{metrics}"
 
@@ -141,15 +159,16 @@ key = "{key}"
 spool_dir = ""
 state_interval_ms = 200
 {guests}"#,
-        root = dir.join("root").display(),
+        root = dir.join(root).display(),
         ca = tls.join("ca.pem").display(),
         cert = tls.join("host.pem").display(),
         key = tls.join("host-key.pem").display(),
     );
-    std::fs::write(dir.join("host.toml"), &cfg).unwrap();
+    let config = dir.join(format!("{host}.toml"));
+    std::fs::write(&config, &cfg).unwrap();
     let child = std::process::Command::new(host_binary())
         .args(["run", "--config"])
-        .arg(dir.join("host.toml"))
+        .arg(&config)
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::inherit())
@@ -219,7 +238,7 @@ fn each_guest_gets_its_own_vms_events_and_a_stranger_is_refused() {
     two_vm_tree(&d.join("root"));
     let (_host, hm) = start_host(d, &ports);
     let mut a = guest(d, "a", ports[0], U101);
-    let b = guest(d, "b", ports[1], U102);
+    let mut b = guest(d, "b", ports[1], U102);
     let c = guest(d, "c", ports[2], UNKNOWN);
     wait_for(Duration::from_secs(30), || {
         (connected(&a) && connected(&b)).then_some(())
@@ -431,4 +450,81 @@ fn each_guest_gets_its_own_vms_events_and_a_stranger_is_refused() {
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(drops(&b), 1.0, "VM 102's guest: /events {}", events(&b));
     assert!(!connected(&c));
+
+    // VM 102 migrates to another host of the cluster (a VM with a passed-through GPU moves
+    // shut down): its guest stops, its GPU's link changes meanwhile (held for it here), its
+    // configuration leaves this host. Started on the new host, its guest is refused here
+    // (unknown_vm) and what this host held for it is counted as moved, neither dropped nor
+    // left pending; the new host, from the same CA, binds it to VM 102 and streams to it.
+    drop(b);
+    let spooled = |g: &str| host_metric(hm, "gpufeed_host_stream_spool_events", &[("guest", g)]);
+    plain_link(&root, "16.0 GT/s PCIe", "16");
+    wait_for(Duration::from_secs(15), || {
+        (spooled("vm102") >= 1.0).then_some(())
+    })
+    .expect("the link change held for VM 102's stopped guest");
+    let held = spooled("vm102");
+    let moved = |h: SocketAddr| {
+        host_metric(
+            h,
+            "gpufeed_host_stream_events_moved_total",
+            &[("guest", "vm102")],
+        )
+    };
+    assert_eq!(moved(hm), 0.0);
+    // the new host: the VM's configuration and GPU, its bundle added to the site
+    let new_root = d.join("root-pve2");
+    two_vm_tree(&new_root);
+    std::fs::remove_file(new_root.join("etc/pve/qemu-server/101.conf")).unwrap();
+    std::fs::rename(
+        root.join("etc/pve/qemu-server/102.conf"),
+        d.join("102.conf.migrated"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpufeed-guest"))
+        .args(["certs", "add-host", "--out"])
+        .arg(d.join("certs"))
+        .args(["--host", "pve2"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_pve2, h2) = start_named_host(d, "pve2", "root-pve2", &[("vm102", ports[1])]);
+    b = guest(d, "b", ports[1], U102);
+    wait_for(Duration::from_secs(30), || {
+        (moved(hm) >= held && spooled("vm102") == 0.0).then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the old host counts its held events as moved: moved {}, held {held}, pending {}",
+            moved(hm),
+            spooled("vm102")
+        )
+    });
+    assert_eq!(moved(hm), held);
+    assert!(
+        host_metric(
+            hm,
+            "gpufeed_host_stream_vm_refused_total",
+            &[("guest", "vm102"), ("reason", "unknown_vm")]
+        ) >= 1.0
+    );
+    assert_eq!(
+        host_metric(
+            hm,
+            "gpufeed_host_stream_events_dropped_total",
+            &[("guest", "vm102")]
+        ),
+        0.0
+    );
+    wait_for(Duration::from_secs(30), || {
+        (host_metric(h2, "gpufeed_host_stream_guest_vmid", &[("guest", "vm102")]) == 102.0
+            && value(&b.scrape(), "gpufeed_stream_connected", &[("host", "pve2")]) == Some(1.0))
+        .then_some(())
+    })
+    .expect("VM 102's guest bound and streamed to by its new host");
+    assert_eq!(moved(h2), 0.0);
 }

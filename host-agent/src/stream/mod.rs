@@ -19,7 +19,9 @@
 //! `gpufeed_host_stream_spool_disk_bytes`, `gpufeed_host_stream_acked_seq`,
 //! `gpufeed_host_stream_connects_total{result}`; and `gpufeed_host_stream_bus_lagged_total`.
 //! With VMs: `gpufeed_host_stream_guest_vmid{guest}` (the VM a guest is bound to, -1 before),
-//! `gpufeed_host_stream_vm_refused_total{guest,reason}` (`unknown_vm`, `vm_taken`) and
+//! `gpufeed_host_stream_vm_refused_total{guest,reason}` (`unknown_vm`, `vm_taken`),
+//! `gpufeed_host_stream_events_moved_total{guest}` (held for a guest whose VM left this host)
+//! and
 //! `gpufeed_host_stream_routed_total{guest,why}` (`own`, `upstream`, `host_wide`,
 //! `unclaimed`: why events went to the guest).
 
@@ -37,7 +39,7 @@ use gpufeed_shared::stream::client;
 use prometheus::Registry;
 use tokio::sync::broadcast;
 
-use bind::{Bindings, Bound};
+use bind::{Bindings, Bound, Slot};
 pub use client::{GuestEndpoint, RawEvent, SpoolStatus, StreamConfig, StreamError};
 use route::{Filter, Reach, Route, Why};
 
@@ -179,10 +181,21 @@ impl Router {
         let topo = self.topology();
         let mut routing = self.routing();
         let label = self.m.label(guest);
+        let was = routing.bindings.slots().get(guest).cloned();
         match routing.bindings.bind(guest, uuid, &vms) {
             Err(refusal) => {
                 self.m.refused(guest, refusal.reason());
                 self.m.vmid(guest, -1);
+                // bound to a VM whose configuration is no longer on this host: the VM moved
+                // (a migration) or was removed; what this host held for it is counted as
+                // moved, not lost
+                if let Some(Slot::Vm(vmid)) = was {
+                    if !vms.contains_key(&vmid) {
+                        let moved = self.spools.give_up(guest);
+                        self.m.moved(guest, moved);
+                        tracing::info!(guest = %label, vmid, moved, "host stream: VM left this host (migrated or removed); the events held for its guest are counted as moved");
+                    }
+                }
                 let why = refusal.to_string();
                 // once per guest and reason: the guest tries again at every backoff
                 if self.m.note_refusal(guest, &why) {
@@ -240,6 +253,7 @@ struct RouteMetrics {
     routed: prometheus::IntCounterVec,
     refused: prometheus::IntCounterVec,
     vmid: prometheus::IntGaugeVec,
+    moved: prometheus::IntCounterVec,
     /// `routed` of each guest, by [`Why`] in its order.
     per_guest: Vec<[prometheus::IntCounter; 4]>,
     /// Each guest's last refusal ("" after a binding), so that a guest refused again at
@@ -272,6 +286,13 @@ impl RouteMetrics {
                 ),
                 &["guest"],
             )?,
+            moved: IntCounterVec::new(
+                Opts::new(
+                    "gpufeed_host_stream_events_moved_total",
+                    "Events held for the guest and given up because its VM left this host (migrated to another host of the cluster, or removed): not lost, not delivered by this host",
+                ),
+                &["guest"],
+            )?,
             last_refusal: Mutex::new(vec![String::new(); labels.len()]),
             per_guest: Vec::new(),
             labels,
@@ -285,8 +306,10 @@ impl RouteMetrics {
         if by_vm {
             registry.register(Box::new(m.refused.clone()))?;
             registry.register(Box::new(m.vmid.clone()))?;
+            registry.register(Box::new(m.moved.clone()))?;
             for l in &m.labels {
                 m.vmid.with_label_values(&[l]).set(-1);
+                m.moved.with_label_values(&[l]);
                 for r in ["unknown_vm", "vm_taken"] {
                     m.refused.with_label_values(&[l, r]);
                 }
@@ -304,6 +327,10 @@ impl RouteMetrics {
         if let Some(c) = self.per_guest.get(guest) {
             c[why as usize].inc();
         }
+    }
+
+    fn moved(&self, guest: usize, n: u64) {
+        self.moved.with_label_values(&[self.label(guest)]).inc_by(n);
     }
 
     fn refused(&self, guest: usize, reason: &str) {

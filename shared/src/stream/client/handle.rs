@@ -194,6 +194,19 @@ impl Spools {
         push_encoded(&self.guests[guest_index], &encoded);
     }
 
+    /// Gives up the events held for the guest at `guest_index` (its VM left this host: they
+    /// are its new host's to tell); returns how many.
+    pub fn give_up(&self, guest_index: usize) -> u64 {
+        let g = &self.guests[guest_index];
+        let mut s = g.spool();
+        let n = s.give_up_pending().unwrap_or_else(|e| {
+            tracing::warn!(guest = %g.cfg.label(), error = %e, "spool: the given-up events' watermark not written; they stay on disk until the next acknowledgement");
+            0
+        });
+        g.update_gauges(&mut s);
+        n
+    }
+
     /// Number of guests (valid indices of [`push_encoded`](Self::push_encoded)).
     pub fn guest_count(&self) -> usize {
         self.guests.len()

@@ -598,6 +598,16 @@ impl Spool {
         n
     }
 
+    /// Gives up every event held for the guest, as if it had acknowledged them: for a guest
+    /// this host no longer serves (its VM moved to another host). Returns how many there were.
+    pub fn give_up_pending(&mut self) -> Result<u64, SpoolError> {
+        let n = self.pending();
+        if let Some(last) = self.next_seq().checked_sub(1) {
+            self.ack(last)?;
+        }
+        Ok(n)
+    }
+
     /// The guest has everything up to `up_to`.
     pub fn ack(&mut self, up_to: u64) -> Result<(), SpoolError> {
         if !self.ledger.ack(up_to) {
