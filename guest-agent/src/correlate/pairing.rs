@@ -129,6 +129,16 @@ impl Joiner {
         self.spikes.iter()
     }
 
+    /// Changes whenever a spike or an event is recorded or expires: the ids at both ends.
+    pub fn stamp(&self) -> [Option<u64>; 4] {
+        [
+            self.spikes.front().map(|s| s.id),
+            self.spikes.back().map(|s| s.id),
+            self.events.front().map(|e| e.id),
+            self.events.back().map(|e| e.id),
+        ]
+    }
+
     pub fn events(&self) -> impl Iterator<Item = &EventRecord> {
         self.events.iter()
     }

@@ -138,6 +138,11 @@ impl Correlator {
         self.joiner.events()
     }
 
+    /// What the retained spikes and events are, cheaply: equal stamps, the same records.
+    pub fn records_stamp(&self) -> [Option<u64>; 4] {
+        self.joiner.stamp()
+    }
+
     /// The retained spikes in detection order (ascending ids), joined or not.
     pub fn spike_records(&self) -> impl Iterator<Item = &SpikeRecord> {
         self.joiner.spikes()

@@ -3,7 +3,8 @@
 //! page's picture questions), and that publishes the owner's answers for the readers.
 //!
 //! Readers never wait on the join's work: `/events` and the scrape read the answers published
-//! after the last batch of inputs (at most [`BATCH`] late in a burst), the page the state
+//! after the last batch of inputs that changed them (at most [`BATCH`] late in a burst;
+//! [`SERIES_EVERY`] for the ratios' drift with time), the page the state
 //! rendered at most once per [`STATE_EVERY`]. Rendering the page's state is the one answer with
 //! a cost worth sparing: it is rendered while someone reads it (within [`STATE_READ_WITHIN`]);
 //! a read that finds none, or one older than twice [`STATE_EVERY`], asks for a fresh one and
@@ -23,7 +24,7 @@ use crate::hub::Hub;
 use crate::incident::{self, annotations, PageState};
 use crate::pods::PodStore;
 
-use super::owner::{Input, JoinOwner, Settings};
+use super::owner::{Input, JoinOwner, SeriesStamp, Settings};
 
 /// Inputs waiting for the owner; a full queue holds the sender (the tick thread, the hub's
 /// intake and with it the connection: a burst waits, nothing is lost).
@@ -36,6 +37,10 @@ pub const STATE_EVERY: Duration = Duration::from_secs(1);
 pub const STATE_READ_WITHIN: Duration = Duration::from_secs(60);
 /// How long a read of a stale state waits for a fresh one before taking what there is.
 pub const STATE_WAIT: Duration = Duration::from_millis(1500);
+/// The correlation series are rendered again after a host event, a spike recorded or expired
+/// or a pod forgotten, and at least this often (their explained ratios move with time): a
+/// quiet node's ticks render none (at 1,000 pods a rendering is milliseconds).
+pub const SERIES_EVERY: Duration = Duration::from_secs(10);
 
 /// Guest realtime now, ns.
 fn realtime_ns() -> i64 {
@@ -208,16 +213,21 @@ fn run(
     started: Instant,
 ) {
     let mut last_state = started;
+    let mut last_series: Option<(Instant, SeriesStamp)> = None;
     let mut gone = false;
     while !gone {
         match rx.recv_timeout(STATE_EVERY) {
             Ok(input) => {
+                let mut host_events = matches!(input, Input::Host(_));
                 owner.handle(input, Instant::now(), realtime_ns());
                 // what queued meanwhile, for at most one batch, then the answers
                 let until = Instant::now() + BATCH;
                 while Instant::now() < until {
                     match rx.try_recv() {
-                        Ok(input) => owner.handle(input, Instant::now(), realtime_ns()),
+                        Ok(input) => {
+                            host_events |= matches!(input, Input::Host(_));
+                            owner.handle(input, Instant::now(), realtime_ns());
+                        }
                         Err(TryRecvError::Empty) => break,
                         Err(TryRecvError::Disconnected) => {
                             gone = true;
@@ -225,11 +235,19 @@ fn run(
                         }
                     }
                 }
-                let now_ns = realtime_ns();
-                answers.send_replace(Arc::new(Answers {
-                    events: owner.events(),
-                    series: owner.series(now_ns),
-                }));
+                let stamp = owner.series_stamp();
+                let due = match &last_series {
+                    None => true,
+                    Some((at, was)) => host_events || *was != stamp || at.elapsed() >= SERIES_EVERY,
+                };
+                if due {
+                    let now_ns = realtime_ns();
+                    last_series = Some((Instant::now(), stamp));
+                    answers.send_replace(Arc::new(Answers {
+                        events: owner.events(),
+                        series: owner.series(now_ns),
+                    }));
+                }
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => gone = true,

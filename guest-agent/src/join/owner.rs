@@ -58,6 +58,9 @@ impl Settings {
     }
 }
 
+/// What [`JoinOwner::series_stamp`] compares.
+pub type SeriesStamp = ([Option<u64>; 4], u64);
+
 pub struct JoinOwner {
     settings: Settings,
     corr: Correlator,
@@ -69,6 +72,8 @@ pub struct JoinOwner {
     live: HashSet<String>,
     /// (host, kind) of unknown kinds already logged: one line each, not one per event.
     unknown_logged: HashSet<(String, u16)>,
+    /// Pods forgotten so far (their series went with them).
+    forgotten: u64,
 }
 
 impl JoinOwner {
@@ -82,6 +87,7 @@ impl JoinOwner {
             hub: None,
             live: HashSet::new(),
             unknown_logged: HashSet::new(),
+            forgotten: 0,
             settings,
         }
     }
@@ -145,10 +151,12 @@ impl JoinOwner {
         }
         let live = &report.live;
         let corr = &mut self.corr;
+        let forgotten = &mut self.forgotten;
         self.live.retain(|uid| {
             let here = live.contains(uid.as_str());
             if !here {
                 corr.forget_uid(uid);
+                *forgotten += 1;
             }
             here
         });
@@ -221,6 +229,13 @@ impl JoinOwner {
             }
         }
         v
+    }
+
+    /// Changes whenever the correlation series do but for their ratios' slow drift with time:
+    /// a spike or an event recorded or expired, a pod forgotten (host events are inputs the
+    /// driver sees itself).
+    pub fn series_stamp(&self) -> SeriesStamp {
+        (self.corr.records_stamp(), self.forgotten)
     }
 
     /// The correlation series (`gpufeed_*`) and the host events' annotation timestamps.
