@@ -1,4 +1,5 @@
-//! The DaemonSet of `talos/kubernetes/overlays/stream`, run for real: the image that
+//! The DaemonSet of `talos/kubernetes/overlays/stream` (and of the Helm chart with its `stream`
+//! values: the same pod spec, checked; the `full` one likewise below), run for real: the image that
 //! `scripts/build-image.sh` builds, started by a container runtime (podman with runc) with
 //! exactly the manifest's security context (capabilities dropped to its list, read-only root,
 //! no privilege escalation, its user), host network namespace (and PID namespace, were the
@@ -57,9 +58,21 @@ fn daemonset_pod_spec() -> Value {
     overlay_pod_spec("overlays/stream")
 }
 
-/// The DaemonSet's pod template spec as the kustomization at `rel` renders it.
+/// The DaemonSet's pod template spec as the kustomization at `rel` renders it, which the Helm
+/// chart with the values set of the same name (`charts/gpufeed/examples/<name>.yaml`) must
+/// render exactly: the pod run here is the one both install.
 fn overlay_pod_spec(rel: &str) -> Value {
-    manifests::object(&manifests::kustomize(rel), "DaemonSet")["spec"]["template"]["spec"].clone()
+    let pod =
+        |objs: &[Value]| manifests::object(objs, "DaemonSet")["spec"]["template"]["spec"].clone();
+    let kustomized = pod(&manifests::kustomize(rel));
+    let set = rel.trim_start_matches("overlays/");
+    let values = manifests::chart_dir().join(format!("examples/{set}.yaml"));
+    let charted = pod(&manifests::helm_template(&[values.to_str().unwrap()]));
+    assert_eq!(
+        charted, kustomized,
+        "the chart's pod spec ({set}) is {rel}'s"
+    );
+    charted
 }
 
 /// Removes the image (unmounting it first) and any container left behind, even when the test
