@@ -19,9 +19,13 @@ src="$repo/guest-agent/tests/schemas"
 dir=${1:-$repo/target/tmp/schema-tools}
 stamp=$(cat "$src/package.json" "$src/package-lock.json" "$src/requirements.txt" | sha256sum | cut -c1-16)
 
-# the validators themselves, beside the packages they import
+# the validators themselves, beside the packages they import; a changed one is replaced by a
+# rename, never rewritten in place: tests running side by side may be reading it
 install_scripts() {
-  cp "$src/validate_crds.mjs" "$src/validate_core.py" "$src/helm_chart.py" "$dir/"
+  for f in validate_crds.mjs validate_core.py helm_chart.py; do
+    cmp -s "$src/$f" "$dir/$f" && continue
+    cp "$src/$f" "$dir/.$f.new" && mv -f "$dir/.$f.new" "$dir/$f"
+  done
 }
 if [ -f "$dir/.installed" ] && [ "$(cat "$dir/.installed")" = "$stamp" ]; then
   install_scripts

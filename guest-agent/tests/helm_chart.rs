@@ -695,3 +695,49 @@ fn the_install_guides_helm_commands_render_as_written() {
         .collect();
     assert_eq!(given, wanted);
 }
+
+/// `helm package` makes a chart that stands alone: the files linked from the kustomize
+/// components (PodMonitor, PrometheusRule, ScaledObject, dashboards) are in the archive, and
+/// it renders exactly what the chart directory does.
+#[test]
+fn the_packaged_chart_renders_what_the_directory_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let tools = schema_tools();
+    let o = Command::new(tools.join("venv/bin/python"))
+        .arg(tools.join("helm_chart.py"))
+        .arg("package")
+        .arg(chart_dir())
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let archive = std::path::PathBuf::from(answer["archive"].as_str().unwrap());
+    assert_eq!(
+        archive.file_name().unwrap().to_str(),
+        Some(format!("gpufeed-{}.tgz", env!("CARGO_PKG_VERSION")).as_str())
+    );
+    // nothing in it is a link
+    let listing = Command::new("tar")
+        .arg("tvzf")
+        .arg(&archive)
+        .output()
+        .unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    assert!(
+        listing.contains("gpufeed/files/prometheus-rules.yaml"),
+        "{listing}"
+    );
+    assert!(
+        listing
+            .lines()
+            .all(|l| l.starts_with('-') || l.starts_with('d')),
+        "{listing}"
+    );
+    let args = [example("full"), example("finops")];
+    let args = strs(&args);
+    let packaged = try_helm_template_of(&archive, "gpufeed", "gpufeed", false, &args).unwrap();
+    let directory = helm_template(&args);
+    assert_eq!(packaged.len(), directory.len());
+    assert_eq!(by_identity(&packaged), by_identity(&directory));
+}

@@ -176,11 +176,22 @@ pub fn try_helm_template(
     upgrade: bool,
     args: &[&str],
 ) -> Result<Vec<Value>, String> {
+    try_helm_template_of(&chart_dir(), name, namespace, upgrade, args)
+}
+
+/// [`try_helm_template`] of the chart at `chart`: a directory or a packaged chart (.tgz).
+pub fn try_helm_template_of(
+    chart: &Path,
+    name: &str,
+    namespace: &str,
+    upgrade: bool,
+    args: &[&str],
+) -> Result<Vec<Value>, String> {
     let tools = schema_tools();
     let mut cmd = Command::new(tools.join("venv/bin/python"));
     cmd.arg(tools.join("helm_chart.py"))
         .arg("template")
-        .arg(chart_dir())
+        .arg(chart)
         .args([name, namespace]);
     if upgrade {
         cmd.arg("--is-upgrade");

@@ -4,6 +4,9 @@ the tests; no cluster is contacted:
     python helm_chart.py lint CHART [VALUES.yaml...]
     python helm_chart.py template CHART NAME NAMESPACE [--is-upgrade] [VALUES.yaml...] [--set K=V...] [--set-file K=PATH...]
     python helm_chart.py cli 'helm install|upgrade|template NAME CHART [flags]'
+    python helm_chart.py package CHART DESTINATION
+
+CHART is a chart directory or a packaged chart (.tgz). `package` answers {"archive": path}.
 
 Values files and --set/--set-file expressions merge in order, as `helm template -f ... --set ...`
 does. `lint` answers a JSON object (Helm's lint report); `template` checks the merged values
@@ -48,9 +51,16 @@ def user_values(args):
     return values, rest
 
 
+def load(chart):
+    if chart.endswith(".tgz"):
+        with open(chart, "rb") as f:
+            return helm.Chart.load_archive(f.read())
+    return helm.Chart.load(chart)
+
+
 def render(chart, name, namespace, values, upgrade):
     try:
-        with helm.Chart.load(chart) as c:
+        with load(chart) as c:
             c.validate_schema(c.merge_values(values))
             out = c.render(
                 values,
@@ -101,6 +111,9 @@ def cli(line):
 def main():
     if sys.argv[1] == "cli":
         print(json.dumps(cli(sys.argv[2])))
+        return
+    if sys.argv[1] == "package":
+        print(json.dumps({"archive": helm.package(sys.argv[2], destination=sys.argv[3])}))
         return
     cmd, chart = sys.argv[1], sys.argv[2]
     if cmd == "lint":
