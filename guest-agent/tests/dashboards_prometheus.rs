@@ -1,6 +1,9 @@
-//! The Grafana dashboard shipped in `talos/kubernetes/components/grafana-dashboards/`, its every
-//! panel and annotation query evaluated by a real Prometheus (Debian's package) scraping the
-//! real agent, with the variables set as Grafana sets them. Each test provokes what a group of
+//! The Grafana dashboard shipped in `talos/kubernetes/components/grafana-dashboards/`, and the
+//! dashboards per purpose in grafana.com's format beside it (`grafana.com/`: node, host,
+//! FinOps; derived from it, dashboards_export.rs), their every panel, variable and annotation
+//! query evaluated by a real Prometheus (Debian's package) scraping the real agent, with the
+//! variables set as Grafana sets them. A panel of an export shows what the same panel of the
+//! sidecar dashboard shows here: its queries are the same, checked wherever a row's values are. Each test provokes what a group of
 //! rows shows and checks that exactly the provoked series come back:
 //! * the pod rows: a pod (in its own cgroup and network namespace) with CPU-bound loops
 //!   competing for the CPUs and a TCP upload through a token bucket too small for it: its
@@ -30,6 +33,31 @@ use serde_json::Value as Json;
 fn dashboard() -> Json {
     let path = manifests::kustomize_dir("components/grafana-dashboards/gpufeed.json");
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+/// The grafana.com exports (file name, dashboard).
+fn exports() -> Vec<(String, Json)> {
+    let dir = manifests::kustomize_dir("components/grafana-dashboards/grafana.com");
+    let mut out: Vec<(String, Json)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (
+                name,
+                serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap(),
+            )
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        out.len(),
+        3,
+        "node, host and FinOps: {:?}",
+        out.iter().map(|e| &e.0).collect::<Vec<_>>()
+    );
+    out
 }
 
 /// (panel title, refId, expr) of every query of every panel.
@@ -85,10 +113,21 @@ fn annotation_queries(d: &Json) -> Vec<(String, String)> {
 /// The series a panel's query returns, with values that are numbers.
 fn panel(prom: &Prometheus, d: &Json, title: &str, vars: &[(&str, &str)]) -> Vec<Json> {
     let all = queries(d);
-    let (_, _, e) = all
+    let (_, r, e) = all
         .iter()
         .find(|(t, _, _)| t == title)
         .unwrap_or_else(|| panic!("no panel {title:?}"));
+    // the exports that show this panel show these values: the same query
+    let mut shown = 0;
+    for (name, x) in exports() {
+        for (t, xr, xe) in queries(&x) {
+            if t == title && xr == *r {
+                assert_eq!(&xe, e, "{name}: {title}");
+                shown += 1;
+            }
+        }
+    }
+    assert_eq!(shown, 1, "{title}: in one export");
     prom.query(&expand_all(e, vars))
         .unwrap_or_else(|err| panic!("{title}: {err}"))
         .into_iter()
@@ -389,6 +428,49 @@ fn every_panel_query_evaluates_on_the_agents_series() {
             let q = expand(&e, ns, p);
             if let Err(err) = prom.query(&q) {
                 panic!("{what} does not evaluate: {err}\n{q}");
+            }
+        }
+    }
+    // The same for each grafana.com export: its panels, annotations and variables.
+    for (name, x) in exports() {
+        let every = queries(&x)
+            .into_iter()
+            .map(|(t, r, e)| (format!("{t} ({r})"), e))
+            .chain(
+                annotation_queries(&x)
+                    .into_iter()
+                    .map(|(n, e)| (format!("annotation {n}"), e)),
+            );
+        let mut n = 0;
+        for (what, e) in every {
+            for (ns, p) in [(".*", ".*"), (".*", uid.as_str())] {
+                let q = expand(&e, ns, p);
+                if let Err(err) = prom.query(&q) {
+                    panic!("{name}: {what} does not evaluate: {err}\n{q}");
+                }
+            }
+            n += 1;
+        }
+        assert!(n > 0, "{name}: no query");
+        for v in x["templating"]["list"].as_array().unwrap() {
+            if v["type"] == "query" {
+                variable_values(&prom, &x, v["name"].as_str().unwrap());
+            }
+        }
+        // the node's pod rows show this pod, as the sidecar's do
+        if name == "gpufeed-node.json" {
+            assert!(variable_values(&prom, &x, "pod").contains(&uid));
+            for (title, _) in &provoked {
+                let (_, _, e) = queries(&x)
+                    .into_iter()
+                    .find(|(t, _, _)| t == title)
+                    .unwrap();
+                let hit = prom.query(&expand(&e, ".*", &uid)).unwrap();
+                assert!(
+                    hit.iter()
+                        .any(|s| s["metric"]["pod"].as_str() == Some(uid.as_str())),
+                    "{name}: {title}"
+                );
             }
         }
     }

