@@ -449,7 +449,7 @@ fn feed_row_shows_the_provoked_stall_by_cause() {
     let d = dashboard();
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
-    let cuda = StandInCuda::new(dir);
+    let cuda = StandInCuda::with_gaps(dir);
     let client = FeedClient::new(dir);
     let (ctl, gaps) = (dir.join("feed-ctl"), dir.join("gaps"));
     std::fs::create_dir(&ctl).unwrap();

@@ -985,7 +985,7 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
     let Some(_lock) = require_root() else { return };
     let scratch = tempfile::tempdir().unwrap();
     let dir = scratch.path();
-    let cuda = StandInCuda::new(dir);
+    let cuda = StandInCuda::with_gaps(dir);
     let client = FeedClient::new(dir);
     let (ctl, gaps_file) = (dir.join("feed-ctl"), dir.join("gaps"));
     std::fs::create_dir(&ctl).unwrap();

@@ -125,14 +125,22 @@ pub struct StandInCuda {
 
 impl StandInCuda {
     pub fn new(dir: &Path) -> StandInCuda {
+        StandInCuda::build(dir, &[])
+    }
+
+    /// The stand-in that records its device's idle gaps when `STANDIN_GAPS` names a file
+    /// ([`FeedGap`]); the others' build has none of that code.
+    pub fn with_gaps(dir: &Path) -> StandInCuda {
+        StandInCuda::build(dir, &["-DSTANDIN_GAPS"])
+    }
+
+    fn build(dir: &Path, defines: &[&str]) -> StandInCuda {
         let lib_dir = dir.join("lib");
         std::fs::create_dir(&lib_dir).unwrap();
         let lib = lib_dir.join("libcuda.so.1");
-        compile_c(
-            "cuda/fake_libcuda.c",
-            &lib,
-            &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
-        );
+        let mut flags = vec!["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"];
+        flags.extend_from_slice(defines);
+        compile_c("cuda/fake_libcuda.c", &lib, &flags);
         let app = dir.join("cuda_app");
         compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
         let root = dir.join("rootfs");
