@@ -655,9 +655,12 @@ static __always_inline void work_close(struct cuda_cgroup *cg, __u64 end)
 /* The calling thread's cumulative run-queue wait (0 without sched_info). */
 static __always_inline __u64 my_run_delay(void)
 {
-	struct task_struct *t = bpf_get_current_task_btf();
+	struct task_struct *t;
 
-	if (!feed_stall || !bpf_core_field_exists(t->sched_info))
+	if (!feed_stall)
+		return 0;
+	t = bpf_get_current_task_btf();
+	if (!bpf_core_field_exists(t->sched_info))
 		return 0;
 	return t->sched_info.run_delay;
 }
