@@ -49,11 +49,30 @@
  * the driver probe merges its calls. Completion is seen when the process
  * looks, so the estimate is an upper bound of the device's busy time: exact
  * when the process waits on its work, longer when it looks late.
+ *
+ * Feed stall (with the launch probes, on kernels with sched_info): the time
+ * the pod's GPU sat idle while a thread that feeds it wanted to run, and how
+ * much of it that thread spent on a run queue. A thread's "feed gap" opens
+ * when a call of its shows the cgroup's last outstanding work done (the
+ * return of a synchronisation, or a query answering CUDA_SUCCESS) and
+ * closes at its next launch. At the close, with nothing of the cgroup's in
+ * flight:
+ *   - feed_cpu_ns += the thread's run_delay growth over the gap, plus what
+ *     it grew inside the synchronisation call that opened it (the wait
+ *     between the GPU's completion waking it and it running again);
+ *   - feed_idle_ns += the gap's wall time if the thread never blocked in it
+ *     (its voluntary switch count unchanged: it was running or runnable, so
+ *     trying to feed), else only its run-queue part; plus the same
+ *     in-synchronisation wait.
+ * All of it is read from the current task at the uprobes (sched_info is
+ * the scheduler's own account, settled while the task runs): the scheduler
+ * hook does no work for it. See docs/metrics.md for what it misses.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 #include "cgroup.h"
 #include "cgroup_active.h"
 #include "cgroup_storage.h"
@@ -72,6 +91,9 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
  * intervals. Without it the synchronisation probes only time the wait, and
  * no stream map is walked. */
 const volatile bool busy_estimate = false;
+/* Set by userspace with busy_estimate where the kernel has
+ * task_struct.sched_info: the feed-stall accounting (see the top). */
+const volatile bool feed_stall = false;
 /* Adjacent mappings one cuMemUnmap may cover (it must unmap whole mappings). */
 #define MAX_UNMAP_SPAN 32
 /* The implicit streams' handles (cuda.h). */
@@ -87,6 +109,8 @@ struct cuda_cgroup {
 	__u64 busy_ns;	      /* closed busy-estimate intervals */
 	__u64 busy_since;     /* ktime ns the current interval began */
 	__s64 busy_streams;   /* streams of the cgroup with outstanding work */
+	__u64 feed_cpu_ns;    /* feed stall while a feeding thread waited on a run queue */
+	__u64 feed_idle_ns;   /* all feed stall (idle while fed), any cause */
 	struct hist sync_wait; /* time blocked in cuStream/Ctx/EventSynchronize */
 	__u64 epoch; /* see cgroup_active.h */
 };
@@ -184,6 +208,20 @@ struct {
 	__type(key, __u64);
 	__type(value, struct pending);
 } cuda_pending SEC(".maps");
+
+/* A thread's open feed gap (feed_stall): task-local, freed with the thread. */
+struct feeder {
+	__u64 at;	/* ktime ns the gap opened; 0: none open */
+	__u64 run_delay; /* the thread's sched_info.run_delay then */
+	__u64 nvcsw;	/* its voluntary context switches then */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_TASK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct feeder);
+} cuda_feeders SEC(".maps");
 
 /* Streams with outstanding work: (tgid, stream) -> last launch. */
 struct stream_key {
@@ -614,6 +652,76 @@ static __always_inline void work_close(struct cuda_cgroup *cg, __u64 end)
 		__sync_fetch_and_add(&cg->busy_ns, end - since);
 }
 
+/* The calling thread's cumulative run-queue wait (0 without sched_info). */
+static __always_inline __u64 my_run_delay(void)
+{
+	struct task_struct *t;
+
+	if (!feed_stall)
+		return 0;
+	t = bpf_get_current_task_btf();
+	if (!bpf_core_field_exists(t->sched_info))
+		return 0;
+	return t->sched_info.run_delay;
+}
+
+/* A launch closes the calling thread's feed gap, if one is open. */
+static __always_inline void feed_gap_close(struct cuda_cgroup *cg, __u64 now)
+{
+	struct task_struct *t;
+	struct feeder *f;
+	__u64 queued, idle;
+
+	if (!feed_stall)
+		return;
+	t = bpf_get_current_task_btf();
+	f = bpf_task_storage_get(&cuda_feeders, t, 0, 0);
+	if (!f || !f->at)
+		return;
+	/* with other work of the cgroup in flight the GPU was not idle */
+	if (cg->busy_streams == 0 && now > f->at) {
+		queued = my_run_delay() - f->run_delay;
+		if ((__s64)queued < 0)
+			queued = 0;
+		idle = t->nvcsw == f->nvcsw ? now - f->at : queued;
+		if (idle < queued)
+			idle = queued;
+		__sync_fetch_and_add(&cg->feed_cpu_ns, queued);
+		__sync_fetch_and_add(&cg->feed_idle_ns, idle);
+	}
+	f->at = 0;
+}
+
+/* A call showed the cgroup's last outstanding work done: the calling thread's
+ * feed gap opens now. For a blocking synchronisation, `entry_delay` is its
+ * run_delay when the call began: what it grew since is the wait between the
+ * completion waking it and it running, already GPU idle. */
+static __always_inline void feed_gap_open(struct cuda_cgroup *cg, __u64 now, bool blocking,
+					  __u64 entry_delay)
+{
+	struct task_struct *t;
+	struct feeder *f;
+	__u64 rd, queued;
+
+	if (!feed_stall || cg->busy_streams != 0)
+		return;
+	t = bpf_get_current_task_btf();
+	f = bpf_task_storage_get(&cuda_feeders, t, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+	if (!f) {
+		bump(STAT_NO_STORAGE);
+		return;
+	}
+	rd = my_run_delay();
+	if (blocking && rd > entry_delay) {
+		queued = rd - entry_delay;
+		__sync_fetch_and_add(&cg->feed_cpu_ns, queued);
+		__sync_fetch_and_add(&cg->feed_idle_ns, queued);
+	}
+	f->at = now;
+	f->run_delay = rd;
+	f->nvcsw = t->nvcsw;
+}
+
 static __always_inline void stream_done(struct cuda_cgroup *cg, __u32 pid, __u64 stream, __u64 end)
 {
 	struct stream_key k = {.tgid = pid, .stream = stream};
@@ -644,6 +752,7 @@ static __always_inline int launched(__u64 stream, bool ptsz)
 	if (!cg)
 		return 0;
 	__sync_fetch_and_add(&cg->launches, 1);
+	feed_gap_close(cg, now);
 	last = bpf_map_lookup_elem(&cuda_streams, &k);
 	if (last) {
 		*last = now;
@@ -765,7 +874,7 @@ int BPF_UPROBE(cu_event_record_ptsz, __u64 event, __u64 stream)
 	SEC("uprobe")                                                      \
 	int BPF_UPROBE(wait_prog, __u64 handle)                            \
 	{                                                                  \
-		return stash(wait_call, key, 0, bpf_ktime_get_ns());       \
+		return stash(wait_call, key, my_run_delay(), bpf_ktime_get_ns()); \
 	}                                                                  \
 	SEC("uprobe")                                                      \
 	int BPF_UPROBE(query_prog, __u64 handle)                           \
@@ -784,7 +893,7 @@ WAIT_AND_QUERY(cu_stream_sync_ptsz, CALL_STREAM_SYNC, cu_stream_query_ptsz, CALL
 SEC("uprobe")
 int BPF_UPROBE(cu_ctx_sync)
 {
-	return stash(CALL_CTX_SYNC, 0, 0, bpf_ktime_get_ns());
+	return stash(CALL_CTX_SYNC, 0, my_run_delay(), bpf_ktime_get_ns());
 }
 
 /* CUresult cuEventSynchronize(CUevent hEvent), cuEventQuery(CUevent hEvent) */
@@ -837,7 +946,8 @@ int BPF_URETPROBE(cu_sync_ret, int ret)
 	struct pending p;
 	bool blocking;
 
-	/* p.out: the stream or event handle; p.size: when the call began */
+	/* p.out: the stream or event handle; p.size: when the call began;
+	 * p.out2: the thread's run_delay then (blocking calls, feed_stall) */
 	if (!take_pending(id, &p))
 		return 0;
 	blocking = p.call == CALL_STREAM_SYNC || p.call == CALL_CTX_SYNC || p.call == CALL_EVENT_SYNC;
@@ -865,6 +975,7 @@ int BPF_URETPROBE(cu_sync_ret, int ret)
 		event_done(cg, id >> 32, p.out, now);
 		break;
 	}
+	feed_gap_open(cg, now, blocking, p.out2);
 	return 0;
 }
 

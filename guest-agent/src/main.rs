@@ -545,7 +545,7 @@ fn explain(args: ExplainArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let base = args.url.trim_end_matches('/').to_string();
-    let (events, state) = rt.block_on(async {
+    let (events, state, metrics) = rt.block_on(async {
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
             .build()?;
@@ -567,13 +567,25 @@ fn explain(args: ExplainArgs) -> anyhow::Result<()> {
                     .with_context(|| format!("{url} did not answer JSON (an older agent?)"))
             }
         };
-        anyhow::Ok((get("/events").await?, get("/api/state").await?))
+        let metrics = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .and_then(|r| r.error_for_status());
+        let metrics = match metrics {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        anyhow::Ok((get("/events").await?, get("/api/state").await?, metrics))
     })?;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0);
-    print!("{}", incident::explain(&events, &state, args.since, now_ms));
+    print!(
+        "{}",
+        incident::explain::explain_with_feed(&events, &state, &metrics, args.since, now_ms)
+    );
     Ok(())
 }
 

@@ -9,6 +9,10 @@
 //!   competing for the CPUs and a TCP upload through a token bucket too small for it: its
 //!   run-queue wait, RTT, bytes, retransmissions and qdisc drops, for exactly that pod when
 //!   `$pod` selects it; every other query must evaluate;
+//! * the feed row, first on the dashboard: a pod's thread feeding the stand-in device while CPU
+//!   hogs share its CPU: its feed stall by cause against its GPU busy, the `cpu` cause's
+//!   counter in Prometheus equal to the stand-in's own record of the thread's run-queue wait
+//!   in the device's idle gaps;
 //! * the GPU FinOps row: a tenant's pod using the stand-in GPU device and libcuda.so.1 (its
 //!   VRAM and copies known to the test), its cost, duty cycle, compute time and MPS advice;
 //! * the host rows and the annotations: the real host agent on a recorded Thunderbolt eGPU tree
@@ -166,7 +170,17 @@ fn dashboard_structure() {
         .iter()
         .map(|p| p["title"].as_str().unwrap())
         .collect();
+    // the first row answers the product's question
+    let first: Vec<&str> = titles.iter().take(2).copied().collect();
+    assert_eq!(
+        first,
+        [
+            "Is the GPU getting fed?",
+            "GPU feed stall per pod and cause"
+        ]
+    );
     for want in [
+        "GPU feed stall per pod and cause",
         "Run-queue wait p99 per pod",
         "TCP RTT per pod and destination",
         "Bytes vs bandwidth cap",
@@ -210,6 +224,7 @@ fn dashboard_structure() {
             let e = t["expr"].as_str().unwrap();
             // every per-pod series follows the namespace and pod variables
             let per_pod = e.contains("ebpf_")
+                || e.contains("gpufeed_gpu_feed_stall")
                 || e.contains("gpufeed_bandwidth_limit")
                 || e.contains("gpufeed_latency_spikes")
                 || e.contains("gpufeed_correlated_spikes")
@@ -503,6 +518,79 @@ fn variable_values(prom: &Prometheus, d: &Json, name: &str) -> Vec<String> {
     values.sort();
     values.dedup();
     values
+}
+
+/// The feed row: one thread of a pod feeds the stand-in device 1 ms kernels for 12 s while two
+/// CPU hogs in a neighbour pod share its CPU. The panel shows, for exactly that pod, both causes
+/// of its feed stall (the `cpu` one above 0) and its GPU busy; once the loop ends, the `cpu`
+/// counter in Prometheus is the thread's run-queue wait inside the device's idle gaps by the
+/// stand-in's own record and schedstat (within 10%).
+#[test]
+fn feed_row_shows_the_provoked_stall_by_cause() {
+    let Some(_lock) = require_root() else { return };
+    let d = dashboard();
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let cuda = StandInCuda::with_gaps(dir);
+    let client = FeedClient::new(dir);
+    let (ctl, gaps) = (dir.join("feed-ctl"), dir.join("gaps"));
+    std::fs::create_dir(&ctl).unwrap();
+    let agent = Agent::no_kube("200ms", "cuda", &["--cuda-launches"]);
+    let prom = Prometheus::start(agent.addr);
+    let sb = CgroupSandbox::new();
+    let mut feeder = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut hogs = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+    let uid = feeder.uid.clone();
+    feeder.spawn(&client.command(&cuda, &ctl, &gaps, 0, 1, 12_000, 1000));
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            value(&agent.scrape(), "gpufeed_cuda_libraries", &[]).filter(|v| *v == 1.0)
+        })
+        .is_some(),
+        "the agent attached to the library"
+    );
+    for _ in 0..2 {
+        hogs.spawn("exec taskset -c 0 sh -c 'while :; do :; done'");
+    }
+    File::create(ctl.join("go0")).unwrap();
+    let title = "GPU feed stall per pod and cause";
+    let stall = wait_for(Duration::from_secs(20), || {
+        let r = panel(&prom, &d, title, &[("pod", &uid)]);
+        let cpu = r.iter().find(|s| s["metric"]["cause"] == "cpu").map(num)?;
+        (r.len() == 2 && r.iter().all(|s| s["metric"]["pod"] == uid.as_str()) && cpu > 0.0)
+            .then_some(r)
+    })
+    .unwrap_or_else(|| panic!("{title}: {:?}", panel(&prom, &d, title, &[("pod", &uid)])));
+    let (_, _, busy_expr) = queries(&d)
+        .into_iter()
+        .find(|(t, r, _)| t == title && r == "B")
+        .expect("the panel's GPU busy query");
+    let busy = wait_for(Duration::from_secs(10), || {
+        let r = prom.query(&expand(&busy_expr, ".*", &uid)).ok()?;
+        (r.len() == 1 && num(&r[0]) > 0.5).then(|| num(&r[0]))
+    });
+    eprintln!("feed panel: {stall:?}; GPU busy {busy:?}");
+    assert!(
+        busy.is_some(),
+        "{title}: the pod's GPU busy under its stall"
+    );
+    wait_file(&ctl.join("paused0"), "the feeding loop");
+    hogs.kill_all();
+    let truth: u64 = FeedGap::read_all(&gaps)
+        .iter()
+        .map(|g| g.run_delay_ns)
+        .sum();
+    let q = format!("max(gpufeed_gpu_feed_stall_seconds_total{{pod=\"{uid}\",cause=\"cpu\"}})");
+    let cpu = wait_for(Duration::from_secs(10), || {
+        prom.scalar(&q)
+            .filter(|v| (v * 1e9 - truth as f64).abs() <= 0.1 * truth as f64)
+    });
+    assert!(
+        cpu.is_some(),
+        "cpu stall in Prometheus {:?} s vs the stand-in's record {truth} ns",
+        prom.scalar(&q)
+    );
+    eprintln!("cpu stall in Prometheus {cpu:?} s, truth {truth} ns");
 }
 
 const NODE: &str = "gpu-node-dashboards";

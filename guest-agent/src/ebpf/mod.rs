@@ -126,7 +126,8 @@ impl KernelBtf {
             && self.has_member("cfs_rq", "rq")
     }
 
-    fn has_member(&self, ty: &str, member: &str) -> bool {
+    /// Whether the kernel's struct `ty` has a member `member`.
+    pub fn has_member(&self, ty: &str, member: &str) -> bool {
         self.0.as_ref().is_some_and(|b| {
             b.type_by_name::<Struct<'_>>(ty)
                 .is_some_and(|t| t.iter().any(|m| m.name.is_some_and(|n| n == member)))

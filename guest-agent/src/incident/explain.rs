@@ -1,6 +1,7 @@
 //! `gpufeed-guest explain`: the page at `/` as text for a terminal, read from a running agent's
 //! `/events` and `/api/state`. Each event's picture becomes one sparkline per affected pod (its
-//! signal's p99 over the minute before to the minute after) and one per link (its speed).
+//! signal's p99 over the minute before to the minute after) and one per link (its speed). It
+//! leads with each pod's GPU feed stall by cause, from the agent's `/metrics`.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -191,6 +192,100 @@ fn write_picture(out: &mut String, p: &Value, now_ms: i64) {
 
 /// `explain`: the events and spikes of the last `since`, as text for a terminal. `events` and
 /// `state` are the JSON of `/events` and `/api/state`; `now_ms` is the wall clock.
+/// The feed-stall series of a `/metrics` text: (pod as `namespace/pod`, cause, seconds).
+fn feed_stall_samples(metrics: &str) -> Vec<(String, String, f64)> {
+    let name = crate::probes::cuda::FEED_STALL;
+    let mut out = Vec::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        let Ok(v) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        // label="value" pairs; the values the agent writes escape only \, " and newline
+        let mut map = std::collections::HashMap::new();
+        let mut rest = labels;
+        while let Some((key, after)) = rest.split_once("=\"") {
+            let mut val = String::new();
+            let mut chars = after.char_indices();
+            let mut end = after.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => {
+                        if let Some((_, e)) = chars.next() {
+                            val.push(if e == 'n' { '\n' } else { e });
+                        }
+                    }
+                    '"' => {
+                        end = i + 1;
+                        break;
+                    }
+                    c => val.push(c),
+                }
+            }
+            map.insert(key.trim_start_matches(',').trim().to_string(), val);
+            rest = &after[end..];
+        }
+        let who = pod(&serde_json::json!({
+            "namespace": map.get("namespace").cloned().unwrap_or_default(),
+            "pod": map.get("pod").cloned().unwrap_or_default(),
+        }));
+        out.push((who, map.get("cause").cloned().unwrap_or_default(), v));
+    }
+    out
+}
+
+/// Each pod's GPU feed stall by cause from the agent's `/metrics` text, the pods with the most
+/// first: what `explain` leads with.
+pub fn feed_stall(metrics: &str) -> String {
+    let mut pods: Vec<(String, Vec<(String, f64)>)> = Vec::new();
+    for (who, cause, v) in feed_stall_samples(metrics) {
+        match pods.iter_mut().find(|(p, _)| *p == who) {
+            Some((_, causes)) => causes.push((cause, v)),
+            None => pods.push((who, vec![(cause, v)])),
+        }
+    }
+    let total = |c: &[(String, f64)]| c.iter().map(|(_, v)| v).sum::<f64>();
+    pods.sort_by(|a, b| total(&b.1).total_cmp(&total(&a.1)).then(a.0.cmp(&b.0)));
+    let mut out = String::from(
+        "\nGPU feed stall per pod since the agent started (its GPU idle while the pod fed it)\n",
+    );
+    if pods.is_empty() {
+        out.push_str("  none measured (needs --cuda-launches and a kernel with sched_info)\n");
+    }
+    for (who, mut causes) in pods {
+        causes.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let parts: Vec<String> = causes
+            .iter()
+            .map(|(c, v)| format!("{c} {v:.3} s"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {who}: {:.3} s ({})",
+            total(&causes),
+            parts.join(", ")
+        );
+    }
+    out
+}
+
+/// [`explain`] led by the pods' feed stall ([`feed_stall`]) from the agent's `/metrics` text.
+pub fn explain_with_feed(
+    events: &Value,
+    state: &Value,
+    metrics: &str,
+    since: Duration,
+    now_ms: i64,
+) -> String {
+    let rest = explain(events, state, since, now_ms);
+    let (node, body) = rest.split_once('\n').unwrap_or((&rest, ""));
+    format!("{node}\n{}\n{body}", feed_stall(metrics).trim_end())
+}
+
 pub fn explain(events: &Value, state: &Value, since: Duration, now_ms: i64) -> String {
     let from = now_ms - since.as_millis() as i64;
     let mut out = String::new();
@@ -457,6 +552,37 @@ mod tests {
         let axis = text.lines().find(|l| l.contains("the event;")).unwrap();
         assert_eq!(axis.find('^'), Some(8 + 20), "{axis}");
         assert!(text.contains("profiles: http://parca/?q=1"), "{text}");
+    }
+
+    /// The feed stall of a /metrics text as explain leads with it: per pod, its causes summed,
+    /// the pod with the most first; a pod without an API name by its UID.
+    #[test]
+    fn feed_stall_leads_per_pod_and_cause() {
+        let metrics = "# HELP gpufeed_gpu_feed_stall_seconds_total x\n\
+            # TYPE gpufeed_gpu_feed_stall_seconds_total counter\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-0\",cause=\"cpu\"} 1.5\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-0\",cause=\"unexplained\"} 0.25\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"\",pod=\"2d35-uid\",cause=\"cpu\"} 4\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"\",pod=\"2d35-uid\",cause=\"unexplained\"} 0\n\
+            ebpf_gpu_busy_estimate_seconds_total{namespace=\"ml\",pod=\"vllm-0\"} 9\n";
+        let text = feed_stall(metrics);
+        let lines: Vec<&str> = text.lines().skip(2).collect();
+        assert_eq!(
+            lines,
+            [
+                "  2d35-uid: 4.000 s (cpu 4.000 s, unexplained 0.000 s)",
+                "  ml/vllm-0: 1.750 s (cpu 1.500 s, unexplained 0.250 s)"
+            ],
+            "{text}"
+        );
+        assert!(feed_stall("").contains("none measured"));
+        let state = json!({"node": "gpu-1", "hosts": [], "unexplained": []});
+        let all = explain_with_feed(&json!([]), &state, metrics, Duration::from_secs(60), 0);
+        assert!(
+            all.starts_with("node gpu-1\n\nGPU feed stall per pod"),
+            "{all}"
+        );
+        assert!(all.contains("\nHost links now"), "{all}");
     }
 
     #[test]

@@ -47,6 +47,7 @@ pub const PCIE: &str = "ebpf_gpu_pcie_bytes_total";
 pub const LAUNCHES: &str = "ebpf_gpu_kernel_launches_total";
 pub const BUSY: &str = "ebpf_gpu_busy_estimate_seconds_total";
 pub const SYNC_WAIT: &str = "ebpf_gpu_sync_wait_microseconds";
+pub const FEED_STALL: &str = "gpufeed_gpu_feed_stall_seconds_total";
 
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
@@ -88,6 +89,13 @@ const SYNC_WAIT_FAMILY: FamilySpec = FamilySpec {
     help: "Time a thread of the container blocked in cuStreamSynchronize, cuCtxSynchronize or cuEventSynchronize (waiting for the GPU)",
     kind: Kind::Histogram,
     scope: Scope::Container,
+    pod_labels: true,
+};
+const FEED_STALL_FAMILY: FamilySpec = FamilySpec {
+    name: FEED_STALL,
+    help: "Seconds the pod's GPU sat idle while a thread feeding it was running or waiting to run (between a call that saw the pod's last GPU work done and that thread's next launch), by cause: cpu (the thread waited on a run queue), unexplained (the rest); only with --cuda-launches on kernels with sched_info (docs/metrics.md)",
+    kind: Kind::SecondsCounter,
+    scope: Scope::Pod,
     pod_labels: true,
 };
 fn load_unit(ctx: &LoadContext<'_>, _names: &[&'static str]) -> Result<Loaded, ProbeError> {
@@ -140,6 +148,10 @@ pub struct CudaCgroup {
     /// Closed busy-estimate intervals (launch to seen complete), merged over
     /// the cgroup's streams; an interval still open is left out.
     pub busy_ns: u64,
+    /// Feed stall while the feeding thread waited on a run queue.
+    pub feed_cpu_ns: u64,
+    /// All feed stall (the GPU idle while a thread fed it), any cause.
+    pub feed_idle_ns: u64,
 }
 
 unsafe impl plain::Plain for skel::types::cuda_cgroup {}
@@ -154,6 +166,8 @@ impl CudaCgroup {
             d2h_bytes: c.d2h_bytes,
             launches: c.launches,
             busy_ns: c.busy_ns,
+            feed_cpu_ns: c.feed_cpu_ns,
+            feed_idle_ns: c.feed_idle_ns,
             sync_wait: Hist::from_parts(&c.sync_wait.buckets, c.sync_wait.sum_ns),
         })
     }
@@ -168,6 +182,8 @@ impl CudaCgroup {
             d2h_bytes: d(self.d2h_bytes, earlier.d2h_bytes),
             launches: d(self.launches, earlier.launches),
             busy_ns: d(self.busy_ns, earlier.busy_ns),
+            feed_cpu_ns: d(self.feed_cpu_ns, earlier.feed_cpu_ns),
+            feed_idle_ns: d(self.feed_idle_ns, earlier.feed_idle_ns),
             sync_wait: self.sync_wait.delta_since(&earlier.sync_wait),
         }
     }
@@ -417,8 +433,11 @@ impl CudaProbe {
             .map_err(err(NAME, "open"))?;
         let rmdir = btf.has_tracepoint("cgroup_rmdir");
         let values = Prepared::new(NAME, "cuda_cgroup", storage, rmdir, open.open_object_mut())?;
+        // the feed stall reads the scheduler's own per-task run-queue account
+        let feed_stall = opts.launches && btf.has_member("task_struct", "sched_info");
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.busy_estimate = opts.launches;
+            ro.feed_stall = feed_stall;
             ro.cgroup_storage_by_id = storage.by_id();
         }
         let skel = crate::ebpf::object::load(NAME, open)?;
@@ -426,6 +445,7 @@ impl CudaProbe {
         let skel: &'static skel::CudaSkel<'static> = Box::leak(Box::new(skel));
         let series = CudaSeries {
             launches: opts.launches,
+            feed_stall,
             vram: HashMap::new(),
             compute: None,
         };
@@ -534,6 +554,7 @@ impl GpuProcessUnit for CudaProbe {
         LAUNCHES_FAMILY,
         BUSY_FAMILY,
         SYNC_WAIT_FAMILY,
+        FEED_STALL_FAMILY,
     ];
     /// When the busy estimate is the node's compute time (launches probed, no NVML).
     const FAMILIES_COMPUTE: &'static [FamilySpec] = &[
@@ -542,6 +563,7 @@ impl GpuProcessUnit for CudaProbe {
         LAUNCHES_FAMILY,
         BUSY_FAMILY,
         SYNC_WAIT_FAMILY,
+        FEED_STALL_FAMILY,
         gpu_compute::COMPUTE_FAMILY,
         gpu_compute::DUTY_FAMILY,
     ];
@@ -637,6 +659,8 @@ impl GpuProcessUnit for CudaProbe {
 /// time where the busy estimate is the node's compute source.
 pub struct CudaSeries {
     launches: bool,
+    /// The feed stall is counted (launch probes on a kernel with sched_info).
+    feed_stall: bool,
     /// VRAM per cgroup at its last read.
     vram: HashMap<u64, i64>,
     compute: Option<ComputeSeries>,
@@ -693,6 +717,18 @@ impl CgroupSeries for CudaSeries {
                 labels: Labels::new(),
                 value: Value::Count(d.busy_ns),
             });
+        }
+        if self.feed_stall {
+            // a tick may read the run-queue part of a gap before its total:
+            // the rest then comes with the next tick's
+            let rest = d.feed_idle_ns.saturating_sub(d.feed_cpu_ns);
+            for (cause, ns) in [("cpu", d.feed_cpu_ns), ("unexplained", rest)] {
+                out.push(Delta {
+                    family: FEED_STALL,
+                    labels: Labels::from([("cause", cause.to_string())]),
+                    value: Value::Count(ns),
+                });
+            }
         }
     }
 
@@ -806,8 +842,9 @@ garbage line
     #[test]
     fn decode_cgroup() {
         let mut b = Vec::new();
-        // vram, h2d, d2h, launches, busy_ns, busy_since, busy_streams
-        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1] {
+        // vram, h2d, d2h, launches, busy_ns, busy_since, busy_streams,
+        // feed_cpu_ns, feed_idle_ns
+        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1, 300, 500] {
             b.extend_from_slice(&v.to_ne_bytes());
         }
         // the sync-wait histogram (bpf/hist.h): two waits under 2^17 ns
@@ -824,6 +861,7 @@ garbage line
         assert_eq!(c.vram_bytes, -4096);
         assert_eq!((c.h2d_bytes, c.d2h_bytes, c.launches), (10, 20, 3));
         assert_eq!(c.busy_ns, 7_000, "an interval still open is left out");
+        assert_eq!((c.feed_cpu_ns, c.feed_idle_ns), (300, 500));
         assert_eq!((c.sync_wait.count, c.sync_wait.sum_ns), (3, 40_000_000_000));
         assert_eq!(c.sync_wait.buckets[7], 2);
         assert!(CudaCgroup::from_bytes(&b[..b.len() - 1]).is_none());

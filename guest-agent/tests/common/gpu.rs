@@ -125,14 +125,22 @@ pub struct StandInCuda {
 
 impl StandInCuda {
     pub fn new(dir: &Path) -> StandInCuda {
+        StandInCuda::build(dir, &[])
+    }
+
+    /// The stand-in that records its device's idle gaps when `STANDIN_GAPS` names a file
+    /// ([`FeedGap`]); the others' build has none of that code.
+    pub fn with_gaps(dir: &Path) -> StandInCuda {
+        StandInCuda::build(dir, &["-DSTANDIN_GAPS"])
+    }
+
+    fn build(dir: &Path, defines: &[&str]) -> StandInCuda {
         let lib_dir = dir.join("lib");
         std::fs::create_dir(&lib_dir).unwrap();
         let lib = lib_dir.join("libcuda.so.1");
-        compile_c(
-            "cuda/fake_libcuda.c",
-            &lib,
-            &["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"],
-        );
+        let mut flags = vec!["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1"];
+        flags.extend_from_slice(defines);
+        compile_c("cuda/fake_libcuda.c", &lib, &flags);
         let app = dir.join("cuda_app");
         compile_c("cuda/cuda_app.c", &app, &["-ldl"]);
         let root = dir.join("rootfs");
@@ -191,6 +199,72 @@ impl BusyClient {
             go.display(),
             out.display()
         )
+    }
+}
+
+/// The feeding loop (fixtures/cuda/cuda_feed.c) built in a test's directory: one thread
+/// launching a kernel and waiting for it, in phases the test starts (`go<i>`) and sees end
+/// (`paused<i>`) through its control directory, the stand-in library recording its device's
+/// idle gaps ([`FeedGap`]) to a file.
+pub struct FeedClient {
+    bin: PathBuf,
+}
+
+impl FeedClient {
+    pub fn new(dir: &Path) -> FeedClient {
+        let bin = dir.join("cuda_feed");
+        compile_c("cuda/cuda_feed.c", &bin, &["-ldl"]);
+        FeedClient { bin }
+    }
+
+    /// The shell command: `phases` phases of `phase_ms` of `kernel_us` kernels, pinned to
+    /// CPU `cpu`, on `cuda`'s library recording its gaps in `gaps`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn command(
+        &self,
+        cuda: &StandInCuda,
+        ctl: &Path,
+        gaps: &Path,
+        cpu: usize,
+        phases: u32,
+        phase_ms: u32,
+        kernel_us: u32,
+    ) -> String {
+        format!(
+            "STANDIN_GAPS={} LD_LIBRARY_PATH={} exec taskset -c {cpu} {} {} {phases} {phase_ms} {kernel_us}",
+            gaps.display(),
+            cuda.lib_dir.display(),
+            self.bin.display(),
+            ctl.display()
+        )
+    }
+}
+
+/// One idle gap of the stand-in's device (fake_libcuda.c, `STANDIN_GAPS`): from the end of its
+/// last work to the launch that ended the gap (CLOCK_MONOTONIC us), and how much the launching
+/// thread's schedstat run_delay grew from its sleep waiting for the device to that launch.
+#[derive(Debug, Clone, Copy)]
+pub struct FeedGap {
+    pub start_us: u64,
+    pub end_us: u64,
+    pub run_delay_ns: u64,
+}
+
+impl FeedGap {
+    /// Every gap recorded in `path` so far.
+    pub fn read_all(path: &Path) -> Vec<FeedGap> {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace().map(|w| w.parse::<u64>().ok());
+                Some(FeedGap {
+                    start_us: f.next()??,
+                    end_us: f.next()??,
+                    run_delay_ns: f.next()??,
+                })
+            })
+            .collect()
     }
 }
 
