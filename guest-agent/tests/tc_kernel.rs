@@ -968,6 +968,22 @@ fn datapath_case(path: Datapath) -> Measured {
         100.0 * (m.ingress.0 - m.ingress.1) / m.ingress.1,
     );
     let peers = value(&agent.scrape(), "gpufeed_tc_peer_redirect_interfaces", &[]);
+    // the doctor names the datapath and where each direction is counted (re-evaluated
+    // every 5 s from the agent's state)
+    let want = if path == Datapath::RedirectPeer {
+        "bpf_redirect_peer seen on 1 of 1"
+    } else {
+        "bpf_redirect_peer: not seen on 1 interfaces"
+    };
+    let datapath = wait_for(Duration::from_secs(12), || {
+        let body = agent.try_get("/doctor")?;
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        let f = v.as_array()?.iter().find(|f| f["check"] == "datapath")?;
+        let detail = f["detail"].as_str()?.to_string();
+        (detail.contains(want) && f["status"] == "pass").then_some(detail)
+    });
+    eprintln!("{path:?}: doctor datapath: {datapath:?}");
+    assert!(datapath.is_some(), "the doctor's datapath says {want:?}");
     if path == Datapath::RedirectPeer {
         let skel = peer_skel.as_ref().unwrap();
         let redirected = skel
