@@ -44,40 +44,6 @@ fn iperf_gbps(pod: &mut Pod, server: &str) -> f64 {
         / 1e9
 }
 
-/// (run time ns, run count) of the loaded programs whose names start with `prefix`,
-/// from the kernel's program info (kernel.bpf_stats_enabled on).
-fn prog_stats(prefix: &str) -> (u64, u64) {
-    let mut t = (0, 0);
-    let mut id = 0u32;
-    // SAFETY: plain syscall wrappers; each fd is closed after its info is read, and the
-    // info struct is zeroed and sized for the kernel.
-    unsafe {
-        while libbpf_sys::bpf_prog_get_next_id(id, &mut id) == 0 {
-            let fd = libbpf_sys::bpf_prog_get_fd_by_id(id);
-            if fd < 0 {
-                continue;
-            }
-            let mut info: libbpf_sys::bpf_prog_info = std::mem::zeroed();
-            let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
-            if libbpf_sys::bpf_obj_get_info_by_fd(fd, &mut info as *mut _ as *mut _, &mut len) == 0
-            {
-                let name: Vec<u8> = info
-                    .name
-                    .iter()
-                    .take_while(|c| **c != 0)
-                    .map(|c| *c as u8)
-                    .collect();
-                if name.starts_with(prefix.as_bytes()) {
-                    t.0 += info.run_time_ns;
-                    t.1 += info.run_cnt;
-                }
-            }
-            libc::close(fd);
-        }
-    }
-    t
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -130,9 +96,9 @@ fn main() {
         with.push(iperf_gbps(&mut pod, &srv_ip));
         // BPF cost per packet, measured separately (the accounting itself costs)
         std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "1").unwrap();
-        let (a, da) = (prog_stats("tc_host_"), prog_stats("pod_deliver"));
+        let (a, da) = (bpf_prog_stats("tc_host_"), bpf_prog_stats("pod_deliver"));
         iperf_gbps(&mut pod, &srv_ip);
-        let (b, db) = (prog_stats("tc_host_"), prog_stats("pod_deliver"));
+        let (b, db) = (bpf_prog_stats("tc_host_"), bpf_prog_stats("pod_deliver"));
         std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "0").unwrap();
         per_packet.push((b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64);
         deliver_per_packet.push((db.0 - da.0) as f64 / (db.1 - da.1).max(1) as f64);

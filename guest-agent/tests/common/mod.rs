@@ -1017,3 +1017,37 @@ pub fn explain(addr: SocketAddr, since: &str) -> (bool, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
     )
 }
+
+/// (run time ns, run count) of the loaded programs whose names start with `prefix`,
+/// from the kernel's program info (kernel.bpf_stats_enabled on).
+pub fn bpf_prog_stats(prefix: &str) -> (u64, u64) {
+    let mut t = (0, 0);
+    let mut id = 0u32;
+    // SAFETY: plain syscall wrappers; each fd is closed after its info is read, and the
+    // info struct is zeroed and sized for the kernel.
+    unsafe {
+        while libbpf_sys::bpf_prog_get_next_id(id, &mut id) == 0 {
+            let fd = libbpf_sys::bpf_prog_get_fd_by_id(id);
+            if fd < 0 {
+                continue;
+            }
+            let mut info: libbpf_sys::bpf_prog_info = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+            if libbpf_sys::bpf_obj_get_info_by_fd(fd, &mut info as *mut _ as *mut _, &mut len) == 0
+            {
+                let name: Vec<u8> = info
+                    .name
+                    .iter()
+                    .take_while(|c| **c != 0)
+                    .map(|c| *c as u8)
+                    .collect();
+                if name.starts_with(prefix.as_bytes()) {
+                    t.0 += info.run_time_ns;
+                    t.1 += info.run_cnt;
+                }
+            }
+            libc::close(fd);
+        }
+    }
+    t
+}
