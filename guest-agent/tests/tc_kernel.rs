@@ -596,6 +596,11 @@ fn another_filter_at_our_clsact_priority_is_left_alone() {
         .matches("a bpf filter of another program (foreign:[")
         .count();
     assert_eq!(said, 1, "the refusal is logged once, not at every look");
+    assert_eq!(
+        value(&agent.scrape(), "gpufeed_tc_attach_refusals_total", &[]),
+        Some(1.0),
+        "and counted once"
+    );
     let egress = our_filters(&hif, "egress");
     assert_eq!(egress.len(), 1, "{egress:?}");
     assert!(egress[0].contains("foreign"), "theirs stays: {egress:?}");

@@ -151,6 +151,8 @@ pub struct TcUnit {
     /// interfaces whose attach failed, with the reason last warned about: each
     /// look tries again, but a reason is logged once, not at every look
     refused: HashMap<u32, String>,
+    /// attachments refused, counted once per interface and reason (as they are logged)
+    refusals: u64,
 }
 
 impl TcUnit {
@@ -170,6 +172,7 @@ impl TcUnit {
             drained: 0,
             warned: HashSet::new(),
             refused: HashMap::new(),
+            refusals: 0,
         })
     }
 
@@ -221,6 +224,7 @@ impl TcUnit {
                     known.pod_netns = pi.pod_netns;
                     known.pod_ifindex = pi.pod_ifindex;
                     if let Err(e) = self.probe.watch_pod_side(pi.pod_netns, pi.pod_ifindex) {
+                        self.refusals += 1;
                         tracing::warn!(ifindex = i, pod = %pi.uid, "cannot count the pod's ingress at socket delivery: {e}");
                     }
                 }
@@ -231,6 +235,7 @@ impl TcUnit {
                     tracing::debug!(ifindex = i, pod = %pi.uid, "counting pod interface");
                     if pi.pod_netns != 0 {
                         if let Err(e) = self.probe.watch_pod_side(pi.pod_netns, pi.pod_ifindex) {
+                            self.refusals += 1;
                             tracing::warn!(ifindex = i, pod = %pi.uid, "cannot count the pod's ingress at socket delivery: {e}");
                         }
                     }
@@ -323,6 +328,7 @@ impl TcUnit {
             return false;
         }
         self.refused.insert(ifindex, reason);
+        self.refusals += 1;
         true
     }
 
@@ -511,6 +517,11 @@ impl Probe for TcUnit {
                     "gpufeed_tc_socket_delivery_counted",
                     "1 when pod ingress is also counted at socket delivery (cgroup_skb/ingress on the cgroup2 root), 0 when only on the host side",
                     if self.probe.delivery_off().is_none() { 1.0 } else { 0.0 },
+                ),
+                SelfSeries::counter(
+                    "gpufeed_tc_attach_refusals_total",
+                    "Attachments to pod interfaces and node devices refused (another program at our clsact priority, a device gone mid-attach, a full map), once per interface and reason, as logged",
+                    self.refusals,
                 ),
                 SelfSeries::counter(
                     "gpufeed_tc_drop_overflow_total",
