@@ -1,7 +1,7 @@
 //! tc byte-counting cost (not a test): iperf3 over veth between a pod
 //! namespace and a server namespace, with and without gpufeed's tc programs on
 //! the pod's host-side veth, alternated in the same run; then BPF ns per packet
-//! from kernel.bpf_stats_enabled: the tc programs' and, beside them, the socket-delivery
+//! from BPF_ENABLE_STATS: the tc programs' and, beside them, the socket-delivery
 //! program's (`pod_deliver`, cgroup_skb/ingress on the cgroup2 root, which counts a
 //! pod's ingress where bpf_redirect_peer goes around its veth). Needs root and iperf3. `TC_BENCH_ROUNDS` (default 7) sets the rounds.
 //!
@@ -95,11 +95,11 @@ fn main() {
         .expect("attached");
         with.push(iperf_gbps(&mut pod, &srv_ip));
         // BPF cost per packet, measured separately (the accounting itself costs)
-        std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "1").unwrap();
+        let stats = BpfStatsOn::new();
         let (a, da) = (bpf_prog_stats("tc_host_"), bpf_prog_stats("pod_deliver"));
         iperf_gbps(&mut pod, &srv_ip);
         let (b, db) = (bpf_prog_stats("tc_host_"), bpf_prog_stats("pod_deliver"));
-        std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "0").unwrap();
+        drop(stats);
         per_packet.push((b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64);
         deliver_per_packet.push((db.0 - da.0) as f64 / (db.1 - da.1).max(1) as f64);
         drop(agent);

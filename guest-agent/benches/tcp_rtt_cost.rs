@@ -1,7 +1,7 @@
 //! The RTT probe's cost per received segment (not a test): an unshaped iperf3 upload over
 //! veth from a pod namespace, with the agent (`--probes tcp_rtt`) of this build and, when
 //! `TCP_BENCH_BASELINE` names another build's binary, that one, alternated in the same run;
-//! `tcp_probe`'s run time / run count from kernel.bpf_stats_enabled. Needs root and iperf3.
+//! `tcp_probe`'s run time / run count from BPF_ENABLE_STATS. Needs root and iperf3.
 //! `TCP_BENCH_ROUNDS` (default 7) sets the rounds.
 //!
 //! TCP_BENCH_BASELINE=/path/to/old/gpufeed-guest cargo bench -p gpufeed-guest --bench tcp_rtt_cost
@@ -36,12 +36,12 @@ fn round(bin: &str, pod: &mut Pod, server: &str) -> f64 {
     .env_remove("KUBECONFIG");
     let agent = Agent::launch(cmd);
     std::thread::sleep(Duration::from_millis(500));
-    std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "1").unwrap();
+    let stats = BpfStatsOn::new();
     let a = bpf_prog_stats("tcp_probe");
     let pid = pod.spawn(&format!("exec iperf3 -c {server} -t 4"));
     pod.wait_exit(pid, Duration::from_secs(30));
     let b = bpf_prog_stats("tcp_probe");
-    std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "0").unwrap();
+    drop(stats);
     drop(agent);
     (b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64
 }

@@ -1051,3 +1051,22 @@ pub fn bpf_prog_stats(prefix: &str) -> (u64, u64) {
     }
     t
 }
+
+/// BPF run-time statistics on while this lives (`BPF_ENABLE_STATS`: counted per holder, so
+/// another process writing `kernel.bpf_stats_enabled=0` meanwhile does not turn them off).
+pub struct BpfStatsOn(std::os::fd::OwnedFd);
+
+impl BpfStatsOn {
+    pub fn new() -> BpfStatsOn {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a plain syscall wrapper; the returned fd is ours.
+        let fd = unsafe { libbpf_sys::bpf_enable_stats(libbpf_sys::BPF_STATS_RUN_TIME) };
+        assert!(
+            fd >= 0,
+            "BPF_ENABLE_STATS: {}",
+            std::io::Error::from_raw_os_error(-fd)
+        );
+        // SAFETY: fd is a new descriptor we own.
+        BpfStatsOn(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+}
