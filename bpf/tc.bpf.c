@@ -207,6 +207,51 @@ int tc_node_ingress(struct __sk_buff *skb)
 	return TC_ACT_UNSPEC;
 }
 
+/* Pod ingress at delivery to a socket, keyed by the receiving (pod-side)
+ * interface: ((netns inode) << 32 | ifindex). Cilium's host routing hands
+ * packets to a pod with bpf_redirect_peer from the node device's tc ingress
+ * straight into the pod-side interface's ingress: the host side's egress hook
+ * above never sees them. A cgroup_skb/ingress program on the cgroup2 root
+ * runs for every packet a socket of the node receives, whatever way it came
+ * in; skb->dev is still the interface it arrived on (tcp_v4_rcv clears it only
+ * after the filter). Userspace creates the entry of each pod-side interface it
+ * knows, so other packets cost one failed lookup. Same value layout as
+ * if_bytes[1]. The agent exports, per pod and tick, the larger of this and
+ * the host side's egress (docs/probes.md, "Where each direction is counted"). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, struct if_bytes);
+} pod_rx SEC(".maps");
+
+/* generic kfunc (6.3+): the kernel's sk_buff behind a program's context */
+extern void *bpf_cast_to_kern_ctx(void *obj) __ksym __weak;
+
+SEC("cgroup_skb/ingress")
+int pod_deliver(struct __sk_buff *ctx)
+{
+	struct sk_buff *skb = bpf_cast_to_kern_ctx(ctx);
+	struct net_device *dev = skb->dev;
+	struct if_bytes *b;
+	__u32 l2 = 0;
+	__u64 key;
+
+	if (!dev)
+		return 1;
+	key = (__u64)dev->nd_net.net->ns.inum << 32 | (__u32)dev->ifindex;
+	b = bpf_map_lookup_elem(&pod_rx, &key);
+	if (!b)
+		return 1;
+	/* the program sees the packet from its network header; the interface
+	 * counted its link-layer header too (none on an L3 device) */
+	if (skb->mac_header != (__u16)~0U && skb->network_header > skb->mac_header)
+		l2 = skb->network_header - skb->mac_header;
+	b->bytes += ctx->len + l2;
+	b->packets += 1;
+	return 1; /* allow: no verdict of ours */
+}
+
 SEC("tc")
 int tc_host_ingress(struct __sk_buff *skb)
 {

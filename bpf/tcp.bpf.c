@@ -10,18 +10,25 @@
  * filled by userspace with named CIDRs. The match is done once per socket and
  * cached in socket-local storage.
  *
- * RTT: at most one sample per socket per agent tick (rtt_every_ns), the
- * socket's smoothed RTT at its first received segment after the tick's time
- * has passed since its last sample, weighted by the socket's busy time since
- * that sample: one observation per millisecond with data queued or in flight
- * (the kernel's own chronograph, `ss -ti`'s busy:), at least one. A pod's
- * mean RTT is then the time average of its connections' srtt over the time
- * they carried traffic: a busy upload weighs its whole duration, an idle
- * control or keepalive connection next to nothing, yet a pod with only idle
- * connections still has RTT. (One sample per socket and tick, unweighted,
- * made an idle socket weigh as much as the busy one; one per segment
- * over-weighted the ACK-dense phases such as slow start.) A segment that
- * brings neither a sample nor a retransmit costs one socket-storage lookup.
+ * RTT: at most one sample per socket per agent tick (rtt_every_ns), taken at
+ * its first received segment after the tick's time has passed since its last
+ * sample, weighted by the socket's busy time since that sample: one
+ * observation per millisecond with data queued or in flight (the kernel's own
+ * chronograph, `ss -ti`'s busy:), at least one. The sample's value is the
+ * socket's smoothed RTT integrated over the time since the previous sample:
+ * each segment holds the srtt it found until the next one, over the gaps
+ * shorter than two srtt (a sender hears an ACK at least once a round trip;
+ * a longer gap is idle time), and the sample is that integral over the time
+ * it covers (the srtt now when it covers none: an idle socket). A pod's mean
+ * RTT is then the time average of its connections' srtt over the time they
+ * carried traffic: a busy upload weighs its whole duration, an idle control
+ * or keepalive connection next to nothing, yet a pod with only idle
+ * connections still has RTT. (The srtt at the sampling segment alone read
+ * BBR's cycling queue at 0.44-0.72 of ss's time average with a 1 s tick; one
+ * sample per socket and tick, unweighted, made an idle socket weigh as much
+ * as the busy one; one per segment over-weighted the ACK-dense phases such
+ * as slow start.) A segment that brings neither a sample nor a retransmit
+ * costs one socket-storage lookup, a compare and three stores.
  *
  * Retransmits are not counted per tracepoint hit: the tracepoint does not see
  * every segment the kernel adds to TcpRetransSegs. Instead each hook that
@@ -69,6 +76,10 @@ struct sock_state {
 	__u64 rtt_at;		  /* ktime ns of the socket's last RTT sample, 0 = none */
 	__u32 rtt_at_jiffies;	  /* jiffies (low 32 bits) at that sample */
 	__u32 busy_seen;	  /* the socket's busy time at that sample, jiffies */
+	__u64 seg_at;		  /* ktime ns of the socket's last segment, 0 = none */
+	__u64 srtt_area;	  /* srtt (us << 3) x time (ns >> 10) since the last sample */
+	__u32 area_time;	  /* the time that covers, ns >> 10 (~us) */
+	__u32 seg_srtt;		  /* srtt (us << 3) at the last segment */
 };
 
 /* Set by userspace before load: the agent's tick. A socket gives at most one
@@ -207,6 +218,25 @@ static __always_inline __u64 busy_weight(const struct sock_state *ss, __u64 now,
 	return ms ? ms : 1;
 }
 
+/* One RTT sample: the srtt integrated since the previous sample (the srtt now
+ * when nothing was integrated), weighted by the busy time since then. */
+static __always_inline void record_rtt(struct tcp_cgroup *st, struct sock_state *ss,
+				       struct tcp_sock *tp, __u32 cls, __u64 now, __u32 srtt)
+{
+	__u32 now_jiffies = (__u32)bpf_jiffies64(); /* tcp_jiffies32 */
+	__u32 busy = busy_jiffies(tp, now_jiffies);
+	__u64 weight = busy_weight(ss, now, now_jiffies, busy);
+	__u64 mean = ss->area_time ? ss->srtt_area / ss->area_time : srtt;
+
+	ss->rtt_at = now;
+	ss->rtt_at_jiffies = now_jiffies;
+	ss->busy_seen = busy;
+	ss->srtt_area = 0;
+	ss->area_time = 0;
+	/* (us << 3) * 1000 / 8 = ns */
+	hist_record_n(&st->rtt[cls], mean * 125, weight);
+}
+
 /* Adds the retransmits the socket counted since we last looked. */
 static __always_inline void sync_retrans(struct tcp_cgroup *st, struct sock_state *ss,
 					 struct tcp_sock *tp, __u32 cls)
@@ -235,11 +265,23 @@ int BPF_PROG(tcp_probe, struct sock *sk, const struct sk_buff *skb)
 	ss = sock_state_of(sk, tp, 0);
 	if (!ss)
 		return 0;
-	/* One sample: the socket's smoothed RTT at its first segment after a
-	 * tick's time without one. Most segments stop here, before the owner's
+	/* One sample at the socket's first segment after a tick's time without
+	 * one. Most segments only integrate and stop here, before the owner's
 	 * storage is looked up. */
 	srtt = tp->srtt_us; /* microseconds << 3 */
 	now = bpf_ktime_get_ns();
+	/* the srtt the previous segment found held until this one: integrated when
+	 * the gap is shorter than two srtt (<< 3 >> 2), else the socket was idle */
+	{
+		__u64 gap = (now - ss->seg_at) >> 10;
+
+		if (ss->seg_at && gap <= ss->seg_srtt >> 2) {
+			ss->srtt_area += (__u64)ss->seg_srtt * gap;
+			ss->area_time += (__u32)gap;
+		}
+		ss->seg_at = now;
+		ss->seg_srtt = srtt;
+	}
 	sample = srtt && (!ss->rtt_at || now - ss->rtt_at >= rtt_every_ns);
 	if (!sample && tp->total_retrans == ss->total_retrans_seen)
 		return 0;
@@ -247,17 +289,8 @@ int BPF_PROG(tcp_probe, struct sock *sk, const struct sk_buff *skb)
 	if (!st)
 		return 0;
 	cls = dst_of(ss);
-	if (sample) {
-		__u32 now_jiffies = (__u32)bpf_jiffies64(); /* tcp_jiffies32 */
-		__u32 busy = busy_jiffies(tp, now_jiffies);
-		__u64 weight = busy_weight(ss, now, now_jiffies, busy);
-
-		ss->rtt_at = now;
-		ss->rtt_at_jiffies = now_jiffies;
-		ss->busy_seen = busy;
-		/* (us << 3) * 1000 / 8 = ns */
-		hist_record_n(&st->rtt[cls], (__u64)srtt * 125, weight);
-	}
+	if (sample)
+		record_rtt(st, ss, tp, cls, now, srtt);
 	sync_retrans(st, ss, tp, cls);
 	return 0;
 }
@@ -288,7 +321,21 @@ int BPF_PROG(tcp_retransmit_skb, const struct sock *sk, const struct sk_buff *sk
 SEC("tp_btf/tcp_destroy_sock")
 int BPF_PROG(tcp_destroy_sock, struct sock *sk)
 {
-	account_retrans(sk, 0);
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	struct tcp_cgroup *st;
+	struct sock_state *ss;
+
+	if (!tp)
+		return 0;
+	st = owner_stats(sk);
+	ss = sock_state_of(sk, tp, 0);
+	if (!st || !ss)
+		return 0;
+	/* the socket's last interval: what it integrated since its last sample
+	 * (a socket that closes before the next tick would otherwise lose it) */
+	if (ss->area_time && tp->srtt_us)
+		record_rtt(st, ss, tp, dst_of(ss), bpf_ktime_get_ns(), tp->srtt_us);
+	sync_retrans(st, ss, tp, dst_of(ss));
 	return 0;
 }
 

@@ -1,7 +1,9 @@
 //! tc byte-counting cost (not a test): iperf3 over veth between a pod
 //! namespace and a server namespace, with and without gpufeed's tc programs on
 //! the pod's host-side veth, alternated in the same run; then BPF ns per packet
-//! from kernel.bpf_stats_enabled. Needs root and iperf3.
+//! from BPF_ENABLE_STATS: the tc programs' and, beside them, the socket-delivery
+//! program's (`pod_deliver`, cgroup_skb/ingress on the cgroup2 root, which counts a
+//! pod's ingress where bpf_redirect_peer goes around its veth). Needs root and iperf3. `TC_BENCH_ROUNDS` (default 7) sets the rounds.
 //!
 //! cargo bench -p gpufeed-guest --bench tc_throughput
 
@@ -13,14 +15,18 @@ mod empty {
 mod common;
 
 use std::mem::MaybeUninit;
-use std::process::Command;
 use std::time::Duration;
 
 use libbpf_rs::skel::SkelBuilder;
 
 use common::*;
 
-const ROUNDS: usize = 7;
+fn rounds() -> usize {
+    std::env::var("TC_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7)
+}
 
 fn iperf_gbps(pod: &mut Pod, server: &str) -> f64 {
     let out = std::env::temp_dir().join(format!("gpufeed-iperf-{}.json", uniq()));
@@ -36,25 +42,6 @@ fn iperf_gbps(pod: &mut Pod, server: &str) -> f64 {
         .as_f64()
         .unwrap()
         / 1e9
-}
-
-fn tc_prog_stats() -> (u64, u64) {
-    let out = Command::new("bpftool")
-        .args(["prog", "show", "-j"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-    let mut t = (0, 0);
-    for p in v.as_array().into_iter().flatten() {
-        if p["name"]
-            .as_str()
-            .is_some_and(|n| n.starts_with("tc_host_"))
-        {
-            t.0 += p["run_time_ns"].as_u64().unwrap_or(0);
-            t.1 += p["run_cnt"].as_u64().unwrap_or(0);
-        }
-    }
-    t
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -86,7 +73,9 @@ fn main() {
 
     let (mut without, mut with, mut floor) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_packet = Vec::new();
-    for _ in 0..ROUNDS {
+    let mut deliver_per_packet = Vec::new();
+    let rounds = rounds();
+    for _ in 0..rounds {
         without.push(iperf_gbps(&mut pod, &srv_ip));
         {
             let _links = attach_tcx(
@@ -106,12 +95,13 @@ fn main() {
         .expect("attached");
         with.push(iperf_gbps(&mut pod, &srv_ip));
         // BPF cost per packet, measured separately (the accounting itself costs)
-        std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "1").unwrap();
-        let a = tc_prog_stats();
+        let stats = BpfStatsOn::new();
+        let (a, da) = (bpf_prog_stats("tc_host_"), bpf_prog_stats("pod_deliver"));
         iperf_gbps(&mut pod, &srv_ip);
-        let b = tc_prog_stats();
-        std::fs::write("/proc/sys/kernel/bpf_stats_enabled", "0").unwrap();
+        let (b, db) = (bpf_prog_stats("tc_host_"), bpf_prog_stats("pod_deliver"));
+        drop(stats);
         per_packet.push((b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64);
+        deliver_per_packet.push((db.0 - da.0) as f64 / (db.1 - da.1).max(1) as f64);
         drop(agent);
     }
     let (w, o, f) = (
@@ -119,7 +109,7 @@ fn main() {
         median(without.clone()),
         median(floor.clone()),
     );
-    println!("| configuration | iperf3 over veth, Gbit/s: median of {ROUNDS} (all runs, 4 s each) | of without |");
+    println!("| configuration | iperf3 over veth, Gbit/s: median of {rounds} (all runs, 4 s each) | of without |");
     println!("|---|---|---|");
     println!("| without tc programs | {o:.2} ({without:.2?}) | 100% |");
     println!(
@@ -134,5 +124,9 @@ fn main() {
     println!(
         "BPF ns per packet (both directions, run time / run count): {:.0}",
         median(per_packet)
+    );
+    println!(
+        "BPF ns per packet delivered to a socket (pod_deliver, cgroup_skb/ingress): {:.0}",
+        median(deliver_per_packet)
     );
 }

@@ -473,9 +473,22 @@ fn doctor_loop(
                 }
                 all.push(doctor::stream::host_stream(&stream));
                 // the store's lock is held for the check only: a few map walks
-                let gpu =
-                    doctor::gpu::compute_source(&store.lock().unwrap_or_else(|e| e.into_inner()));
+                let (gpu, tc) = {
+                    let store = store.lock().unwrap_or_else(|e| e.into_inner());
+                    (
+                        doctor::gpu::compute_source(&store),
+                        doctor::network::tc_seen(&store),
+                    )
+                };
                 all.push(gpu);
+                all.push(match tc {
+                    Some(tc) => doctor::network::datapath_now(
+                        inputs.netns.as_deref(),
+                        &inputs.node_devices,
+                        Some(tc),
+                    ),
+                    None => doctor::Finding::skip("datapath", "the tc probe is not running"),
+                });
                 gauge.update(&all);
                 out.set(all);
                 std::thread::sleep(OWN_EVERY);
@@ -528,6 +541,15 @@ fn doctor_cmd(args: DoctorArgs) -> anyhow::Result<()> {
                  -- gpufeed-guest doctor), pass --url, or --local for this node's checks only",
             )),
         }
+    }
+    // the datapath as this node's links show it, where the agent did not say (what it
+    // saw of peer redirects is its own)
+    if !findings.iter().any(|f| f.check == "datapath") {
+        findings.push(doctor::network::datapath_now(
+            inputs.netns.as_deref(),
+            &inputs.node_devices,
+            None,
+        ));
     }
     print!("{}", doctor::render(&findings));
     let failed = findings

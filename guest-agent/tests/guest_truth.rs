@@ -307,6 +307,100 @@ fn rtt_of_a_pod_weighs_its_connections_by_their_busy_time() {
     idle.signal_all(9);
 }
 
+/// RTT through a queue that fills and drains: a pod uploads through a 20 Mbit/s token bucket
+/// with a 200 KB queue (80 ms at that rate), beside its connection that exchanges a byte with
+/// an echo server every 100 ms, five runs of 5 s with cubic (which fills the queue until it
+/// drops, then backs off) and five with BBR (which drains it in cycles), the agent at its
+/// default 1 s tick. Each run's mean RTT (the `_sum` and `_count` it added, the socket's last
+/// interval flushed when it closes) is the data connection's `ss -ti` srtt read every 100 ms
+/// over the same run, within 15% (the srtt at one segment per tick read BBR at 0.44-0.72).
+#[test]
+fn rtt_through_a_filling_queue_is_the_busy_connections_srtt_time_average() {
+    let Some(_lock) = require_root() else { return };
+    let sb = CgroupSandbox::new();
+    let mut net = TestNet::new();
+    let (srv_ns, srv_ip, srv_if) = net.server();
+    let (echo_ns, echo_ip, _) = net.server();
+    sh(&format!(
+        "tc qdisc add dev {srv_if} root tbf rate 20mbit burst 16kb limit 200kb"
+    ));
+    let _server = iperf3_server(&srv_ns, "");
+    let dir = tempfile::tempdir().unwrap();
+    let script = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let echo = script("echo.pl", ECHO_SERVER);
+    let client = script("client.pl", IDLE_CLIENT);
+    let _echo = spawn_in_ns(&echo_ns, &format!("exec perl {echo}"));
+    // the agent's default tick: one sample per socket and second
+    let agent = Agent::no_kube("1s", "tcp_rtt", &[]);
+    let mut talker = Pod::random(&sb, Layout::Systemd, "burstable");
+    net.join(&mut talker);
+    std::thread::sleep(Duration::from_millis(300));
+    talker.spawn(&format!("exec perl {client} {echo_ip} ping"));
+    let ns = talker.netns.clone().unwrap();
+    wait_for(Duration::from_secs(10), || {
+        (!ss_sockets(&ns, &echo_ip).is_empty()).then_some(())
+    })
+    .expect("the idle connection is established");
+    let labels = pod_labels(&talker);
+    let read = || {
+        let s = agent.scrape();
+        let mut want = sel(&labels);
+        want.push(("dst", "private"));
+        (
+            value(&s, &format!("{RTT}_sum"), &want).unwrap_or(0.0),
+            value(&s, &format!("{RTT}_count"), &want).unwrap_or(0.0),
+        )
+    };
+    let mut failures = Vec::new();
+    for cc in ["cubic", "bbr"] {
+        let mut ratios = Vec::new();
+        for run in 0..5 {
+            let (sum0, count0) = read();
+            let pid = talker.spawn(&format!("exec iperf3 -c {srv_ip} -t 5 -l 16k -C {cc}"));
+            let mut ss = Vec::new();
+            let start = std::time::Instant::now();
+            while start.elapsed() < Duration::from_secs(8) {
+                let t = std::time::Instant::now();
+                if let Some(data) = ss_sockets(&ns, &srv_ip).iter().max_by_key(|s| s.2) {
+                    ss.push(data.0);
+                }
+                if !talker.pids().contains(&(pid as i32)) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100).saturating_sub(t.elapsed()));
+            }
+            talker.wait_exit(pid, Duration::from_secs(10));
+            std::thread::sleep(Duration::from_millis(2500));
+            let (sum1, count1) = read();
+            let ours = (sum1 - sum0) / (count1 - count0);
+            let theirs = ss.iter().sum::<f64>() / ss.len() as f64;
+            let ratio = ours / theirs;
+            eprintln!(
+                "{cc} run {run}: ours {ours:.0} us ({:.0} observations), ss {theirs:.0} us \
+                 ({} readings in {:.1} s): {ratio:.3}",
+                count1 - count0,
+                ss.len(),
+                start.elapsed().as_secs_f64()
+            );
+            assert!(ss.len() >= 40, "ss read the data connection at 10 Hz");
+            assert!(theirs > 2_000.0, "the queue filled ({theirs:.0} us)");
+            if (ratio - 1.0).abs() > 0.15 {
+                failures.push(format!("{cc} run {run}: {ratio:.3}"));
+            }
+            ratios.push(ratio);
+        }
+        let (lo, hi) = ratios
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(*r), h.max(*r)));
+        eprintln!("{cc}: ours / ss over 5 runs {ratios:.3?}, spread {lo:.3}..{hi:.3}");
+    }
+    assert!(failures.is_empty(), "runs beyond 15% of ss: {failures:?}");
+}
+
 /// An echo server on port 7000, a process per connection.
 const ECHO_SERVER: &str = r#"
 use IO::Socket::INET;

@@ -596,6 +596,11 @@ fn another_filter_at_our_clsact_priority_is_left_alone() {
         .matches("a bpf filter of another program (foreign:[")
         .count();
     assert_eq!(said, 1, "the refusal is logged once, not at every look");
+    assert_eq!(
+        value(&agent.scrape(), "gpufeed_tc_attach_refusals_total", &[]),
+        Some(1.0),
+        "and counted once"
+    );
     let egress = our_filters(&hif, "egress");
     assert_eq!(egress.len(), 1, "{egress:?}");
     assert!(egress[0].contains("foreign"), "theirs stays: {egress:?}");
@@ -795,4 +800,244 @@ async fn drops_without_socket_or_pod_device_go_by_pod_ip_else_unattributed() {
         "counted with empty pod labels, not lost"
     );
     assert!(find(&s, DROPS, &[("pod", &unknown.uid)]).is_empty());
+}
+
+mod redirect {
+    include!(concat!(env!("OUT_DIR"), "/redirect_keep_sk.skel.rs"));
+}
+
+mod peer {
+    include!(concat!(env!("OUT_DIR"), "/redirect_peer.skel.rs"));
+}
+
+/// How a pod's traffic gets between its veth and the rest of the node.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Datapath {
+    /// the pod's veth on a bridge (the stack forwards)
+    Veth,
+    /// tc on the pod veth's host side and on the node device redirect each way with
+    /// bpf_redirect_neigh (the packet leaves by the other device's egress)
+    RedirectNeigh,
+    /// Cilium's BPF host routing: the pod's egress by bpf_redirect_neigh to the node
+    /// device, its ingress by bpf_redirect_peer from the node device's ingress straight
+    /// into the pod-side interface (the host-side veth never transmits it)
+    RedirectPeer,
+}
+
+/// A counter of an interface inside a network namespace: the pod side's own count.
+fn ns_if_stat(ns: &str, dev: &str, stat: &str) -> u64 {
+    sh(&format!(
+        "ip netns exec {ns} cat /sys/class/net/{dev}/statistics/{stat}"
+    ))
+    .trim()
+    .parse()
+    .unwrap()
+}
+
+fn iperf3_listening(ns: &str) -> Proc {
+    let p = spawn_in_ns(ns, "exec iperf3 -s");
+    wait_for(Duration::from_secs(10), || {
+        sh(&format!("ip netns exec {ns} ss -ltnH sport = :5201"))
+            .contains("5201")
+            .then_some(())
+    })
+    .expect("iperf3 listening in its namespace");
+    p
+}
+
+/// What one datapath case measured: (ours, the pod-side interface's) for egress and ingress.
+struct Measured {
+    egress: (f64, f64),
+    ingress: (f64, f64),
+}
+
+/// One pod on `path`: an upload and a download (iperf3, 2 s each) to a server
+/// outside the node, the agent's bytes against the pod-side interface's counters.
+fn datapath_case(path: Datapath) -> Measured {
+    use libbpf_rs::skel::SkelBuilder;
+    let sb = CgroupSandbox::new();
+    let mut pod = Pod::random(&sb, Layout::Cgroupfs, "burstable");
+    let mut links = Vec::new();
+    let mut _net = None;
+    let mut _cleanup = None;
+    let mut peer_skel_storage = MaybeUninit::uninit();
+    let mut peer_skel = None;
+    let (far_ns, far_ip, node_if, host_if);
+    if path == Datapath::Veth {
+        let mut net = TestNet::new();
+        let (s, ip, _) = net.server();
+        net.join(&mut pod);
+        (far_ns, far_ip) = (s, ip);
+        host_if = pod.host_if.clone().unwrap();
+        node_if = None;
+        _net = Some(net);
+    } else {
+        let tag = uniq();
+        let net = 1 + (std::process::id() + tag.len() as u32 * 31) % 250;
+        let (pod_ns, f_ns) = (format!("gfdp{tag}"), format!("gfdf{tag}"));
+        let (p_if, n_if) = (format!("gfdh{tag}"), format!("gfdn{tag}"));
+        let (pod_ip, f_ip) = (format!("10.219.{net}.2"), format!("10.220.{net}.2"));
+        _cleanup = Some(ShOnDrop(format!(
+            "ip netns pids {pod_ns} | xargs -r kill -9; ip netns pids {f_ns} | xargs -r kill -9; \
+             ip netns del {pod_ns}; ip netns del {f_ns}; ip link del {p_if}; ip link del {n_if}"
+        )));
+        sh(&format!(
+            "ip netns add {pod_ns} && ip netns add {f_ns} && \
+             ip link add {p_if} type veth peer name eth0 netns {pod_ns} && \
+             ip addr add 10.219.{net}.1/30 dev {p_if} && ip link set {p_if} up && \
+             ip -n {pod_ns} addr add {pod_ip}/30 dev eth0 && ip -n {pod_ns} link set eth0 up && \
+             ip -n {pod_ns} link set lo up && ip -n {pod_ns} route add default via 10.219.{net}.1 && \
+             ip link add {n_if} type veth peer name eth0 netns {f_ns} && \
+             ip addr add 10.220.{net}.1/30 dev {n_if} && ip link set {n_if} up && \
+             ip -n {f_ns} addr add {f_ip}/30 dev eth0 && ip -n {f_ns} link set eth0 up && \
+             ip -n {f_ns} link set lo up && ip -n {f_ns} route add default via 10.220.{net}.1"
+        ));
+        // the pod's egress: host-side veth ingress -> node device, by bpf_redirect_neigh
+        let mut hops = vec![(p_if.clone(), n_if.clone())];
+        if path == Datapath::RedirectNeigh {
+            hops.push((n_if.clone(), p_if.clone()));
+        }
+        for (from, to) in hops {
+            let mut storage = MaybeUninit::uninit();
+            let mut open = redirect::RedirectKeepSkSkelBuilder::default()
+                .open(&mut storage)
+                .unwrap();
+            open.maps.rodata_data.as_deref_mut().unwrap().to_ifindex = ifindex_of(&to);
+            let skel = gpufeed_guest::probes::object::load("redirect_keep_sk", open).unwrap();
+            links.extend(attach_tcx(
+                &skel.progs.redirect_neigh_ip,
+                ifindex_of(&from),
+                &[libbpf_sys::BPF_TCX_INGRESS],
+            ));
+        }
+        if path == Datapath::RedirectPeer {
+            // the pod's ingress: node device ingress -> into the pod by bpf_redirect_peer
+            let mut open = peer::RedirectPeerSkelBuilder::default()
+                .open(&mut peer_skel_storage)
+                .unwrap();
+            let ro = open.maps.rodata_data.as_deref_mut().unwrap();
+            ro.pod_host_ifindex = ifindex_of(&p_if);
+            ro.pod_ip = u32::from_ne_bytes(pod_ip.parse::<std::net::Ipv4Addr>().unwrap().octets());
+            let skel = gpufeed_guest::probes::object::load("redirect_peer", open).unwrap();
+            links.extend(attach_tcx(
+                &skel.progs.redirect_peer_in,
+                ifindex_of(&n_if),
+                &[libbpf_sys::BPF_TCX_INGRESS],
+            ));
+            peer_skel = Some(skel);
+        }
+        pod.netns = Some(pod_ns);
+        pod.ip = Some(pod_ip);
+        (far_ns, far_ip) = (f_ns, f_ip);
+        host_if = p_if;
+        node_if = Some(n_if);
+    }
+    let pod_ns = pod.netns.clone().unwrap();
+    let uid = pod.uid.clone();
+    let _srv = iperf3_listening(&far_ns);
+    pod.spawn("exec sleep 60");
+    let node_flag = node_if.clone().unwrap_or_else(|| "none".into());
+    let agent = Agent::no_kube("300ms", "tc", &["--node-devices", &node_flag]);
+    wait_attached(&agent, 1.0);
+    std::thread::sleep(Duration::from_millis(500));
+    let read = || {
+        let s = agent.scrape();
+        let m = |dir| value(&s, BYTES, &[("pod", &uid), ("direction", dir)]).unwrap_or(0.0);
+        (
+            m("egress"),
+            m("ingress"),
+            ns_if_stat(&pod_ns, "eth0", "tx_bytes"),
+            ns_if_stat(&pod_ns, "eth0", "rx_bytes"),
+            if_stat(&host_if, "tx_bytes"),
+        )
+    };
+    let (eg0, in0, tx0, rx0, htx0) = read();
+    let up = pod.spawn(&format!("exec iperf3 -c {far_ip} -t 2"));
+    pod.wait_exit(up, Duration::from_secs(20));
+    let down = pod.spawn(&format!("exec iperf3 -c {far_ip} -t 2 -R"));
+    pod.wait_exit(down, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(900));
+    let (eg1, in1, tx1, rx1, htx1) = read();
+    let host_tx = (htx1 - htx0) as f64;
+    let m = Measured {
+        egress: (eg1 - eg0, (tx1 - tx0) as f64),
+        ingress: (in1 - in0, (rx1 - rx0) as f64),
+    };
+    eprintln!(
+        "{path:?}: egress ours {} pod-side tx {} ({:+.3}%); ingress ours {} pod-side rx {} ({:+.3}%); host-side veth tx {host_tx}",
+        m.egress.0,
+        m.egress.1,
+        100.0 * (m.egress.0 - m.egress.1) / m.egress.1,
+        m.ingress.0,
+        m.ingress.1,
+        100.0 * (m.ingress.0 - m.ingress.1) / m.ingress.1,
+    );
+    let peers = value(&agent.scrape(), "gpufeed_tc_peer_redirect_interfaces", &[]);
+    // the doctor names the datapath and where each direction is counted (re-evaluated
+    // every 5 s from the agent's state)
+    let want = if path == Datapath::RedirectPeer {
+        "bpf_redirect_peer seen on 1 of 1"
+    } else {
+        "bpf_redirect_peer: not seen on 1 interfaces"
+    };
+    let datapath = wait_for(Duration::from_secs(12), || {
+        let body = agent.try_get("/doctor")?;
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        let f = v.as_array()?.iter().find(|f| f["check"] == "datapath")?;
+        let detail = f["detail"].as_str()?.to_string();
+        (detail.contains(want) && f["status"] == "pass").then_some(detail)
+    });
+    eprintln!("{path:?}: doctor datapath: {datapath:?}");
+    assert!(datapath.is_some(), "the doctor's datapath says {want:?}");
+    if path == Datapath::RedirectPeer {
+        let skel = peer_skel.as_ref().unwrap();
+        let redirected = skel
+            .maps
+            .peer_counts
+            .lookup(&0u32.to_ne_bytes(), MapFlags::ANY)
+            .unwrap()
+            .map(|v| u64::from_ne_bytes(v[..8].try_into().unwrap()))
+            .unwrap_or(0);
+        eprintln!("{path:?}: {redirected} packets redirected into the pod by bpf_redirect_peer");
+        assert!(
+            redirected > 1000,
+            "the download came in by bpf_redirect_peer"
+        );
+        assert!(
+            host_tx < 0.05 * m.ingress.1,
+            "the host-side veth did not carry the download ({host_tx} bytes)"
+        );
+        assert_eq!(peers, Some(1.0), "the agent saw the peer redirect");
+    } else {
+        assert_eq!(peers, Some(0.0), "no peer redirect on {path:?}");
+    }
+    drop(agent);
+    drop(links);
+    m
+}
+
+/// A pod's bytes in both directions hold on each of the datapaths Cilium uses: a plain
+/// veth, tc redirects both ways with bpf_redirect_neigh, and BPF host routing (ingress by
+/// bpf_redirect_peer, which the host-side veth's egress never sees): each within 2% of
+/// the pod-side interface's own counters, read inside the pod's namespace.
+#[test]
+fn pod_bytes_match_the_pod_side_interface_on_each_datapath() {
+    let Some(_lock) = require_root() else { return };
+    for path in [
+        Datapath::Veth,
+        Datapath::RedirectNeigh,
+        Datapath::RedirectPeer,
+    ] {
+        let m = datapath_case(path);
+        for (dir, (ours, theirs)) in [("egress", m.egress), ("ingress", m.ingress)] {
+            assert!(
+                theirs > 10_000_000.0,
+                "{path:?} {dir}: traffic flowed ({theirs})"
+            );
+            assert!(
+                (ours - theirs).abs() / theirs < 0.02,
+                "{path:?} {dir}: ours {ours} vs the pod-side interface {theirs}"
+            );
+        }
+    }
 }

@@ -1,5 +1,7 @@
 //! The node's network as the pods' traffic meets it: the agent in the node's namespace, BBR as
-//! the congestion control, and Cilium's bandwidth manager (an fq qdisc) on the node devices.
+//! the congestion control, Cilium's bandwidth manager (an fq qdisc) on the node devices, and
+//! the datapath the pods' bytes take (veth or netkit, peer redirect, EDT/fq) with where the
+//! tc probe counts each direction.
 
 use std::path::Path;
 
@@ -41,6 +43,150 @@ pub fn checks(netns: Option<&Path>, devices: &NodeDevices) -> Vec<Finding> {
                 .collect()
         }
     }
+}
+
+/// Whether a device's root qdisc is fq, or mq with fq on every queue (what it is), or not
+/// (what it is instead).
+fn fq_on(d: &Link, qdiscs: &[Qdisc]) -> Result<String, String> {
+    let root = qdiscs.iter().find(|q| q.ifindex == d.ifindex && q.root);
+    match root.map(|q| q.kind.as_str()) {
+        Some("fq") => Ok("fq".to_string()),
+        Some("mq") => {
+            let major = root.map_or(0, |q| q.handle_major);
+            let children: Vec<&Qdisc> = qdiscs
+                .iter()
+                .filter(|q| q.ifindex == d.ifindex && !q.root && q.parent_major == major)
+                .collect();
+            match children.iter().find(|q| q.kind != "fq") {
+                None if !children.is_empty() => Ok(format!("mq with {} fq", children.len())),
+                None => Err("mq without child qdiscs".to_string()),
+                Some(q) => Err(format!("mq with a {} queue", q.kind)),
+            }
+        }
+        Some(other) => Err(format!("root qdisc {other}")),
+        None => Err("no qdisc".to_string()),
+    }
+}
+
+/// What the running agent's tc probe has seen (its own series), for [`datapath`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcSeen {
+    /// pod interfaces counted (`gpufeed_tc_interfaces`)
+    pub interfaces: u64,
+    /// of which ingress reached the pod's sockets around the host side
+    /// (`gpufeed_tc_peer_redirect_interfaces`)
+    pub peer_redirect: u64,
+    /// pod ingress also counted at socket delivery (`gpufeed_tc_socket_delivery_counted`)
+    pub socket_delivery: bool,
+}
+
+/// What the running agent's tc probe has seen, from its store (its own series); None when
+/// the tc probe is not running.
+pub fn tc_seen(store: &crate::collect::Store) -> Option<TcSeen> {
+    let series = |name: &str| {
+        store
+            .stats
+            .units
+            .iter()
+            .flat_map(|u| u.series.iter())
+            .find(|s| s.name == name)
+            .map(|s| s.value as u64)
+    };
+    Some(TcSeen {
+        interfaces: series("gpufeed_tc_interfaces")?,
+        peer_redirect: series("gpufeed_tc_peer_redirect_interfaces").unwrap_or(0),
+        socket_delivery: series("gpufeed_tc_socket_delivery_counted").unwrap_or(0) == 1,
+    })
+}
+
+/// `datapath`, read in `netns` (`None`: the caller's own namespace).
+pub fn datapath_now(netns: Option<&Path>, devices: &NodeDevices, tc: Option<TcSeen>) -> Finding {
+    match in_netns(netns, || Ok((netlink::links()?, netlink::qdiscs()?))) {
+        Ok((links, qdiscs)) => datapath(&links, &qdiscs, devices, tc),
+        Err(e) => Finding::fail(
+            "datapath",
+            format!("cannot read the links and qdiscs: {e}"),
+            "run the doctor in the agent's container (kubectl exec)",
+        ),
+    }
+}
+
+/// `datapath`: which datapath the pods' traffic takes on this node and where the tc probe
+/// counts each direction: pod interfaces by kind (a veth or netkit device here whose peer is
+/// in another namespace), `bpf_redirect_peer` seen by the running agent (`tc`), and EDT/fq on
+/// which node devices. Fails where a pod's bytes are not counted: netkit pods, or socket
+/// delivery off while the host side alone misses what a peer redirect delivers.
+pub fn datapath(
+    links: &[Link],
+    qdiscs: &[Qdisc],
+    devices: &NodeDevices,
+    tc: Option<TcSeen>,
+) -> Finding {
+    const CHECK: &str = "datapath";
+    let pod_side = |kind: &str| {
+        links
+            .iter()
+            .filter(|l| l.kind == kind && l.peer_netnsid.is_some())
+            .count()
+    };
+    let (veth, netkit) = (pod_side("veth"), pod_side("netkit"));
+    let mut parts = vec![format!(
+        "veth: {veth} into other namespaces{} (egress counted at the host side's tc ingress; \
+         ingress at the host side's tc egress and at socket delivery, the larger per interval)",
+        match tc {
+            Some(t) => format!(", {} of them pods' and counted", t.interfaces),
+            None => String::new(),
+        }
+    )];
+    if netkit > 0 {
+        parts.push(format!(
+            "netkit: {netkit} into other namespaces, not counted"
+        ));
+    }
+    parts.push(match tc {
+        Some(t) if !t.socket_delivery => {
+            "bpf_redirect_peer: cannot be seen (socket delivery is not counted)".to_string()
+        }
+        Some(t) if t.peer_redirect > 0 => format!(
+            "bpf_redirect_peer seen on {} of {} (their ingress counted at socket delivery)",
+            t.peer_redirect, t.interfaces
+        ),
+        Some(t) => format!("bpf_redirect_peer: not seen on {} interfaces", t.interfaces),
+        None => "bpf_redirect_peer: the running agent says (its /doctor)".to_string(),
+    });
+    let devs: Vec<&Link> = match devices {
+        NodeDevices::None => Vec::new(),
+        NodeDevices::Auto => nics(links).collect(),
+        NodeDevices::Names(n) => links.iter().filter(|l| n.contains(&l.name)).collect(),
+    };
+    let fq: Vec<String> = devs
+        .iter()
+        .filter_map(|d| fq_on(d, qdiscs).ok().map(|v| format!("{} ({v})", d.name)))
+        .collect();
+    parts.push(if fq.is_empty() {
+        "EDT/fq: on no node device".to_string()
+    } else {
+        format!("EDT/fq: on {}", fq.join(", "))
+    });
+    let detail = parts.join("; ");
+    if netkit > 0 {
+        return Finding::fail(
+            CHECK,
+            detail,
+            "netkit pods (Cilium's bpf.datapathMode: netkit) have no bytes yet: use \
+             bpf.datapathMode: veth on this node for per-pod bytes (issue 37)",
+        );
+    }
+    if tc.is_some_and(|t| !t.socket_delivery) {
+        return Finding::fail(
+            CHECK,
+            detail,
+            "pod ingress is counted on the host-side veth only, which Cilium's BPF host \
+             routing (bpf_redirect_peer) goes around: socket delivery needs kernel >= 6.3 \
+             (bpf_cast_to_kern_ctx) and the cgroup2 root (the agent logged why)",
+        );
+    }
+    Finding::pass(CHECK, detail)
 }
 
 /// Runs `f` in the network namespace behind `netns` (on a thread of its own, which alone
@@ -156,25 +302,7 @@ pub fn bandwidth_manager(links: &[Link], qdiscs: &[Qdisc], devices: &NodeDevices
     let mut ok = Vec::new();
     let mut bad = Vec::new();
     for d in devs {
-        let root = qdiscs.iter().find(|q| q.ifindex == d.ifindex && q.root);
-        let verdict = match root.map(|q| q.kind.as_str()) {
-            Some("fq") => Ok("fq".to_string()),
-            Some("mq") => {
-                let major = root.map_or(0, |q| q.handle_major);
-                let children: Vec<&Qdisc> = qdiscs
-                    .iter()
-                    .filter(|q| q.ifindex == d.ifindex && !q.root && q.parent_major == major)
-                    .collect();
-                match children.iter().find(|q| q.kind != "fq") {
-                    None if !children.is_empty() => Ok(format!("mq with {} fq", children.len())),
-                    None => Err("mq without child qdiscs".to_string()),
-                    Some(q) => Err(format!("mq with a {} queue", q.kind)),
-                }
-            }
-            Some(other) => Err(format!("root qdisc {other}")),
-            None => Err("no qdisc".to_string()),
-        };
-        match verdict {
+        match fq_on(d, qdiscs) {
             Ok(v) => ok.push(format!("{}: {v}", d.name)),
             Err(v) => bad.push(format!("{}: {v}", d.name)),
         }
@@ -189,5 +317,88 @@ pub fn bandwidth_manager(links: &[Link], qdiscs: &[Qdisc], devices: &NodeDevices
              docs/cilium.md); `cilium status` shows `BandwidthManager: EDT with BPF` and the \
              devices; without it the bandwidth annotations are not enforced",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpufeed_shared::doctor::Status;
+
+    fn link(ifindex: u32, name: &str, kind: &str, peer_ns: Option<i32>) -> Link {
+        Link {
+            ifindex,
+            name: name.into(),
+            kind: kind.into(),
+            peer_ifindex: peer_ns.map(|_| 2),
+            peer_netnsid: peer_ns,
+            parent_bus: (kind.is_empty() && name != "lo").then(|| "pci".into()),
+        }
+    }
+
+    fn root(ifindex: u32, kind: &str) -> Qdisc {
+        Qdisc {
+            ifindex,
+            kind: kind.into(),
+            handle_major: 1,
+            root: true,
+            parent_major: 0,
+        }
+    }
+
+    #[test]
+    fn datapath_names_the_interfaces_the_peer_redirect_and_fq() {
+        let links = [
+            link(1, "lo", "", None),
+            link(2, "eth0", "", None),
+            link(7, "lxc1", "veth", Some(3)),
+            link(8, "lxc2", "veth", Some(4)),
+            link(9, "cilium_host", "veth", None),
+        ];
+        let qdiscs = [root(2, "fq")];
+        let seen = TcSeen {
+            interfaces: 2,
+            peer_redirect: 2,
+            socket_delivery: true,
+        };
+        let f = datapath(&links, &qdiscs, &NodeDevices::Auto, Some(seen));
+        assert_eq!(f.status, Status::Pass, "{f:?}");
+        assert!(
+            f.detail
+                .contains("veth: 2 into other namespaces, 2 of them pods' and counted"),
+            "{}",
+            f.detail
+        );
+        assert!(
+            f.detail.contains("bpf_redirect_peer seen on 2 of 2"),
+            "{}",
+            f.detail
+        );
+        assert!(f.detail.contains("EDT/fq: on eth0 (fq)"), "{}", f.detail);
+
+        // socket delivery refused: a peer redirect would go uncounted
+        let off = TcSeen {
+            socket_delivery: false,
+            ..seen
+        };
+        let f = datapath(&links, &[root(2, "noqueue")], &NodeDevices::Auto, Some(off));
+        assert_eq!(f.status, Status::Fail);
+        assert!(
+            f.detail.contains("EDT/fq: on no node device"),
+            "{}",
+            f.detail
+        );
+
+        // netkit pods are named, and not counted
+        let mut with_netkit = links.to_vec();
+        with_netkit.push(link(10, "nk1", "netkit", Some(5)));
+        let f = datapath(&with_netkit, &qdiscs, &NodeDevices::Auto, None);
+        assert_eq!(f.status, Status::Fail);
+        assert!(
+            f.detail
+                .contains("netkit: 1 into other namespaces, not counted"),
+            "{}",
+            f.detail
+        );
     }
 }

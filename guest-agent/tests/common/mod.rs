@@ -1035,3 +1035,56 @@ pub fn explain(addr: SocketAddr, since: &str) -> (bool, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
     )
 }
+
+/// (run time ns, run count) of the loaded programs whose names start with `prefix`,
+/// from the kernel's program info (kernel.bpf_stats_enabled on).
+pub fn bpf_prog_stats(prefix: &str) -> (u64, u64) {
+    let mut t = (0, 0);
+    let mut id = 0u32;
+    // SAFETY: plain syscall wrappers; each fd is closed after its info is read, and the
+    // info struct is zeroed and sized for the kernel.
+    unsafe {
+        while libbpf_sys::bpf_prog_get_next_id(id, &mut id) == 0 {
+            let fd = libbpf_sys::bpf_prog_get_fd_by_id(id);
+            if fd < 0 {
+                continue;
+            }
+            let mut info: libbpf_sys::bpf_prog_info = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libbpf_sys::bpf_prog_info>() as u32;
+            if libbpf_sys::bpf_obj_get_info_by_fd(fd, &mut info as *mut _ as *mut _, &mut len) == 0
+            {
+                let name: Vec<u8> = info
+                    .name
+                    .iter()
+                    .take_while(|c| **c != 0)
+                    .map(|c| *c as u8)
+                    .collect();
+                if name.starts_with(prefix.as_bytes()) {
+                    t.0 += info.run_time_ns;
+                    t.1 += info.run_cnt;
+                }
+            }
+            libc::close(fd);
+        }
+    }
+    t
+}
+
+/// BPF run-time statistics on while this lives (`BPF_ENABLE_STATS`: counted per holder, so
+/// another process writing `kernel.bpf_stats_enabled=0` meanwhile does not turn them off).
+pub struct BpfStatsOn(std::os::fd::OwnedFd);
+
+impl BpfStatsOn {
+    pub fn new() -> BpfStatsOn {
+        use std::os::fd::FromRawFd;
+        // SAFETY: a plain syscall wrapper; the returned fd is ours.
+        let fd = unsafe { libbpf_sys::bpf_enable_stats(libbpf_sys::BPF_STATS_RUN_TIME) };
+        assert!(
+            fd >= 0,
+            "BPF_ENABLE_STATS: {}",
+            std::io::Error::from_raw_os_error(-fd)
+        );
+        // SAFETY: fd is a new descriptor we own.
+        BpfStatsOn(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+}

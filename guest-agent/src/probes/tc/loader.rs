@@ -151,6 +151,11 @@ pub struct TcProbe {
     touched: MappedWords,
     overflow: MapHandle,
     _drop_link: Option<Link>,
+    /// pod ingress at socket delivery, by pod-side (netns, ifindex); None when the
+    /// `cgroup_skb/ingress` program is not attached (`delivery_off` says why)
+    pod_rx: Option<MapHandle>,
+    _deliver_link: Option<Link>,
+    delivery_off: Option<String>,
     reasons: HashMap<u32, String>,
     mode: AttachMode,
     attached: HashMap<u32, Attachment>,
@@ -223,6 +228,7 @@ impl TcProbe {
             .map_err(err(OBJ, "open"))?;
         set_max_entries(OBJ, &mut open.maps.if_bytes, IF_BYTES_ENTRIES)?;
         set_max_entries(OBJ, &mut open.maps.cg_bytes, CG_BYTES_ENTRIES)?;
+        set_max_entries(OBJ, &mut open.maps.pod_rx, IF_BYTES_ENTRIES)?;
         set_max_entries(OBJ, &mut open.maps.drops, DROPS_ENTRIES)?;
         // exactly the reasons this kernel has (at least one slot)
         set_max_entries(OBJ, &mut open.maps.tc_reasons, reasons.len().max(1) as u32)?;
@@ -231,6 +237,9 @@ impl TcProbe {
         let node_devices = btf.has_kfunc("bpf_rdonly_cast");
         open.progs.tc_node_ingress.set_autoload(node_devices);
         open.progs.tc_node_egress.set_autoload(node_devices);
+        // pod ingress at socket delivery needs the skb behind the context (6.3)
+        let delivery = btf.has_kfunc("bpf_cast_to_kern_ctx");
+        open.progs.pod_deliver.set_autoload(delivery);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.read_addrs = read_addrs;
             ro.core_reason_max = core_reason_max(btf).unwrap_or(0);
@@ -256,6 +265,20 @@ impl TcProbe {
         } else {
             None
         };
+        let (deliver_link, delivery_off) = if delivery {
+            match attach_delivery(&skel.progs.pod_deliver) {
+                Ok(l) => (Some(l), None),
+                Err(e) => {
+                    tracing::warn!("pod ingress at socket delivery is not counted: {e}");
+                    (None, Some(e))
+                }
+            }
+        } else {
+            (
+                None,
+                Some("this kernel has no bpf_cast_to_kern_ctx (6.3)".to_string()),
+            )
+        };
         let dup = |p: &libbpf_rs::ProgramMut<'_>| -> Result<OwnedFd, ProbeError> {
             p.as_fd().try_clone_to_owned().map_err(|e| ProbeError::Io {
                 probe: BYTES,
@@ -277,6 +300,13 @@ impl TcProbe {
                 .with("hook", bytes_hook)
                 .with("storage", "per-interface per-CPU hash")
                 .with("reads", "each")
+                .with(
+                    "pod_ingress",
+                    match &delivery_off {
+                        None => "host-side egress and socket delivery (cgroup_skb/ingress)",
+                        Some(_) => "host-side egress only",
+                    },
+                )
                 .with(
                     "node_devices",
                     if node_devices {
@@ -334,11 +364,72 @@ impl TcProbe {
             },
             overflow: handle(OBJ, &skel.maps.drop_overflow)?,
             _drop_link: drop_link,
+            pod_rx: if deliver_link.is_some() {
+                Some(handle(OBJ, &skel.maps.pod_rx)?)
+            } else {
+                None
+            },
+            _deliver_link: deliver_link,
+            delivery_off,
             reasons,
             mode: attach,
             attached: HashMap::new(),
         };
         Ok((probe, statuses))
+    }
+
+    /// Why pod ingress is not counted at socket delivery; None when it is.
+    pub fn delivery_off(&self) -> Option<&str> {
+        self.delivery_off.as_deref()
+    }
+
+    /// Starts counting what the sockets of a pod's namespace receive through its
+    /// pod-side interface (`netns` inode, `ifindex` there). False when delivery
+    /// is not counted at all.
+    pub fn watch_pod_side(&self, netns: u32, ifindex: u32) -> io::Result<bool> {
+        let Some(map) = &self.pod_rx else {
+            return Ok(false);
+        };
+        let zero = vec![
+            vec![0u8; std::mem::size_of::<skel::types::if_bytes>()];
+            libbpf_rs::num_possible_cpus().map_err(io::Error::other)?
+        ];
+        map.update_percpu(&pod_side_key(netns, ifindex), &zero, MapFlags::NO_EXIST)
+            .or_else(|e| {
+                if e.kind() == libbpf_rs::ErrorKind::AlreadyExists {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            })
+            .map_err(io::Error::other)?;
+        Ok(true)
+    }
+
+    /// Stops counting a pod-side interface.
+    pub fn forget_pod_side(&self, netns: u32, ifindex: u32) {
+        if let Some(map) = &self.pod_rx {
+            let _ = map.delete(&pod_side_key(netns, ifindex));
+        }
+    }
+
+    /// (bytes, packets) the sockets behind a pod-side interface received.
+    pub fn read_pod_side(&self, netns: u32, ifindex: u32) -> Option<(u64, u64)> {
+        let cpus = self
+            .pod_rx
+            .as_ref()?
+            .lookup_percpu(&pod_side_key(netns, ifindex), MapFlags::ANY)
+            .ok()
+            .flatten()?;
+        let mut out = (0, 0);
+        for c in cpus {
+            let mut v = skel::types::if_bytes::default();
+            if plain::copy_from_bytes(&mut v, &c).is_ok() {
+                out.0 += v.bytes;
+                out.1 += v.packets;
+            }
+        }
+        Some(out)
     }
 
     /// The kernel's tc/qdisc drop reasons, as `tc_reasons` holds them.
@@ -531,6 +622,20 @@ impl Drop for TcProbe {
             self.detach(i);
         }
     }
+}
+
+/// The key of `pod_rx`: the pod-side interface's namespace inode and ifindex.
+fn pod_side_key(netns: u32, ifindex: u32) -> [u8; 8] {
+    (u64::from(netns) << 32 | u64::from(ifindex)).to_ne_bytes()
+}
+
+/// Attaches the socket-delivery program to the root of the cgroup2 hierarchy (a
+/// link: other programs there, and below, keep running; ours allows every packet).
+fn attach_delivery(prog: &libbpf_rs::ProgramMut<'_>) -> Result<Link, String> {
+    let root = crate::cgroups::cgroup2_mount().map_err(|e| e.to_string())?;
+    let dir = std::fs::File::open(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+    prog.attach_cgroup(dir.as_raw_fd())
+        .map_err(|e| format!("cgroup_skb/ingress on {}: {e}", root.display()))
 }
 
 /// Sums the per-CPU `struct if_bytes[2]` values: [0] pod egress, [1] pod ingress.

@@ -133,6 +133,11 @@ pub struct TcUnit {
     /// (pod netns, pod ifindex) → pod
     by_pod_side: HashMap<(u32, u32), String>,
     last: HashMap<u32, IfBytes>,
+    /// last socket-delivery reading (bytes, packets) per host ifindex
+    last_rx: HashMap<u32, (u64, u64)>,
+    /// pod interfaces whose sockets received more than their host side sent
+    /// (ingress delivered around the host-side veth: bpf_redirect_peer)
+    peer_seen: HashSet<u32>,
     last_discovery: Option<Instant>,
     node_spec: NodeDevices,
     /// node devices counted per socket owner (hostNetwork pods)
@@ -146,6 +151,8 @@ pub struct TcUnit {
     /// interfaces whose attach failed, with the reason last warned about: each
     /// look tries again, but a reason is logged once, not at every look
     refused: HashMap<u32, String>,
+    /// attachments refused, counted once per interface and reason (as they are logged)
+    refusals: u64,
 }
 
 impl TcUnit {
@@ -156,6 +163,8 @@ impl TcUnit {
             by_host: HashMap::new(),
             by_pod_side: HashMap::new(),
             last: HashMap::new(),
+            last_rx: HashMap::new(),
+            peer_seen: HashSet::new(),
             last_discovery: None,
             node_spec,
             node_devices: HashSet::new(),
@@ -163,6 +172,7 @@ impl TcUnit {
             drained: 0,
             warned: HashSet::new(),
             refused: HashMap::new(),
+            refusals: 0,
         })
     }
 
@@ -198,21 +208,37 @@ impl TcUnit {
             .map(|(i, _)| *i)
             .collect();
         for i in gone {
-            if let (Some(pi), Some(b)) = (self.by_host.get(&i), self.probe.read(i)) {
-                let prev = self.last.remove(&i).unwrap_or_default();
-                push_bytes(out, &pi.uid, &b, &prev);
+            self.read_interface(i, out);
+            if let Some(pi) = self.by_host.remove(&i) {
+                self.probe.forget_pod_side(pi.pod_netns, pi.pod_ifindex);
             }
             self.probe.detach(i);
-            self.by_host.remove(&i);
             self.last.remove(&i);
+            self.last_rx.remove(&i);
+            self.peer_seen.remove(&i);
         }
         for (i, pi) in &new {
-            if self.by_host.contains_key(i) {
+            if let Some(known) = self.by_host.get_mut(i) {
+                // the pod side's namespace may be found after the interface
+                if known.pod_netns == 0 && pi.pod_netns != 0 {
+                    known.pod_netns = pi.pod_netns;
+                    known.pod_ifindex = pi.pod_ifindex;
+                    if let Err(e) = self.probe.watch_pod_side(pi.pod_netns, pi.pod_ifindex) {
+                        self.refusals += 1;
+                        tracing::warn!(ifindex = i, pod = %pi.uid, "cannot count the pod's ingress at socket delivery: {e}");
+                    }
+                }
                 continue;
             }
             match self.probe.attach(*i) {
                 Ok(()) => {
                     tracing::debug!(ifindex = i, pod = %pi.uid, "counting pod interface");
+                    if pi.pod_netns != 0 {
+                        if let Err(e) = self.probe.watch_pod_side(pi.pod_netns, pi.pod_ifindex) {
+                            self.refusals += 1;
+                            tracing::warn!(ifindex = i, pod = %pi.uid, "cannot count the pod's ingress at socket delivery: {e}");
+                        }
+                    }
                     self.by_host.insert(*i, pi.clone());
                     self.refused.remove(i);
                 }
@@ -261,6 +287,39 @@ impl TcUnit {
         true
     }
 
+    /// Reads one pod interface's counters into deltas since the last read. The pod's
+    /// ingress is the larger of what its host side sent and what its sockets received:
+    /// the first is exact on a plain veth (and counts what no socket takes), the second
+    /// holds where packets reach the pod around the host side (bpf_redirect_peer).
+    fn read_interface(&mut self, i: u32, out: &mut Vec<(Owner, Delta)>) {
+        let Some(pi) = self.by_host.get(&i) else {
+            return;
+        };
+        let Some(b) = self.probe.read(i) else {
+            return;
+        };
+        let prev = self.last.insert(i, b).unwrap_or_default();
+        let egress = grown(b.egress_bytes, prev.egress_bytes);
+        let host_side = grown(b.ingress_bytes, prev.ingress_bytes);
+        let mut ingress = host_side;
+        if let Some(rx) = self.probe.read_pod_side(pi.pod_netns, pi.pod_ifindex) {
+            let (p_bytes, _) = self.last_rx.insert(i, rx).unwrap_or_default();
+            let delivered = grown(rx.0, p_bytes);
+            // a margin for what the two hooks see differently on a plain veth
+            // (headers of packets no socket takes, packets counted in another tick)
+            if delivered > host_side + host_side / 8 + 65536 && self.peer_seen.insert(i) {
+                tracing::info!(
+                    ifindex = i,
+                    pod = %pi.uid,
+                    "the pod's ingress reaches its sockets around its host-side interface \
+                     (bpf_redirect_peer): counted at socket delivery"
+                );
+            }
+            ingress = ingress.max(delivered);
+        }
+        push_bytes(out, &pi.uid, egress, ingress);
+    }
+
     /// Records that attaching to `ifindex` failed; true when this reason is
     /// new for it (and so worth a warning).
     fn refuse(&mut self, ifindex: u32, e: &std::io::Error) -> bool {
@@ -269,6 +328,7 @@ impl TcUnit {
             return false;
         }
         self.refused.insert(ifindex, reason);
+        self.refusals += 1;
         true
     }
 
@@ -386,12 +446,9 @@ impl Probe for TcUnit {
             let limits = self.bandwidth_limits(ctx);
             out.gauges.push((BW_LIMIT_FAMILY, limits));
         }
-        for (i, pi) in &self.by_host {
-            let Some(b) = self.probe.read(*i) else {
-                continue;
-            };
-            let prev = self.last.insert(*i, b).unwrap_or_default();
-            push_bytes(&mut out.deltas, &pi.uid, &b, &prev);
+        let ifs: Vec<u32> = self.by_host.keys().copied().collect();
+        for i in ifs {
+            self.read_interface(i, &mut out.deltas);
         }
         // hostNetwork pods: node-device bytes per socket-owner cgroup
         let per_cgroup = self.probe.read_cgroups().unwrap_or_default();
@@ -403,7 +460,12 @@ impl Probe for TcUnit {
         self.drops(ctx, &mut out.deltas);
         for (id, b, prev) in node_bytes {
             match ctx.pod_of_cgroup(id) {
-                Some(Owner::Pod { uid, .. }) => push_bytes(&mut out.deltas, &uid, &b, &prev),
+                Some(Owner::Pod { uid, .. }) => push_bytes(
+                    &mut out.deltas,
+                    &uid,
+                    grown(b.egress_bytes, prev.egress_bytes),
+                    grown(b.ingress_bytes, prev.ingress_bytes),
+                ),
                 Some(_) => {} // a non-pod process on the node: not this series' business
                 None => {
                     // the cgroup is gone: its last bytes were read above
@@ -446,6 +508,21 @@ impl Probe for TcUnit {
                     "Pod interfaces the tc programs are attached to",
                     self.by_host.len() as f64,
                 ),
+                SelfSeries::gauge(
+                    "gpufeed_tc_peer_redirect_interfaces",
+                    "Pod interfaces whose sockets received more than their host side sent (ingress by bpf_redirect_peer, counted at socket delivery)",
+                    self.peer_seen.len() as f64,
+                ),
+                SelfSeries::gauge(
+                    "gpufeed_tc_socket_delivery_counted",
+                    "1 when pod ingress is also counted at socket delivery (cgroup_skb/ingress on the cgroup2 root), 0 when only on the host side",
+                    if self.probe.delivery_off().is_none() { 1.0 } else { 0.0 },
+                ),
+                SelfSeries::counter(
+                    "gpufeed_tc_attach_refusals_total",
+                    "Attachments to pod interfaces and node devices refused (another program at our clsact priority, a device gone mid-attach, a full map), once per interface and reason, as logged",
+                    self.refusals,
+                ),
                 SelfSeries::counter(
                     "gpufeed_tc_drop_overflow_total",
                     "tc/qdisc drops not recorded because the drop map was full",
@@ -457,17 +534,22 @@ impl Probe for TcUnit {
     }
 }
 
-fn push_bytes(out: &mut Vec<(Owner, Delta)>, uid: &str, now: &IfBytes, prev: &IfBytes) {
+/// What a counter grew by: counters only grow while their entry exists; a smaller
+/// value is a new entry.
+fn grown(now: u64, prev: u64) -> u64 {
+    if now >= prev {
+        now - prev
+    } else {
+        now
+    }
+}
+
+fn push_bytes(out: &mut Vec<(Owner, Delta)>, uid: &str, egress: u64, ingress: u64) {
     let owner = Owner::Pod {
         uid: uid.to_string(),
         container_id: None,
     };
-    // counters only grow while the entry exists; a smaller value is a new entry
-    let d = |n: u64, p: u64| if n >= p { n - p } else { n };
-    for (dir, n) in [
-        (Direction::Egress, d(now.egress_bytes, prev.egress_bytes)),
-        (Direction::Ingress, d(now.ingress_bytes, prev.ingress_bytes)),
-    ] {
+    for (dir, n) in [(Direction::Egress, egress), (Direction::Ingress, ingress)] {
         out.push((
             owner.clone(),
             Delta {
