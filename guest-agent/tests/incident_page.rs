@@ -81,12 +81,16 @@ fn the_page_draws_the_link_and_the_pods_windows_around_the_event() {
     }
     let t_drop_done = now_ms();
     std::thread::sleep(Duration::from_secs(2));
-    let before = waits(&hogs.pids());
+    let all = || [pod.pids(), hogs.pids()].concat();
+    let (before, before_all) = (waits(&hogs.pids()), waits(&all()));
     std::thread::sleep(Duration::from_secs(8));
-    let after = waits(&hogs.pids());
+    let (after, after_all) = (waits(&hogs.pids()), waits(&all()));
     std::thread::sleep(Duration::from_secs(2));
-    // the kernel's own figure: the hogs' mean wait per run, over the 8 s in the middle
+    // the kernel's own figures over the 8 s in the middle: the hogs' mean wait per run, and
+    // the pod's (the hogs' and the feeder's many short ones: what its windows average)
     let mean_wait_us = (after.0 - before.0) as f64 / (after.1 - before.1).max(1) as f64 / 1000.0;
+    let pod_mean_us =
+        (after_all.0 - before_all.0) as f64 / (after_all.1 - before_all.1).max(1) as f64 / 1000.0;
     hogs.kill_all();
     let t_up = now_ms();
     demo(&["link", root.to_str().unwrap(), "16.0 GT/s PCIe", "4"]);
@@ -194,12 +198,13 @@ fn the_page_draws_the_link_and_the_pods_windows_around_the_event() {
         .map(|(_, v)| *v)
         .collect();
     assert!(quiet.len() >= 10 && loaded.len() >= 8, "{points:?}");
-    // every loaded window at the hogs' waits as schedstat has them (the window's mean is the
-    // pod's waits over their count; the feeder's own short waits pull it down, not by half)...
+    // every loaded window at the pod's waits as schedstat has them (the window's mean is the
+    // pod's waits over their count: the hogs' long ones and the feeder's many short ones; how
+    // many of each depends on what else the machine runs, so the truth is the pod's own)...
     for v in &loaded {
         assert!(
-            *v >= mean_wait_us / 2.0,
-            "loaded window mean {v} µs vs the hogs' mean wait {mean_wait_us:.0} µs: {points:?}"
+            *v >= pod_mean_us / 2.0 && *v <= pod_mean_us * 2.0,
+            "loaded window mean {v} µs vs the pod's mean wait {pod_mean_us:.0} µs (the hogs' {mean_wait_us:.0} µs): {points:?}"
         );
     }
     // ...and every quiet one far below them
@@ -230,9 +235,10 @@ fn the_page_draws_the_link_and_the_pods_windows_around_the_event() {
         median >= qlo && median <= qhi,
         "median {median} of {quiet:?}"
     );
+    let lowest_loaded = loaded.iter().copied().fold(f64::INFINITY, f64::min);
     assert!(
-        upper > median && upper < mean_wait_us / 2.0,
-        "upper {upper}"
+        upper > median && upper < lowest_loaded,
+        "upper {upper}, the loaded windows from {lowest_loaded}"
     );
     // the profile link: this pod, from 30 s before the spike to 60 s after
     let spike = t_ev + trace["lag_ms"].as_i64().unwrap();
