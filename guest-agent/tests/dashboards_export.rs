@@ -20,8 +20,9 @@ use serde_json::{json, Value as Json};
 const PURPOSES: [(&str, &str, &[&str]); 3] = [
     (
         "gpufeed-node",
-        "gpufeed: node (pods, network, correlation, agent)",
+        "gpufeed: node (the GPU fed, pods, network, correlation, agent)",
         &[
+            "Is the GPU getting fed?",
             "Pods",
             "Network",
             "Correlation: pod latency spikes and host events",
@@ -241,8 +242,9 @@ fn the_exports_are_the_sidecar_dashboards_rows_per_purpose() {
     }
 }
 
-/// What grafana.com's import needs, and each purpose's content: the node's first three panels
-/// are the run-queue, RTT and bandwidth panels; every sidecar panel is in one export; nothing
+/// What grafana.com's import needs, and each purpose's content: the node's first panel is the
+/// GPU feed stall, then the run-queue, RTT and bandwidth panels; every sidecar panel is in one
+/// export; nothing
 /// refers to the sidecar's `datasource` variable.
 #[test]
 fn the_exports_are_in_grafana_coms_format_and_cover_every_panel() {
@@ -314,12 +316,14 @@ fn the_exports_are_in_grafana_coms_format_and_cover_every_panel() {
                 .unwrap()
                 .iter()
                 .filter(|p| p["type"] != "row")
-                .take(3)
+                .take(4)
                 .map(|p| p["title"].as_str().unwrap())
                 .collect();
+            // the product's question first, then the seed's three panels
             assert_eq!(
                 first,
                 [
+                    "GPU feed stall per pod and cause",
                     "Run-queue wait p99 per pod",
                     "TCP RTT per pod and destination",
                     "Bytes vs bandwidth cap"
