@@ -390,19 +390,11 @@ impl TcProbe {
         let Some(map) = &self.pod_rx else {
             return Ok(false);
         };
-        let zero = vec![
-            vec![0u8; std::mem::size_of::<skel::types::if_bytes>()];
-            libbpf_rs::num_possible_cpus().map_err(io::Error::other)?
-        ];
-        map.update_percpu(&pod_side_key(netns, ifindex), &zero, MapFlags::NO_EXIST)
-            .or_else(|e| {
-                if e.kind() == libbpf_rs::ErrorKind::AlreadyExists {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            })
-            .map_err(io::Error::other)?;
+        insert_zeroed(
+            map,
+            &pod_side_key(netns, ifindex),
+            std::mem::size_of::<skel::types::if_bytes>(),
+        )?;
         Ok(true)
     }
 
@@ -453,20 +445,11 @@ impl TcProbe {
         if self.attached.contains_key(&ifindex) {
             return Ok(());
         }
-        let zero = vec![
-            vec![0u8; std::mem::size_of::<[skel::types::if_bytes; 2]>()];
-            libbpf_rs::num_possible_cpus().map_err(io::Error::other)?
-        ];
-        self.if_bytes
-            .update_percpu(&ifindex.to_ne_bytes(), &zero, MapFlags::NO_EXIST)
-            .or_else(|e| {
-                if e.kind() == libbpf_rs::ErrorKind::AlreadyExists {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            })
-            .map_err(io::Error::other)?;
+        insert_zeroed(
+            &self.if_bytes,
+            &ifindex.to_ne_bytes(),
+            std::mem::size_of::<[skel::types::if_bytes; 2]>(),
+        )?;
         let progs = [
             self.ingress_prog.try_clone()?,
             self.egress_prog.try_clone()?,
@@ -621,6 +604,16 @@ impl Drop for TcProbe {
         for i in ifs {
             self.detach(i);
         }
+    }
+}
+
+/// Puts a zeroed per-CPU value of `size` bytes at `key` of `map`, unless one is there (the
+/// kernel's numbers so far are kept).
+fn insert_zeroed(map: &MapHandle, key: &[u8], size: usize) -> io::Result<()> {
+    let zero = vec![vec![0u8; size]; libbpf_rs::num_possible_cpus().map_err(io::Error::other)?];
+    match map.update_percpu(key, &zero, MapFlags::NO_EXIST) {
+        Err(e) if e.kind() != libbpf_rs::ErrorKind::AlreadyExists => Err(io::Error::other(e)),
+        _ => Ok(()),
     }
 }
 
