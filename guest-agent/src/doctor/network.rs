@@ -174,7 +174,7 @@ pub fn datapath(
             CHECK,
             detail,
             "netkit pods (Cilium's bpf.datapathMode: netkit) have no bytes yet: use \
-             bpf.datapathMode: veth on this node for per-pod bytes (issue 37)",
+             bpf.datapathMode: veth on this node for per-pod bytes",
         );
     }
     if tc.is_some_and(|t| !t.socket_delivery) {
