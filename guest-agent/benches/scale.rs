@@ -118,10 +118,13 @@ fn get(addr: SocketAddr, path: &str) -> String {
     out
 }
 
+/// The sample of `name` without labels.
 fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.split_whitespace().next() == Some(name))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+    let samples = gpufeed_testkit::prom::parse(text);
+    gpufeed_testkit::prom::find(&samples, name, &[])
+        .into_iter()
+        .find(|s| s.labels.is_empty())
+        .map(|s| s.value)
 }
 
 struct Row {

@@ -485,27 +485,12 @@ mod tests {
         },
     ];
 
-    /// (labels, value) of the samples of `name` in a text exposition.
+    /// (labels in name order, value) of the samples of `name` in a text exposition.
     fn samples(text: &str, name: &str) -> Vec<(Vec<(String, String)>, f64)> {
-        text.lines()
-            .filter(|l| !l.starts_with('#'))
-            .filter_map(|l| {
-                let (series, v) = l.rsplit_once(' ')?;
-                let (n, labels) = match series.split_once('{') {
-                    Some((n, rest)) => (n, rest.strip_suffix('}')?),
-                    None => (series, ""),
-                };
-                (n == name).then_some(())?;
-                let labels = labels
-                    .split("\",")
-                    .filter(|p| !p.is_empty())
-                    .filter_map(|p| {
-                        let (k, v) = p.split_once("=\"")?;
-                        Some((k.to_string(), v.trim_end_matches('"').to_string()))
-                    })
-                    .collect();
-                Some((labels, v.parse().ok()?))
-            })
+        gpufeed_testkit::prom::parse(text)
+            .into_iter()
+            .filter(|s| s.name == name)
+            .map(|s| (s.labels.into_iter().collect(), s.value))
             .collect()
     }
 
@@ -604,11 +589,14 @@ mod tests {
         out
     }
 
+    /// Labels as [`samples`] gives them: in name order.
     fn strings(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs
+        let mut v: Vec<_> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+            .collect();
+        v.sort();
+        v
     }
 
     #[test]

@@ -29,7 +29,7 @@ mod common;
 mod manifests;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::gpu::*;
@@ -40,17 +40,9 @@ use serde_yaml::Value;
 const BIN: &str = env!("CARGO_BIN_EXE_gpufeed-guest");
 const BYTES: &str = "ebpf_tc_bytes_total";
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use gpufeed_testkit::repo;
 
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
+use gpufeed_testkit::sh::have;
 
 /// The pod template spec of the DaemonSet, as `kubectl apply -k` applies it with the host
 /// stream on (the Secret volume and the QUIC listener included).

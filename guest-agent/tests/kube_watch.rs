@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::fake_kube::{fixture, fixture_lines, FakeKube};
 use common::logs::captured as logs;
@@ -46,12 +46,11 @@ async fn client_for(fake: &FakeKube, dir: &std::path::Path) -> kube::Client {
     kube::Client::try_from(cfg).expect("client")
 }
 
-async fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn wait_for(what: &str, timeout: Duration, cond: impl FnMut() -> bool) {
+    assert!(
+        gpufeed_testkit::wait::until(timeout, cond).await,
+        "timed out waiting for {what}"
+    );
 }
 
 fn hm(pairs: &[(&str, &str)]) -> HashMap<String, String> {

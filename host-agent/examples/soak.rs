@@ -65,13 +65,7 @@ fn get(addr: SocketAddr, path: &str) -> Vec<u8> {
 
 /// The sum of a series' samples in a Prometheus text exposition (labels ignored).
 fn sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    gpufeed_testkit::prom::sum(&gpufeed_testkit::prom::parse(text), name, &[])
 }
 
 fn peak_rss_kib(pid: u32) -> u64 {

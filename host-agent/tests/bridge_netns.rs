@@ -8,6 +8,7 @@ mod common;
 
 use gpufeed_host::agent::Agent;
 use gpufeed_shared::event::{DeviceAction, HostEvent};
+use gpufeed_testkit::prom;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -57,12 +58,20 @@ fn counters(ns: &str, dev: &str) -> (u64, u64) {
     )
 }
 
+/// The one sample of `name` for this port, VM and direction on bridge vmbr0.
 fn sample(text: &str, name: &str, port: &str, vmid: &str, dir: &str) -> f64 {
-    let want = format!("{name}{{bridge=\"vmbr0\",direction=\"{dir}\",port=\"{port}\",vmid=\"{vmid}\",host=\"testnode\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&want))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {want} in\n{text}"))
+    let want = [
+        ("bridge", "vmbr0"),
+        ("direction", dir),
+        ("port", port),
+        ("vmid", vmid),
+        ("host", "testnode"),
+    ];
+    let samples = prom::parse(text);
+    match prom::find(&samples, name, &want)[..] {
+        [one] if one.labels.len() == want.len() => one.value,
+        _ => panic!("not exactly one {name}{want:?} in\n{text}"),
+    }
 }
 
 fn within_1pct(a: f64, b: f64) -> bool {
@@ -172,11 +181,11 @@ fn iperf_client(ns: &str, server: &str, bytes: &str, reverse: bool) {
 
 /// Sum of `name` over every series of `vmid` in `dir` (what `sum by (vmid)` gives).
 fn sum_vmid(text: &str, name: &str, vmid: &str, dir: &str) -> f64 {
-    let (v, d) = (format!("vmid=\"{vmid}\""), format!("direction=\"{dir}\""));
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(&v) && l.contains(&d))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
+    prom::sum(
+        &prom::parse(text),
+        name,
+        &[("vmid", vmid), ("direction", dir)],
+    )
 }
 
 /// Read `ports`' interface counters until they stand still, then render the agent's metrics

@@ -13,6 +13,8 @@
 mod common;
 
 use std::net::SocketAddr;
+
+use gpufeed_testkit::prom;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -123,7 +125,7 @@ fn start(nofile: u64) -> Host {
     };
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        if let Some(m) = http_get(&addr.to_string(), "/metrics") {
+        if let Some(m) = http_get(addr, "/metrics") {
             if m.contains("gpufeed_host_pcie_link_width{") {
                 break;
             }
@@ -138,12 +140,9 @@ fn start(nofile: u64) -> Host {
     host
 }
 
-/// Sum of the samples of `name` in a text exposition.
+/// Sum of the samples of `name` in a page of /metrics.
 fn total(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    prom::sum(&prom::parse(text), name, &[])
 }
 
 /// One scrape from 127.0.0.1 with a kubelet's or Prometheus' patience (1 s): the body of a 200.
@@ -204,7 +203,7 @@ fn flood(to: SocketAddr, stop: Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<(
 
 /// Every link change and host event the agent has counted.
 fn changes(addr: SocketAddr) -> (f64, f64, String) {
-    let m = http_get(&addr.to_string(), "/metrics").expect("a scrape");
+    let m = http_get(addr, "/metrics").expect("a scrape");
     (
         total(&m, "gpufeed_host_pcie_link_changes_total"),
         total(&m, "gpufeed_host_pcie_link_width"),

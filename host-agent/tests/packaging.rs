@@ -12,16 +12,8 @@
 mod common;
 mod stream_support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-
-fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
-}
 
 fn tools_or_skip(tools: &[&str]) -> bool {
     let missing: Vec<&&str> = tools.iter().filter(|t| !have(t)).collect();
@@ -35,12 +27,7 @@ fn tools_or_skip(tools: &[&str]) -> bool {
     false
 }
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+use gpufeed_testkit::{repo, sh::have};
 
 /// Shell lines (in a private mount namespace) that make /usr, /etc and /var overlays whose
 /// writes stay below `t`: this machine is not changed.

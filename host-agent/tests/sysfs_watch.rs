@@ -7,28 +7,22 @@ mod common;
 use common::*;
 use gpufeed_host::agent::Agent;
 use gpufeed_shared::event::*;
+use gpufeed_testkit::prom;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::broadcast::Receiver;
 
 const POLL_MS: u64 = 200;
 
-/// Value of the sample `name{labels..., host="testnode"}` in a text exposition.
+/// Value of the sample `name{labels..., host="testnode"}` (exactly those labels) in a page.
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    let mut want: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
-    want.push("host=\"testnode\"".into());
-    want.sort();
-    text.lines().find_map(|l| {
-        let (series, value) = l.rsplit_once(' ')?;
-        let (n, rest) = series.split_once('{')?;
-        let mut got: Vec<String> = rest
-            .strip_suffix('}')?
-            .split(',')
-            .map(String::from)
-            .collect();
-        got.sort();
-        (n == name && got == want).then(|| value.parse().ok())?
-    })
+    let mut want = labels.to_vec();
+    want.push(("host", "testnode"));
+    let samples = prom::parse(text);
+    prom::find(&samples, name, &want)
+        .into_iter()
+        .find(|s| s.labels.len() == want.len())
+        .map(|s| s.value)
 }
 
 /// Collect events until none arrives for `quiet`.

@@ -28,9 +28,11 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpufeed_lab::{KernelName, Payload, Variant, Vm, VmSpec};
+use gpufeed_testkit::http::get as http_get;
+use gpufeed_testkit::{free_port, prom};
 
 const GPU: &str = "0000:0a:00.0";
 const HOST: &str = "labhost";
@@ -63,49 +65,14 @@ impl Drop for Proc {
     }
 }
 
-fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: lab\r\n\r\n").ok()?;
-    let mut body = String::new();
-    s.read_to_string(&mut body).ok()?;
-    let (head, rest) = body.split_once("\r\n\r\n")?;
-    // a server may answer an HTTP/1.0 request as 1.0 or 1.1
-    let status = head.split_whitespace().nth(1);
-    (head.starts_with("HTTP/1.") && status == Some("200")).then(|| rest.to_string())
-}
-
-/// The value of the series `name` whose labels include all of `labels`.
+/// The value of the series `name` whose labels include all of `labels` (summed).
 fn value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter(|l| {
-            labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .reduce(|a, b| a + b)
+    prom::value(&prom::parse(text), name, labels)
 }
 
-fn wait_for<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = Instant::now() + within;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// `f`'s value once it is `Some`; the test fails naming `what` after `within`.
+fn wait_for<T>(what: &str, within: Duration, f: impl FnMut() -> Option<T>) -> T {
+    gpufeed_testkit::wait::expect_within(what, within, f)
 }
 
 /// The run delay (ns) of the vCPU threads of `pid`, read from /proc.

@@ -14,9 +14,7 @@ pub const GPU: &str = "0000:0a:00.0";
 /// The host agent's identity.
 pub const HOST: &str = "demo-egpu";
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use gpufeed_testkit::repo;
 
 /// `scripts/demo-egpu.sh ARGS...`.
 pub fn demo(args: &[&str]) {

@@ -12,13 +12,33 @@ pub mod gpu;
 pub mod host_agent;
 pub mod logs;
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+// The tools every crate's tests share; re-exported so that this crate's tests name them as
+// `common::...` (each test binary uses some of them).
+#[allow(unused_imports)]
+pub use gpufeed_testkit::{
+    free_port,
+    http::{get as http_get, get_status as http_get_status},
+    prom::{find, hist_quantile, parse as parse_metrics, value, Sample},
+    root::{kernel_lock, require_root, KernelLock},
+    sandbox::{cgroup2_root, remove_cgroup_tree, CgroupSandbox},
+    sh::{sh, sh_quiet},
+    uniq,
+    wait::wait_for,
+};
+
+/// GET returning the body whatever the status (Prometheus reports query errors with 400).
+pub fn http_get_any(addr: SocketAddr, path: &str) -> String {
+    http_get_status(addr, path)
+        .map(|(_, body)| body)
+        .unwrap_or_else(|| panic!("GET {path} from {addr}: no answer"))
+}
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
@@ -31,132 +51,12 @@ pub fn ifindex_of(ifname: &str) -> u32 {
         .unwrap()
 }
 
-/// A short unique tag (interface names are limited to 15 bytes).
-pub fn uniq() -> String {
-    format!(
-        "{}{}",
-        std::process::id() % 100_000,
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
-/// Kernel tests measure latency and rates: they must not run beside each
-/// other, also across test binaries. Holding the returned guard serialises them.
-pub struct KernelLock(std::fs::File);
-
-pub fn kernel_lock() -> KernelLock {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(std::env::temp_dir().join("gpufeed-kernel-tests.lock"))
-        .unwrap();
-    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
-    KernelLock(f)
-}
-
-/// Kernel tests need root. Unprivileged laptops skip; CI must run them.
-/// Returns the lock that serialises kernel tests when they may run.
-pub fn require_root() -> Option<KernelLock> {
-    if unsafe { libc::geteuid() } == 0 {
-        return Some(kernel_lock());
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("CI=true but not running as root: kernel tests must run, not skip");
-    }
-    eprintln!("skipping: needs root (kernel test)");
-    None
-}
-
-pub fn sh(cmd: &str) -> String {
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(cmd)
-        .output()
-        .expect("running sh");
-    if !out.status.success() {
-        panic!(
-            "`{cmd}` failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Like `sh` but ignores failure (cleanup paths).
-pub fn sh_quiet(cmd: &str) {
-    let _ = Command::new("sh")
-        .arg("-c")
-        .arg(cmd)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-}
-
-pub fn cgroup2_root() -> PathBuf {
-    let mi = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    for line in mi.lines() {
-        if let Some((pre, post)) = line.split_once(" - ") {
-            if post.starts_with("cgroup2 ") {
-                return PathBuf::from(pre.split_whitespace().nth(4).unwrap());
-            }
-        }
-    }
-    panic!("no cgroup2 mount");
-}
-
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Layout {
     /// /kubepods/{burstable,besteffort}/pod<uid>/<cid>, Guaranteed at /kubepods/pod<uid>/<cid>
     Cgroupfs,
     /// /kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid_>.slice/cri-containerd-<cid>.scope
     Systemd,
-}
-
-/// A private subtree `/<prefix>` under the cgroup2 root that holds a kubelet-shaped tree.
-pub struct CgroupSandbox {
-    pub root: PathBuf,
-    pub prefix: PathBuf,
-}
-
-impl CgroupSandbox {
-    pub fn new() -> CgroupSandbox {
-        let root = cgroup2_root();
-        let prefix = root.join(format!("gpufeed-test-{}", uniq()));
-        std::fs::create_dir_all(&prefix).unwrap();
-        CgroupSandbox { root, prefix }
-    }
-}
-
-impl Drop for CgroupSandbox {
-    fn drop(&mut self) {
-        remove_cgroup_tree(&self.prefix);
-    }
-}
-
-/// Moves every task out to the root cgroup and removes the directories bottom-up.
-pub fn remove_cgroup_tree(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-            remove_cgroup_tree(&e.path());
-        }
-    }
-    if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-        for pid in procs.lines() {
-            let _ = unsafe { libc::kill(pid.trim().parse().unwrap_or(0), libc::SIGKILL) };
-        }
-    }
-    for _ in 0..50 {
-        if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// A thread's `schedstat` (`/proc/<pid>/task/<tid>/schedstat`): the kernel's own accounting.
@@ -483,14 +383,6 @@ pub fn spawn_in_ns(ns: &str, cmd: &str) -> Proc {
     )
 }
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The agent binary running with the given extra arguments.
 pub struct Agent {
     pub child: Child,
@@ -668,131 +560,6 @@ impl Drop for Agent {
     }
 }
 
-/// Minimal HTTP/1.0 GET; returns the body on 200.
-pub fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
-    match http_get_status(addr, path)? {
-        (200, body) => Some(body),
-        _ => None,
-    }
-}
-
-/// Minimal HTTP/1.0 GET; returns the status code and the body.
-pub fn http_get_status(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    use std::io::Write;
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).ok()?;
-    let (head, body) = buf.split_once("\r\n\r\n")?;
-    let code = head.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, body.to_string()))
-}
-
-#[derive(Debug, Clone)]
-pub struct Sample {
-    pub name: String,
-    pub labels: BTreeMap<String, String>,
-    pub value: f64,
-}
-
-impl Sample {
-    pub fn label(&self, k: &str) -> &str {
-        self.labels.get(k).map(String::as_str).unwrap_or("")
-    }
-}
-
-/// Parses the text exposition format (enough of it for our own output).
-pub fn parse_metrics(text: &str) -> Vec<Sample> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        if line.starts_with('#') || line.trim().is_empty() {
-            continue;
-        }
-        let (series, value) = line.rsplit_once(' ').unwrap();
-        let value: f64 = match value {
-            "+Inf" => f64::INFINITY,
-            v => v.parse().unwrap(),
-        };
-        let (name, labels) = match series.split_once('{') {
-            Some((n, rest)) => {
-                let body = rest.strip_suffix('}').unwrap();
-                let mut labels = BTreeMap::new();
-                let mut s = body;
-                while !s.is_empty() {
-                    let (k, rest) = s.split_once("=\"").unwrap();
-                    let end = rest.find('"').unwrap();
-                    labels.insert(
-                        k.trim_start_matches(',').to_string(),
-                        rest[..end].to_string(),
-                    );
-                    s = &rest[end + 1..];
-                    s = s.trim_start_matches(',');
-                }
-                (n.to_string(), labels)
-            }
-            None => (series.to_string(), BTreeMap::new()),
-        };
-        out.push(Sample {
-            name,
-            labels,
-            value,
-        });
-    }
-    out
-}
-
-/// Samples of `name` whose labels include all of `want`.
-pub fn find<'a>(samples: &'a [Sample], name: &str, want: &[(&str, &str)]) -> Vec<&'a Sample> {
-    samples
-        .iter()
-        .filter(|s| s.name == name && want.iter().all(|(k, v)| s.label(k) == *v))
-        .collect()
-}
-
-pub fn value(samples: &[Sample], name: &str, want: &[(&str, &str)]) -> Option<f64> {
-    let f = find(samples, name, want);
-    if f.is_empty() {
-        None
-    } else {
-        Some(f.iter().map(|s| s.value).sum())
-    }
-}
-
-/// Histogram quantile from cumulative buckets (upper bound of the bucket holding it).
-pub fn hist_quantile(samples: &[Sample], base: &str, want: &[(&str, &str)], q: f64) -> Option<f64> {
-    let mut buckets: Vec<(f64, f64)> = find(samples, &format!("{base}_bucket"), want)
-        .iter()
-        .map(|s| {
-            (
-                s.label("le").parse::<f64>().unwrap_or(f64::INFINITY),
-                s.value,
-            )
-        })
-        .collect();
-    if buckets.is_empty() {
-        return None;
-    }
-    buckets.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap());
-    let total = buckets.last().unwrap().1;
-    let rank = q * total;
-    buckets.iter().find(|(_, c)| *c >= rank).map(|(le, _)| *le)
-}
-
-/// Polls until `f` returns Some or the timeout passes.
-pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// TcpRetransSegs of a network namespace (nstat, absolute counters).
 pub fn retrans_segs(ns: &str) -> u64 {
     let out = sh(&format!("ip netns exec {ns} nstat -az TcpRetransSegs"));
@@ -898,18 +665,6 @@ impl Prometheus {
         }
         Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
     }
-}
-
-/// GET returning the body whatever the status (Prometheus reports query errors with 400).
-pub fn http_get_any(addr: std::net::SocketAddr, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).unwrap();
-    buf.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
 }
 
 impl Prometheus {

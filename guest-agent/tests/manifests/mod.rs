@@ -13,9 +13,7 @@ use std::process::Command;
 use serde::Deserialize;
 use serde_yaml::Value;
 
-pub fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+pub use gpufeed_testkit::repo;
 
 /// `talos/kubernetes/<rel>`.
 pub fn kustomize_dir(rel: &str) -> PathBuf {

@@ -430,26 +430,7 @@ pub fn base_config(t: &Tree, poll_ms: u64) -> gpufeed_host::config::Config {
     c
 }
 
-/// Root-needing tests: run as root; otherwise skip with a message unless CI=true (then fail).
-pub fn require_root(name: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{name}: needs root and CI=true");
-    }
-    eprintln!("SKIP {name}: needs root (set CI=true to make this a failure)");
-    false
-}
-
-/// The body of `GET path` from `addr` (HTTP/1.0, at most 5 s), or None.
-pub fn http_get(addr: &str, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
-        .ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).ok()?;
-    Some(buf.split_once("\r\n\r\n")?.1.to_string())
-}
+// The shared test kit's: root-needing tests skip on a laptop and fail under CI=true; a GET of
+// an agent's page.
+#[allow(unused_imports)]
+pub use gpufeed_testkit::{http::get as http_get, root::root_or_skip as require_root};

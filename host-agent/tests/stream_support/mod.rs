@@ -198,16 +198,8 @@ pub fn metric(reg: &prometheus::Registry, name: &str, labels: &[(&str, &str)]) -
 /// Polls `f` until it holds. The timeout only bounds a failure: a two-core CI machine that is
 /// also linking other test binaries can stall a task for seconds, so it is stretched fivefold
 /// rather than tuned per call site. Nothing here measures latency.
-pub async fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let timeout = timeout * 5;
-    let t0 = Instant::now();
-    while t0.elapsed() < timeout {
-        if f() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    f()
+pub async fn wait_for(timeout: Duration, f: impl FnMut() -> bool) -> bool {
+    gpufeed_testkit::wait::until(timeout * 5, f).await
 }
 
 #[derive(Clone)]

@@ -79,7 +79,4 @@ pub fn binary(name: &str) -> PathBuf {
     p
 }
 
-/// The repository root.
-pub fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+pub use gpufeed_testkit::repo;
