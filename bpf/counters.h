@@ -34,4 +34,20 @@ static __always_inline void slot_set(void *map, __u32 i, __u64 val)
 		*v = val;
 }
 
+/* A program's self-metric counters: a per-CPU array `map` of `slots` u64 counters that the
+ * agent sums over CPUs and exports, and `bump(i)`, which adds one to counter i (its STAT_*
+ * index). One per program object: each declares its own map name and STAT_* list. */
+#define PROBE_STATS(map, slots)                                                         \
+	struct {                                                                        \
+		__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);                                \
+		__uint(max_entries, slots);                                             \
+		__type(key, __u32);                                                     \
+		__type(value, __u64);                                                   \
+	} map SEC(".maps");                                                             \
+                                                                                        \
+	static __always_inline void bump(__u32 i)                                       \
+	{                                                                               \
+		slot_add(&map, i, 1);                                                   \
+	}
+
 #endif

@@ -252,17 +252,7 @@ struct {
 
 /* Counters userspace exports as self-metrics, indexed by cuda.h's STAT_*
  * (a launch's stream is not tracked when its map is full or the stack unreadable). */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, STATS);
-	__type(key, __u32);
-	__type(value, __u64);
-} cuda_stats SEC(".maps");
-
-static __always_inline void bump(__u32 i)
-{
-	slot_add(&cuda_stats, i, 1);
-}
+PROBE_STATS(cuda_stats, STATS)
 
 static __always_inline struct cuda_cgroup *my_cgroup(void)
 {

@@ -104,17 +104,7 @@ CGROUP_BATCH(gpu_cgroup, struct gpu_cgroup, 256)
 
 /* Counters userspace exports as self-metrics, indexed by gpu_driver.h's STAT_*
  * (a call that left another cgroup than it entered in is timed, not counted as busy). */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, STATS);
-	__type(key, __u32);
-	__type(value, __u64);
-} gpu_stats SEC(".maps");
-
-static __always_inline void bump(__u32 i)
-{
-	slot_add(&gpu_stats, i, 1);
-}
+PROBE_STATS(gpu_stats, STATS)
 
 static __always_inline struct task_struct *leader(void)
 {

@@ -83,17 +83,7 @@ CGROUP_DRAIN(sched_hist, struct sched_cgroup)
 CGROUP_BATCH(sched_hist, struct sched_cgroup, 512)
 
 /* Counters userspace exports as self-metrics, indexed by sched.h's STAT_*. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, STATS);
-	__type(key, __u32);
-	__type(value, __u64);
-} sched_stats SEC(".maps");
-
-static __always_inline void bump_stat(__u32 i)
-{
-	slot_add(&sched_stats, i, 1);
-}
+PROBE_STATS(sched_stats, STATS)
 
 static __always_inline void stamp(struct task_struct *p)
 {
@@ -127,12 +117,12 @@ static __always_inline void record(struct task_struct *next, __u64 delta)
 	struct sched_cgroup *c;
 
 	if ((__s64)delta < 0) {
-		bump_stat(STAT_NEGATIVE_DELTA);
+		bump(STAT_NEGATIVE_DELTA);
 		return;
 	}
 	c = sched_hist_get(cg, true);
 	if (!c) {
-		bump_stat(STAT_NO_STORAGE);
+		bump(STAT_NO_STORAGE);
 		return;
 	}
 	hist_record(&c->hist, delta);
@@ -164,7 +154,7 @@ int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_s
 				return 0;
 			ending = rq->clock - queued;
 			if ((__s64)ending < 0) {
-				bump_stat(STAT_NEGATIVE_DELTA);
+				bump(STAT_NEGATIVE_DELTA);
 				ending = 0;
 			}
 		}
@@ -174,7 +164,7 @@ int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_s
 			seen = bpf_task_storage_get(&delay_seen, next, 0,
 						    BPF_LOCAL_STORAGE_GET_F_CREATE);
 			if (!seen) {
-				bump_stat(STAT_NO_STORAGE);
+				bump(STAT_NO_STORAGE);
 				return 0;
 			}
 			*seen = next->start_time >= started_ns ? 0 : run_delay;
@@ -183,7 +173,7 @@ int BPF_PROG(sched_switch, bool preempt, struct task_struct *prev, struct task_s
 		 * switch-in (a queued task moved to another CPU) */
 		delta = run_delay - *seen;
 		if ((__s64)delta < 0) {
-			bump_stat(STAT_NEGATIVE_DELTA);
+			bump(STAT_NEGATIVE_DELTA);
 			delta = 0;
 		}
 		*seen = run_delay + ending;
