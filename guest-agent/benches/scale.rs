@@ -1,8 +1,8 @@
 //! Scale benchmark (not a test): the agent's own cost as the node fills with
 //! pods. Kubelet-shaped pods (a pod cgroup and a container cgroup each, in a
 //! private subtree of the cgroup2 root): 0, 110 and 250 pods whose container
-//! wakes every 20 ms, the same 250 at a 100 ms interval, then 1,000 pods idle
-//! after one wake-up each. For each, with every probe and without the GPU
+//! wakes every 20 ms, the same 250 at a 100 ms interval, 1,000 waking pods, then
+//! the same 1,000 idle (their tasks gone, their cgroups left). For each, with every probe and without the GPU
 //! probes: the agent (no Kubernetes API) started fresh, 3 s to settle, its CPU over a quiet window (schedstat
 //! of all its threads, no scrape meanwhile), then the tick time it reports,
 //! the time a /metrics request takes (median of 5) and its RSS. Needs root.
@@ -18,8 +18,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -80,13 +79,6 @@ impl Node {
         }
     }
 
-    fn add_idle(&mut self, n: usize) {
-        for _ in 0..n {
-            let ctr = self.add_pod();
-            let _ = Node::spawn(&ctr, "exec sleep 0.01").wait();
-        }
-    }
-
     /// The waking pods' tasks exit; their cgroups stay (idle).
     fn quiet(&mut self) {
         self.wakers.clear();
@@ -110,12 +102,9 @@ impl Drop for Node {
     }
 }
 
+/// The body of a 200 answer to `GET path`.
 fn get(addr: SocketAddr, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
+    gpufeed_testkit::http::get(addr, path).unwrap_or_else(|| panic!("GET {path} from {addr}"))
 }
 
 /// The sample of `name` without labels.
@@ -263,12 +252,13 @@ fn main() {
         [("all", "all probes"), (NO_GPU, "no GPU probes")]
             .map(|(probes, label)| (probes, format!("{what}, {interval}, {label}")))
     };
-    let plan: [(&str, &str); 5] = [
+    let plan: [(&str, &str); 6] = [
         ("0 pods", "1s"),
         ("110 pods waking every 20 ms", "1s"),
         ("250 pods waking every 20 ms", "1s"),
         ("250 pods waking every 20 ms", "100ms"),
-        ("1,000 pods idle after one wake-up", "1s"),
+        ("1,000 pods waking every 20 ms", "1s"),
+        ("1,000 pods idle after waking", "1s"),
     ];
     // the last step whose rows are wanted: the node is filled up to it only
     let last = plan
@@ -279,10 +269,8 @@ fn main() {
         match step {
             1 => node.add_waking(110),
             2 => node.add_waking(140),
-            4 => {
-                node.quiet();
-                node.add_idle(750);
-            }
+            4 => node.add_waking(750),
+            5 => node.quiet(),
             _ => {}
         }
         for (probes, name) in names(what, interval) {
