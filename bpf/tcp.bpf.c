@@ -73,10 +73,10 @@ struct {
 struct sock_state {
 	__u32 dst_plus1;	  /* dst class index + 1 */
 	__u32 total_retrans_seen; /* tcp_sock.total_retrans already counted */
-	__u64 rtt_at;		  /* ktime ns of the socket's last RTT sample, 0 = none */
+	__u64 rtt_at;		  /* CLOCK_MONOTONIC ns of the socket's last RTT sample, 0 = none */
 	__u32 rtt_at_jiffies;	  /* jiffies (low 32 bits) at that sample */
 	__u32 busy_seen;	  /* the socket's busy time at that sample, jiffies */
-	__u64 seg_at;		  /* ktime ns of the socket's last segment, 0 = none */
+	__u64 seg_at;		  /* CLOCK_MONOTONIC ns of the socket's last segment, 0 = none */
 	__u64 srtt_area;	  /* srtt (us << 3) x time (ns >> 10) since the last sample */
 	__u32 area_time;	  /* the time that covers, ns >> 10 (~us) */
 	__u32 seg_srtt;		  /* srtt (us << 3) at the last segment */
@@ -269,7 +269,15 @@ int BPF_PROG(tcp_probe, struct sock *sk, const struct sk_buff *skb)
 	 * one. Most segments only integrate and stop here, before the owner's
 	 * storage is looked up. */
 	srtt = tp->srtt_us; /* microseconds << 3 */
-	now = bpf_ktime_get_ns();
+	/* The socket's own clock instead of a helper call per segment: tcp_mstamp
+	 * (CLOCK_MONOTONIC in us) is refreshed by every receive and transmit of the
+	 * socket, and tcp_rcv_established fires this tracepoint just before it
+	 * refreshes it, so it reads the socket's previous activity: each gap ends
+	 * one segment late, which moves no time between gaps, and a gap after an
+	 * idle spell still reads as idle (the next segment's gap spans it). */
+	now = tp->tcp_mstamp * 1000;
+	if (!now)
+		now = bpf_ktime_get_ns();
 	/* the srtt the previous segment found held until this one: integrated when
 	 * the gap is shorter than two srtt (<< 3 >> 2), else the socket was idle */
 	{
