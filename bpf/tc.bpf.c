@@ -252,6 +252,48 @@ int pod_deliver(struct __sk_buff *ctx)
 	return 1; /* allow: no verdict of ours */
 }
 
+/* netkit pods: netkit runs the programs attached to the primary device (the
+ * host side) in its own hooks, in the transmit routine of either device, with
+ * skb->dev already switched to the device that will receive the packet:
+ * BPF_NETKIT_PEER when the pod's side transmits (the pod's egress, before
+ * Cilium's program there, which may redirect it to the node device so that the
+ * primary never receives it) runs with skb->dev the primary: tc_host_ingress,
+ * keyed by the primary's ifindex as on a veth. BPF_NETKIT_PRIMARY when the
+ * primary transmits (towards the pod) runs with skb->dev the pod-side
+ * interface, in the pod's namespace, whose ifindex means nothing here (and may
+ * equal another host interface's): nk_primary finds the primary's ifindex in
+ * this map, which userspace fills when it attaches, by the pod side's
+ * ((netns inode) << 32 | ifindex), as pod_rx is keyed. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, __u32);
+} nk_primary_of SEC(".maps");
+
+SEC("tc")
+int nk_primary(struct __sk_buff *ctx)
+{
+	struct sk_buff *skb = bpf_cast_to_kern_ctx(ctx);
+	struct net_device *dev = skb->dev;
+	struct if_bytes *b;
+	__u32 *primary;
+	__u64 key;
+
+	if (!dev)
+		return TC_ACT_UNSPEC;
+	key = (__u64)dev->nd_net.net->ns.inum << 32 | (__u32)dev->ifindex;
+	primary = bpf_map_lookup_elem(&nk_primary_of, &key);
+	if (!primary)
+		return TC_ACT_UNSPEC;
+	b = bpf_map_lookup_elem(&if_bytes, primary);
+	if (b) {
+		b[1].bytes += ctx->len;
+		b[1].packets += 1;
+	}
+	return TC_ACT_UNSPEC; /* = NETKIT_NEXT: the next program's verdict, or netkit's policy */
+}
+
 SEC("tc")
 int tc_host_ingress(struct __sk_buff *skb)
 {

@@ -80,7 +80,11 @@ fn rust_consts(header: &str) -> String {
 
 fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR is set by cargo"));
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // at run time: a build script compiled for another checkout (a shared target dir) must
+    // still read this one's sources
+    let manifest = PathBuf::from(
+        std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR is set by cargo"),
+    );
     let bpf_dir = manifest.join("../bpf");
     let test_dir = manifest.join("tests/bpf");
     // a directory: cargo reruns when any file in it changes, is added or removed

@@ -1,8 +1,10 @@
 //! Which network interface belongs to which pod.
 //!
 //! A pod's processes live in its network namespace; CNIs join it to the node
-//! with a veth pair. From the node's namespace, rtnetlink says for each veth
-//! which namespace (by id) its peer is in and the peer's ifindex, and lists
+//! with a veth pair, or a netkit pair (Cilium's `bpf.datapathMode: netkit`,
+//! kernel 6.7), whose primary device stays in the node's namespace. From the
+//! node's namespace, rtnetlink says for each veth and netkit primary which
+//! namespace (by id) its peer is in and the peer's ifindex, and lists
 //! that namespace's addresses by the same id (`IFA_TARGET_NETNSID`): the
 //! peer's address is the pod's IP, which the pod store maps to the pod. No
 //! namespace is entered and no process is looked at, so the agent needs
@@ -39,6 +41,8 @@ pub struct PodIface {
     /// unknown (not pinned where the agent can see it)
     pub pod_netns: u32,
     pub pod_ifindex: u32,
+    /// a netkit pair (the host side is netkit's primary device), not a veth
+    pub netkit: bool,
 }
 
 /// Inode of a process's network namespace.
@@ -112,8 +116,8 @@ impl NodeDevices {
 pub struct Discovery {
     /// node devices to count per socket owner (ifindex, name)
     pub node_devices: Vec<(u32, String)>,
-    /// every veth in the node's namespace (a pod interface stays counted until
-    /// its veth is gone, even if one look missed its pod)
+    /// every veth and netkit device in the node's namespace (a pod interface stays
+    /// counted until its device is gone, even if one look missed its pod)
     pub host_veths: HashSet<u32>,
     pub pods: Vec<PodIface>,
 }
@@ -146,7 +150,7 @@ fn namespaces_of_processes(pods: &HashMap<String, Vec<i32>>) -> HashMap<i32, (St
     out
 }
 
-/// Maps pods to their veths: the pod whose IP (`pod_of_ip`) is on a veth's peer, else
+/// Maps pods to their veths and netkit primaries: the pod whose IP (`pod_of_ip`) is on a veth's peer, else
 /// anywhere in the peer's namespace. A veth that no pod IP explains (no Kubernetes API, or a
 /// pod whose IP is not reported yet) is looked up through the pods' processes (`pod_pids`,
 /// from their cgroups) where they are readable. Pods in the node's own namespace
@@ -169,7 +173,10 @@ pub fn discover(
     let mut addresses: HashMap<i32, Vec<(u32, IpAddr)>> = HashMap::new();
     let mut inodes: Option<HashMap<i32, u32>> = None;
     let mut by_process: Option<HashMap<i32, (String, u32)>> = None;
-    for l in links.into_iter().filter(|l| l.kind == "veth") {
+    for l in links
+        .into_iter()
+        .filter(|l| l.kind == "veth" || l.kind == "netkit")
+    {
         d.host_veths.insert(l.ifindex);
         let (Some(nsid), Some(peer)) = (l.peer_netnsid, l.peer_ifindex) else {
             continue;
@@ -202,6 +209,7 @@ pub fn discover(
             host_ifindex: l.ifindex,
             pod_netns: inodes.get(&nsid).copied().unwrap_or(pod_netns),
             pod_ifindex: peer,
+            netkit: l.kind == "netkit",
         });
     }
     Ok(d)

@@ -73,6 +73,8 @@ fn fq_on(d: &Link, qdiscs: &[Qdisc]) -> Result<String, String> {
 pub struct TcSeen {
     /// pod interfaces counted (`gpufeed_tc_interfaces`)
     pub interfaces: u64,
+    /// of which netkit pairs (`gpufeed_tc_netkit_interfaces`)
+    pub netkit: u64,
     /// of which ingress reached the pod's sockets around the host side
     /// (`gpufeed_tc_peer_redirect_interfaces`)
     pub peer_redirect: u64,
@@ -94,6 +96,7 @@ pub fn tc_seen(store: &crate::collect::Store) -> Option<TcSeen> {
     };
     Some(TcSeen {
         interfaces: series("gpufeed_tc_interfaces")?,
+        netkit: series("gpufeed_tc_netkit_interfaces").unwrap_or(0),
         peer_redirect: series("gpufeed_tc_peer_redirect_interfaces").unwrap_or(0),
         socket_delivery: series("gpufeed_tc_socket_delivery_counted").unwrap_or(0) == 1,
     })
@@ -114,8 +117,8 @@ pub fn datapath_now(netns: Option<&Path>, devices: &NodeDevices, tc: Option<TcSe
 /// `datapath`: which datapath the pods' traffic takes on this node and where the tc probe
 /// counts each direction: pod interfaces by kind (a veth or netkit device here whose peer is
 /// in another namespace), `bpf_redirect_peer` seen by the running agent (`tc`), and EDT/fq on
-/// which node devices. Fails where a pod's bytes are not counted: netkit pods, or socket
-/// delivery off while the host side alone misses what a peer redirect delivers.
+/// which node devices. Fails where a pod's bytes are not counted: socket delivery off while
+/// the host side alone misses what a peer redirect delivers.
 pub fn datapath(
     links: &[Link],
     qdiscs: &[Qdisc],
@@ -134,13 +137,22 @@ pub fn datapath(
         "veth: {veth} into other namespaces{} (egress counted at the host side's tc ingress; \
          ingress at the host side's tc egress and at socket delivery, the larger per interval)",
         match tc {
-            Some(t) => format!(", {} of them pods' and counted", t.interfaces),
+            Some(t) => format!(
+                ", {} of them pods' and counted",
+                t.interfaces.saturating_sub(t.netkit)
+            ),
             None => String::new(),
         }
     )];
     if netkit > 0 {
         parts.push(format!(
-            "netkit: {netkit} into other namespaces, not counted"
+            "netkit: {netkit} into other namespaces{} (egress counted in netkit's peer hook on \
+             the primary, before the CNI's program; ingress in its primary hook and at socket \
+             delivery, the larger per interval)",
+            match tc {
+                Some(t) => format!(", {} of them pods' and counted", t.netkit),
+                None => String::new(),
+            }
         ));
     }
     parts.push(match tc {
@@ -169,14 +181,6 @@ pub fn datapath(
         format!("EDT/fq: on {}", fq.join(", "))
     });
     let detail = parts.join("; ");
-    if netkit > 0 {
-        return Finding::fail(
-            CHECK,
-            detail,
-            "netkit pods (Cilium's bpf.datapathMode: netkit) have no bytes yet: use \
-             bpf.datapathMode: veth on this node for per-pod bytes",
-        );
-    }
     if tc.is_some_and(|t| !t.socket_delivery) {
         return Finding::fail(
             CHECK,
@@ -358,6 +362,7 @@ mod tests {
         let qdiscs = [root(2, "fq")];
         let seen = TcSeen {
             interfaces: 2,
+            netkit: 0,
             peer_redirect: 2,
             socket_delivery: true,
         };
@@ -389,14 +394,27 @@ mod tests {
             f.detail
         );
 
-        // netkit pods are named, and not counted
+        // netkit pods are named with where they are counted
         let mut with_netkit = links.to_vec();
         with_netkit.push(link(10, "nk1", "netkit", Some(5)));
-        let f = datapath(&with_netkit, &qdiscs, &NodeDevices::Auto, None);
-        assert_eq!(f.status, Status::Fail);
+        let nk = TcSeen {
+            interfaces: 3,
+            netkit: 1,
+            ..seen
+        };
+        let f = datapath(&with_netkit, &qdiscs, &NodeDevices::Auto, Some(nk));
+        assert_eq!(f.status, Status::Pass, "{f:?}");
+        assert!(
+            f.detail.contains(
+                "netkit: 1 into other namespaces, 1 of them pods' and counted (egress counted \
+                 in netkit's peer hook"
+            ),
+            "{}",
+            f.detail
+        );
         assert!(
             f.detail
-                .contains("netkit: 1 into other namespaces, not counted"),
+                .contains("veth: 2 into other namespaces, 2 of them"),
             "{}",
             f.detail
         );

@@ -125,6 +125,7 @@ mod tests {
             host_ifindex: 7,
             pod_netns: 4026532000,
             pod_ifindex: 2,
+            netkit: false,
         }
     }
 

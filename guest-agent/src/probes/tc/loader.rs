@@ -78,6 +78,8 @@ pub struct DropKey {
 enum Attachment {
     Tcx(Vec<OwnedFd>),
     Clsact(Vec<ClsactHook>),
+    /// netkit links on the primary, and the pod side's key in `nk_primary_of`
+    Netkit(Vec<OwnedFd>, [u8; 8]),
 }
 
 /// The longest program name the kernel keeps (BPF_OBJ_NAME_LEN less the NUL).
@@ -142,6 +144,10 @@ pub struct TcProbe {
     programs: Vec<String>,
     ingress_prog: OwnedFd,
     egress_prog: OwnedFd,
+    /// netkit's primary hook (the pod's ingress), keyed through `nk_primary_of`; None on
+    /// a kernel without bpf_cast_to_kern_ctx (6.3), which has no netkit (6.7) either
+    netkit_primary_prog: Option<OwnedFd>,
+    nk_primary_of: MapHandle,
     /// [ingress, egress] for node devices; None on a kernel without bpf_rdonly_cast
     node_progs: Option<[OwnedFd; 2]>,
     if_bytes: MapHandle,
@@ -229,6 +235,7 @@ impl TcProbe {
         set_max_entries(OBJ, &mut open.maps.if_bytes, IF_BYTES_ENTRIES)?;
         set_max_entries(OBJ, &mut open.maps.cg_bytes, CG_BYTES_ENTRIES)?;
         set_max_entries(OBJ, &mut open.maps.pod_rx, IF_BYTES_ENTRIES)?;
+        set_max_entries(OBJ, &mut open.maps.nk_primary_of, IF_BYTES_ENTRIES)?;
         set_max_entries(OBJ, &mut open.maps.drops, DROPS_ENTRIES)?;
         // exactly the reasons this kernel has (at least one slot)
         set_max_entries(OBJ, &mut open.maps.tc_reasons, reasons.len().max(1) as u32)?;
@@ -240,6 +247,7 @@ impl TcProbe {
         // pod ingress at socket delivery needs the skb behind the context (6.3)
         let delivery = btf.has_kfunc("bpf_cast_to_kern_ctx");
         open.progs.pod_deliver.set_autoload(delivery);
+        open.progs.nk_primary.set_autoload(delivery);
         if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
             ro.read_addrs = read_addrs;
             ro.core_reason_max = core_reason_max(btf).unwrap_or(0);
@@ -346,6 +354,12 @@ impl TcProbe {
             programs,
             ingress_prog: dup(&skel.progs.tc_host_ingress)?,
             egress_prog: dup(&skel.progs.tc_host_egress)?,
+            netkit_primary_prog: if delivery {
+                Some(dup(&skel.progs.nk_primary)?)
+            } else {
+                None
+            },
+            nk_primary_of: handle(OBJ, &skel.maps.nk_primary_of)?,
             node_progs: if node_devices {
                 Some([
                     dup(&skel.progs.tc_node_ingress)?,
@@ -457,6 +471,64 @@ impl TcProbe {
         self.attach_progs(ifindex, progs)
     }
 
+    /// Starts counting a netkit pod: `primary` is the host-side device, the pod side is
+    /// `pod_ifindex` in the namespace of inode `netns`. Our programs go first in netkit's
+    /// own hooks on the primary (`BPF_F_BEFORE`): the peer hook sees everything the pod
+    /// sends, also what the pod's program (Cilium's `from-container`) then redirects
+    /// straight to a node device, and the primary hook everything the host side hands
+    /// to the pod. Both return NETKIT_NEXT: the programs after ours decide, as before.
+    /// netkit runs them with the receiving device as `skb->dev`: the primary hook's
+    /// packets name the pod side, which only the pod side's namespace tells apart from
+    /// the node's interfaces. Without it (no pin, no readable process) the pod is
+    /// refused, and tried again at the next look.
+    pub fn attach_netkit(&mut self, primary: u32, netns: u32, pod_ifindex: u32) -> io::Result<()> {
+        if self.attached.contains_key(&primary) {
+            return Ok(());
+        }
+        let Some(primary_prog) = &self.netkit_primary_prog else {
+            return Err(io::Error::other(
+                "this kernel has no bpf_cast_to_kern_ctx (6.3): netkit pods are not counted",
+            ));
+        };
+        if netns == 0 {
+            return Err(io::Error::other(
+                "the netkit pod's namespace is not known yet (no pin in /run/netns, no \
+                 readable process): its ingress cannot be keyed",
+            ));
+        }
+        let key = pod_side_key(netns, pod_ifindex);
+        let progs = [self.ingress_prog.try_clone()?, primary_prog.try_clone()?];
+        let mut links = Vec::new();
+        for (fd, ty) in [
+            (&progs[0], libbpf_sys::BPF_NETKIT_PEER),
+            (&progs[1], libbpf_sys::BPF_NETKIT_PRIMARY),
+        ] {
+            // links made so far close (detach) when this returns early
+            links.push(
+                link_before(fd, primary, ty).map_err(|e| match e.raw_os_error() {
+                    Some(libc::EACCES) => io::Error::new(
+                        e.kind(),
+                        "not the primary of its netkit pair (the primary is in the pod's \
+                         namespace; netkit's hooks attach there only)",
+                    ),
+                    Some(libc::ENODEV) => io::Error::new(e.kind(), "the device is gone"),
+                    _ => e,
+                })?,
+            );
+        }
+        insert_zeroed(
+            &self.if_bytes,
+            &primary.to_ne_bytes(),
+            std::mem::size_of::<[skel::types::if_bytes; 2]>(),
+        )?;
+        self.nk_primary_of
+            .update(&key, &primary.to_ne_bytes(), MapFlags::ANY)
+            .map_err(io::Error::other)?;
+        self.attached
+            .insert(primary, Attachment::Netkit(links, key));
+        Ok(())
+    }
+
     /// Counts a node device (a physical NIC) per socket-owner cgroup, for
     /// hostNetwork pods.
     pub fn attach_node(&mut self, ifindex: u32) -> io::Result<()> {
@@ -499,19 +571,7 @@ impl TcProbe {
                     (ingress_prog, libbpf_sys::BPF_TCX_INGRESS),
                     (egress_prog, libbpf_sys::BPF_TCX_EGRESS),
                 ] {
-                    // SAFETY: zeroed is a valid bpf_link_create_opts; sz tells libbpf its size.
-                    let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
-                    opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
-                    opts.flags = libbpf_sys::BPF_F_BEFORE;
-                    // SAFETY: plain syscall wrapper; fds are valid for the call.
-                    let r = unsafe {
-                        libbpf_sys::bpf_link_create(fd.as_raw_fd(), ifindex as i32, ty, &opts)
-                    };
-                    if r < 0 {
-                        return Err(io::Error::from_raw_os_error(-r));
-                    }
-                    // SAFETY: r is a new link fd we own.
-                    links.push(unsafe { OwnedFd::from_raw_fd(r) });
+                    links.push(link_before(fd, ifindex, ty)?);
                 }
                 Attachment::Tcx(links)
             }
@@ -524,6 +584,9 @@ impl TcProbe {
     pub fn detach(&mut self, ifindex: u32) {
         match self.attached.remove(&ifindex) {
             Some(Attachment::Tcx(_links)) => {} // closing the link fds detaches
+            Some(Attachment::Netkit(_links, key)) => {
+                let _ = self.nk_primary_of.delete(&key);
+            }
             Some(Attachment::Clsact(mut hooks)) => {
                 for h in &mut hooks {
                     let _ = h.0.detach(); // fails harmlessly if the interface is gone
@@ -605,6 +668,25 @@ impl Drop for TcProbe {
             self.detach(i);
         }
     }
+}
+
+/// A tcx or netkit link of `prog` on `ifindex`, placed before the programs there.
+fn link_before(
+    prog: &OwnedFd,
+    ifindex: u32,
+    ty: libbpf_sys::bpf_attach_type,
+) -> io::Result<OwnedFd> {
+    // SAFETY: zeroed is a valid bpf_link_create_opts; sz tells libbpf its size.
+    let mut opts: libbpf_sys::bpf_link_create_opts = unsafe { std::mem::zeroed() };
+    opts.sz = std::mem::size_of::<libbpf_sys::bpf_link_create_opts>() as _;
+    opts.flags = libbpf_sys::BPF_F_BEFORE;
+    // SAFETY: plain syscall wrapper; fds are valid for the call.
+    let r = unsafe { libbpf_sys::bpf_link_create(prog.as_raw_fd(), ifindex as i32, ty, &opts) };
+    if r < 0 {
+        return Err(io::Error::from_raw_os_error(-r));
+    }
+    // SAFETY: r is a new link fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(r) })
 }
 
 /// Puts a zeroed per-CPU value of `size` bytes at `key` of `map`, unless one is there (the

@@ -230,9 +230,16 @@ impl TcUnit {
                 }
                 continue;
             }
-            match self.probe.attach(*i) {
+            let attached = if pi.netkit {
+                self.probe
+                    .attach_netkit(*i, pi.pod_netns, pi.pod_ifindex)
+                    .map_err(|e| std::io::Error::new(e.kind(), format!("netkit: {e}")))
+            } else {
+                self.probe.attach(*i)
+            };
+            match attached {
                 Ok(()) => {
-                    tracing::debug!(ifindex = i, pod = %pi.uid, "counting pod interface");
+                    tracing::debug!(ifindex = i, pod = %pi.uid, netkit = pi.netkit, "counting pod interface");
                     if pi.pod_netns != 0 {
                         if let Err(e) = self.probe.watch_pod_side(pi.pod_netns, pi.pod_ifindex) {
                             self.refusals += 1;
@@ -507,6 +514,11 @@ impl Probe for TcUnit {
                     "gpufeed_tc_interfaces",
                     "Pod interfaces the tc programs are attached to",
                     self.by_host.len() as f64,
+                ),
+                SelfSeries::gauge(
+                    "gpufeed_tc_netkit_interfaces",
+                    "Of the pod interfaces counted, netkit pairs (counted in netkit's own hooks on the primary device)",
+                    self.by_host.values().filter(|p| p.netkit).count() as f64,
                 ),
                 SelfSeries::gauge(
                     "gpufeed_tc_peer_redirect_interfaces",
