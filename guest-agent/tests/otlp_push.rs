@@ -10,80 +10,14 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::otlp_receiver::{bracket, compare, key, OtlpReceiver};
 use common::*;
-
-/// A series: its name and its labels with a value (Prometheus drops empty labels).
-type Key = (String, BTreeMap<String, String>);
-
-fn scrape_map(agent: &Agent) -> BTreeMap<Key, f64> {
-    agent
-        .scrape()
-        .into_iter()
-        .map(|s| {
-            let labels = s
-                .labels
-                .into_iter()
-                .filter(|(_, v)| !v.is_empty())
-                .collect();
-            ((s.name, labels), s.value)
-        })
-        .collect()
-}
-
-/// The labels a receiver adds from the OTLP resource and scope.
-const RESOURCE_LABELS: &[&str] = &[
-    "service_name",
-    "service_instance_id",
-    "k8s_node_name",
-    "host_name",
-    "scope_name",
-    "scope_version",
-];
-
-/// Every series the receiver holds now (its latest value), keyed without the resource's labels;
-/// and the resource labels each series carried.
-type Stored = (BTreeMap<Key, f64>, Vec<BTreeMap<String, String>>);
-
-fn stored(rx: &Prometheus) -> Stored {
-    let mut out = BTreeMap::new();
-    let mut resources = Vec::new();
-    for r in rx.query("{__name__=~\".+\"}").expect("query the receiver") {
-        let mut labels: BTreeMap<String, String> = r["metric"]
-            .as_object()
-            .unwrap()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
-            .collect();
-        let name = labels.remove("__name__").unwrap();
-        let resource: BTreeMap<String, String> = labels
-            .iter()
-            .filter(|(k, _)| RESOURCE_LABELS.contains(&k.as_str()))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        labels.retain(|k, _| !RESOURCE_LABELS.contains(&k.as_str()));
-        let v: f64 = r["value"][1].as_str().unwrap().parse().unwrap();
-        out.insert((name, labels), v);
-        resources.push(resource);
-    }
-    (out, resources)
-}
-
-fn key(name: &str, labels: &[(&str, &str)]) -> Key {
-    (
-        name.to_string(),
-        labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-    )
-}
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -95,7 +29,7 @@ fn hostname() -> String {
 #[test]
 fn pushed_values_equal_the_scrape_at_the_same_moment() {
     let Some(_lock) = require_root() else { return };
-    let Some(rx) = Prometheus::otlp_receiver() else {
+    let Some(rx) = OtlpReceiver::start() else {
         return;
     };
     let node = format!("otlp-node-{}", uniq());
@@ -108,7 +42,7 @@ fn pushed_values_equal_the_scrape_at_the_same_moment() {
             "--node-name",
             &node,
             "--otlp-endpoint",
-            &rx.otlp_url(),
+            &rx.url(),
             "--otlp-interval",
             "1s",
             "--otlp-header",
@@ -118,29 +52,10 @@ fn pushed_values_equal_the_scrape_at_the_same_moment() {
     let ok = key("gpufeed_otlp_exports_total", &[("result", "ok")]);
     // the scrape's own duration is measured anew by each rendering (a scrape's or an export's)
     let own_duration = key("gpufeed_scrape_duration_seconds", &[]);
-    let mut last_failure = String::new();
+    let scrape = || agent.try_get("/metrics").expect("/metrics");
+    let mut last = String::new();
     for attempt in 0..5 {
-        let before = scrape_map(&agent);
-        let n = before[&ok];
-        // an export rendered after `before` was read: its own count of good exports is higher
-        let Some((held, resources)) = wait_for(Duration::from_secs(20), || {
-            let s = stored(&rx);
-            (s.0.get(&ok).copied().unwrap_or(0.0) > n).then_some(s)
-        }) else {
-            panic!("no export after the first read reached the receiver");
-        };
-        let after = scrape_map(&agent);
-        assert!(
-            held[&ok] <= after[&ok],
-            "the export the receiver holds was rendered before the second read"
-        );
-        // every series under the same name and labels, no more, no fewer
-        let scraped: Vec<&Key> = before.keys().collect();
-        let pushed: Vec<&Key> = held.keys().collect();
-        assert_eq!(
-            pushed, scraped,
-            "the receiver's series are not /metrics' series"
-        );
+        let (before, held, resources, after) = bracket(&rx, &scrape, &ok);
         // the resource: what the agent says it is
         for r in &resources {
             assert_eq!(r.get("k8s_node_name"), Some(&node), "{r:?}");
@@ -151,50 +66,29 @@ fn pushed_values_equal_the_scrape_at_the_same_moment() {
             );
             assert_eq!(r.get("host_name"), Some(&hostname()), "{r:?}");
         }
-        let moved: Vec<&Key> = before
-            .keys()
-            .filter(|k| before[*k] != after[*k] && **k != ok && **k != own_duration)
-            .collect();
-        if !moved.is_empty() {
-            last_failure = format!("series moved between the two reads: {moved:?}");
-            eprintln!("attempt {attempt}: {last_failure}; again");
-            continue;
-        }
-        let mut compared = 0;
-        let mut buckets = 0;
-        let mut unequal = Vec::new();
-        for (k, v) in &before {
-            if *k == ok || *k == own_duration {
-                continue;
+        match compare(&before, &held, &after, &[&ok, &own_duration]) {
+            Ok(c) => {
+                assert!(
+                    c.buckets >= 20
+                        && before
+                            .keys()
+                            .any(|k| k.0 == "ebpf_sched_latency_microseconds_sum"),
+                    "the probe's histogram is not among the series compared ({} buckets)",
+                    c.buckets
+                );
+                eprintln!(
+                    "{} series equal to /metrics ({} histogram buckets), {} exports ok so far",
+                    c.series, c.buckets, held[&ok]
+                );
+                return;
             }
-            compared += 1;
-            if k.0.ends_with("_bucket") {
-                buckets += 1;
-            }
-            let got = held[k];
-            if got != *v && !(got.is_nan() && v.is_nan()) {
-                unequal.push(format!("{k:?}: /metrics {v}, receiver {got}"));
+            Err(e) => {
+                eprintln!("attempt {attempt}: {e}; again");
+                last = e;
             }
         }
-        assert!(
-            unequal.is_empty(),
-            "values differ from /metrics:\n{}",
-            unequal.join("\n")
-        );
-        assert!(
-            buckets >= 20
-                && before
-                    .keys()
-                    .any(|k| k.0 == "ebpf_sched_latency_microseconds_sum"),
-            "the probe's histogram is not among the series compared ({buckets} buckets)"
-        );
-        eprintln!(
-            "{compared} series equal to /metrics ({buckets} histogram buckets), {} exports ok so far",
-            held[&ok]
-        );
-        return;
     }
-    panic!("{last_failure}");
+    panic!("{last}");
 }
 
 /// What the stand-in receiver does with each connection.

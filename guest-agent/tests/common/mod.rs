@@ -11,6 +11,7 @@ pub mod fake_kube;
 pub mod gpu;
 pub mod host_agent;
 pub mod logs;
+pub mod otlp_receiver;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
@@ -844,48 +845,6 @@ impl Prometheus {
         self.addr
     }
 
-    /// A real OTLP metrics receiver that answers PromQL as Prometheus does: VictoriaMetrics
-    /// from Debian's unstable suite (Debian builds its Prometheus packages without the OTLP
-    /// endpoint), fetched by `scripts/otlp-receiver.sh`. It takes OTLP over HTTP (protobuf) at
-    /// [`Prometheus::otlp_url`] and translates names and labels as Prometheus does
-    /// (`-opentelemetry.usePrometheusNaming`); it stores what it gets at once
-    /// (`-search.latencyOffset=0s`). `None` (a SKIP line) when it cannot be had, and a panic
-    /// with `CI=true`.
-    pub fn otlp_receiver() -> Option<Prometheus> {
-        let bin = otlp_receiver_bin()?;
-        let dir = tempfile::tempdir().unwrap();
-        let addr: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let child = Command::new(&bin)
-            .arg(format!("-httpListenAddr={addr}"))
-            .arg(format!(
-                "-storageDataPath={}",
-                dir.path().join("data").display()
-            ))
-            .args([
-                "-search.latencyOffset=0s",
-                "-search.disableCache",
-                "-opentelemetry.usePrometheusNaming",
-                "-loggerLevel=ERROR",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
-        let p = Prometheus {
-            _proc: Proc(child),
-            addr,
-            _dir: dir,
-        };
-        wait_for(Duration::from_secs(30), || http_get(p.addr, "/health"))
-            .expect("the OTLP receiver is ready");
-        Some(p)
-    }
-
-    /// Where an OTLP receiver takes metrics (OTLP/HTTP, protobuf).
-    pub fn otlp_url(&self) -> String {
-        format!("http://{}/opentelemetry/v1/metrics", self.addr)
-    }
-
     /// Started with the configuration `configure` returns and `extra` flags; ready.
     fn spawn(configure: impl FnOnce(&Path) -> String, extra: &[&str]) -> Prometheus {
         let dir = tempfile::tempdir().unwrap();
@@ -940,33 +899,6 @@ impl Prometheus {
         }
         Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
     }
-}
-
-/// The OTLP receiver's binary, fetched by `scripts/otlp-receiver.sh` on first use (setup.sh
-/// runs it too). `None` with a SKIP line when it cannot be had; with `CI=true` a panic.
-pub fn otlp_receiver_bin() -> Option<PathBuf> {
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let script = repo.join("scripts/otlp-receiver.sh");
-    let why = match Command::new(&script).stderr(Stdio::piped()).output() {
-        Ok(o) if o.status.success() => {
-            let bin = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
-            if bin.is_file() {
-                return Some(bin);
-            }
-            format!("{} printed no binary", script.display())
-        }
-        Ok(o) => format!(
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Err(e) => format!("{}: {e}", script.display()),
-    };
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("CI=true and no OTLP receiver: {why}");
-    }
-    eprintln!("SKIP: no OTLP receiver: {why}");
-    None
 }
 
 /// GET returning the body whatever the status (Prometheus reports query errors with 400).
