@@ -637,7 +637,10 @@ impl OtlpMetrics {
 /// The text the agent's `/metrics` serves, rendered anew at each call.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
-/// One export: render, convert, POST, classify. `Err` carries what to log.
+/// At most this much of a receiver's answer is read (it goes into the log line).
+const ANSWER_KEPT: usize = 512;
+
+/// One export: render, convert, POST, classify; with what to log when it failed.
 async fn export_once(
     client: &reqwest::Client,
     cfg: &OtlpConfig,
@@ -672,10 +675,17 @@ async fn export_once(
         req = req.header(k.as_str(), v.as_str());
     }
     let send = async {
-        let resp = req.send().await?;
+        let mut resp = req.send().await?;
         let status = resp.status();
-        // the answer's body is read (bounded by the timeout) so that the connection is reused
-        let body = resp.bytes().await.unwrap_or_default();
+        // the start of the answer, for the log; never more than ANSWER_KEPT bytes, whatever the
+        // receiver sends (the rest is dropped with the connection)
+        let mut body = Vec::new();
+        while body.len() < ANSWER_KEPT {
+            match resp.chunk().await {
+                Ok(Some(c)) => body.extend_from_slice(&c[..c.len().min(ANSWER_KEPT - body.len())]),
+                _ => break,
+            }
+        }
         Ok::<_, reqwest::Error>((status, body))
     };
     match tokio::time::timeout(cfg.timeout, send).await {
