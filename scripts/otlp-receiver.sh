@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Fetches a real OTLP metrics receiver for the OTLP push tests: VictoriaMetrics from Debian's
-# unstable suite (`victoria-metrics`, 1.145 today), whose `/opentelemetry/v1/metrics` takes OTLP
-# over HTTP (protobuf) and whose `/api/v1/query` answers PromQL as Prometheus does. Debian's
-# Prometheus cannot be the receiver: its packages (2.42 in bookworm, 2.53 in trixie, 3.5 in
-# unstable) are all built with the OTLP endpoint disabled.
+# Fetches a real OTLP metrics receiver for the OTLP push tests: VictoriaMetrics from Debian 13
+# (trixie's `victoria-metrics`, 1.112), whose `/opentelemetry/v1/metrics` takes OTLP over HTTP
+# (protobuf) and whose `/api/v1/query` answers PromQL as Prometheus does (bookworm's 1.79 has no
+# OTLP). Debian's Prometheus cannot be the receiver: its packages (2.42 in bookworm, 2.53 in
+# trixie, 3.5 in unstable) are all built with the OTLP endpoint disabled.
 #
 # A scratch apt of our own (its sources, lists, status and archives under DIR; the machine's
 # apt configuration untouched, as the VM lab does) downloads the .deb, and the one binary is
@@ -18,7 +18,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 dir=${1:-$repo/target/tmp/otlp-receiver}
-suite=unstable
+suite=trixie
 package=victoria-metrics
 bin="$dir/bin/victoria-metrics"
 

@@ -1,5 +1,5 @@
 //! A real OTLP metrics receiver for both agents' tests (the host agent's tests include this
-//! file by its path): VictoriaMetrics from Debian's unstable suite, fetched by
+//! file by its path): VictoriaMetrics 1.112 from Debian 13 (trixie), fetched by
 //! `scripts/otlp-receiver.sh` on first use (`setup.sh` runs it too). Debian builds its
 //! Prometheus packages without the OTLP endpoint; VictoriaMetrics takes OTLP over HTTP
 //! (protobuf) at `/opentelemetry/v1/metrics`, translates names and labels as Prometheus does
