@@ -77,3 +77,8 @@ mountpoint -q /sys/kernel/tracing 2>/dev/null || mount -t tracefs nodev /sys/ker
 # (helm-python-sdk), Kubernetes' schemas and the CRDs' (the tests never use a kubectl or helm
 # from the PATH). The tests call it too: nothing is fetched when the pins are installed.
 "$(dirname "$0")/schema-tools.sh"
+
+# A real OTLP receiver for the OTLP push tests (VictoriaMetrics from Debian 13, trixie,
+# through a scratch apt: the machine's apt configuration is untouched), in
+# target/tmp/otlp-receiver. The tests call it too: nothing is fetched once it is there.
+"$(dirname "$0")/otlp-receiver.sh" >/dev/null

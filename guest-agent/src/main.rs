@@ -173,6 +173,9 @@ struct RunArgs {
     profile_url: Option<incident::ProfileTemplate>,
     #[command(flatten)]
     finops: finops::FinopsArgs,
+    /// OTLP metrics push (`--otlp-endpoint`, ...), beside /metrics.
+    #[command(flatten)]
+    otlp: gpufeed_shared::otlp::OtlpArgs,
 }
 
 fn parse_sensitivity(s: &str) -> Result<f64, String> {
@@ -260,10 +263,29 @@ fn node_name(arg: Option<String>) -> String {
     .unwrap_or_default()
 }
 
+/// The OTLP resource of this agent: `service.name` and `service.instance.id` (a Prometheus
+/// receiver's `job` and `instance`), `k8s.node.name` (the node whose pods it watches) and
+/// `host.name`.
+fn otlp_resource(node: &str) -> Vec<(String, String)> {
+    [
+        ("service.name", "gpufeed-guest".to_string()),
+        ("service.instance.id", node.to_string()),
+        ("k8s.node.name", node.to_string()),
+        ("host.name", gpufeed_shared::otlp::hostname()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
 fn run(args: RunArgs) -> anyhow::Result<()> {
     // The cost shares' denominators not configured come from NVML at each tick (finops::live):
     // no GPU capacity at start is no reason to refuse it.
     let finops_cfg = args.finops.settings().validate()?;
+    let otlp_cfg = args
+        .otlp
+        .config(otlp_resource(&node_name(args.node_name.clone())))
+        .map_err(anyhow::Error::msg)?;
     let selected = probes::select(&args.probes).context("--probes")?;
     let cgroup_root = match args.cgroup_root {
         Some(p) => p,
@@ -427,8 +449,15 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         let probes = exporter::health_router(healthy.clone())
             .merge(readiness::readyz_router(stream.clone(), healthy.clone(), probes_down.clone()));
         let routes = web::router(joined).merge(readiness::router(stream, healthy.clone(), findings, probes_down));
+        let exposition = exporter::Exposition::new(registry.clone(), agent_series);
+        if let Some(cfg) = otlp_cfg {
+            let metrics = gpufeed_shared::otlp::OtlpMetrics::new(&registry, "gpufeed")?;
+            let e = exposition.clone();
+            gpufeed_shared::otlp::spawn(cfg, Arc::new(move || e.render()), metrics, ("gpufeed-guest", env!("CARGO_PKG_VERSION")))
+                .map_err(anyhow::Error::msg)?;
+        }
         tokio::select! {
-            r = exporter::serve(listener, exporter::Exposition::new(registry, agent_series), healthy, routes) => r.context("metrics server"),
+            r = exporter::serve(listener, exposition, healthy, routes) => r.context("metrics server"),
             r = exporter::serve_health(health, probes) => r.context("probe server"),
             _ = shutdown_signal() => {
                 tracing::info!("shutting down");

@@ -51,6 +51,8 @@ pub struct Config {
     /// Host → guest event stream (`[stream]`, see [`crate::stream::StreamConfig`]); off when
     /// absent or without `[[stream.guests]]`.
     pub stream: Option<crate::stream::StreamConfig>,
+    /// OTLP metrics push (`[otlp]`, see [`crate::otlp::OtlpSection`]); off without an endpoint.
+    pub otlp: crate::otlp::OtlpSection,
     /// Keys of the file this version does not know (dotted paths), ignored; for a warning.
     #[serde(skip)]
     pub ignored_keys: Vec<String>,
@@ -73,6 +75,7 @@ impl Default for Config {
             vm: VmConfig::default(),
             host: HostConfig::default(),
             stream: None,
+            otlp: Default::default(),
             ignored_keys: Vec::new(),
         }
     }
@@ -141,6 +144,7 @@ impl Config {
         section(self.vm.validate())?;
         section(self.host.validate())?;
         section(self.discovery.validate())?;
+        section(self.otlp.validate())?;
         section(range(
             "event_capacity",
             self.event_capacity as u64,

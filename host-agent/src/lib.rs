@@ -19,6 +19,7 @@ pub mod heartbeat;
 pub mod kmsg;
 pub mod logging;
 pub mod metrics;
+pub mod otlp;
 pub mod portname;
 pub mod roots;
 pub mod rtnetlink;

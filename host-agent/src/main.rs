@@ -29,6 +29,9 @@ enum Cmd {
         /// Validate the configuration and exit.
         #[arg(long)]
         check_config: bool,
+        /// OTLP metrics push (`--otlp-endpoint`, ...; override `[otlp]` of the file).
+        #[command(flatten)]
+        otlp: gpufeed_shared::otlp::OtlpArgs,
     },
     /// Print events live for a person (or as JSON lines with --json).
     Watch {
@@ -130,17 +133,23 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         Cmd::Run {
             common,
             check_config,
+            otlp,
         } => {
             let cfg = common.load()?;
             if let Some(s) = &cfg.stream {
                 // What `run` refuses when it starts the stream, with the same message.
                 s.check(&cfg.host_id()).context(STREAM_START)?;
             }
+            let otlp = cfg
+                .otlp
+                .config(&otlp, &cfg.host_id())
+                .map_err(anyhow::Error::msg)
+                .context("OTLP metrics push")?;
             if check_config {
                 println!("{}: configuration OK", common.config.display());
                 return Ok(());
             }
-            run(cfg).await
+            run(cfg, otlp).await
         }
         Cmd::Doctor { common } => {
             let cfg = common.load()?;
@@ -182,7 +191,7 @@ fn stream_vms(agent: &Agent) -> Option<gpufeed_host::stream::Vms> {
     })
 }
 
-async fn run(cfg: Config) -> anyhow::Result<()> {
+async fn run(cfg: Config, otlp: Option<gpufeed_shared::otlp::OtlpConfig>) -> anyhow::Result<()> {
     let listener = gpufeed_shared::http::bind(cfg.metrics_listen)
         .with_context(|| format!("cannot listen on {} (metrics_listen)", cfg.metrics_listen))?;
     let agent = Arc::new(Agent::new(cfg));
@@ -202,6 +211,9 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     };
     let running = agent.start().await;
     spawn_doctor(&agent.cfg, &agent.metrics.registry)?;
+    if let Some(o) = otlp {
+        gpufeed_host::otlp::start(o, &agent.metrics).context("OTLP metrics push")?;
+    }
     tracing::info!(
         "gpufeed-host {} started: metrics on http://{}/metrics; watchers on: {}; off: {}",
         env!("CARGO_PKG_VERSION"),
