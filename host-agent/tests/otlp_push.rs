@@ -63,7 +63,7 @@ fn start(otlp: &str, flags: &[&str]) -> (Killed, String, std::path::PathBuf, Tre
             .unwrap(),
     );
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !http_get(&addr.to_string(), "/metrics")
+    while !http_get(addr, "/metrics")
         .is_some_and(|m| m.contains("gpufeed_host_pcie_link_width{"))
     {
         assert!(

@@ -12,6 +12,7 @@ pub mod certs;
 pub mod clock;
 pub mod doctor;
 pub mod event;
+pub mod exposition;
 pub mod hoststate;
 #[cfg(feature = "http")]
 pub mod http;

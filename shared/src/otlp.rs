@@ -1,7 +1,7 @@
 //! OTLP metrics push, beside the Prometheus endpoint, for both agents.
 //!
 //! The source is the very text the agent's `/metrics` serves: each export renders it, parses it
-//! ([`parse_text`]) and turns every family into an OTLP metric of the same name with the same
+//! ([`crate::exposition::parse_text`]) and turns every family into an OTLP metric of the same name with the same
 //! labels ([`to_request`]), so that what a receiver stores has the names and labels a scrape
 //! stores, by construction:
 //!
@@ -36,6 +36,8 @@ use opentelemetry_proto::tonic::metrics::v1::{
 };
 use opentelemetry_proto::tonic::resource::v1::Resource;
 use prometheus::{IntCounterVec, Opts, Registry};
+
+use crate::exposition::{parse_text, Family, Kind, Sample};
 
 /// Where and how to push.
 #[derive(Debug, Clone, PartialEq)]
@@ -192,190 +194,6 @@ pub fn default_timeout(interval: Duration) -> Duration {
 // ---------------------------------------------------------------------------------------------
 // The text exposition
 // ---------------------------------------------------------------------------------------------
-
-/// A metric type as `# TYPE` names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Counter,
-    Gauge,
-    Histogram,
-    Summary,
-    Untyped,
-}
-
-/// One sample line.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
-
-/// A metric family: its `# HELP`, `# TYPE` and the samples that follow.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Family {
-    pub name: String,
-    pub help: String,
-    pub kind: Kind,
-    pub samples: Vec<Sample>,
-}
-
-/// A line of the exposition that is not the text format.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("line {line}: {what}")]
-pub struct ParseError {
-    pub line: usize,
-    pub what: String,
-}
-
-/// Parses the Prometheus text exposition format (0.0.4) as the `prometheus` crate's encoder
-/// and the agents write it: `# HELP`/`# TYPE` then the family's samples; label values with
-/// `\\`, `\"` and `\n` escaped. A sample whose name does not belong to the family before it
-/// starts an untyped family of its own.
-pub fn parse_text(text: &str) -> Result<Vec<Family>, ParseError> {
-    let mut out: Vec<Family> = Vec::new();
-    let mut help: Option<(String, String)> = None;
-    for (i, line) in text.lines().enumerate() {
-        let err = |what: &str| ParseError {
-            line: i + 1,
-            what: what.to_string(),
-        };
-        let line = line.trim_end();
-        if line.is_empty() {
-            continue;
-        }
-        if let Some(rest) = line.strip_prefix('#') {
-            let rest = rest.trim_start();
-            if let Some(h) = rest.strip_prefix("HELP ") {
-                let (name, text) = h.split_once(' ').unwrap_or((h, ""));
-                help = Some((name.to_string(), unescape_help(text)));
-            } else if let Some(t) = rest.strip_prefix("TYPE ") {
-                let (name, kind) = t
-                    .split_once(' ')
-                    .ok_or_else(|| err("TYPE without a type"))?;
-                let kind = match kind.trim() {
-                    "counter" => Kind::Counter,
-                    "gauge" => Kind::Gauge,
-                    "histogram" => Kind::Histogram,
-                    "summary" => Kind::Summary,
-                    "untyped" | "unknown" => Kind::Untyped,
-                    other => return Err(err(&format!("unknown type {other:?}"))),
-                };
-                let help = match help.take() {
-                    Some((n, h)) if n == name => h,
-                    _ => String::new(),
-                };
-                out.push(Family {
-                    name: name.to_string(),
-                    help,
-                    kind,
-                    samples: Vec::new(),
-                });
-            }
-            continue;
-        }
-        let sample = parse_sample(line).map_err(|w| err(&w))?;
-        let belongs = out.last().is_some_and(|f| belongs_to(f, &sample.name));
-        if !belongs {
-            let help = match help.take() {
-                Some((n, h)) if n == sample.name => h,
-                _ => String::new(),
-            };
-            out.push(Family {
-                name: sample.name.clone(),
-                help,
-                kind: Kind::Untyped,
-                samples: Vec::new(),
-            });
-        }
-        out.last_mut().expect("a family").samples.push(sample);
-    }
-    Ok(out)
-}
-
-fn belongs_to(f: &Family, sample: &str) -> bool {
-    if sample == f.name {
-        return f.kind != Kind::Histogram;
-    }
-    let Some(suffix) = sample.strip_prefix(f.name.as_str()) else {
-        return false;
-    };
-    match f.kind {
-        Kind::Histogram => matches!(suffix, "_bucket" | "_sum" | "_count"),
-        Kind::Summary => matches!(suffix, "_sum" | "_count"),
-        _ => false,
-    }
-}
-
-fn unescape_help(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut it = s.chars();
-    while let Some(c) = it.next() {
-        if c == '\\' {
-            match it.next() {
-                Some('n') => out.push('\n'),
-                Some(o) => out.push(o),
-                None => out.push('\\'),
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-fn parse_sample(line: &str) -> Result<Sample, String> {
-    let name_end = line.find(['{', ' ']).ok_or("a sample without a value")?;
-    let name = &line[..name_end];
-    if name.is_empty() {
-        return Err("a sample without a name".into());
-    }
-    let mut labels = Vec::new();
-    let mut rest = &line[name_end..];
-    if let Some(body) = rest.strip_prefix('{') {
-        let mut s = body;
-        loop {
-            s = s.trim_start_matches([',', ' ']);
-            if let Some(r) = s.strip_prefix('}') {
-                rest = r;
-                break;
-            }
-            let (k, r) = s.split_once('=').ok_or("a label without '='")?;
-            let r = r.strip_prefix('"').ok_or("a label value without quotes")?;
-            let mut value = String::new();
-            let mut chars = r.char_indices();
-            let end = loop {
-                match chars.next() {
-                    Some((_, '\\')) => match chars.next() {
-                        Some((_, 'n')) => value.push('\n'),
-                        Some((_, c)) => value.push(c),
-                        None => return Err("an unterminated label value".into()),
-                    },
-                    Some((i, '"')) => break i,
-                    Some((_, c)) => value.push(c),
-                    None => return Err("an unterminated label value".into()),
-                }
-            };
-            labels.push((k.trim().to_string(), value));
-            s = &r[end + 1..];
-        }
-    }
-    let mut fields = rest.split_whitespace();
-    let v = fields.next().ok_or("a sample without a value")?;
-    let value = match v {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        "NaN" => f64::NAN,
-        v => v
-            .parse()
-            .map_err(|_| format!("value {v:?} is not a number"))?,
-    };
-    Ok(Sample {
-        name: name.to_string(),
-        labels,
-        value,
-    })
-}
 
 // ---------------------------------------------------------------------------------------------
 // The OTLP request
@@ -765,74 +583,7 @@ pub fn spawn(
 mod tests {
     use super::*;
 
-    const TEXT: &str = r#"# HELP a_total Things "done".\nSecond line
-# TYPE a_total counter
-a_total{x="1",y="q\"uo\\te\nnl"} 3
-a_total{x="2"} 4.5
-# HELP h_seconds A histogram
-# TYPE h_seconds histogram
-h_seconds_bucket{p="a",le="0.5"} 1
-h_seconds_bucket{p="a",le="1"} 3
-h_seconds_bucket{p="a",le="+Inf"} 4
-h_seconds_sum{p="a"} 2.25
-h_seconds_count{p="a"} 4
-h_seconds_bucket{p="b",le="0.5"} 0
-h_seconds_bucket{p="b",le="1"} 0
-h_seconds_bucket{p="b",le="+Inf"} 0
-h_seconds_sum{p="b"} 0
-h_seconds_count{p="b"} 0
-# HELP g A gauge
-# TYPE g gauge
-g NaN
-loose{a="b"} 7
-# TYPE s summary
-s{quantile="0.5"} 1
-s{quantile="0.9"} 2
-s_sum 10
-s_count 5
-"#;
-
-    #[test]
-    fn parses_the_text_format() {
-        let f = parse_text(TEXT).unwrap();
-        let names: Vec<_> = f.iter().map(|f| (f.name.as_str(), f.kind)).collect();
-        assert_eq!(
-            names,
-            [
-                ("a_total", Kind::Counter),
-                ("h_seconds", Kind::Histogram),
-                ("g", Kind::Gauge),
-                ("loose", Kind::Untyped),
-                ("s", Kind::Summary)
-            ]
-        );
-        assert_eq!(f[0].help, "Things \"done\".\nSecond line");
-        assert_eq!(
-            f[0].samples[0].labels,
-            [
-                ("x".to_string(), "1".to_string()),
-                ("y".to_string(), "q\"uo\\te\nnl".to_string())
-            ]
-        );
-        assert_eq!(f[0].samples[1].value, 4.5);
-        assert_eq!(f[1].samples.len(), 10);
-        assert!(f[2].samples[0].value.is_nan());
-        assert_eq!(f[3].samples[0].value, 7.0);
-    }
-
-    #[test]
-    fn bad_lines_are_errors_with_their_number() {
-        for bad in [
-            "a{x=\"1\" 2\n",
-            "a{x=1} 2\n",
-            "a{x=\"1\"} two\n",
-            "a\n",
-            "# TYPE a nonsense\n",
-        ] {
-            let e = parse_text(&format!("ok 1\n{bad}")).unwrap_err();
-            assert_eq!(e.line, 2, "{bad:?}: {e}");
-        }
-    }
+    use crate::exposition::tests::TEXT;
 
     #[test]
     fn families_become_otlp_metrics_of_the_same_names() {
