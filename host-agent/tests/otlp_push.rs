@@ -63,9 +63,7 @@ fn start(otlp: &str, flags: &[&str]) -> (Killed, String, std::path::PathBuf, Tre
             .unwrap(),
     );
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !http_get(addr, "/metrics")
-        .is_some_and(|m| m.contains("gpufeed_host_pcie_link_width{"))
-    {
+    while !http_get(addr, "/metrics").is_some_and(|m| m.contains("gpufeed_host_pcie_link_width{")) {
         assert!(
             Instant::now() < deadline,
             "the agent did not serve its series; log:\n{}",
