@@ -10,10 +10,12 @@
 //! into one per (pod, signal).
 
 mod driver;
+pub mod feed_stall;
 pub mod merge;
 mod owner;
 
 pub use driver::{Answers, Busy, Join, JoinSeries, BATCH, QUEUE, STATE_EVERY};
+pub use feed_stall::{Causes, FeedStallShare};
 pub use owner::{Input, JoinOwner, Settings};
 
 #[cfg(test)]
