@@ -256,6 +256,11 @@ impl FeedStallBook {
     pub fn causes(&self, uid: &str) -> Option<Causes> {
         self.pods.get(uid).map(|(_, c)| *c)
     }
+
+    /// Every pod's running totals, by UID.
+    pub fn pods(&self) -> impl Iterator<Item = (&str, Causes)> {
+        self.pods.iter().map(|(uid, (_, c))| (uid.as_str(), *c))
+    }
 }
 
 #[cfg(test)]

@@ -327,6 +327,7 @@ impl JoinOwner {
         }
         PageState {
             node: self.settings.node.clone(),
+            feed_stall: self.feed_stall_view(),
             hosts,
             unexplained,
             timelines,
@@ -356,6 +357,38 @@ impl JoinOwner {
             .pop()?;
         self.link_profiles(&mut p);
         Some(p)
+    }
+
+    /// Each pod's feed stall by cause, named as the pod store names it, the most stalled first.
+    fn feed_stall_view(&self) -> Vec<incident::PodFeedStall> {
+        let mut out: Vec<incident::PodFeedStall> = self
+            .feed
+            .pods()
+            .map(|(uid, c)| {
+                let (namespace, pod) = self
+                    .pods
+                    .with(uid, |m| (m.namespace.clone(), m.name.clone()))
+                    .unwrap_or_else(|| (String::new(), uid.to_string()));
+                let mut causes: Vec<(String, f64)> = c
+                    .by_cause()
+                    .iter()
+                    .map(|(cause, ns)| (cause.to_string(), *ns as f64 * 1e-9))
+                    .collect();
+                causes.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                incident::PodFeedStall {
+                    namespace,
+                    pod,
+                    seconds: c.total() as f64 * 1e-9,
+                    causes,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            b.seconds
+                .total_cmp(&a.seconds)
+                .then_with(|| (&a.namespace, &a.pod).cmp(&(&b.namespace, &b.pod)))
+        });
+        out
     }
 
     /// The profile links of a picture's pods.
