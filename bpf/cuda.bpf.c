@@ -33,7 +33,9 @@
  * mappings) as address ranges, and an address inside one is device memory,
  * any other host memory (pageable or pinned): device <- host is h2d, host <-
  * device d2h; device-to-device and host-to-host copies cross no host link and
- * are not counted.
+ * are not counted. The synchronous cuMemcpyHtoD_v2 is also timed, entry to
+ * return (h2d_copy_ns, h2d_copy_bytes): an asynchronous copy returns before
+ * it ends, and a unified-address one is left untimed.
  *
  * Streams: 0 and CU_STREAM_LEGACY are the legacy default stream; in the
  * per-thread-default-stream variants (_ptsz) 0 is the calling thread's own
@@ -111,6 +113,8 @@ struct cuda_cgroup {
 	__s64 busy_streams;   /* streams of the cgroup with outstanding work */
 	__u64 feed_cpu_ns;    /* feed stall while a feeding thread waited on a run queue */
 	__u64 feed_idle_ns;   /* all feed stall (idle while fed), any cause */
+	__u64 h2d_copy_ns;    /* time in synchronous host-to-device copies, entry to return */
+	__u64 h2d_copy_bytes; /* the bytes of those copies */
 	struct hist sync_wait; /* time blocked in cuStream/Ctx/EventSynchronize */
 	__u64 epoch; /* see cgroup_active.h */
 };
@@ -193,6 +197,7 @@ struct {
 #define CALL_STREAM_QUERY 8
 #define CALL_EVENT_QUERY 9
 #define CALL_MANAGED 10
+#define CALL_COPY_H2D 11
 
 struct pending {
 	__u64 out;   /* user address of the out-parameter (dptr or handle) */
@@ -602,6 +607,36 @@ SEC("uprobe")
 int BPF_UPROBE(cu_memcpy_htod, __u64 dst, __u64 src, __u64 bytes)
 {
 	return copied(bytes, true);
+}
+
+/* cuMemcpyHtoD_v2 and its _ptds variant: synchronous, so the call's time is
+ * the copy's (the join weighs it against the host link's full speed: the
+ * feed stall's pcie_link cause). Timed to the return, cu_copy_ret. */
+SEC("uprobe")
+int BPF_UPROBE(cu_memcpy_htod_sync, __u64 dst, __u64 src, __u64 bytes)
+{
+	copied(bytes, true);
+	return stash(CALL_COPY_H2D, 0, bytes, bpf_ktime_get_ns());
+}
+
+SEC("uretprobe")
+int BPF_URETPROBE(cu_copy_ret, int ret)
+{
+	__u64 now = bpf_ktime_get_ns();
+	struct cuda_cgroup *cg;
+	struct pending p;
+
+	/* p.size: when the copy began; p.out2: its bytes */
+	if (!take_pending(bpf_get_current_pid_tgid(), &p) || p.call != CALL_COPY_H2D)
+		return 0;
+	if (ret != CUDA_SUCCESS || now <= p.size)
+		return 0;
+	cg = my_cgroup();
+	if (!cg)
+		return 0;
+	__sync_fetch_and_add(&cg->h2d_copy_ns, now - p.size);
+	__sync_fetch_and_add(&cg->h2d_copy_bytes, p.out2);
+	return 0;
 }
 
 /* CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)

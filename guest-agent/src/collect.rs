@@ -25,7 +25,7 @@ use crate::probes::unit::{
 };
 
 pub use crate::owner::Owner;
-pub use gpu_totals::{GpuTotals, NvmlCapacity, PodGpuTotals};
+pub use gpu_totals::{FeedRaw, GpuTotals, NvmlCapacity, PodGpuTotals};
 pub use store::{OwnerStats, SelfStats, Store};
 
 mod gpu_totals;
@@ -48,6 +48,8 @@ pub struct TickReport {
     pub gpu_busy: Option<bool>,
     /// The pods' GPU running totals and the GPUs' capacity after the tick, for FinOps.
     pub gpu: GpuTotals,
+    /// The pods' raw feed-stall account after the tick (running totals), for the join.
+    pub feed: HashMap<String, FeedRaw>,
 }
 
 /// One tick's deltas, merged per owner and series.
@@ -293,6 +295,7 @@ impl Collector {
             live: FxHashSet::default(),
             gpu_busy: None,
             gpu: GpuTotals::default(),
+            feed: HashMap::new(),
         };
         report.gpu_busy = crate::probes::gpu_activity::gpu_busy(
             &report.windows,
@@ -360,6 +363,7 @@ impl Collector {
         };
         report.live = shared.pod_uids();
         report.gpu = GpuTotals::of(&shared);
+        report.feed = gpu_totals::feed_totals(&shared);
         Ok(report)
     }
 }

@@ -29,6 +29,8 @@ mod series_text;
 
 use series_text::LabelCache;
 
+use crate::join::FeedStallShare;
+
 /// Pod metadata looked up during one scrape, by pod UID.
 type Metas = HashMap<String, Option<PodMeta>>;
 
@@ -41,6 +43,8 @@ pub struct AgentCollector {
     cache: Mutex<LabelCache>,
     /// Pod labels (--pod-label) the GPU series carry.
     pod_labels: PodLabels,
+    /// The join's feed stall by cause per pod.
+    feed_stall: FeedStallShare,
 }
 
 impl AgentCollector {
@@ -59,7 +63,14 @@ impl AgentCollector {
             last_scrape_seconds: Mutex::new(0.0),
             cache: Mutex::new(LabelCache::default()),
             pod_labels: PodLabels::default(),
+            feed_stall: FeedStallShare::default(),
         }
+    }
+
+    /// Writes the feed stall by cause from what the join publishes in `share`.
+    pub fn with_feed_stall(mut self, share: FeedStallShare) -> Self {
+        self.feed_stall = share;
+        self
     }
 
     /// Puts the configured pod labels on the GPU series.
@@ -132,7 +143,8 @@ impl AgentCollector {
             let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
             stats = shared.stats.clone();
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            cache.write(out, &shared, &self.families, |owner| {
+            let feed = self.feed_stall.snapshot();
+            cache.write(out, &shared, &self.families, &feed, |owner| {
                 let labels = self.owner_labels(owner, &mut metas);
                 // the configured pod labels, for the GPU families only
                 let mut gpu = Labels::new();

@@ -351,6 +351,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     })?;
 
     let registry = prometheus::Registry::new();
+    // the join splits the pods' feed stall by cause; the scrape writes it
+    let feed_stall = join::FeedStallShare::default();
     let finops = finops::FinOps::new(finops_cfg, pods.clone());
     // The agent's series are written straight into the exposition, beside the registry's.
     let agent_series = Arc::new(
@@ -360,7 +362,8 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             collector.families(),
             statuses,
         )
-        .with_pod_labels(finops.pod_labels()),
+        .with_pod_labels(finops.pod_labels())
+        .with_feed_stall(feed_stall.clone()),
     );
     registry.register(Box::new(finops.clone()))?;
     let join_cfg = correlate::Config {
@@ -383,6 +386,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
             node,
             simulated: args.simulated_hosts.clone(),
             profile: args.profile_url.clone(),
+            feed_stall,
         },
         pods.clone(),
     )?;

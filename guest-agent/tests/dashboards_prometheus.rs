@@ -521,8 +521,8 @@ fn variable_values(prom: &Prometheus, d: &Json, name: &str) -> Vec<String> {
 }
 
 /// The feed row: one thread of a pod feeds the stand-in device 1 ms kernels for 12 s while two
-/// CPU hogs in a neighbour pod share its CPU. The panel shows, for exactly that pod, both causes
-/// of its feed stall (the `cpu` one above 0) and its GPU busy; once the loop ends, the `cpu`
+/// CPU hogs in a neighbour pod share its CPU. The panel shows, for exactly that pod, the four
+/// causes of its feed stall (the `cpu` one above 0) and its GPU busy; once the loop ends, the `cpu`
 /// counter in Prometheus is the thread's run-queue wait inside the device's idle gaps by the
 /// stand-in's own record and schedstat (within 10%).
 #[test]
@@ -557,7 +557,7 @@ fn feed_row_shows_the_provoked_stall_by_cause() {
     let stall = wait_for(Duration::from_secs(20), || {
         let r = panel(&prom, &d, title, &[("pod", &uid)]);
         let cpu = r.iter().find(|s| s["metric"]["cause"] == "cpu").map(num)?;
-        (r.len() == 2 && r.iter().all(|s| s["metric"]["pod"] == uid.as_str()) && cpu > 0.0)
+        (r.len() == 4 && r.iter().all(|s| s["metric"]["pod"] == uid.as_str()) && cpu > 0.0)
             .then_some(r)
     })
     .unwrap_or_else(|| panic!("{title}: {:?}", panel(&prom, &d, title, &[("pod", &uid)])));

@@ -1139,6 +1139,254 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
     );
 }
 
+/// The recorded tree's GPU link at full speed: 16 GT/s x4, 128b/130b, bytes a second.
+const FULL_BPS: f64 = 4.0 * 16e9 * 128.0 / 130.0 / 8.0;
+
+/// What one phase of the pcie_link test measured: the agent's stall by cause (its /metrics
+/// series' growth over the phase, ns) and the truth from the stand-in's copies.
+#[derive(Debug)]
+struct LinkPhase {
+    name: &'static str,
+    degraded: bool,
+    /// an AER error on the GPU just before the phase
+    aer: bool,
+    copies: usize,
+    /// the copies' time beyond what the link's full speed takes, ns (clamped at 0 per copy)
+    beyond_full_ns: f64,
+    causes: [f64; 4],
+}
+
+/// The feed stall's `pcie_link` cause against the stand-in's own copies: one thread of a pod
+/// copies 2 MiB to the stand-in device (synchronously, spinning for bytes / the link's current
+/// bandwidth) before each 1 ms kernel, which it waits for; the real host agent watches the
+/// recorded eGPU tree, whose GPU link the test drops from x4 to x1 for the second of four
+/// phases (and writes the bandwidth the stand-in's copies take), and whose GPU counts a
+/// correctable AER error just before the fourth. In the degraded phase `pcie_link` is within
+/// 10% of the copies' time beyond full speed; in the healthy ones, with no contention, it is 0
+/// but for at most one tick's worth; `host_event` stays 0 but in the AER's window (a width
+/// change is the link's, not an event's), where it takes the stall but `cpu`'s, `unexplained`
+/// left with at most 5% of it (the agent pairs events with stall up to 30 s after them here,
+/// `--join-after`, so the whole phase is in the window).
+#[test]
+fn feed_stall_host_causes_against_a_degraded_link_and_an_aer() {
+    use common::host_agent::{demo, guest_of_host, start_host, HostIntervals, GPU};
+    let Some(_lock) = require_root() else { return };
+    let scratch = tempfile::tempdir().unwrap();
+    let dir = scratch.path();
+    let root = dir.join("root");
+    demo(&["tree", root.to_str().unwrap()]);
+    let quic = free_port();
+    let _host = start_host(dir, quic, HostIntervals::FAST);
+    let agent = guest_of_host(
+        dir,
+        quic,
+        "200ms",
+        "cuda",
+        &["--cuda-launches", "--join-after", "30s"],
+    );
+    let cuda = StandInCuda::with_gaps(dir);
+    let client = FeedClient::new(dir);
+    let (ctl, gaps_file) = (dir.join("feed-ctl"), dir.join("gaps"));
+    let (link_file, copies_file) = (dir.join("link-bps"), dir.join("copies"));
+    std::fs::create_dir(&ctl).unwrap();
+    std::fs::write(&link_file, format!("{FULL_BPS}")).unwrap();
+
+    let sb = CgroupSandbox::new();
+    let mut feeder = Pod::random(&sb, Layout::Systemd, "burstable");
+    const COPY: u64 = 2 << 20;
+    const PHASES: [(&str, bool, bool); 4] = [
+        ("healthy", false, false),
+        ("degraded x1", true, false),
+        ("healthy again", false, false),
+        ("AER, healthy link", false, true),
+    ];
+    feeder.spawn(&with_copies(
+        client.command(&cuda, &ctl, &gaps_file, 0, PHASES.len() as u32, 3000, 1000),
+        COPY,
+        &link_file,
+        &copies_file,
+    ));
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            value(&agent.scrape(), "gpufeed_cuda_libraries", &[])
+                .filter(|v| *v >= 1.0)
+                .map(|_| ())
+        })
+        .is_some(),
+        "the agent attached to the stand-in library"
+    );
+    let uid = feeder.uid.clone();
+    let causes = || {
+        let s = agent.scrape();
+        ["cpu", "pcie_link", "host_event", "unexplained"].map(|c| {
+            value(&s, cuda::FEED_STALL, &[("pod", uid.as_str()), ("cause", c)]).unwrap_or(0.0) * 1e9
+        })
+    };
+    // the join has split every tick up to now: two ticks' figures alike
+    let settled = || {
+        let mut last = causes();
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let now = causes();
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
+    };
+    let width = |w: f64| {
+        wait_for(Duration::from_secs(10), || {
+            (value(
+                &agent.scrape(),
+                "gpufeed_host_pcie_link_width",
+                &[("bdf", GPU)],
+            ) == Some(w))
+            .then_some(())
+        })
+        .unwrap_or_else(|| panic!("the guest sees the link at x{w}"));
+        // and the join's next ticks saw it too (it counts a tick's copies against the state at
+        // either end of the tick)
+        std::thread::sleep(Duration::from_millis(600));
+    };
+
+    let mut results = Vec::new();
+    let mut seen = 0;
+    for (i, (name, degraded, aer)) in PHASES.iter().enumerate() {
+        let (lanes, bps) = if *degraded {
+            ("1", FULL_BPS / 4.0)
+        } else {
+            ("4", FULL_BPS)
+        };
+        demo(&["link", root.to_str().unwrap(), "16.0 GT/s PCIe", lanes]);
+        std::fs::write(&link_file, format!("{bps}")).unwrap();
+        width(lanes.parse().unwrap());
+        if *aer {
+            // the GPU's correctable AER counters as the kernel's sysfs writes them: 3 BadTLP
+            let names = [
+                "RxErr",
+                "BadTLP",
+                "BadDLLP",
+                "Rollover",
+                "Timeout",
+                "NonFatalErr",
+                "CorrIntErr",
+                "HeaderOF",
+            ];
+            let mut text: String = names
+                .iter()
+                .map(|n| format!("{n} {}\n", if *n == "BadTLP" { 3 } else { 0 }))
+                .collect();
+            text += "TOTAL_ERR_COR 3\n";
+            let gpu_dir = root.join(format!("sys/bus/pci/devices/{GPU}"));
+            std::fs::write(gpu_dir.join(".aer.tmp"), text).unwrap();
+            std::fs::rename(
+                gpu_dir.join(".aer.tmp"),
+                gpu_dir.join("aer_dev_correctable"),
+            )
+            .unwrap();
+            wait_for(Duration::from_secs(15), || {
+                value(
+                    &agent.scrape(),
+                    "gpufeed_host_events_total",
+                    &[("event", "aer_correctable")],
+                )
+                .filter(|v| *v >= 1.0)
+            })
+            .expect("the guest has the AER event");
+        }
+        let before = settled();
+        File::create(ctl.join(format!("go{i}"))).unwrap();
+        wait_file(&ctl.join(format!("paused{i}")), "the feeding loop's phase");
+        let after = settled();
+        let all = FeedCopy::read_all(&copies_file);
+        let phase = &all[seen..];
+        seen = all.len();
+        let beyond_full_ns = phase
+            .iter()
+            .map(|c| ((c.end_ns - c.start_ns) as f64 - c.bytes as f64 / FULL_BPS * 1e9).max(0.0))
+            .sum();
+        let r = LinkPhase {
+            name,
+            degraded: *degraded,
+            aer: *aer,
+            copies: phase.len(),
+            beyond_full_ns,
+            causes: std::array::from_fn(|k| after[k] - before[k]),
+        };
+        eprintln!("{r:?}");
+        results.push(r);
+    }
+    let deg = results.iter().find(|r| r.degraded).unwrap();
+    // one tick of the degraded phase's pcie_link: 3 s phases, 200 ms ticks
+    let one_tick = deg.beyond_full_ns / 15.0;
+    for r in &results {
+        let [cpu, pcie, host_event, unexplained] = r.causes;
+        assert!(
+            r.copies > 500,
+            "{}: the loop copied ({} copies)",
+            r.name,
+            r.copies
+        );
+        assert!(
+            cpu >= 0.0 && unexplained >= 0.0,
+            "{}: causes {:?}",
+            r.name,
+            r.causes
+        );
+        if r.aer {
+            eprintln!(
+                "{}: host_event {:.1} ms, unexplained {:.1} ms, pcie_link {:.1} ms",
+                r.name,
+                host_event / 1e6,
+                unexplained / 1e6,
+                pcie / 1e6
+            );
+            assert!(
+                host_event > 0.0 && unexplained <= 0.05 * (host_event + unexplained) + 1e6,
+                "{}: in the AER's window the stall but cpu's is host_event's: {:?}",
+                r.name,
+                r.causes
+            );
+        } else {
+            assert_eq!(
+                host_event, 0.0,
+                "{}: no host event stalled the feed",
+                r.name
+            );
+        }
+        if r.degraded {
+            let err = (pcie - r.beyond_full_ns) / r.beyond_full_ns;
+            eprintln!(
+                "{}: pcie_link {:.0} ms vs the copies beyond full speed {:.0} ms ({:+.1}%)",
+                r.name,
+                pcie / 1e6,
+                r.beyond_full_ns / 1e6,
+                err * 100.0
+            );
+            assert!(
+                err.abs() <= 0.1,
+                "{}: pcie_link {pcie} ns vs the copies' time beyond full speed {} ns",
+                r.name,
+                r.beyond_full_ns
+            );
+        } else {
+            eprintln!(
+                "{}: pcie_link {:.1} ms (one tick of the degraded phase: {:.0} ms; the copies \
+                 beyond full speed {:.1} ms)",
+                r.name,
+                pcie / 1e6,
+                one_tick / 1e6,
+                r.beyond_full_ns / 1e6
+            );
+            assert!(
+                pcie <= one_tick,
+                "{}: pcie_link {pcie} ns on a healthy link (one tick: {one_tick} ns)",
+                r.name
+            );
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Contention {
     None,

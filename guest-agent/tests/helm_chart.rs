@@ -402,6 +402,29 @@ fn base64_decode(s: &str) -> Vec<u8> {
 /// Values the chart cannot install are refused before anything renders, with a message that
 /// names the value and what it must be (values.schema.json through Helm's validation, or the
 /// templates' own checks for what a schema cannot say).
+/// keda.threshold is the trigger's threshold and the hold's too: while a host cause starves
+/// the GPU the query returns the pods' count × the threshold (the HPA then keeps the count),
+/// so both change together; the app's label value goes everywhere the query selects the app.
+#[test]
+fn the_keda_threshold_sets_the_trigger_and_the_querys_hold_alike() {
+    let chart = helm_template(&[
+        "--set",
+        "keda.enabled=true,finops.podLabels.app=app.kubernetes.io/name,keda.app=chat",
+        "--set",
+        "keda.threshold=0.5",
+    ]);
+    let so = object(&chart, "ScaledObject");
+    let t = &so["spec"]["triggers"][0]["metadata"];
+    assert_eq!(t["threshold"].as_str(), Some("0.5"));
+    let query = t["query"].as_str().unwrap();
+    assert!(
+        query.contains("* 0.5)") && !query.contains("0.75"),
+        "{query}"
+    );
+    assert_eq!(query.matches("app=\"chat\"").count(), 3, "{query}");
+    assert!(!query.contains("inference-server"), "{query}");
+}
+
 #[test]
 fn bad_values_are_refused_with_a_clear_message() {
     let cases: [(&str, &[&str]); 10] = [

@@ -386,3 +386,126 @@ fn the_page_draws_the_link_and_the_pods_windows_around_the_event() {
     chromium.screenshot(&page, 390, 1500, &shots.join("incident-page-phone.png"));
     chromium.screenshot(&page, 1200, 1100, &shots.join("incident-page.png"));
 }
+
+/// The page leads with each pod's GPU feed stall by cause, as `/metrics` counts it: a pod's
+/// thread copies its input to the stand-in device (over the recorded eGPU tree's link, dropped
+/// to x1, so its copies crawl) and runs 1 ms kernels for 3 s; the page's first section lists
+/// the pod with its stall and each cause, `pcie_link` among them and marked as the host's.
+#[test]
+fn the_page_leads_with_each_pods_feed_stall_by_cause() {
+    use common::gpu::{with_copies, FeedClient, StandInCuda};
+    let Some(_lock) = require_root() else { return };
+    let chromium = Chromium::find();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    demo(&["tree", root.to_str().unwrap()]);
+    let quic = free_port();
+    let _host = start_host(dir.path(), quic, HostIntervals::FAST);
+    let agent = guest_of_host(dir.path(), quic, "200ms", "cuda", &["--cuda-launches"]);
+    let cuda = StandInCuda::with_gaps(dir.path());
+    let client = FeedClient::new(dir.path());
+    let (ctl, link_file) = (dir.path().join("feed-ctl"), dir.path().join("link-bps"));
+    std::fs::create_dir(&ctl).unwrap();
+    // the link at x1: a quarter of 16 GT/s x4
+    std::fs::write(&link_file, format!("{}", 16e9 * 128.0 / 130.0 / 8.0)).unwrap();
+    demo(&["link", root.to_str().unwrap(), "16.0 GT/s PCIe", "1"]);
+    wait_for(Duration::from_secs(10), || {
+        (value(
+            &agent.scrape(),
+            "gpufeed_host_pcie_link_width",
+            &[("bdf", GPU)],
+        ) == Some(1.0))
+        .then_some(())
+    })
+    .expect("the guest sees the link at x1");
+    let sb = CgroupSandbox::new();
+    let mut feeder = Pod::random(&sb, Layout::Systemd, "burstable");
+    feeder.spawn(&with_copies(
+        client.command(&cuda, &ctl, &dir.path().join("gaps"), 0, 1, 3000, 1000),
+        2 << 20,
+        &link_file,
+        &dir.path().join("copies"),
+    ));
+    wait_for(Duration::from_secs(10), || {
+        value(&agent.scrape(), "gpufeed_cuda_libraries", &[])
+            .filter(|v| *v >= 1.0)
+            .map(|_| ())
+    })
+    .expect("the agent attached to the stand-in library");
+    std::fs::File::create(ctl.join("go0")).unwrap();
+    common::gpu::wait_file(&ctl.join("paused0"), "the feeding loop's phase");
+    // the join has split every tick: the series stay as they are
+    let causes = ["cpu", "host_event", "pcie_link", "unexplained"];
+    let series = || {
+        let s = agent.scrape();
+        causes.map(|c| {
+            value(
+                &s,
+                "gpufeed_gpu_feed_stall_seconds_total",
+                &[("pod", feeder.uid.as_str()), ("cause", c)],
+            )
+        })
+    };
+    let mut last = series();
+    loop {
+        std::thread::sleep(Duration::from_millis(600));
+        let now = series();
+        if now == last && now.iter().all(Option::is_some) {
+            break;
+        }
+        last = now;
+    }
+    let metrics: Vec<f64> = last.iter().map(|v| v.unwrap()).collect();
+    eprintln!("/metrics: {causes:?} = {metrics:?} s");
+    assert!(
+        metrics[2] > 0.3,
+        "pcie_link {} s over 3 s on x1",
+        metrics[2]
+    );
+
+    // /api/state: the pod first (the only one), its causes the largest first
+    let state = json(agent.addr, "/api/state");
+    let feed = state["feed_stall"].as_array().cloned().unwrap_or_default();
+    assert_eq!(feed.len(), 1, "{feed:?}");
+    assert_eq!(feed[0]["pod"], feeder.uid.as_str());
+    let total: f64 = metrics.iter().sum();
+    assert!((feed[0]["seconds"].as_f64().unwrap() - total).abs() < 1e-6);
+
+    let Some(chromium) = chromium else { return };
+    let dom = chromium.dom(&format!("http://{}/", agent.addr), 1200);
+    // the feed section comes before every other
+    let (feed_at, strip_at) = (dom.find("id=\"feed\""), dom.find("id=\"strip\""));
+    assert!(
+        feed_at.is_some() && feed_at < strip_at,
+        "the page leads with the feed stall"
+    );
+    let rows = elements(&dom, "tr", "feed");
+    assert_eq!(rows.len(), 1, "one pod's row");
+    assert_eq!(attr(&rows[0], "data-pod"), Some(feeder.uid.as_str()));
+    let shown: f64 = attr(&rows[0], "data-seconds").unwrap().parse().unwrap();
+    assert!(
+        (shown - total).abs() < 1e-6,
+        "row {shown} s vs /metrics {total} s"
+    );
+    let spans = elements(&dom, "span", "feed-cause");
+    assert_eq!(spans.len(), 4, "every cause");
+    let mut prev = f64::INFINITY;
+    for s in &spans {
+        let cause = attr(s, "data-cause").unwrap();
+        let secs: f64 = attr(s, "data-seconds").unwrap().parse().unwrap();
+        let i = causes.iter().position(|c| *c == cause).unwrap();
+        assert!(
+            (secs - metrics[i]).abs() < 1e-6,
+            "{cause}: page {secs} s, /metrics {}",
+            metrics[i]
+        );
+        assert!(secs <= prev, "the largest cause first");
+        prev = secs;
+        let class = attr(s, "class").unwrap();
+        assert_eq!(
+            class.split_whitespace().any(|c| c == "bad"),
+            cause == "pcie_link",
+            "{cause}: {class} (a host cause with stall stands out)"
+        );
+    }
+}

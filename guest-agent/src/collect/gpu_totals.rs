@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::probes::cuda::{PCIE, SYNC_WAIT, VRAM};
+use crate::probes::cuda::{FeedPart, FEED_PART, FEED_STALL, PCIE, SYNC_WAIT, VRAM};
 use crate::probes::gpu_compute::{ComputeSource, COMPUTE, DUTY};
 use crate::probes::gpu_driver::IOCTL;
 use crate::probes::nvml::{LIBRARY_INFO, LINK_MAX, MEMORY as NVML_MEMORY, MEMORY_TOTAL};
@@ -35,6 +35,19 @@ pub struct PodGpuTotals {
     pub vram_bytes: f64,
     /// The duty cycle of its busiest GPU (its containers' on that GPU summed).
     pub duty: Option<f64>,
+}
+
+/// A pod's raw feed-stall account as the CUDA probes keep it (running totals, summed over
+/// its containers): the join splits it by cause.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FeedRaw {
+    /// Stall while the feeding thread waited on a run queue, ns.
+    pub cpu_ns: u64,
+    /// Stall of any cause, ns.
+    pub all_ns: u64,
+    /// Time in synchronous host-to-device copies, ns, and their bytes.
+    pub copy_ns: u64,
+    pub copy_bytes: u64,
 }
 
 /// The GPUs' capacity as the nvml unit reports it at one tick.
@@ -144,6 +157,31 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
     for ((uid, _), d) in duty {
         let t = out.entry(uid.to_string()).or_default();
         t.duty = Some(t.duty.unwrap_or(0.0).max(d.min(1.0)));
+    }
+    out
+}
+
+/// Every pod's raw feed-stall account (the pods with one), for the join.
+pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
+    let mut out: HashMap<String, FeedRaw> = HashMap::new();
+    for (owner, o) in &shared.owners {
+        let Owner::Pod { uid, .. } = owner else {
+            continue;
+        };
+        for ((family, labels), value) in &o.series {
+            let (FEED_STALL, Value::Count(n)) = (*family, value) else {
+                continue;
+            };
+            let f = out.entry(uid.clone()).or_default();
+            let part = labels.get(FEED_PART).map(String::as_str);
+            match FeedPart::ALL.into_iter().find(|p| Some(p.as_str()) == part) {
+                Some(FeedPart::Cpu) => f.cpu_ns += n,
+                Some(FeedPart::All) => f.all_ns += n,
+                Some(FeedPart::CopyNs) => f.copy_ns += n,
+                Some(FeedPart::CopyBytes) => f.copy_bytes += n,
+                None => {}
+            }
+        }
     }
     out
 }

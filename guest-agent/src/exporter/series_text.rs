@@ -14,6 +14,8 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use crate::collect::{Owner, Store};
+use crate::join::Causes;
+use crate::probes::cuda::FEED_STALL;
 use crate::probes::hist::{upper_bound_us, Hist, BUCKETS};
 use crate::probes::unit::{FamilySpec, Kind, Labels, Scope, Value};
 
@@ -66,11 +68,14 @@ impl LabelCache {
     /// Writes the per-owner families of `families` for the owners in `shared`; `labels`
     /// gives an owner's labels (see `AgentCollector::owner_labels`) and those only its GPU
     /// series carry, asked once per owner and render and compared with the cached ones.
+    /// The feed stall is written from `feed`, the join's split by cause of each pod's
+    /// account (the store holds the probes' raw parts under the family).
     pub fn write(
         &mut self,
         out: &mut String,
         shared: &Store,
         families: &[&'static FamilySpec],
+        feed: &HashMap<String, Causes, impl std::hash::BuildHasher>,
         mut labels: impl FnMut(&Owner) -> (Labels, Labels),
     ) {
         self.renders += 1;
@@ -113,13 +118,42 @@ impl LabelCache {
         fams.sort_by_key(|f| f.name);
         let index: HashMap<&'static str, usize> =
             fams.iter().enumerate().map(|(i, f)| (f.name, i)).collect();
-        let mut rows: Vec<Row<'_>> = Vec::new();
+        // each pod's feed stall by cause, labelled as any of its owners' pod-scope series
+        let mut feed_rows: Vec<(usize, Arc<str>, Value)> = Vec::new();
+        if let Some(&fi) = index.get(FEED_STALL) {
+            let mut done: std::collections::HashSet<&str> = Default::default();
+            for owner in shared.owners.keys() {
+                let Owner::Pod { uid, .. } = owner else {
+                    continue;
+                };
+                let Some(c) = feed.get(uid.as_str()) else {
+                    continue;
+                };
+                if !done.insert(uid.as_str()) {
+                    continue;
+                }
+                for (cause, ns) in c.by_cause() {
+                    let extra = Labels::from([("cause", cause.to_string())]);
+                    if let Some(t) = self.text(owner, fams[fi], &extra) {
+                        feed_rows.push((fi, t, Value::Count(ns)));
+                    }
+                }
+            }
+        }
+        let mut rows: Vec<Row<'_>> = feed_rows
+            .iter()
+            .map(|(f, t, v)| (*f, t.clone(), v))
+            .collect();
         for (owner, o) in &shared.owners {
             for ((family, extra), value) in &o.series {
-                // no samples yet: no series; a family no loaded unit declares: none either
+                // no samples yet: no series; a family no loaded unit declares: none either;
+                // the probes' raw feed-stall parts: the join's split instead (above)
                 let Some(&fi) = index.get(family) else {
                     continue;
                 };
+                if *family == FEED_STALL {
+                    continue;
+                }
                 if matches!(value, Value::Hist(h) if h.is_empty()) {
                     continue;
                 }

@@ -554,14 +554,19 @@ mod tests {
         assert!(text.contains("profiles: http://parca/?q=1"), "{text}");
     }
 
-    /// The feed stall of a /metrics text as explain leads with it: per pod, its causes summed,
-    /// the pod with the most first; a pod without an API name by its UID.
+    /// The feed stall of a /metrics text as explain leads with it: per pod, its causes summed
+    /// (the host's, `pcie_link` and `host_event`, among them), the largest cause first, the pod
+    /// with the most first (ties by name); a pod without an API name by its UID.
     #[test]
     fn feed_stall_leads_per_pod_and_cause() {
         let metrics = "# HELP gpufeed_gpu_feed_stall_seconds_total x\n\
             # TYPE gpufeed_gpu_feed_stall_seconds_total counter\n\
             gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-0\",cause=\"cpu\"} 1.5\n\
             gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-0\",cause=\"unexplained\"} 0.25\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-1\",cause=\"cpu\"} 0.2\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-1\",cause=\"host_event\"} 0\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-1\",cause=\"pcie_link\"} 1.25\n\
+            gpufeed_gpu_feed_stall_seconds_total{namespace=\"ml\",pod=\"vllm-1\",cause=\"unexplained\"} 0.3\n\
             gpufeed_gpu_feed_stall_seconds_total{namespace=\"\",pod=\"2d35-uid\",cause=\"cpu\"} 4\n\
             gpufeed_gpu_feed_stall_seconds_total{namespace=\"\",pod=\"2d35-uid\",cause=\"unexplained\"} 0\n\
             ebpf_gpu_busy_estimate_seconds_total{namespace=\"ml\",pod=\"vllm-0\"} 9\n";
@@ -571,7 +576,8 @@ mod tests {
             lines,
             [
                 "  2d35-uid: 4.000 s (cpu 4.000 s, unexplained 0.000 s)",
-                "  ml/vllm-0: 1.750 s (cpu 1.500 s, unexplained 0.250 s)"
+                "  ml/vllm-0: 1.750 s (cpu 1.500 s, unexplained 0.250 s)",
+                "  ml/vllm-1: 1.750 s (pcie_link 1.250 s, unexplained 0.300 s, cpu 0.200 s, host_event 0.000 s)"
             ],
             "{text}"
         );

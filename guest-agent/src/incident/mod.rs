@@ -31,6 +31,9 @@ pub const PICTURES_IN_STATE: usize = 12;
 pub struct PageState {
     /// This node.
     pub node: String,
+    /// Each pod's GPU feed stall by cause since the agent started, the most stalled first (the
+    /// page leads with it: is the GPU getting fed, and if not, what holds it back).
+    pub feed_stall: Vec<PodFeedStall>,
     pub hosts: Vec<HostView>,
     /// Spikes no host event explains, newest first.
     pub unexplained: Vec<Unexplained>,
@@ -43,6 +46,18 @@ pub struct PageState {
     pub strip: Strip,
     /// Whether a profile link template is configured (`--profile-url`).
     pub profiles: bool,
+}
+
+/// A pod's GPU feed stall (`gpufeed_gpu_feed_stall_seconds_total`) by cause.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PodFeedStall {
+    pub namespace: String,
+    /// Its name, or its UID while the API has not named it (as in /metrics).
+    pub pod: String,
+    /// All causes, seconds.
+    pub seconds: f64,
+    /// (cause, seconds), the largest first.
+    pub causes: Vec<(String, f64)>,
 }
 
 /// A spike no host event explains, with the link to its profiles when configured.

@@ -10,10 +10,12 @@
 //! into one per (pod, signal).
 
 mod driver;
+pub mod feed_stall;
 pub mod merge;
 mod owner;
 
 pub use driver::{Answers, Busy, Join, JoinSeries, BATCH, QUEUE, STATE_EVERY};
+pub use feed_stall::{Causes, FeedStallShare};
 pub use owner::{Input, JoinOwner, Settings};
 
 #[cfg(test)]
@@ -136,6 +138,59 @@ mod tests {
             "one burst of one kind listed once"
         );
         assert_eq!(join.answers().events[0].count, 3);
+    }
+
+    /// The owner splits each pod's feed stall from the tick's raw account and the page leads
+    /// with it, the most stalled pod first, named by the pod store (by UID until then); the
+    /// scrape's share has the same totals.
+    #[test]
+    fn the_page_leads_with_each_pods_feed_stall_by_cause() {
+        use crate::collect::FeedRaw;
+        let settings = Settings::default();
+        let share = settings.feed_stall.clone();
+        let pods = PodStore::default();
+        let mut owner = JoinOwner::new(settings, pods.clone());
+        let raw = |cpu: u64, all: u64| FeedRaw {
+            cpu_ns: cpu,
+            all_ns: all,
+            ..FeedRaw::default()
+        };
+        let tick = |uids: &[(&str, FeedRaw)]| TickReport {
+            live: uids.iter().map(|(u, _)| u.to_string()).collect(),
+            feed: uids.iter().map(|(u, f)| (u.to_string(), *f)).collect(),
+            ..TickReport::default()
+        };
+        pods.upsert(crate::pods::PodMeta {
+            uid: "u2".into(),
+            namespace: "ml".into(),
+            name: "vllm-0".into(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            containers: Default::default(),
+            ips: vec![],
+            host_network: false,
+            deleted_at: None,
+        });
+        let report = tick(&[
+            ("u1", raw(1_000_000_000, 1_500_000_000)),
+            ("u2", raw(500_000_000, 3_000_000_000)),
+        ]);
+        owner.tick(&report, Instant::now(), 1_000_000_000);
+        let page = owner.page_state(1_000_000_000).feed_stall;
+        assert_eq!(page.len(), 2);
+        assert_eq!(
+            (page[0].namespace.as_str(), page[0].pod.as_str()),
+            ("ml", "vllm-0")
+        );
+        assert_eq!(page[0].seconds, 3.0);
+        assert_eq!(page[0].causes[0], ("unexplained".to_string(), 2.5));
+        assert_eq!(page[0].causes[1], ("cpu".to_string(), 0.5));
+        assert_eq!(
+            (page[1].namespace.as_str(), page[1].pod.as_str()),
+            ("", "u1")
+        );
+        assert_eq!(page[1].seconds, 1.5);
+        assert_eq!(share.snapshot()["u2"].total(), 3_000_000_000);
     }
 
     /// The owner alone (as the benchmark drives it): a tick's window reaches the merge, and a

@@ -16,6 +16,7 @@ use crate::incident::profile::{ProfileTemplate, Target};
 use crate::incident::{self, HostView, PageState, Timeline, TimelineConfig, Unexplained};
 use crate::pods::PodStore;
 
+use super::feed_stall::{self, FeedStallBook, FeedStallShare};
 use super::merge::Merge;
 
 /// What the join is fed, one at a time, in the order they happened.
@@ -48,6 +49,8 @@ pub struct Settings {
     pub simulated: Vec<String>,
     /// `--profile-url`: links from affected pods and spikes to their profiles.
     pub profile: Option<ProfileTemplate>,
+    /// Where the join publishes the pods' feed stall by cause for the scrape.
+    pub feed_stall: FeedStallShare,
 }
 
 impl Settings {
@@ -74,6 +77,8 @@ pub struct JoinOwner {
     unknown_logged: HashSet<(String, u16)>,
     /// Pods forgotten so far (their series went with them).
     forgotten: u64,
+    /// The pods' feed stall by cause.
+    feed: FeedStallBook,
 }
 
 impl JoinOwner {
@@ -88,6 +93,7 @@ impl JoinOwner {
             live: HashSet::new(),
             unknown_logged: HashSet::new(),
             forgotten: 0,
+            feed: FeedStallBook::new(settings.feed_stall.clone()),
             settings,
         }
     }
@@ -134,13 +140,25 @@ impl JoinOwner {
             self.timeline.window(&w, seen);
         }
         // the first tick has no window (nothing to divide by), and no GPU window either
-        if let Some(prev) = self.merge.last_tick_ns.replace(now_ns) {
+        let prev = self.merge.last_tick_ns.replace(now_ns);
+        if let Some(prev) = prev {
             self.corr.gpu_window(GpuWindow {
                 at: now_ns,
                 len: now_ns - prev,
                 busy: report.gpu_busy,
             });
         }
+        let degraded = self.hub.as_ref().and_then(|h| {
+            let gpu = self.corr.gpu_now();
+            h.hosts()
+                .into_iter()
+                .filter_map(|(host, _)| {
+                    feed_stall::degraded_full_bps(&links_now(Some(h), &host), gpu)
+                })
+                .min_by(f64::total_cmp)
+        });
+        self.feed
+            .tick(&report.feed, &report.live, prev, now_ns, degraded);
         self.corr.end_tick(now_ns);
         self.timeline.end_tick(now_ns, self.corr.spike_records());
         if self.timeline.freeze_due(now_ns, self.corr.event_records()) {
@@ -179,7 +197,15 @@ impl JoinOwner {
             payload: Payload::Known(&ev.event),
         };
         self.corr.host_event(input, now_ns);
-        self.timeline_event(&input);
+        let kind = self.timeline_event(&input);
+        if feed_stall::stalls_the_feed(&kind) {
+            let cfg = &self.settings.correlate;
+            let at = input.guest_ns();
+            self.feed.host_event(
+                at - cfg.before.as_nanos() as i64,
+                at + cfg.after.as_nanos() as i64,
+            );
+        }
     }
 
     /// One received event of a kind this guest cannot decode.
@@ -207,8 +233,8 @@ impl JoinOwner {
         self.timeline_event(&input);
     }
 
-    /// One host event into the page's timeline (after the correlator has it).
-    fn timeline_event(&mut self, input: &HostInput<'_>) {
+    /// One host event into the page's timeline (after the correlator has it); its kind.
+    fn timeline_event(&mut self, input: &HostInput<'_>) -> events::EventKind {
         let known = match input.payload {
             Payload::Known(ev) => Some(ev),
             Payload::UnknownKind { .. } => None,
@@ -218,6 +244,7 @@ impl JoinOwner {
         let c = events::classify(input.payload, self.corr.gpu_now());
         self.timeline
             .host_event(input.host, input.guest_ns(), known, &c);
+        c.kind
     }
 
     /// `/events`: recent host events with the pods they hit, newest first.
@@ -300,6 +327,7 @@ impl JoinOwner {
         }
         PageState {
             node: self.settings.node.clone(),
+            feed_stall: self.feed_stall_view(),
             hosts,
             unexplained,
             timelines,
@@ -329,6 +357,38 @@ impl JoinOwner {
             .pop()?;
         self.link_profiles(&mut p);
         Some(p)
+    }
+
+    /// Each pod's feed stall by cause, named as the pod store names it, the most stalled first.
+    fn feed_stall_view(&self) -> Vec<incident::PodFeedStall> {
+        let mut out: Vec<incident::PodFeedStall> = self
+            .feed
+            .pods()
+            .map(|(uid, c)| {
+                let (namespace, pod) = self
+                    .pods
+                    .with(uid, |m| (m.namespace.clone(), m.name.clone()))
+                    .unwrap_or_else(|| (String::new(), uid.to_string()));
+                let mut causes: Vec<(String, f64)> = c
+                    .by_cause()
+                    .iter()
+                    .map(|(cause, ns)| (cause.to_string(), *ns as f64 * 1e-9))
+                    .collect();
+                causes.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                incident::PodFeedStall {
+                    namespace,
+                    pod,
+                    seconds: c.total() as f64 * 1e-9,
+                    causes,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            b.seconds
+                .total_cmp(&a.seconds)
+                .then_with(|| (&a.namespace, &a.pod).cmp(&(&b.namespace, &b.pod)))
+        });
+        out
     }
 
     /// The profile links of a picture's pods.

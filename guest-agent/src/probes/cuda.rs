@@ -49,6 +49,41 @@ pub const BUSY: &str = "ebpf_gpu_busy_estimate_seconds_total";
 pub const SYNC_WAIT: &str = "ebpf_gpu_sync_wait_microseconds";
 pub const FEED_STALL: &str = "gpufeed_gpu_feed_stall_seconds_total";
 
+/// The label of the probes' raw feed-stall parts in the store (never on /metrics).
+pub const FEED_PART: &str = "part";
+
+/// The probes' raw feed-stall account of a cgroup, as the store keeps it under [`FEED_STALL`]
+/// (labelled [`FEED_PART`]); the join splits it by cause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FeedPart {
+    /// Stall while the feeding thread waited on a run queue, ns.
+    Cpu,
+    /// Stall of any cause, ns.
+    All,
+    /// Time in synchronous host-to-device copies, ns.
+    CopyNs,
+    /// The bytes of those copies.
+    CopyBytes,
+}
+
+impl FeedPart {
+    pub const ALL: [FeedPart; 4] = [
+        FeedPart::Cpu,
+        FeedPart::All,
+        FeedPart::CopyNs,
+        FeedPart::CopyBytes,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FeedPart::Cpu => "cpu",
+            FeedPart::All => "all",
+            FeedPart::CopyNs => "h2d_copy_ns",
+            FeedPart::CopyBytes => "h2d_copy_bytes",
+        }
+    }
+}
+
 pub const UNIT: UnitSpec = UnitSpec {
     names: &[NAME],
     reports: &[NAME],
@@ -93,7 +128,7 @@ const SYNC_WAIT_FAMILY: FamilySpec = FamilySpec {
 };
 const FEED_STALL_FAMILY: FamilySpec = FamilySpec {
     name: FEED_STALL,
-    help: "Seconds the pod's GPU sat idle while a thread feeding it was running or waiting to run (between a call that saw the pod's last GPU work done and that thread's next launch), by cause: cpu (the thread waited on a run queue), unexplained (the rest); only with --cuda-launches on kernels with sched_info (docs/metrics.md)",
+    help: "Seconds the pod's GPU sat idle while a thread feeding it was running or waiting to run (between a call that saw the pod's last GPU work done and that thread's next launch), by cause: cpu (the thread waited on a run queue), pcie_link (host-to-device copies slower than the degraded host link's full speed), host_event (within a host event's window: AER, link down, VM stopped), unexplained (the rest); only with --cuda-launches on kernels with sched_info (docs/metrics.md)",
     kind: Kind::SecondsCounter,
     scope: Scope::Pod,
     pod_labels: true,
@@ -152,6 +187,9 @@ pub struct CudaCgroup {
     pub feed_cpu_ns: u64,
     /// All feed stall (the GPU idle while a thread fed it), any cause.
     pub feed_idle_ns: u64,
+    /// Time in synchronous host-to-device copies (entry to return), and their bytes.
+    pub h2d_copy_ns: u64,
+    pub h2d_copy_bytes: u64,
 }
 
 unsafe impl plain::Plain for skel::types::cuda_cgroup {}
@@ -168,6 +206,8 @@ impl CudaCgroup {
             busy_ns: c.busy_ns,
             feed_cpu_ns: c.feed_cpu_ns,
             feed_idle_ns: c.feed_idle_ns,
+            h2d_copy_ns: c.h2d_copy_ns,
+            h2d_copy_bytes: c.h2d_copy_bytes,
             sync_wait: Hist::from_parts(&c.sync_wait.buckets, c.sync_wait.sum_ns),
         })
     }
@@ -184,6 +224,8 @@ impl CudaCgroup {
             busy_ns: d(self.busy_ns, earlier.busy_ns),
             feed_cpu_ns: d(self.feed_cpu_ns, earlier.feed_cpu_ns),
             feed_idle_ns: d(self.feed_idle_ns, earlier.feed_idle_ns),
+            h2d_copy_ns: d(self.h2d_copy_ns, earlier.h2d_copy_ns),
+            h2d_copy_bytes: d(self.h2d_copy_bytes, earlier.h2d_copy_bytes),
             sync_wait: self.sync_wait.delta_since(&earlier.sync_wait),
         }
     }
@@ -205,6 +247,8 @@ enum Prog {
     Map,
     Unmap,
     HtoD,
+    HtoDSync,
+    CopyRet,
     DtoH,
     Memcpy,
     Launch,
@@ -289,8 +333,18 @@ const SYMBOLS: &[(&str, Prog, Option<Prog>, bool)] = &[
     ("cuMemRelease", Prog::Release, None, false),
     ("cuMemMap", Prog::Map, None, false),
     ("cuMemUnmap", Prog::Unmap, None, false),
-    ("cuMemcpyHtoD_v2", Prog::HtoD, None, false),
-    ("cuMemcpyHtoD_v2_ptds", Prog::HtoD, None, false),
+    (
+        "cuMemcpyHtoD_v2",
+        Prog::HtoDSync,
+        Some(Prog::CopyRet),
+        false,
+    ),
+    (
+        "cuMemcpyHtoD_v2_ptds",
+        Prog::HtoDSync,
+        Some(Prog::CopyRet),
+        false,
+    ),
     ("cuMemcpyHtoDAsync_v2", Prog::HtoD, None, false),
     ("cuMemcpyHtoDAsync_v2_ptsz", Prog::HtoD, None, false),
     ("cuMemcpyDtoH_v2", Prog::DtoH, None, false),
@@ -506,6 +560,8 @@ impl CudaProbe {
             Prog::Map => &progs.cu_mem_map,
             Prog::Unmap => &progs.cu_mem_unmap,
             Prog::HtoD => &progs.cu_memcpy_htod,
+            Prog::HtoDSync => &progs.cu_memcpy_htod_sync,
+            Prog::CopyRet => &progs.cu_copy_ret,
             Prog::DtoH => &progs.cu_memcpy_dtoh,
             Prog::Memcpy => &progs.cu_memcpy,
             Prog::Launch => &progs.cu_launch_kernel,
@@ -719,14 +775,19 @@ impl CgroupSeries for CudaSeries {
             });
         }
         if self.feed_stall {
-            // a tick may read the run-queue part of a gap before its total:
-            // the rest then comes with the next tick's
-            let rest = d.feed_idle_ns.saturating_sub(d.feed_cpu_ns);
-            for (cause, ns) in [("cpu", d.feed_cpu_ns), ("unexplained", rest)] {
+            // The probes' raw account, by part, kept in the store under the family: /metrics
+            // shows the join's split by cause instead (`crate::join::feed_stall`), the one
+            // place that knows the host's link and events too.
+            for (part, v) in [
+                (FeedPart::Cpu, d.feed_cpu_ns),
+                (FeedPart::All, d.feed_idle_ns),
+                (FeedPart::CopyNs, d.h2d_copy_ns),
+                (FeedPart::CopyBytes, d.h2d_copy_bytes),
+            ] {
                 out.push(Delta {
                     family: FEED_STALL,
-                    labels: Labels::from([("cause", cause.to_string())]),
-                    value: Value::Count(ns),
+                    labels: Labels::from([(FEED_PART, part.as_str().to_string())]),
+                    value: Value::Count(v),
                 });
             }
         }
@@ -843,8 +904,20 @@ garbage line
     fn decode_cgroup() {
         let mut b = Vec::new();
         // vram, h2d, d2h, launches, busy_ns, busy_since, busy_streams,
-        // feed_cpu_ns, feed_idle_ns
-        for v in [-4096i64 as u64, 10, 20, 3, 7_000, 1_000, 1, 300, 500] {
+        // feed_cpu_ns, feed_idle_ns, h2d_copy_ns, h2d_copy_bytes
+        for v in [
+            -4096i64 as u64,
+            10,
+            20,
+            3,
+            7_000,
+            1_000,
+            1,
+            300,
+            500,
+            900,
+            4096,
+        ] {
             b.extend_from_slice(&v.to_ne_bytes());
         }
         // the sync-wait histogram (bpf/hist.h): two waits under 2^17 ns
@@ -862,6 +935,7 @@ garbage line
         assert_eq!((c.h2d_bytes, c.d2h_bytes, c.launches), (10, 20, 3));
         assert_eq!(c.busy_ns, 7_000, "an interval still open is left out");
         assert_eq!((c.feed_cpu_ns, c.feed_idle_ns), (300, 500));
+        assert_eq!((c.h2d_copy_ns, c.h2d_copy_bytes), (900, 4096));
         assert_eq!((c.sync_wait.count, c.sync_wait.sum_ns), (3, 40_000_000_000));
         assert_eq!(c.sync_wait.buckets[7], 2);
         assert!(CudaCgroup::from_bytes(&b[..b.len() - 1]).is_none());

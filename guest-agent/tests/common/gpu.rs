@@ -240,6 +240,44 @@ impl FeedClient {
     }
 }
 
+/// [`FeedClient::command`]'s command with a synchronous copy of `bytes` to the device before
+/// each launch, taking bytes / the bandwidth written in `link` (bytes a second), each copy
+/// recorded in `copies` ([`FeedCopy`]).
+pub fn with_copies(command: String, bytes: u64, link: &Path, copies: &Path) -> String {
+    format!(
+        "STANDIN_LINK={} STANDIN_COPIES={} {command} {bytes}",
+        link.display(),
+        copies.display()
+    )
+}
+
+/// One synchronous copy to the stand-in's device (fake_libcuda.c, `STANDIN_COPIES`): when it
+/// began and ended (CLOCK_MONOTONIC ns) and its bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct FeedCopy {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub bytes: u64,
+}
+
+impl FeedCopy {
+    /// Every copy recorded in `path` so far.
+    pub fn read_all(path: &Path) -> Vec<FeedCopy> {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace().map(|w| w.parse::<u64>().ok());
+                Some(FeedCopy {
+                    start_ns: f.next()??,
+                    end_ns: f.next()??,
+                    bytes: f.next()??,
+                })
+            })
+            .collect()
+    }
+}
+
 /// One idle gap of the stand-in's device (fake_libcuda.c, `STANDIN_GAPS`): from the end of its
 /// last work to the launch that ended the gap (CLOCK_MONOTONIC us), and how much the launching
 /// thread's schedstat run_delay grew from its sleep waiting for the device to that launch.

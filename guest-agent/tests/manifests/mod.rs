@@ -256,6 +256,13 @@ pub fn keda_application_overlay() -> Vec<Value> {
          spec:\n      containers:\n        - name: server\n          image: registry.example.com/chat:1\n",
     )
     .unwrap();
+    // the component's query with the app's label value wherever it selects the app
+    let text = std::fs::read_to_string(keda.join("scaledobject.yaml")).unwrap();
+    let so = &yaml_documents(&text, "scaledobject.yaml")[0];
+    let query = so["spec"]["triggers"][0]["metadata"]["query"]
+        .as_str()
+        .unwrap()
+        .replace("app=\"inference-server\"", "app=\"chat\"");
     let k = format!(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: ml\n\
          resources:\n  - deployment.yaml\n\
@@ -263,8 +270,9 @@ pub fn keda_application_overlay() -> Vec<Value> {
          patches:\n  - target: {{group: keda.sh, kind: ScaledObject, name: inference-server-gpu}}\n    \
          patch: |-\n      - op: replace\n        path: /spec/scaleTargetRef/name\n        value: chat\n      \
          - op: replace\n        path: /spec/triggers/0/metadata/query\n        \
-         value: sum(max by (namespace, pod) (sum by (namespace, pod, gpu) (ebpf_gpu_active_compute_duty_cycle{{app=\"chat\"}})))\n",
+         value: {query}\n",
         keda = keda.strip_prefix("/").unwrap().display(),
+        query = serde_json::to_string(&query).unwrap(),
     );
     std::fs::write(dir.path().join("kustomization.yaml"), k).unwrap();
     try_kustomize(dir.path()).unwrap_or_else(|e| panic!("kubectl kustomize: {e}"))
