@@ -845,10 +845,14 @@ fn iperf3_listening(ns: &str) -> Proc {
     p
 }
 
-/// What one datapath case measured: (ours, the pod-side interface's) for egress and ingress.
+/// What one datapath case measured: (ours, the pod-side interface's) for egress and ingress,
+/// and (ours, the qdisc's) for the drops a token bucket on the pod's interface made, with the
+/// reasons the agent gave them.
 struct Measured {
     egress: (f64, f64),
     ingress: (f64, f64),
+    drops: (f64, f64),
+    reasons: Vec<String>,
 }
 
 /// One pod on `path`: an upload and a download (iperf3, 2 s each) to a server
@@ -959,10 +963,32 @@ fn datapath_case(path: Datapath) -> Measured {
     std::thread::sleep(Duration::from_millis(900));
     let (eg1, in1, tx1, rx1, htx1) = read();
     let host_tx = (htx1 - htx0) as f64;
+    // Drops by reason on this datapath: a token bucket on the pod's interface that a UDP
+    // upload overflows; each drop the qdisc counts is the pod's, with its reason.
+    sh(&format!(
+        "ip netns exec {pod_ns} tc qdisc add dev eth0 root tbf rate 10mbit burst 10kb limit 20kb"
+    ));
+    let drops = || {
+        let s = agent.scrape();
+        let ours = find(&s, DROPS, &[("pod", &uid), ("direction", "egress")]);
+        let reasons: Vec<String> = ours.iter().map(|x| x.label("reason").to_string()).collect();
+        (ours.iter().map(|x| x.value).sum::<f64>(), reasons)
+    };
+    let ((ours0, _), d0) = (drops(), qdisc_dropped(Some(&pod_ns), "eth0"));
+    let flood = pod.spawn(&format!("exec iperf3 -c {far_ip} -u -b 100M -t 2"));
+    pod.wait_exit(flood, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(900));
+    let ((ours1, reasons), d1) = (drops(), qdisc_dropped(Some(&pod_ns), "eth0"));
     let m = Measured {
         egress: (eg1 - eg0, (tx1 - tx0) as f64),
         ingress: (in1 - in0, (rx1 - rx0) as f64),
+        drops: (ours1 - ours0, (d1 - d0) as f64),
+        reasons,
     };
+    eprintln!(
+        "{path:?}: drops ours {} ({:?}), the qdisc's {}",
+        m.drops.0, m.reasons, m.drops.1
+    );
     eprintln!(
         "{path:?}: egress ours {} pod-side tx {} ({:+.3}%); ingress ours {} pod-side rx {} ({:+.3}%); host-side veth tx {host_tx}",
         m.egress.0,
@@ -1019,7 +1045,8 @@ fn datapath_case(path: Datapath) -> Measured {
 /// A pod's bytes in both directions hold on each of the datapaths Cilium uses: a plain
 /// veth, tc redirects both ways with bpf_redirect_neigh, and BPF host routing (ingress by
 /// bpf_redirect_peer, which the host-side veth's egress never sees): each within 2% of
-/// the pod-side interface's own counters, read inside the pod's namespace.
+/// the pod-side interface's own counters, read inside the pod's namespace; and the drops a
+/// shaped upload provokes equal the qdisc's own count, each with the kernel's reason.
 #[test]
 fn pod_bytes_match_the_pod_side_interface_on_each_datapath() {
     let Some(_lock) = require_root() else { return };
@@ -1039,5 +1066,16 @@ fn pod_bytes_match_the_pod_side_interface_on_each_datapath() {
                 "{path:?} {dir}: ours {ours} vs the pod-side interface {theirs}"
             );
         }
+        let (ours, qdisc) = m.drops;
+        assert!(
+            qdisc > 100.0,
+            "{path:?}: the token bucket overflowed ({qdisc} drops)"
+        );
+        assert_eq!(ours, qdisc, "{path:?}: drops equal the qdisc's own counter");
+        assert!(
+            m.reasons.iter().all(|r| r.starts_with("qdisc_")),
+            "{path:?}: the kernel's reasons: {:?}",
+            m.reasons
+        );
     }
 }
