@@ -28,8 +28,29 @@ pub fn get<A: ToSocketAddrs + Display>(addr: A, path: &str) -> Option<String> {
     }
 }
 
+/// `q` as a URL query value: every byte but ASCII letters and digits percent-encoded.
+pub fn query_encode(q: &str) -> String {
+    q.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn query_values_are_percent_encoded() {
+        assert_eq!(
+            super::query_encode("rate(x{a=\"b\"}[1m])"),
+            "rate%28x%7Ba%3D%22b%22%7D%5B1m%5D%29"
+        );
+    }
+
     use super::*;
     use std::net::TcpListener;
 

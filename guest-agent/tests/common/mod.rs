@@ -648,17 +648,13 @@ impl Prometheus {
 
     /// Instant query; returns the result vector, or the error Prometheus gave.
     pub fn query(&self, q: &str) -> Result<Vec<serde_json::Value>, String> {
-        let enc: String = q
-            .bytes()
-            .map(|b| {
-                if b.is_ascii_alphanumeric() {
-                    (b as char).to_string()
-                } else {
-                    format!("%{b:02X}")
-                }
-            })
-            .collect();
-        let body = http_get_any(self.addr, &format!("/api/v1/query?query={enc}"));
+        let body = http_get_any(
+            self.addr,
+            &format!(
+                "/api/v1/query?query={}",
+                gpufeed_testkit::http::query_encode(q)
+            ),
+        );
         let v: serde_json::Value =
             serde_json::from_str(&body).map_err(|e| format!("{e}: {body}"))?;
         if v["status"] != "success" {

@@ -8,7 +8,6 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -70,19 +69,8 @@ pub fn receiver_bin() -> Option<PathBuf> {
     None
 }
 
-/// A minimal HTTP/1.0 GET: status and body.
-fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).ok()?;
-    let (head, body) = buf.split_once("\r\n\r\n")?;
-    Some((
-        head.split_whitespace().nth(1)?.parse().ok()?,
-        body.to_string(),
-    ))
-}
+use gpufeed_testkit::http::{get_status as get, query_encode};
+use gpufeed_testkit::prom;
 
 impl OtlpReceiver {
     /// Started on a free loopback port and ready; `None` (a SKIP line) when the receiver
@@ -132,18 +120,11 @@ impl OtlpReceiver {
 
     /// Instant query: the result vector.
     pub fn query(&self, q: &str) -> Vec<serde_json::Value> {
-        let enc: String = q
-            .bytes()
-            .map(|b| {
-                if b.is_ascii_alphanumeric() {
-                    (b as char).to_string()
-                } else {
-                    format!("%{b:02X}")
-                }
-            })
-            .collect();
-        let (code, body) =
-            get(self.addr, &format!("/api/v1/query?query={enc}")).expect("query the receiver");
+        let (code, body) = get(
+            self.addr,
+            &format!("/api/v1/query?query={}", query_encode(q)),
+        )
+        .expect("query the receiver");
         assert_eq!(code, 200, "{q}: {body}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         v["data"]["result"].as_array().cloned().unwrap_or_default()
@@ -179,36 +160,13 @@ impl OtlpReceiver {
 /// The series of a text exposition, keyed as [`OtlpReceiver::series`] keys them (empty
 /// labels left out).
 pub fn exposition(text: &str) -> BTreeMap<Key, f64> {
-    let mut out = BTreeMap::new();
-    for line in text.lines() {
-        if line.starts_with('#') || line.trim().is_empty() {
-            continue;
-        }
-        let (series, value) = line.rsplit_once(' ').unwrap();
-        let value: f64 = match value {
-            "+Inf" => f64::INFINITY,
-            "-Inf" => f64::NEG_INFINITY,
-            v => v.parse().unwrap(),
-        };
-        let (name, labels) = match series.split_once('{') {
-            Some((n, rest)) => {
-                let mut labels = BTreeMap::new();
-                let mut s = rest.strip_suffix('}').unwrap();
-                while !s.is_empty() {
-                    let (k, rest) = s.split_once("=\"").unwrap();
-                    let end = rest.find('"').unwrap();
-                    if end > 0 {
-                        labels.insert(k.trim_start_matches(',').to_string(), rest[..end].into());
-                    }
-                    s = rest[end + 1..].trim_start_matches(',');
-                }
-                (n.to_string(), labels)
-            }
-            None => (series.to_string(), BTreeMap::new()),
-        };
-        out.insert((name, labels), value);
-    }
-    out
+    prom::parse(text)
+        .into_iter()
+        .map(|mut x| {
+            x.labels.retain(|_, v| !v.is_empty());
+            ((x.name, x.labels), x.value)
+        })
+        .collect()
 }
 
 pub fn key(name: &str, labels: &[(&str, &str)]) -> Key {
