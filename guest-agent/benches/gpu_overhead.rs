@@ -252,7 +252,7 @@ fn cuda(dir: &Path) {
 
     // per call
     let what = [
-        "entry uprobe (default set)",
+        "entry uprobe + uretprobe timing the copy (default set)",
         "entry uprobe + uretprobe (default set; busy-estimate work with the launch set)",
         "entry uprobe, stack read, map update (launch set)",
         "entry uprobe, two address-range lookups (default set)",
