@@ -972,8 +972,16 @@ fn host_rows_and_annotations_show_the_provoked_host() {
             .filter(|o| o.status.success())
     });
     assert!(sent.is_some(), "iperf3 through the VM's port");
-    let nic_tx = nic("tx_bytes") - before.2;
-    let nic_rx = nic("rx_bytes") - before.3;
+    // iperf3 returns when its data is written, not when the last segments (the tail of the
+    // send queue, FIN, ACKs) have crossed the NIC: its counters once two reads 300 ms apart
+    // agree (a single read right away once found 231,689 of the 300 kB, under load)
+    let (nic_tx, nic_rx) = wait_for(Duration::from_secs(10), || {
+        let a = (nic("tx_bytes"), nic("rx_bytes"));
+        std::thread::sleep(Duration::from_millis(300));
+        let b = (nic("tx_bytes"), nic("rx_bytes"));
+        (a == b).then_some((b.0 - before.2, b.1 - before.3))
+    })
+    .expect("the VM's NIC counters stand still after the upload");
     assert!(
         nic_tx >= 300 * 1024,
         "the upload left the VM's NIC: {nic_tx}"
