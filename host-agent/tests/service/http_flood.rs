@@ -10,7 +10,7 @@
 //!   link change: a failed read of its own is not a link going down. Once the flood ends it
 //!   serves again.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 

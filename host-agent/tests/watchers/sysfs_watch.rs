@@ -2,7 +2,7 @@
 //! produce exactly the expected events, with old and new values, within two poll intervals;
 //! nothing fires when nothing changed.
 
-mod common;
+use crate::common;
 
 use common::*;
 use gpufeed_host::agent::Agent;

@@ -4,7 +4,7 @@
 //! (`bridge.netns`). Per-VMID bytes must agree within 1% with the interface counters, with
 //! directions from the VM's side.
 
-mod common;
+use crate::common;
 
 use gpufeed_host::agent::Agent;
 use gpufeed_shared::event::{DeviceAction, HostEvent};

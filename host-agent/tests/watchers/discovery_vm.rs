@@ -2,7 +2,7 @@
 //! warn with file and line and the rest is still used. VM state from pid files, /proc and QMP,
 //! with the AER cause of a stop and the vCPU run delay.
 
-mod common;
+use crate::common;
 
 use common::*;
 use gpufeed_host::agent::Agent;

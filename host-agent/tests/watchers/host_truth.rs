@@ -4,7 +4,7 @@
 //! router. Each test drives the watcher's core (`*Poller::poll`) on a recorded tree in the
 //! kernel's exact formats (`tests/common`).
 
-mod common;
+use crate::common;
 
 use common::*;
 use gpufeed_host::discovery::discover;

@@ -4,7 +4,7 @@
 //! bound to root ports, the lockdown mode). Then the binary: its exit status, and the running
 //! agent's `gpufeed_check_ok`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -9,8 +9,8 @@
 //! `gpufeed-host certs init` writes for a host, installed as /etc/gpufeed with the documented
 //! copy, is what the packaged unit's command line runs with.
 
-mod common;
-mod stream_support;
+use crate::common;
+use crate::stream_support;
 
 use std::path::Path;
 use std::process::Command;

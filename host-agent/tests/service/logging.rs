@@ -3,7 +3,7 @@
 //! socket of its own where systemd-journal-logger sends (`/run/systemd/journal/socket`, inside
 //! a private mount namespace of the agent) and reads the native-protocol payloads.
 
-mod common;
+use crate::common;
 
 use common::{require_root, Tree};
 use std::collections::BTreeMap;

@@ -4,7 +4,7 @@
 //! VM watcher, whose poll opens a QEMU pid file that is a FIFO nobody writes (the open never
 //! returns), while the process, its runtime and /metrics stay up.
 
-mod common;
+use crate::common;
 
 use std::os::unix::net::UnixDatagram;
 use std::process::{Command, Stdio};

@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-const UNIT: &str = include_str!("../../systemd/gpufeed-host.service");
+const UNIT: &str = include_str!("../../../systemd/gpufeed-host.service");
 
 fn directive(key: &str) -> Vec<&'static str> {
     UNIT.lines()

@@ -5,7 +5,7 @@
 //! Thunderbolt and PCI uevents cannot be produced without the hardware; their routing is tested
 //! on the kernel's exact messages in `uevent.rs`.
 
-mod common;
+use crate::common;
 
 use gpufeed_host::uevent::{react, spawn_listener, Uevent};
 use std::process::Command;

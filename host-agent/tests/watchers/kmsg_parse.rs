@@ -6,7 +6,7 @@ use gpufeed_shared::event::KmsgClass::*;
 
 #[test]
 fn recorded_egpu_stream_is_classified() {
-    let text = include_str!("fixtures/kmsg-egpu.txt");
+    let text = include_str!("../fixtures/kmsg-egpu.txt");
     let mut seq = SeqTracker::default();
     let mut got = Vec::new();
     let mut bad = 0;
@@ -106,7 +106,7 @@ fn mutate(rng: &mut fastrand::Rng, seed: &[u8]) -> Vec<u8> {
 #[test]
 fn parsers_never_panic_on_random_and_mutated_input() {
     let seeds: Vec<Vec<u8>> = vec![
-        include_bytes!("fixtures/kmsg-egpu.txt").to_vec(),
+        include_bytes!("../fixtures/kmsg-egpu.txt").to_vec(),
         b"3,1205,5123456789,-,caller=T98;pcieport 0000:00:1c.4: AER: Correctable error message received from 0000:0a:00.0\n SUBSYSTEM=pci\n DEVICE=+pci:0000:00:1c.4\n".to_vec(),
         b"RxErr 0\nBadTLP 3\ndev_cor_errs_bit[9] 3\nTOTAL_ERR_COR 7\n".to_vec(),
         b"16.0 GT/s PCIe\n".to_vec(),

@@ -7,8 +7,8 @@
 //! and never answers: the agent (one current-thread runtime for everything) counts each
 //! timed-out export and still answers every scrape promptly, its memory and sockets bounded.
 
-mod common;
-#[path = "../../guest-agent/tests/common/otlp_receiver.rs"]
+use crate::common;
+#[path = "../../../guest-agent/tests/common/otlp_receiver.rs"]
 mod otlp_receiver;
 
 use std::process::{Child, Command, Stdio};
