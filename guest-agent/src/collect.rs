@@ -984,19 +984,12 @@ mod tests {
         let (old, new, init) = (pod(Some("old")), pod(Some("new")), pod(Some("init")));
         let pods = PodStore::default();
         pods.upsert(crate::pods::PodMeta {
-            uid: UID.into(),
-            namespace: "ns".into(),
-            name: "p".into(),
-            labels: Default::default(),
-            annotations: Default::default(),
             containers: HashMap::from([
                 ("old".into(), "main".into()),
                 ("new".into(), "main".into()),
                 ("init".into(), "setup".into()),
             ]),
-            ips: vec![],
-            host_network: false,
-            deleted_at: None,
+            ..crate::pods::PodMeta::named(UID, "ns", "p")
         });
         let mut owners = FxHashMap::from_iter([
             (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),

@@ -755,15 +755,8 @@ mod tests {
         assert!(before.contains(&format!("pod=\"{UID}\"")));
         // The API names the pod: the cached label text is rebuilt.
         pods.upsert(PodMeta {
-            uid: UID.into(),
-            namespace: "ml".into(),
-            name: "vllm-0".into(),
-            labels: Default::default(),
-            annotations: Default::default(),
             containers: HashMap::from([(CID.to_string(), "server".to_string())]),
-            ips: vec![],
-            host_network: false,
-            deleted_at: None,
+            ..PodMeta::named(UID, "ml", "vllm-0")
         });
         let after = text(&c);
         assert!(!after.contains(UID), "{after}");

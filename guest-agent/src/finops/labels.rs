@@ -98,24 +98,16 @@ fn is_label_key(key: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::{BTreeMap, HashMap};
 
     use super::*;
 
     fn meta(labels: &[(&str, &str)]) -> PodMeta {
         PodMeta {
-            uid: "u".into(),
-            namespace: "ns".into(),
-            name: "p".into(),
             labels: labels
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-            annotations: BTreeMap::new(),
-            containers: HashMap::new(),
-            ips: vec![],
-            host_network: false,
-            deleted_at: None,
+            ..PodMeta::named("u", "ns", "p")
         }
     }
 

@@ -340,17 +340,7 @@ mod tests {
         assert_eq!((out[0].count, out[0].p99), (10, 70.0));
         assert_eq!(out[0].pod, PodKey::new("", "u1", "u1"));
         // named by the API
-        pods.upsert(crate::pods::PodMeta {
-            uid: "u1".into(),
-            namespace: "ml".into(),
-            name: "vllm-0".into(),
-            labels: Default::default(),
-            annotations: Default::default(),
-            containers: Default::default(),
-            ips: vec![],
-            host_network: false,
-            deleted_at: None,
-        });
+        pods.upsert(crate::pods::PodMeta::named("u1", "ml", "vllm-0"));
         let out = merged(&mut merge, &second, &pods, 3);
         assert_eq!(out[0].pod, PodKey::new("ml", "vllm-0", "u1"));
         assert_eq!(merge.windows().count(), 1);

@@ -160,17 +160,7 @@ mod tests {
             feed: uids.iter().map(|(u, f)| (u.to_string(), *f)).collect(),
             ..TickReport::default()
         };
-        pods.upsert(crate::pods::PodMeta {
-            uid: "u2".into(),
-            namespace: "ml".into(),
-            name: "vllm-0".into(),
-            labels: Default::default(),
-            annotations: Default::default(),
-            containers: Default::default(),
-            ips: vec![],
-            host_network: false,
-            deleted_at: None,
-        });
+        pods.upsert(crate::pods::PodMeta::named("u2", "ml", "vllm-0"));
         let report = tick(&[
             ("u1", raw(1_000_000_000, 1_500_000_000)),
             ("u2", raw(500_000_000, 3_000_000_000)),

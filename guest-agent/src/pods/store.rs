@@ -15,7 +15,7 @@ pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
 /// Annotations not kept in the store (large and useless for labelling).
 const DROPPED_ANNOTATIONS: &[&str] = &["kubectl.kubernetes.io/last-applied-configuration"];
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct PodMeta {
     pub uid: String,
     pub namespace: String,
@@ -33,6 +33,18 @@ pub struct PodMeta {
 }
 
 impl PodMeta {
+    /// A pod the API named, with nothing else known: what unit tests start from (a test sets
+    /// the fields it needs with `PodMeta { ips, ..PodMeta::named(..) }`).
+    #[cfg(test)]
+    pub fn named(uid: &str, namespace: &str, name: &str) -> PodMeta {
+        PodMeta {
+            uid: uid.into(),
+            namespace: namespace.into(),
+            name: name.into(),
+            ..PodMeta::default()
+        }
+    }
+
     /// Build from an API Pod object. `None` when the object has no UID (never the case for
     /// objects the API server returns).
     pub fn from_pod(pod: &Pod) -> Option<PodMeta> {
@@ -311,15 +323,10 @@ mod tests {
 
     fn meta(uid: &str, ips: &[&str]) -> PodMeta {
         PodMeta {
-            uid: uid.into(),
-            namespace: "ns".into(),
-            name: format!("pod-{uid}"),
             labels: BTreeMap::from([("app".into(), "x".into())]),
-            annotations: BTreeMap::new(),
             containers: HashMap::from([("c1".into(), "main".into())]),
             ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
-            host_network: false,
-            deleted_at: None,
+            ..PodMeta::named(uid, "ns", &format!("pod-{uid}"))
         }
     }
 

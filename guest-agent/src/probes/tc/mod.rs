@@ -580,15 +580,8 @@ mod tests {
 
     fn pod(uid: &str, egress: &str) -> PodMeta {
         PodMeta {
-            uid: uid.into(),
-            namespace: "ns".into(),
-            name: uid.into(),
-            labels: Default::default(),
             annotations: [(bandwidth::EGRESS.to_string(), egress.to_string())].into(),
-            containers: Default::default(),
-            ips: vec![],
-            host_network: false,
-            deleted_at: None,
+            ..PodMeta::named(uid, "ns", uid)
         }
     }
 
