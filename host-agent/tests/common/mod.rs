@@ -430,6 +430,34 @@ pub fn base_config(t: &Tree, poll_ms: u64) -> gpufeed_host::config::Config {
     c
 }
 
+/// The binary's config file for the recorded host in `t`: `host_id`, its tree as the root,
+/// /metrics on a free loopback port, links and AER read every 100 ms and the watchers that
+/// would read this machine (bridge, host, QMP, uevents) off; `extra` is appended (more
+/// sections). Returns the file and the /metrics address.
+pub fn recorded_host_config(
+    t: &Tree,
+    host_id: &str,
+    extra: &str,
+) -> (PathBuf, std::net::SocketAddr) {
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let cfg = t.p("host.toml");
+    fs::write(
+        &cfg,
+        format!(
+            "host_id = \"{host_id}\"\nroot = {:?}\nmetrics_listen = \"{addr}\"\n\
+             [pcie]\npoll_interval_ms = 100\n[aer]\npoll_interval_ms = 100\n\
+             [bridge]\nenabled = false\n[host]\nenabled = false\n[vm]\nqmp = false\n\
+             [thunderbolt]\nuevents = false\n{extra}",
+            t.root().display().to_string()
+        ),
+    )
+    .unwrap();
+    (cfg, addr)
+}
+
 // The shared test kit's: root-needing tests skip on a laptop and fail under CI=true; a GET of
 // an agent's page.
 #[allow(unused_imports)]

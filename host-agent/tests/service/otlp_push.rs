@@ -32,23 +32,7 @@ fn start(otlp: &str, flags: &[&str]) -> (Killed, String, std::path::PathBuf, Tre
     let t = Tree::new();
     topology(&t);
     pve_basic(&t);
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let cfg = t.p("host.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "host_id = \"otlptest\"\nroot = {:?}\nmetrics_listen = \"{addr}\"\n\
-             [pcie]\npoll_interval_ms = 100\n[aer]\npoll_interval_ms = 100\n\
-             [bridge]\nenabled = false\n[host]\nenabled = false\n[vm]\nqmp = false\n\
-             [thunderbolt]\nuevents = false\n\
-             [otlp]\n{otlp}",
-            t.root().display().to_string(),
-        ),
-    )
-    .unwrap();
+    let (cfg, addr) = recorded_host_config(&t, "otlptest", &format!("[otlp]\n{otlp}"));
     let log = t.p("agent.log");
     let agent = Killed(
         Command::new(env!("CARGO_BIN_EXE_gpufeed-host"))
