@@ -285,3 +285,32 @@ pub fn is_custom_resource(obj: &Value) -> bool {
         Some("keda.sh/v1alpha1" | "monitoring.coreos.com/v1")
     )
 }
+
+/// The shipped ScaledObject's trigger (`components/keda/`) and replica bounds.
+pub struct Scaler {
+    pub query: String,
+    pub metric_type: String,
+    pub threshold: f64,
+    pub min: u32,
+    pub max: u32,
+}
+
+pub fn shipped_scaler() -> Scaler {
+    let text = std::fs::read_to_string(kustomize_dir("components/keda/scaledobject.yaml")).unwrap();
+    let so = &yaml_documents(&text, "scaledobject.yaml")[0];
+    let t = &so["spec"]["triggers"][0];
+    Scaler {
+        query: t["metadata"]["query"].as_str().unwrap().to_string(),
+        metric_type: t["metricType"]
+            .as_str()
+            .unwrap_or("AverageValue")
+            .to_string(),
+        threshold: t["metadata"]["threshold"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap(),
+        min: so["spec"]["minReplicaCount"].as_u64().unwrap() as u32,
+        max: so["spec"]["maxReplicaCount"].as_u64().unwrap() as u32,
+    }
+}

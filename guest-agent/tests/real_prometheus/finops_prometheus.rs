@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::gpu::*;
 use common::*;
-use manifests::{kustomize_dir, yaml_documents};
+use manifests::{kustomize_dir, shipped_scaler, yaml_documents};
 
 const NODE: &str = "gpu-node-finops-prom";
 const GIB: u64 = 1 << 30;
@@ -27,31 +27,6 @@ const SEED_QUERY: &str = "sum(rate(ebpf_gpu_compute_time_seconds_total{namespace
 /// ... as it was meant: the same average with the division's label sets matching (the
 /// original divides a vector labelled `app` by one without labels, which matches nothing).
 const SEED_MEANT: &str = "sum(rate(ebpf_gpu_compute_time_seconds_total{namespace=\"ml\", app=\"APP\"}[30s])) / count(ebpf_gpu_compute_time_seconds_total{namespace=\"ml\", app=\"APP\"})";
-
-/// The shipped ScaledObject's trigger and replica bounds.
-struct Scaler {
-    query: String,
-    threshold: f64,
-    min: u32,
-    max: u32,
-}
-
-fn shipped_scaler() -> Scaler {
-    let text = std::fs::read_to_string(kustomize_dir("components/keda/scaledobject.yaml")).unwrap();
-    let so = &yaml_documents(&text, "scaledobject.yaml")[0];
-    let t = &so["spec"]["triggers"][0];
-    assert_eq!(t["metricType"].as_str(), Some("AverageValue"));
-    Scaler {
-        query: t["metadata"]["query"].as_str().unwrap().to_string(),
-        threshold: t["metadata"]["threshold"]
-            .as_str()
-            .unwrap()
-            .parse()
-            .unwrap(),
-        min: so["spec"]["minReplicaCount"].as_u64().unwrap() as u32,
-        max: so["spec"]["maxReplicaCount"].as_u64().unwrap() as u32,
-    }
-}
 
 /// What the HPA makes of an AverageValue target: `ceil(value / target)` replicas, within the
 /// bounds (the current count cancels out: the usage ratio is value ÷ (target × current)).
@@ -156,6 +131,7 @@ async fn prometheus_evaluates_the_scaler_queries_the_mps_advice_and_the_rules() 
     // KEDA: the shipped query over a full duty window of both servers busy, and the original
     // design's, each as the replica count the HPA gets
     let shipped = shipped_scaler();
+    assert_eq!(shipped.metric_type, "AverageValue");
     let query_of = |app: &str| shipped.query.replace("inference-server", app);
     // (its 30 s rate window shortened to the seconds this test runs: the window changes
     // neither the matching nor the averaging)

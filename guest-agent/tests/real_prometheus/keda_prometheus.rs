@@ -16,36 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use manifests::{kustomize_dir, yaml_documents};
-
-/// The shipped ScaledObject's trigger and replica bounds.
-struct Scaler {
-    query: String,
-    metric_type: String,
-    threshold: f64,
-    min: u32,
-    max: u32,
-}
-
-fn shipped_scaler() -> Scaler {
-    let text = std::fs::read_to_string(kustomize_dir("components/keda/scaledobject.yaml")).unwrap();
-    let so = &yaml_documents(&text, "scaledobject.yaml")[0];
-    let t = &so["spec"]["triggers"][0];
-    Scaler {
-        query: t["metadata"]["query"].as_str().unwrap().to_string(),
-        metric_type: t["metricType"]
-            .as_str()
-            .unwrap_or("AverageValue")
-            .to_string(),
-        threshold: t["metadata"]["threshold"]
-            .as_str()
-            .unwrap()
-            .parse()
-            .unwrap(),
-        min: so["spec"]["minReplicaCount"].as_u64().unwrap() as u32,
-        max: so["spec"]["maxReplicaCount"].as_u64().unwrap() as u32,
-    }
-}
+use manifests::{shipped_scaler, Scaler};
 
 impl Scaler {
     /// The replica count the HPA sets from the trigger's `value` with `current` replicas (the
