@@ -190,15 +190,28 @@ fn from_journal(actions: &mut [Action], journal: &[Value], dev: &str, port: &str
                     }
                 }
                 Kind::Unplug | Kind::Replug => {
+                    // the earliest event the guest lists as this link's `link_down`/`link_up`:
+                    // the link's change, or on kernels with `pci:pci_hp_event` the slot's
+                    // hotplug record (CARD_PRESENT comes before the link is read)
+                    let unplug = a.kind == Kind::Unplug;
                     let c = &ev["PcieLinkChange"];
-                    let down = c["new_width"].as_u64() == Some(0);
-                    if a.agent.is_none()
-                        && c["bdf"] == dev
+                    let link = c["bdf"] == dev
                         && c["new_width"].is_u64()
-                        && down == (a.kind == Kind::Unplug)
-                    {
+                        && (c["new_width"].as_u64() == Some(0)) == unplug;
+                    let h = &ev["PciHotplug"];
+                    let slot = h["port"] == port
+                        && h["event"].as_str().is_some_and(|e| {
+                            let down = matches!(e, "LINK_DOWN" | "CARD_NOT_PRESENT");
+                            let up = matches!(e, "LINK_UP" | "CARD_PRESENT");
+                            (down && unplug) || (up && !unplug)
+                        });
+                    if (link || slot) && a.agent.is_none_or(|t| at < t) {
                         a.agent = Some(at);
-                        a.source = c["source"].as_str().unwrap_or("?").to_string();
+                        a.source = if link {
+                            format!("link change, {}", c["source"].as_str().unwrap_or("?"))
+                        } else {
+                            format!("pci_hp_event {}", h["event"].as_str().unwrap_or("?"))
+                        };
                     }
                     // pciehp's first log record about the slot after the command
                     let k = &ev["Kmsg"];
