@@ -193,7 +193,7 @@ impl Join {
     }
 
     #[cfg(test)]
-    pub(super) fn tx_for_tests(&self) -> &SyncSender<Input> {
+    pub(crate) fn tx_for_tests(&self) -> &SyncSender<Input> {
         &self.tx
     }
 

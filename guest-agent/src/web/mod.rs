@@ -4,9 +4,11 @@
 //! `/api/picture` (one event's picture, for those `/api/state` leaves out).
 //!
 //! These answers are bounded whatever the history (see [`crate::incident::PICTURES_IN_STATE`]),
-//! and each of `/events` and `/api/state` is rendered at most once per [`FRESH_FOR`] and shared:
-//! however many clients ask at once (the port is on the host's network, every pod of the node
-//! reaches it), the agent holds one rendering, and they wait for it rather than render their own.
+//! and each of `/events` and `/api/state` is rendered once and shared: however many clients ask
+//! at once (the port is on the host's network, every pod of the node reaches it), the agent
+//! holds one rendering, and they wait for it rather than render their own. `/api/state` is
+//! rendered at most once per [`FRESH_FOR`]; `/events` again as soon as the join has published
+//! new events, at most once per [`EVENTS_EVERY`], so a host event is listed as it is counted.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,7 +22,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use serde::Deserialize;
 
-use crate::join::Join;
+use crate::join::{Answers, Join};
 
 /// The page at `/`.
 pub const PAGE: &str = include_str!("index.html");
@@ -52,37 +54,80 @@ pub fn events_json(join: &Join) -> serde_json::Value {
     v
 }
 
-/// How long a rendering of `/events` or `/api/state` is served before the next request renders
-/// anew (the page polls every 5 s).
+/// How long a rendering of `/api/state` is served before the next request renders anew (the
+/// page polls every 5 s).
 pub const FRESH_FOR: Duration = Duration::from_secs(1);
+
+/// `/events` is rendered again at most this often while the join keeps publishing (in a burst
+/// it publishes after every batch of inputs, which can be every event): a bound on the
+/// renderings that clients polling through a flapping link's burst cause, at most 50 a second;
+/// a rendering of events the join has not replaced since is served however old it is. One
+/// kernel incident is often two or three events published a few ms apart (an AER error's
+/// counter, its root port's total, a log record): 100 ms here held the second one back in the
+/// lab's benchmark (`lab/examples/answer_latency`) by about 100 ms.
+pub const EVENTS_EVERY: Duration = Duration::from_millis(20);
 
 /// Renders one JSON answer.
 type Render = Box<dyn Fn() -> BoxFuture<'static, Vec<u8>> + Send + Sync>;
 
-/// One JSON answer, rendered at most once per [`FRESH_FOR`] and shared by the requests that
-/// come meanwhile (they wait for the rendering under way instead of starting their own).
+/// When a rendering is served again instead of a new one.
+enum Fresh {
+    /// For this long after it was rendered.
+    For(Duration),
+    /// While the join's published answers are the ones it was rendered from, and for at least
+    /// the given time even when they are not (a bound on renderings in a burst).
+    WhilePublished(Join, Duration),
+}
+
+/// One rendering and what it was made from.
+struct Rendering {
+    at: Instant,
+    /// the join's answers when it was rendered (kept, so that the pointer cannot be reused)
+    from: Option<Arc<Answers>>,
+    body: Bytes,
+}
+
+/// One JSON answer, rendered once and shared by the requests that come meanwhile (they wait
+/// for the rendering under way instead of starting their own), served again while [`Fresh`].
 struct Shared {
     render: Render,
-    last: tokio::sync::Mutex<Option<(Instant, Bytes)>>,
+    fresh: Fresh,
+    last: tokio::sync::Mutex<Option<Rendering>>,
 }
 
 impl Shared {
-    fn new(render: Render) -> Arc<Self> {
+    fn new(render: Render, fresh: Fresh) -> Arc<Self> {
         Arc::new(Shared {
             render,
+            fresh,
             last: tokio::sync::Mutex::new(None),
         })
     }
 
     async fn get(self: Arc<Self>) -> Bytes {
         let mut last = self.last.lock().await;
-        if let Some((at, body)) = &*last {
-            if at.elapsed() < FRESH_FOR {
-                return body.clone();
+        let from = match &self.fresh {
+            Fresh::WhilePublished(join, _) => Some(join.answers()),
+            Fresh::For(_) => None,
+        };
+        if let Some(r) = &*last {
+            let fresh = match &self.fresh {
+                Fresh::For(d) => r.at.elapsed() < *d,
+                Fresh::WhilePublished(_, at_least) => {
+                    r.at.elapsed() < *at_least
+                        || matches!((&r.from, &from), (Some(a), Some(b)) if Arc::ptr_eq(a, b))
+                }
+            };
+            if fresh {
+                return r.body.clone();
             }
         }
         let body = Bytes::from((self.render)().await);
-        *last = Some((Instant::now(), body.clone()));
+        *last = Some(Rendering {
+            at: Instant::now(),
+            from,
+            body: body.clone(),
+        });
         body
     }
 
@@ -106,11 +151,11 @@ struct PictureOf {
     time: i64,
 }
 
-/// `/`, `/events`, `/api/state` and `/api/picture`.
-pub fn router(join: Join) -> axum::Router {
-    let events = {
-        let j = join.clone();
-        Shared::new(Box::new(move || {
+/// `/events`, rendered from the join's published events.
+fn events_answer(join: Join) -> Arc<Shared> {
+    let j = join.clone();
+    Shared::new(
+        Box::new(move || {
             let j = j.clone();
             // serialising a few hundred events: off the async workers
             async move {
@@ -121,20 +166,31 @@ pub fn router(join: Join) -> axum::Router {
                 .unwrap_or_default()
             }
             .boxed()
-        }))
-    };
+        }),
+        Fresh::WhilePublished(join, EVENTS_EVERY),
+    )
+}
+
+/// `/`, `/events`, `/api/state` and `/api/picture`.
+pub fn router(join: Join) -> axum::Router {
+    let events = events_answer(join.clone());
     let state = {
         let j = join.clone();
-        Shared::new(Box::new(move || {
-            let j = j.clone();
-            async move {
-                let state = j.page_state().await;
-                tokio::task::spawn_blocking(move || serde_json::to_vec(&*state).unwrap_or_default())
+        Shared::new(
+            Box::new(move || {
+                let j = j.clone();
+                async move {
+                    let state = j.page_state().await;
+                    tokio::task::spawn_blocking(move || {
+                        serde_json::to_vec(&*state).unwrap_or_default()
+                    })
                     .await
                     .unwrap_or_default()
-            }
-            .boxed()
-        }))
+                }
+                .boxed()
+            }),
+            Fresh::For(FRESH_FOR),
+        )
     };
     axum::Router::new()
         .route(
@@ -176,4 +232,80 @@ pub fn router(join: Join) -> axum::Router {
                 }
             }),
         )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use gpufeed_shared::event::LinkChangeClass;
+
+    use super::*;
+    use crate::correlate::events::tests::link;
+    use crate::hub::{Delivery, ReceivedEvent};
+    use crate::join::{Input, Settings};
+    use crate::pods::PodStore;
+
+    fn listed(body: &Bytes) -> usize {
+        let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+        v.as_array().unwrap().len()
+    }
+
+    /// A host event the join publishes is in the next `/events` a client reads (once the
+    /// rendering is `EVENTS_EVERY` old), not a second later; while nothing new is published,
+    /// every read is served the one rendering, however old.
+    #[test]
+    fn events_are_listed_as_the_join_publishes_them() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let join = Join::start(Settings::default(), PodStore::default()).unwrap();
+        let events = events_answer(join.clone());
+        let before = rt.block_on(events.clone().get());
+        assert_eq!(listed(&before), 0);
+        let rendered = Instant::now();
+
+        let now = gpufeed_shared::clock::realtime_ns();
+        let e = ReceivedEvent {
+            host: "pve1".into(),
+            boot_id: 1,
+            seq: 1,
+            kind: 0,
+            host_realtime_ns: now,
+            host_monotonic_ns: 1,
+            received_realtime_ns: now,
+            clock_offset_ns: Some(0),
+            event: link(
+                LinkChangeClass::WidthReduction,
+                (Some(16), 4),
+                (Some(16), 1),
+            ),
+        };
+        join.tx_for_tests()
+            .send(Input::Host(Box::new(Delivery::Event(e))))
+            .unwrap();
+        let sent = Instant::now();
+        while join.answers().events.is_empty() {
+            assert!(sent.elapsed() < Duration::from_secs(5), "never published");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(EVENTS_EVERY);
+        let after = rt.block_on(events.clone().get());
+        assert_eq!(
+            listed(&after),
+            1,
+            "the published event is not listed {:?} after the last rendering",
+            rendered.elapsed()
+        );
+
+        // nothing new published: the same rendering, past both bounds
+        std::thread::sleep(EVENTS_EVERY * 2);
+        let again = rt.block_on(events.clone().get());
+        assert_eq!(
+            again.as_ptr(),
+            after.as_ptr(),
+            "rendered again with nothing new"
+        );
+    }
 }
