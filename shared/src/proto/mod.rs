@@ -37,6 +37,9 @@ mod codec;
 mod fit;
 mod guest;
 mod host;
+// the host's end across connections (its reconnect policy's jitter needs the stream feature)
+#[cfg(feature = "stream")]
+mod host_stream;
 pub mod ledger;
 mod message;
 // the host's stream client's policy (its jitter comes from the stream feature's generator)
@@ -51,6 +54,11 @@ pub use codec::{
 pub use fit::{encode_event, KMSG_CONTEXT_MAX_BYTES};
 pub use guest::{Delivery, GuestConnection, GuestTiming, Staged, Undecoded};
 pub use host::{HostConnection, HostOutput, StatePacing, StateSender};
+#[cfg(feature = "stream")]
+pub use host_stream::{
+    Action, BatchRead, Ended, HostStream, HostStreamConfig, CLOSE_PROTOCOL, CLOSE_SHUTDOWN,
+    EVENT_STATE_GAP,
+};
 pub use ledger::{Ledger, SeqError, MAX_SEQ};
 pub use message::{
     caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Horizon, Message, Reject, SpoolLoss,
