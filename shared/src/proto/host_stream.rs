@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::host::{HostConnection, HostOutput, StatePacing};
-use super::message::Message;
+use super::message::{Message, CLOSE_VM_UNBOUND};
 use super::reconnect::{Attempt, Reconnect};
 use crate::hoststate::HostState;
 
@@ -363,7 +363,7 @@ impl HostStream {
             Ok(()) => self.actions.push_back(Action::StartSpool { resume_from }),
             Err(reason) => {
                 let why = cut(reason.as_bytes(), 200).to_vec();
-                self.end(Ended::Unbound(reason), super::CLOSE_VM_UNBOUND, &why);
+                self.end(Ended::Unbound(reason), CLOSE_VM_UNBOUND, &why);
             }
         }
     }

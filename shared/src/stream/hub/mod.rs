@@ -54,6 +54,7 @@ pub use crate::admission;
 pub mod batch;
 mod config;
 mod conn;
+pub mod core;
 mod error;
 mod event;
 pub mod host_state;
@@ -66,6 +67,7 @@ mod shared;
 pub mod vm;
 
 pub use config::HubConfig;
+pub use core::{ConnId, ControlEvent, End, EventsRead, GuestStream, PtpDisagreement};
 pub use error::{HubError, CLOSE_PROTOCOL, CLOSE_REFUSED, CLOSE_UNAVAILABLE, UNVERIFIED};
 pub use event::{ReceivedEvent, UnknownEvent};
 pub use intake::Delivery;
