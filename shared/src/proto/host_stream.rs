@@ -146,6 +146,8 @@ enum Phase {
     Connected {
         conn: Box<HostConnection>,
         resume_from: Option<Option<u64>>,
+        /// Acknowledgements that came before the spool resumed.
+        held_ack: Option<u64>,
     },
     /// Events flow.
     Streaming {
@@ -301,6 +303,7 @@ impl HostStream {
         self.phase = Phase::Connected {
             conn: Box::new(conn),
             resume_from: None,
+            held_ack: None,
         };
     }
 
@@ -331,6 +334,7 @@ impl HostStream {
                 if let Phase::Connected {
                     conn,
                     resume_from: r,
+                    ..
                 } = &mut self.phase
                 {
                     *r = Some(resume_from);
@@ -341,9 +345,14 @@ impl HostStream {
             Ok(Some(HostOutput::Rejected(reason))) => {
                 self.end(Ended::Rejected(reason), CLOSE_PROTOCOL, b"error")
             }
-            Ok(Some(HostOutput::Acked(up_to))) => {
-                self.actions.push_back(Action::AckSpool(up_to));
-            }
+            Ok(Some(HostOutput::Acked(up_to))) => match &mut self.phase {
+                // Not before the spool resumed: what the resume counts as collided must not
+                // be released as acknowledged first (an ack may follow the Welcome at once).
+                Phase::Connected { held_ack, .. } => {
+                    *held_ack = Some(held_ack.map_or(up_to, |a: u64| a.max(up_to)))
+                }
+                _ => self.actions.push_back(Action::AckSpool(up_to)),
+            },
             Ok(None) => {}
         }
     }
@@ -373,11 +382,16 @@ impl HostStream {
         let Phase::Connected { .. } = self.phase else {
             return;
         };
-        let Phase::Connected { mut conn, .. } = std::mem::replace(&mut self.phase, Phase::Stopped)
+        let Phase::Connected {
+            mut conn, held_ack, ..
+        } = std::mem::replace(&mut self.phase, Phase::Stopped)
         else {
             unreachable!()
         };
         conn.start(cursor, now);
+        if let Some(a) = held_ack {
+            self.actions.push_back(Action::AckSpool(a));
+        }
         self.phase = Phase::Streaming {
             conn,
             read: Read::Due,
@@ -569,6 +583,8 @@ mod tests {
         s.handle_timeout(0);
         assert_eq!(drain(&mut s), vec![Action::Dial]);
         assert_eq!(handshake(&mut s, MS), vec![Action::Bind { vm_uuid: None }]);
+        // An ack right behind the Welcome waits for the spool's resume.
+        s.handle_control(Message::Ack(Ack { up_to: 39 }), MS, 0);
         s.handle_bound(Ok(()));
         assert_eq!(
             drain(&mut s),
@@ -579,10 +595,13 @@ mod tests {
         assert!(s.streaming());
         assert_eq!(
             drain(&mut s),
-            vec![Action::ReadSpool {
-                cursor: 40,
-                max_bytes: 1000
-            }]
+            vec![
+                Action::AckSpool(39),
+                Action::ReadSpool {
+                    cursor: 40,
+                    max_bytes: 1000
+                }
+            ]
         );
         // One read at a time.
         assert_eq!(drain(&mut s), vec![]);
