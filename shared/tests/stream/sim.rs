@@ -271,6 +271,10 @@ enum Schedule {
 
 impl Sim {
     fn new(seed: u64, schedule: Schedule, boots_per_host: usize) -> Sim {
+        // The host core's backoff jitter comes from this thread's generator: seeded too, so
+        // that the attempts follow the seed (the spool's wall-clock intervals and random boot
+        // ids still vary a run's tallies a little).
+        fastrand::seed(seed);
         let dir = tempfile::tempdir().unwrap();
         let spool = Spool::open(&dir.path().join("g"), limits()).unwrap();
         Sim {
