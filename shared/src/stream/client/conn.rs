@@ -137,6 +137,11 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
     let mut log = EndLog::default();
     let mut out = Vec::new();
     let mut spare = Vec::new();
+    // One timer for the loop, moved only when the core's deadline moves (not one per round:
+    // a busy stream goes round once per batch).
+    let sleep = tokio::time::sleep(IDLE);
+    tokio::pin!(sleep);
+    let mut armed: Option<Option<u64>> = None;
     loop {
         if *stop.borrow() {
             core.handle_stop();
@@ -165,9 +170,14 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
                 continue;
             }
         }
-        let wait = core.poll_timeout().map_or(IDLE, |d| {
-            Duration::from_nanos(d.saturating_sub(monotonic_ns()))
-        });
+        let due = core.poll_timeout();
+        if armed != Some(due) {
+            let wait = due.map_or(IDLE, |d| {
+                Duration::from_nanos(d.saturating_sub(monotonic_ns()))
+            });
+            sleep.as_mut().reset(tokio::time::Instant::now() + wait);
+            armed = Some(due);
+        }
         let waiting = core.waiting_for_events();
         let Io {
             dialing,
@@ -211,7 +221,7 @@ pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver
                 }
             }
             _ = g.notify.notified(), if waiting => core.handle_spooled(monotonic_ns()),
-            _ = tokio::time::sleep(wait) => {}
+            _ = &mut sleep => armed = None,
         }
     }
 }
