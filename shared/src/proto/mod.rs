@@ -5,8 +5,10 @@
 //!
 //! Two layers: [`ClientSession`] / [`ServerSession`] check which message may come when;
 //! [`HostConnection`] / [`GuestConnection`] add what a connection does over time (deadlines,
-//! acknowledgements, clock probes, de-duplication), with every clock reading passed in, so that
-//! the QUIC drivers in [`crate::stream`] only move bytes.
+//! acknowledgements, clock probes, de-duplication), with every clock reading passed in;
+//! `HostStream` adds what the host does across connections (reconnects, the spool's cursor,
+//! pacing), and the hub's `GuestStream` what the guest does across them, so that the QUIC
+//! drivers in [`crate::stream`] only move bytes.
 //!
 //! # Streams of a connection
 //! * **Control** (bidirectional, opened by the host): host sends [`Hello`], guest answers
@@ -29,14 +31,18 @@
 //! # Layout
 //! The modules import one way: `message` (the messages, the version and size constants,
 //! [`caps`]) is the bottom; `codec` and `ledger` above it, then `fit` and `session`, then
-//! `host` and `guest`; `reconnect` (when the host tries again) stands alone. A module takes a
-//! sibling by its own path (`super::message::Message`); this file only declares them and
-//! re-exports.
+//! `host` and `guest`; `reconnect` (when the host tries again) stands alone; `host_stream`
+//! (the host's end across connections, `HostStream`) on top of `host` and `reconnect`. A
+//! module takes a sibling by its own path (`super::message::Message`); this file only declares
+//! them and re-exports.
 
 mod codec;
 mod fit;
 mod guest;
 mod host;
+// the host's end across connections (its reconnect policy's jitter needs the stream feature)
+#[cfg(feature = "stream")]
+mod host_stream;
 pub mod ledger;
 mod message;
 // the host's stream client's policy (its jitter comes from the stream feature's generator)
@@ -51,6 +57,11 @@ pub use codec::{
 pub use fit::{encode_event, KMSG_CONTEXT_MAX_BYTES};
 pub use guest::{Delivery, GuestConnection, GuestTiming, Staged, Undecoded};
 pub use host::{HostConnection, HostOutput, StatePacing, StateSender};
+#[cfg(feature = "stream")]
+pub use host_stream::{
+    Action, BatchRead, Ended, HostStream, HostStreamConfig, CLOSE_PROTOCOL, CLOSE_SHUTDOWN,
+    EVENT_STATE_GAP,
+};
 pub use ledger::{Ledger, SeqError, MAX_SEQ};
 pub use message::{
     caps, Ack, ClockProbe, ClockReply, EventFrame, Hello, Horizon, Message, Reject, SpoolLoss,

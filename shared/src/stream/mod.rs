@@ -2,10 +2,10 @@
 //! agent: spools and one connection task per guest) and [`hub`] (the guest agent: the QUIC
 //! server that receives, de-duplicates, acknowledges and keeps the events).
 //!
-//! Everything the protocol decides (handshake, deadlines, acks, clock probes,
-//! de-duplication) is in the sans-IO [`crate::proto`] ([`crate::proto::HostConnection`],
-//! [`crate::proto::GuestConnection`]); these modules are the tokio/quinn drivers around it:
-//! sockets, timers, files and metrics.
+//! Everything the stream decides (reconnects, handshake, deadlines, the spool's cursor and
+//! pacing, acks, clock probes, de-duplication, batch acceptance) is in two sans-IO cores,
+//! [`crate::proto::HostStream`] and [`hub::GuestStream`]; the rest of these modules are the
+//! tokio/quinn drivers around them: sockets, the clock, files and metrics.
 //!
 //! Behind the `stream` feature, so that users of the wire format alone do not pull in quinn
 //! and tokio.

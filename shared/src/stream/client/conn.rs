@@ -1,10 +1,14 @@
-//! One guest's connection task: connect (mutual TLS, ALPN `gpufeed/1`), then drive a
-//! [`HostConnection`]: its messages out on the control stream, the guest's in, the spool from
-//! the resume point out on the event stream, acks into the spool. On any failure reconnect when
-//! the reconnect policy ([`Reconnect`], sans-IO) says: after an exponential backoff with
-//! jitter, or soon after a lost connection or a refusal.
+//! One guest's connection task, the driver of a [`HostStream`]: it reads the clock, performs
+//! what the core asks ([`Action`]: dial with mutual TLS and ALPN `gpufeed/1`, read the spool,
+//! release what the guest acknowledged, look at the host state, close), writes what the core
+//! has for the control stream and the batches it read on the event stream, and feeds back
+//! what happened; then it sleeps until the core's deadline, a message, the end of a write or
+//! new events in the spool. When to (re)connect, how long an attempt may take, where the spool
+//! starts, how much is read and when, all are the core's.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,9 +16,9 @@ use tokio::sync::watch;
 
 use super::guest::{Common, Guest};
 use crate::clock::monotonic_ns;
-use crate::proto::reconnect::{Attempt, Reconnect, FAST_RECONNECT_MAX};
+use crate::proto::reconnect::FAST_RECONNECT_MAX;
 use crate::proto::{
-    encode, FrameDecoder, HostConnection, HostOutput, Message, StatePacing, CLOSE_VM_UNBOUND,
+    encode, Action, BatchRead, Ended, FrameDecoder, HostStream, HostStreamConfig, Message,
 };
 use crate::tls;
 
@@ -44,8 +48,6 @@ pub enum ConnError {
         server_name: String,
         source: quinn::ConnectionError,
     },
-    #[error("handshake with {0} timed out")]
-    HandshakeTimeout(SocketAddr),
     #[error(transparent)]
     Connection(#[from] quinn::ConnectionError),
     #[error(transparent)]
@@ -57,17 +59,9 @@ pub enum ConnError {
     #[error(transparent)]
     Encode(#[from] crate::proto::EncodeError),
     #[error(transparent)]
-    Protocol(#[from] crate::proto::ProtocolError),
-    #[error(transparent)]
     Spool(#[from] super::spool::SpoolError),
-    #[error("guest rejected this host: {0}")]
-    Rejected(String),
-    #[error("not streaming to this guest: {0}")]
-    Unbound(String),
     #[error("guest closed the control stream")]
     ControlClosed,
-    #[error("unexpected {0:?} from the connection state")]
-    Unexpected(HostOutput),
 }
 
 impl ConnError {
@@ -83,77 +77,362 @@ impl ConnError {
     }
 }
 
-/// Application close codes.
-pub const CLOSE_SHUTDOWN: u32 = 0;
-pub const CLOSE_PROTOCOL: u32 = 1;
-
 /// The RTT assumed before a measurement: the guest is a VM of this host (sub-millisecond), so
 /// quinn's 333 ms default would space the first Initial retransmissions a second and more
 /// apart.
 const INITIAL_RTT: Duration = Duration::from_millis(100);
 
+/// How long the driver sleeps when the core names no deadline (it is waiting for the driver).
+const IDLE: Duration = Duration::from_secs(3600);
+
+type Dialing = Pin<Box<dyn Future<Output = Result<Transport, ConnError>> + Send>>;
+type Writing =
+    Pin<Box<dyn Future<Output = (quinn::SendStream, Vec<u8>, Result<(), ConnError>)> + Send>>;
+
+/// An established transport.
+struct Transport {
+    endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+}
+
+/// What the driver holds of one attempt.
+#[derive(Default)]
+struct Io {
+    dialing: Option<Dialing>,
+    transport: Option<Transport>,
+    ctl_send: Option<quinn::SendStream>,
+    ctl_recv: Option<quinn::RecvStream>,
+    ctl_dec: FrameDecoder,
+    /// The event stream while no batch is being written on it ...
+    events: Option<quinn::SendStream>,
+    /// ... and the write under way (it hands the stream back).
+    writing: Option<Writing>,
+}
+
+/// Awaits `f` where there is one; never otherwise.
+async fn maybe<F: Future + Unpin>(f: &mut Option<F>) -> F::Output {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
 pub(crate) async fn run(g: Arc<Guest>, c: Arc<Common>, mut stop: watch::Receiver<bool>) {
-    let label = g.cfg.label().to_owned();
-    // every decision of this loop (how long to wait, how long an attempt may take) is the
-    // policy's; this moves between attempts and logs
-    let mut policy = Reconnect::new(
-        Duration::from_millis(c.cfg.reconnect_min_ms),
-        Duration::from_millis(c.cfg.reconnect_max_ms),
-        Duration::from_millis(c.cfg.connect_timeout_ms),
+    let mut core = HostStream::new(
+        HostStreamConfig {
+            host_id: c.host_id.clone(),
+            reconnect_min: Duration::from_millis(c.cfg.reconnect_min_ms),
+            reconnect_max: Duration::from_millis(c.cfg.reconnect_max_ms),
+            connect_timeout: Duration::from_millis(c.cfg.connect_timeout_ms),
+            batch_bytes: c.cfg.batch_bytes,
+            coalesce: Duration::from_micros(c.cfg.coalesce_us),
+            state_interval: c
+                .state
+                .is_some()
+                .then(|| Duration::from_millis(c.cfg.state_interval_ms)),
+        },
+        monotonic_ns(),
     );
-    let mut last_error = String::new();
-    // A guest whose journal cannot be written closes every connection at once: one line per
-    // reconnect would be several a second.
-    let lost_log = crate::ratelog::RateLimitedLog::new(Duration::from_secs(10));
+    let mut io = Io::default();
+    let mut log = EndLog::default();
+    let mut out = Vec::new();
+    let mut spare = Vec::new();
+    // One timer for the loop, moved only when the core's deadline moves (not one per round:
+    // a busy stream goes round once per batch).
+    let sleep = tokio::time::sleep(IDLE);
+    tokio::pin!(sleep);
+    let mut armed: Option<Option<u64>> = None;
     loop {
         if *stop.borrow() {
-            return;
+            core.handle_stop();
         }
-        let connect_timeout = policy.connect_timeout(monotonic_ns());
-        let mut stop2 = stop.clone();
-        let res = tokio::select! {
-            r = connect_and_stream(&g, &c, connect_timeout, &mut stop2) => r,
-            _ = stop.changed() => return,
-        };
-        g.m.connected.set(0);
-        let how = match res {
-            Ok(Outcome::Stopped) => return,
-            Ok(Outcome::Streamed(e)) => {
-                if let Some(unlogged) = lost_log.note("lost", std::time::Instant::now()) {
-                    tracing::warn!(guest = %label, error = %e, unlogged, "host stream: connection to guest lost; reconnecting");
-                }
-                last_error.clear();
-                Attempt::Lost
+        core.handle_timeout(monotonic_ns());
+        while let Some(a) = core.poll() {
+            if perform(a, &g, &c, &mut core, &mut io, &mut log, &mut spare).await {
+                return;
             }
-            Err(e) if e.refused() => {
-                if let Some(unlogged) = lost_log.note("refused", std::time::Instant::now()) {
-                    tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %e, unlogged, "host stream: guest refused the connection (busy); retrying within {FAST_RECONNECT_MAX:?}");
+        }
+        // What the core has for the control stream.
+        if let Some(send) = &mut io.ctl_send {
+            out.clear();
+            let mut res = Ok(());
+            while let Some(m) = core.poll_transmit() {
+                if let Err(e) = encode(&m, &mut out) {
+                    res = Err(ConnError::from(e));
+                    break;
                 }
-                Attempt::Refused
             }
-            Err(e) => {
-                let msg = e.to_string();
-                if msg != last_error {
-                    tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %msg, "host stream: cannot connect to guest");
-                    last_error = msg;
-                } else {
-                    tracing::debug!(guest = %label, error = %msg, "host stream: still cannot connect");
-                }
-                Attempt::Failed
+            if res.is_ok() && !out.is_empty() {
+                res = send.write_all(&out).await.map_err(ConnError::from);
             }
-        };
-        let delay = policy.ended(how, monotonic_ns());
+            if let Err(e) = res {
+                core.handle_lost(e.to_string(), false);
+                continue;
+            }
+        }
+        let due = core.poll_timeout();
+        if armed != Some(due) {
+            let wait = due.map_or(IDLE, |d| {
+                Duration::from_nanos(d.saturating_sub(monotonic_ns()))
+            });
+            sleep.as_mut().reset(tokio::time::Instant::now() + wait);
+            armed = Some(due);
+        }
+        let waiting = core.waiting_for_events();
+        let Io {
+            dialing,
+            ctl_recv,
+            ctl_dec,
+            writing,
+            ..
+        } = &mut io;
         tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = stop.changed() => return,
+            _ = stop.changed() => core.handle_stop(),
+            r = maybe(dialing) => {
+                io.dialing = None;
+                match r {
+                    Ok(t) => connected(&g, &mut core, &mut io, t).await,
+                    Err(e) => {
+                        if matches!(e, ConnError::Handshake { .. }) {
+                            g.m.connects_err.inc();
+                        }
+                        core.handle_lost(e.to_string(), e.refused());
+                    }
+                }
+            }
+            // read_msg is cancel-safe: its only await is read_chunk, which consumes nothing
+            // when dropped.
+            r = async { match ctl_recv { Some(r) => read_msg(r, ctl_dec).await, None => std::future::pending().await } } => {
+                match r {
+                    Ok(m) => core.handle_control(m, monotonic_ns(), c.clock.now_ns()),
+                    Err(e) => core.handle_lost(e.to_string(), false),
+                }
+            }
+            r = maybe(writing) => {
+                io.writing = None;
+                let (ev, bytes, r) = r;
+                spare = bytes;
+                match r {
+                    Ok(()) => {
+                        io.events = Some(ev);
+                        core.handle_written(monotonic_ns());
+                    }
+                    Err(e) => core.handle_lost(e.to_string(), false),
+                }
+            }
+            _ = g.notify.notified(), if waiting => core.handle_spooled(monotonic_ns()),
+            _ = &mut sleep => armed = None,
         }
     }
 }
 
-enum Outcome {
-    Stopped,
-    /// The handshake succeeded and the connection later ended with this error.
-    Streamed(ConnError),
+/// The transport is up: the control stream opens and the core's Hello goes out on the next
+/// round.
+async fn connected(g: &Guest, core: &mut HostStream, io: &mut Io, t: Transport) {
+    match t.conn.open_bi().await {
+        Ok((send, recv)) => {
+            io.ctl_send = Some(send);
+            io.ctl_recv = Some(recv);
+            io.ctl_dec = FrameDecoder::default();
+            io.transport = Some(t);
+            let boot_id = g.spool().boot_id();
+            core.handle_connected(boot_id, monotonic_ns());
+        }
+        Err(e) => {
+            io.transport = Some(t);
+            core.handle_lost(e.to_string(), false);
+        }
+    }
+}
+
+/// Performs one action of the core; `true`: the driver stops.
+async fn perform(
+    a: Action,
+    g: &Arc<Guest>,
+    c: &Arc<Common>,
+    core: &mut HostStream,
+    io: &mut Io,
+    log: &mut EndLog,
+    spare: &mut Vec<u8>,
+) -> bool {
+    let label = g.cfg.label();
+    match a {
+        Action::Dial => io.dialing = Some(Box::pin(dial(g.clone(), c.clone()))),
+        Action::Bind { vm_uuid } => {
+            let bound = match &c.binder {
+                Some(bind) => bind(g.index, vm_uuid.as_deref()),
+                None => Ok(()),
+            };
+            core.handle_bound(bound);
+        }
+        Action::StartSpool { resume_from } => {
+            g.m.connects_ok.inc();
+            g.m.connected.set(1);
+            let cursor = {
+                let mut s = g.spool();
+                let cur = s.start_cursor(resume_from);
+                g.update_gauges(&mut s);
+                cur
+            };
+            let opened = match (cursor, &io.transport) {
+                (Ok(cur), Some(t)) => t
+                    .conn
+                    .open_uni()
+                    .await
+                    .map(|ev| (cur, ev))
+                    .map_err(ConnError::from),
+                (Err(e), _) => Err(e.into()),
+                (Ok(_), None) => Err(ConnError::ControlClosed),
+            };
+            match opened {
+                Ok((cursor, ev)) => {
+                    tracing::info!(guest = %label, boot_id = g.spool().boot_id(), ?resume_from, cursor, "host stream: connected");
+                    io.events = Some(ev);
+                    core.handle_started(cursor, monotonic_ns());
+                }
+                Err(e) => core.handle_lost(e.to_string(), false),
+            }
+        }
+        Action::ReadSpool { cursor, max_bytes } => {
+            let read = g.spool().read_batch(cursor, max_bytes);
+            let b = match read {
+                Ok(b) => b,
+                Err(e) => {
+                    core.handle_lost(e.to_string(), false);
+                    return false;
+                }
+            };
+            let horizon = core.handle_batch(BatchRead {
+                events: b.events,
+                empty: b.bytes.is_empty(),
+                next_cursor: b.next_cursor,
+                horizon: b.horizon,
+            });
+            if b.bytes.is_empty() {
+                return false;
+            }
+            let mut bytes = std::mem::take(spare);
+            bytes.clear();
+            if let Some(h) = horizon {
+                if let Err(e) = encode(&h, &mut bytes) {
+                    core.handle_lost(e.to_string(), false);
+                    return false;
+                }
+            }
+            bytes.extend_from_slice(&b.bytes);
+            if let Some(l) = &b.loss {
+                if let Some(unlogged) = g.loss_log.note("reported", std::time::Instant::now()) {
+                    tracing::warn!(guest = %label, dropped = l.dropped, first = l.first_seq, last = l.last_seq, unlogged, "host stream: reported spool loss to guest");
+                }
+            }
+            g.m.sent.inc_by(b.events);
+            let Some(mut ev) = io.events.take() else {
+                core.handle_lost("no event stream".into(), false);
+                return false;
+            };
+            io.writing = Some(Box::pin(async move {
+                let r = ev.write_all(&bytes).await.map_err(ConnError::from);
+                (ev, bytes, r)
+            }));
+        }
+        Action::AckSpool(up_to) => {
+            let mut s = g.spool();
+            let r = s.ack(up_to);
+            g.update_gauges(&mut s);
+            drop(s);
+            if let Err(e) = r {
+                core.handle_lost(e.to_string(), false);
+            }
+        }
+        Action::LookAtState => {
+            if let Some(source) = &c.state {
+                core.offer_state(source(g.index, c.clock.now_ns()));
+            }
+        }
+        Action::Close {
+            code,
+            reason,
+            ended,
+        } => {
+            g.m.connected.set(0);
+            log.ended(g, &ended);
+            *io = close(std::mem::take(io), code, &reason).await;
+            if ended == Ended::Stopped {
+                return true;
+            }
+            core.handle_closed(monotonic_ns());
+        }
+    }
+    false
+}
+
+/// Ends an attempt: abandons the dial, closes the connection with the core's code, and gives
+/// the close frame a moment to leave (never blocking shutdown for long).
+async fn close(io: Io, code: u32, reason: &[u8]) -> Io {
+    drop(io.dialing);
+    if let Some(t) = io.transport {
+        t.conn.close(code.into(), reason);
+        let _ = tokio::time::timeout(Duration::from_millis(200), t.endpoint.wait_idle()).await;
+    }
+    Io::default()
+}
+
+/// How attempts ended, in the log: lost connections and refusals rate-limited (a guest whose
+/// journal cannot be written closes every connection at once), the same failure once.
+struct EndLog {
+    rate: crate::ratelog::RateLimitedLog,
+    last_error: String,
+}
+
+impl Default for EndLog {
+    fn default() -> Self {
+        EndLog {
+            rate: crate::ratelog::RateLimitedLog::new(Duration::from_secs(10)),
+            last_error: String::new(),
+        }
+    }
+}
+
+impl EndLog {
+    fn ended(&mut self, g: &Guest, ended: &Ended) {
+        let label = g.cfg.label();
+        let now = std::time::Instant::now();
+        let msg = match ended {
+            Ended::Stopped => return,
+            Ended::Lost(e) => {
+                if let Some(unlogged) = self.rate.note("lost", now) {
+                    tracing::warn!(guest = %label, error = %e, unlogged, "host stream: connection to guest lost; reconnecting");
+                }
+                self.last_error.clear();
+                return;
+            }
+            Ended::Refused(e) => {
+                if let Some(unlogged) = self.rate.note("refused", now) {
+                    tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %e, unlogged, "host stream: guest refused the connection (busy); retrying within {FAST_RECONNECT_MAX:?}");
+                }
+                return;
+            }
+            Ended::HandshakeTimeout(t) => {
+                g.m.connects_err.inc();
+                format!("handshake with {} timed out after {t:?}", g.cfg.endpoint)
+            }
+            Ended::Rejected(r) => {
+                g.m.connects_rejected.inc();
+                format!("guest rejected this host: {r}")
+            }
+            Ended::Unbound(r) => {
+                g.m.connects_unbound.inc();
+                format!("not streaming to this guest: {r}")
+            }
+            Ended::Failed(e) => e.clone(),
+        };
+        if msg != self.last_error {
+            tracing::warn!(guest = %label, endpoint = %g.cfg.endpoint, error = %msg, "host stream: cannot connect to guest");
+            self.last_error = msg;
+        } else {
+            tracing::debug!(guest = %label, error = %msg, "host stream: still cannot connect");
+        }
+    }
 }
 
 fn client_config(c: &Common) -> Result<quinn::ClientConfig, ConnError> {
@@ -185,14 +464,11 @@ async fn resolve(endpoint: &str) -> Result<SocketAddr, ConnError> {
         .ok_or_else(|| ConnError::NoAddress(endpoint.to_owned()))
 }
 
-async fn connect_and_stream(
-    g: &Guest,
-    c: &Common,
-    connect_timeout: Duration,
-    stop: &mut watch::Receiver<bool>,
-) -> Result<Outcome, ConnError> {
+/// One attempt's transport: resolve, bind, QUIC and TLS handshake (the core times it out by
+/// dropping it).
+async fn dial(g: Arc<Guest>, c: Arc<Common>) -> Result<Transport, ConnError> {
     // Certificates are read at every attempt, so renewed files are picked up on reconnect.
-    let cfg = client_config(c)?;
+    let cfg = client_config(&c)?;
     let addr = resolve(&g.cfg.endpoint).await?;
     let bind: SocketAddr = if addr.is_ipv4() {
         (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
@@ -201,42 +477,15 @@ async fn connect_and_stream(
     };
     let endpoint = quinn::Endpoint::client(bind).map_err(ConnError::Bind)?;
     let server_name = g.cfg.server_name();
-    let connecting = endpoint.connect_with(cfg, addr, &server_name)?;
-    let conn = match tokio::time::timeout(connect_timeout, connecting).await {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => {
-            g.m.connects_err.inc();
-            return Err(ConnError::Handshake {
-                addr,
-                server_name,
-                source: e,
-            });
-        }
-        Err(_) => {
-            g.m.connects_err.inc();
-            return Err(ConnError::HandshakeTimeout(addr));
-        }
-    };
-    let res = stream(g, c, &conn, stop).await;
-    let (code, why): (u32, &[u8]) = match &res {
-        Ok(Outcome::Stopped) => (CLOSE_SHUTDOWN, b"shutdown"),
-        // the guest logs and counts the reason (kept well inside one packet)
-        Err(ConnError::Unbound(reason)) => (CLOSE_VM_UNBOUND, cut(reason.as_bytes(), 200)),
-        _ => (CLOSE_PROTOCOL, b"error"),
-    };
-    conn.close(code.into(), why);
-    // Give the close frame a moment to leave; never block shutdown for long.
-    let _ = tokio::time::timeout(Duration::from_millis(200), endpoint.wait_idle()).await;
-    res
-}
-
-/// At most `max` bytes of `b`, cut at a UTF-8 boundary.
-fn cut(b: &[u8], max: usize) -> &[u8] {
-    let mut n = b.len().min(max);
-    while n > 0 && std::str::from_utf8(&b[..n]).is_err() {
-        n -= 1;
-    }
-    &b[..n]
+    let conn = endpoint
+        .connect_with(cfg, addr, &server_name)?
+        .await
+        .map_err(|source| ConnError::Handshake {
+            addr,
+            server_name,
+            source,
+        })?;
+    Ok(Transport { endpoint, conn })
 }
 
 /// Reads the next message of a control stream.
@@ -257,193 +506,3 @@ async fn read_msg(
         }
     }
 }
-
-/// Writes every message the connection has for the control stream.
-async fn transmit(
-    conn: &mut HostConnection,
-    send: &mut quinn::SendStream,
-    buf: &mut Vec<u8>,
-) -> Result<(), ConnError> {
-    buf.clear();
-    while let Some(m) = conn.poll_transmit() {
-        encode(&m, buf)?;
-    }
-    if !buf.is_empty() {
-        send.write_all(buf).await?;
-    }
-    Ok(())
-}
-
-async fn stream(
-    g: &Guest,
-    c: &Common,
-    conn: &quinn::Connection,
-    stop: &mut watch::Receiver<bool>,
-) -> Result<Outcome, ConnError> {
-    let label = g.cfg.label();
-    let boot_id = g.spool().boot_id();
-    let mut session = HostConnection::new(
-        c.host_id.clone(),
-        boot_id,
-        c.cfg.connect_timeout_ms.saturating_mul(1_000_000),
-        monotonic_ns(),
-    );
-    if c.state.is_some() {
-        // The state interval bounds how often the whole registry is gathered; the looks after
-        // events at most every EVENT_STATE_GAP (a flood of events is not a snapshot per batch).
-        let interval = Duration::from_millis(c.cfg.state_interval_ms.max(100));
-        session = session.with_state_pacing(StatePacing {
-            interval_ns: interval.as_nanos() as u64,
-            after_events_gap_ns: EVENT_STATE_GAP.min(interval).as_nanos() as u64,
-        });
-    }
-    let (mut ctl_send, mut ctl_recv) = conn.open_bi().await?;
-    let mut buf = Vec::new();
-    transmit(&mut session, &mut ctl_send, &mut buf).await?;
-    let mut dec = FrameDecoder::default();
-    let resume_from = loop {
-        let msg =
-            match tokio::time::timeout(until(&session), read_msg(&mut ctl_recv, &mut dec)).await {
-                Ok(m) => m?,
-                Err(_) => {
-                    session.handle_timeout(monotonic_ns())?;
-                    continue;
-                }
-            };
-        match session.handle_control(msg, monotonic_ns(), c.clock.now_ns())? {
-            Some(HostOutput::Start { resume_from }) => break resume_from,
-            Some(HostOutput::Rejected(reason)) => {
-                g.m.connects_rejected.inc();
-                return Err(ConnError::Rejected(reason));
-            }
-            Some(other) => return Err(ConnError::Unexpected(other)),
-            None => continue,
-        }
-    };
-    // Which VM the guest runs in decides what it gets; a guest the host cannot bind to one of
-    // its VMs gets nothing (rather than everything), and is told why.
-    if let Some(bind) = &c.binder {
-        if let Err(reason) = bind(g.index, session.peer_vm_uuid()) {
-            g.m.connects_unbound.inc();
-            return Err(ConnError::Unbound(reason));
-        }
-    }
-    g.m.connects_ok.inc();
-    g.m.connected.set(1);
-    let cursor = {
-        let mut s = g.spool();
-        let cur = s.start_cursor(resume_from);
-        g.update_gauges(&mut s);
-        cur?
-    };
-    session.start(cursor, monotonic_ns());
-    tracing::info!(guest = %label, boot_id, ?resume_from, cursor, "host stream: connected");
-    let mut ev = conn.open_uni().await?;
-
-    // Both halves drive the one connection state; neither holds it across an await (a mutex
-    // only because the task's future must be Send; it is never contended).
-    let session = std::sync::Mutex::new(session);
-    let session = || {
-        session
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    };
-    // The sender wakes the control half when it planned a look at the host state.
-    let replan = tokio::sync::Notify::new();
-    let control = async {
-        let mut out = Vec::new();
-        loop {
-            let wait = until(&session());
-            // read_msg is cancel-safe: its only await is read_chunk, which consumes nothing
-            // when dropped.
-            let msg = tokio::select! {
-                m = read_msg(&mut ctl_recv, &mut dec) => m?,
-                _ = tokio::time::sleep(wait) => {
-                    let look = session().poll_state(monotonic_ns());
-                    if let (true, Some(source)) = (look, c.state.as_ref()) {
-                        let state = source(g.index, c.clock.now_ns());
-                        // Bound first: the borrow must end before the write's await.
-                        let offered = session().offer_state(state);
-                        if let Some(m) = offered {
-                            out.clear();
-                            encode(&m, &mut out)?;
-                            ctl_send.write_all(&out).await?;
-                        }
-                    }
-                    continue;
-                }
-                _ = replan.notified() => continue,
-            };
-            let output = session().handle_control(msg, monotonic_ns(), c.clock.now_ns())?;
-            match output {
-                Some(HostOutput::Acked(up_to)) => {
-                    let mut s = g.spool();
-                    s.ack(up_to)?;
-                    g.update_gauges(&mut s);
-                }
-                None => {
-                    out.clear();
-                    while let Some(m) = session().poll_transmit() {
-                        encode(&m, &mut out)?;
-                    }
-                    if !out.is_empty() {
-                        ctl_send.write_all(&out).await?;
-                    }
-                }
-                Some(other) => return Err(ConnError::Unexpected(other)),
-            }
-        }
-        #[allow(unreachable_code)]
-        Ok::<(), ConnError>(())
-    };
-    let sender = async {
-        let mut bytes = Vec::new();
-        loop {
-            let cursor = session().cursor().unwrap_or_default();
-            let b = {
-                let mut s = g.spool();
-                s.read_batch(cursor, c.cfg.batch_bytes)?
-            };
-            if b.bytes.is_empty() {
-                g.notify.notified().await;
-                if c.cfg.coalesce_us > 0 {
-                    tokio::time::sleep(Duration::from_micros(c.cfg.coalesce_us)).await;
-                }
-                continue;
-            }
-            bytes.clear();
-            if let Some(h) = session().horizon_for(b.horizon) {
-                encode(&h, &mut bytes)?;
-            }
-            bytes.extend_from_slice(&b.bytes);
-            ev.write_all(&bytes).await?;
-            if let Some(l) = &b.loss {
-                if let Some(unlogged) = g.loss_log.note("reported", std::time::Instant::now()) {
-                    tracing::warn!(guest = %label, dropped = l.dropped, first = l.first_seq, last = l.last_seq, unlogged, "host stream: reported spool loss to guest");
-                }
-            }
-            g.m.sent.inc_by(b.events);
-            session().sent(b.next_cursor, b.events, monotonic_ns());
-            replan.notify_one();
-        }
-        #[allow(unreachable_code)]
-        Ok::<(), ConnError>(())
-    };
-    tokio::select! {
-        r = control => Ok(Outcome::Streamed(r.err().unwrap_or(ConnError::ControlClosed))),
-        r = sender => Ok(Outcome::Streamed(r.err().unwrap_or(ConnError::ControlClosed))),
-        _ = stop.changed() => Ok(Outcome::Stopped),
-    }
-}
-
-/// How long until the connection has something due (an hour when nothing is).
-fn until(session: &HostConnection) -> Duration {
-    session
-        .poll_timeout()
-        .map_or(Duration::from_secs(3600), |d| {
-            Duration::from_nanos(d.saturating_sub(monotonic_ns()))
-        })
-}
-
-/// Closest spacing of the host-state looks that follow events.
-const EVENT_STATE_GAP: Duration = Duration::from_millis(20);

@@ -6,8 +6,9 @@
 //! guest's spool keeps it until that guest acknowledges it, and that guest's task ([`conn`])
 //! streams it: connect with mutual TLS (ALPN `gpufeed/1`), `Hello` → `Welcome`, resume from the
 //! guest's `resume_from`, send frames in sequence order, drop what the guest acknowledges,
-//! reconnect with exponential backoff and jitter. The protocol decisions are in
-//! [`crate::proto::HostConnection`]; the task only moves bytes.
+//! reconnect with exponential backoff and jitter. Every decision of it (when to dial, how long an
+//! attempt may take, where the spool resumes, what is read when, which ack releases what) is
+//! [`crate::proto::HostStream`]'s; the task reads the clock, moves bytes and does the spool's IO.
 //!
 //! Metrics (all with label `guest`): `gpufeed_host_stream_connected`,
 //! `gpufeed_host_stream_events_spooled_total`, `gpufeed_host_stream_events_sent_total`,

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use rustls::pki_types::CertificateDer;
 
-use super::conn::{Conn, End};
+use super::conn::Conn;
+use super::core::End;
 use super::error::{CLOSE_PROTOCOL, CLOSE_REFUSED, CLOSE_UNAVAILABLE, UNVERIFIED};
 use super::shared::Inner;
 use crate::admission;

@@ -33,10 +33,11 @@
 //! and where a KVM PTP clock exists `gpufeed_clock_kvm_ptp_offset_seconds` (hypervisor minus
 //! guest, the cross-check).
 //!
-//! The protocol's decisions are sans-IO: the connection's state machine is
-//! [`crate::proto::GuestConnection`], and what a read of the event stream amounts to
-//! (journal, then de-duplication table and recent ring, or nothing at all) is [`batch`]'s.
-//! The rest moves bytes and applies their outcome: `server` starts the endpoint ([`serve`],
+//! The protocol's decisions are sans-IO, all of them [`GuestStream`]'s (in `core`): every
+//! connection's state machine ([`crate::proto::GuestConnection`]) and frame decoders, the one
+//! de-duplication table, what a read of the event stream amounts to (journal, then
+//! de-duplication table and recent ring, or nothing at all: [`batch`]), clock filters and the
+//! PTP cross-check's warnings. The rest moves bytes and applies their outcome: `server` starts the endpoint ([`serve`],
 //! [`Hub`]) and reloads the TLS files; `shared` holds the state the tasks share; `accept` takes
 //! a connection from admission to an authenticated host, and `conn` drives it from the `Hello`
 //! on. [`HubConfig`] is in `config`, the series in `metrics`, [`ReceivedEvent`] and
@@ -44,8 +45,8 @@
 //! identity (its SMBIOS system UUID) in `vm`.
 //!
 //! The modules import one way: `event`, `error`, `config`, `metrics`, `vm` and `host_state` are the
-//! bottom; `recent` and `intake` above them, `batch` above `recent`, `journal` above `batch`;
-//! `shared` above those, then `conn`, `accept` (which runs `conn`) and `server` (which spawns
+//! bottom; `recent` and `intake` above them, `batch` above `recent`, `journal` and `core` above
+//! `batch`; `shared` above those, then `conn`, `accept` (which runs `conn`) and `server` (which spawns
 //! `accept`) on top. A module takes a sibling by its own path (`super::shared::Inner`); this file
 //! only declares them and re-exports.
 
@@ -54,6 +55,7 @@ pub use crate::admission;
 pub mod batch;
 mod config;
 mod conn;
+pub mod core;
 mod error;
 mod event;
 pub mod host_state;
@@ -66,6 +68,7 @@ mod shared;
 pub mod vm;
 
 pub use config::HubConfig;
+pub use core::{ConnId, ControlEvent, End, EventsRead, GuestStream, PtpDisagreement};
 pub use error::{HubError, CLOSE_PROTOCOL, CLOSE_REFUSED, CLOSE_UNAVAILABLE, UNVERIFIED};
 pub use event::{ReceivedEvent, UnknownEvent};
 pub use intake::Delivery;

@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 
 use super::accept;
 use super::config::HubConfig;
+use super::core::GuestStream;
 use super::error::HubError;
 use super::event::ReceivedEvent;
 use super::intake::{self, Delivery};
@@ -144,19 +145,18 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
     registry.register(Box::new(host_state::HostStatesCollector(
         host_states.clone(),
     )))?;
+    let vm_uuid = vm::read(&cfg.sysfs_root);
     let inner = Arc::new(Inner {
         state: Mutex::new(State {
-            dedup,
+            stream: GuestStream::new(cfg.timing(), vm_uuid.clone(), dedup),
             recent: recent::Recent::new(cfg.recent_capacity, cfg.recent_max_bytes),
             journal,
-            clocks: HashMap::new(),
         }),
         metrics,
         allowed: RwLock::new(allowed),
         intake: intake::Intake::new(registry)?,
         endpoint,
         ptp,
-        ptp_warned: Mutex::new(HashMap::new()),
         host_states,
         admission: admission::Admission::new(admission::Limits {
             max_pending: cfg.max_handshakes,
@@ -167,7 +167,7 @@ pub async fn serve(cfg: HubConfig, registry: &Registry) -> Result<Hub, HubError>
         unverified_log: crate::ratelog::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
         host_log: crate::ratelog::RateLimitedLog::new(UNVERIFIED_LOG_INTERVAL),
         live: Mutex::new(HashMap::new()),
-        vm_uuid: vm::read(&cfg.sysfs_root),
+        vm_uuid,
         cfg,
     });
     tokio::spawn(accept::accept_loop(inner.clone()));
@@ -223,7 +223,7 @@ impl Hub {
     /// Current clock offset estimate for `host` (host minus guest), ns.
     pub fn clock_offset_ns(&self, host: &str) -> Option<i64> {
         let st = self.inner.state.lock().expect("hub state");
-        st.clocks.get(host)?.estimate().map(|e| e.offset_ns)
+        st.stream.clock_offset_ns(host)
     }
 
     /// Closes all connections and the endpoint.

@@ -1,6 +1,6 @@
 //! The state the hub's tasks share ([`Inner`]: configuration, metrics, allowed hosts, the
-//! endpoint, live connections; [`State`] behind its lock: de-duplication table, recent ring,
-//! journal, clock filters), and what they do with it: count and log rejections, close the
+//! endpoint, live connections; [`State`] behind its lock: the stream's sans-IO core with its
+//! de-duplication table and clock filters, the recent ring, the journal), and what they do with it: count and log rejections, close the
 //! connections of hosts no longer allowed.
 
 use std::collections::HashMap;
@@ -9,18 +9,18 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use super::config::HubConfig;
+use super::core::GuestStream;
 use super::error::{CLOSE_REFUSED, UNVERIFIED};
 use super::metrics::Metrics;
 use super::{host_state, intake, journal, recent};
 use crate::admission;
-use crate::clock::{ClockFilter, KvmPtp};
-use crate::proto::Dedup;
+use crate::clock::KvmPtp;
 
 pub(super) struct State {
-    pub(super) dedup: Dedup,
+    /// Every decision about the hosts' streams (the de-duplication table is its own).
+    pub(super) stream: GuestStream,
     pub(super) recent: recent::Recent,
     pub(super) journal: Option<journal::Journal>,
-    pub(super) clocks: HashMap<String, ClockFilter>,
 }
 
 pub(super) struct Inner {
@@ -32,7 +32,6 @@ pub(super) struct Inner {
     pub(super) intake: intake::Intake,
     pub(super) endpoint: quinn::Endpoint,
     pub(super) ptp: Option<Mutex<KvmPtp>>,
-    pub(super) ptp_warned: Mutex<HashMap<String, Instant>>,
     /// The hosts' own series, exported in this guest's scrape.
     pub(super) host_states: Arc<host_state::HostStates>,
     pub(super) admission: admission::Admission,

@@ -3,15 +3,13 @@
 //! in `gpufeed_stream_frames_rejected_total{host="pve1",reason}`; the hub never panics and keeps
 //! serving.
 
-mod stream_support;
-
 use std::time::Duration;
 
+use super::support::*;
 use gpufeed_shared::event::HostEvent;
 use gpufeed_shared::proto::{encode, ClientSession, EventFrame, Message, Welcome, MAX_FRAME_LEN};
 use gpufeed_shared::stream::by_hand;
 use gpufeed_shared::tls;
-use stream_support::*;
 
 const REJ: &str = "gpufeed_stream_frames_rejected_total";
 
