@@ -2,7 +2,7 @@
 //! with the same message: a guest name that is no directory name, duplicate guests, a missing
 //! certificate file, a `host_id` that the client certificate does not name.
 
-mod stream_support;
+use crate::stream_support;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -2,7 +2,7 @@
 //! apart from everything that is copied, and each host's bundle, installed as its
 //! /etc/gpufeed, configures a stream to the guest with the generated certificates.
 
-mod stream_support;
+use crate::stream_support;
 
 use gpufeed_shared::certs;
 

@@ -3,7 +3,7 @@
 //! values; changes follow within a state interval, another VM's series stay out, and a
 //! stopped host leaves its last values beside `gpufeed_stream_connected{host} 0`.
 
-mod stream_support;
+use crate::stream_support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

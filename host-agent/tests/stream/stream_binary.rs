@@ -2,7 +2,7 @@
 //! streams its events to the hub; a SIGTERM and restart resumes the same spool (same sequence
 //! space, numbering continues, nothing delivered twice).
 
-mod stream_support;
+use crate::stream_support;
 
 use gpufeed_shared::certs;
 

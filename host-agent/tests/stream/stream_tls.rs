@@ -2,7 +2,7 @@
 //! and speak ALPN `gpufeed/1` get in; each rejection logs one line and bumps
 //! `gpufeed_stream_frames_rejected_total{host="unverified",reason}`. Reload on file change.
 
-mod stream_support;
+use crate::stream_support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! order, and spool overflow accounting (the guest's `gpufeed_stream_events_lost_total` equals
 //! what the host's spool dropped), for the memory and the disk spool.
 
-mod stream_support;
+use crate::stream_support;
 
 use std::time::Duration;
 

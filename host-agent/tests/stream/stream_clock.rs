@@ -3,7 +3,7 @@
 //! `gpufeed_clock_offset_seconds{host}` must come within 1 ms of it, and the lag (which corrects
 //! host timestamps with that offset) stays small.
 
-mod stream_support;
+use crate::stream_support;
 
 use std::sync::Arc;
 use std::time::Duration;
