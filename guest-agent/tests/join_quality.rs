@@ -51,8 +51,7 @@
 //! ```
 //!
 //! `JOIN_QUALITY_SEED=N` repeats a run's trials (the seed is printed). Without
-//! `JOIN_QUALITY_TRIALS` the test runs 20 trials (about 3 minutes at the 40-trial runs'
-//! pace), to fit CI's time.
+//! `JOIN_QUALITY_TRIALS` the test runs 20 trials (about 3.3 minutes), to fit CI's time.
 
 mod common;
 
@@ -947,8 +946,9 @@ fn env_num(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
-/// One run of seeded random trials (20, or `JOIN_QUALITY_TRIALS`) against the goals: precision
-/// and recall ≥ 0.95, the guest's own stalls answered "no host cause" ≥ 90%.
+/// One run of seeded random trials (20, or `JOIN_QUALITY_TRIALS`): false joins and misses each
+/// within 5% of their count or one, the guest's own stalls answered "no host cause" but for 10%
+/// or one (the goals, 0.95 and 90%, are read from the documented 40-trial runs).
 #[test]
 fn join_precision_and_recall_on_real_workloads() {
     let Some(_lock) = require_root() else { return };
@@ -964,7 +964,28 @@ fn join_precision_and_recall_on_real_workloads() {
         sc.internal >= trials / 8,
         "the run provoked internal stalls: {sc:?}"
     );
-    assert!(sc.precision() >= 0.95, "precision, seed {seed}");
-    assert!(sc.recall() >= 0.95, "recall, seed {seed}");
-    assert!(sc.no_host_cause() >= 0.90, "no host cause, seed {seed}");
+    // The goals (precision and recall >= 0.95, "no host cause" >= 0.90) are for the documented
+    // 40-trial runs. A 20-trial run has about a dozen true joins, so one wrong answer of each
+    // kind already reads 0.92: this run holds each kind of error to 5% of its count or one,
+    // whichever is more, so that a single miss does not fail it and two do.
+    let allowed = |n: usize| ((n as f64 * 0.05).floor() as usize).max(1);
+    let right = sc.true_joins + sc.collateral;
+    assert!(
+        sc.false_joins.len() <= allowed(right + sc.false_joins.len()),
+        "precision {:.3}, seed {seed}: {:?}",
+        sc.precision(),
+        sc.false_joins
+    );
+    assert!(
+        sc.missed.len() <= allowed(sc.truth),
+        "recall {:.3}, seed {seed}: {:?}",
+        sc.recall(),
+        sc.missed
+    );
+    assert!(
+        sc.internal_wrong.len() <= (sc.internal as f64 * 0.10).floor().max(1.0) as usize,
+        "no host cause {:.3}, seed {seed}: {:?}",
+        sc.no_host_cause(),
+        sc.internal_wrong
+    );
 }
