@@ -89,10 +89,19 @@ report netkit_interfaces "$(gauge gpufeed_tc_netkit_interfaces)"
 # what each counter says now (PHASE): the pod side's own, the CNI programs', the agent's
 snapshot() { # PHASE
 	local p s
+	local cni i s2
 	for p in nkl3 nkl2 nkedt; do
-		s=$(ip netns exec "$p" sh -c 'cd /sys/class/net/eth0/statistics; echo $(cat tx_bytes rx_bytes tx_packets rx_packets)')
+		# the pod side's counters and the CNI programs' read at one moment: read again until
+		# no packet crossed between (a stray one, an IPv6 solicitation, counted by one and
+		# not yet by the other would be off by one)
+		for i in $(seq 1 20); do
+			s=$(ip netns exec "$p" sh -c 'cd /sys/class/net/eth0/statistics; echo $(cat tx_bytes rx_bytes tx_packets rx_packets)')
+			cni=$($fix seen "/sys/fs/bpf/$p")
+			s2=$(ip netns exec "$p" sh -c 'cd /sys/class/net/eth0/statistics; echo $(cat tx_bytes rx_bytes tx_packets rx_packets)')
+			[ "$s" = "$s2" ] && break
+		done
 		report iface "$1 $p $s"
-		while read -r s; do report cni "$1 $p $s"; done < <($fix seen "/sys/fs/bpf/$p")
+		[ -z "$cni" ] || while read -r s; do report cni "$1 $p $s"; done <<<"$cni"
 	done
 	report host_rx "$1 $(cat /sys/class/net/nk5/statistics/rx_bytes)"
 	while IFS= read -r s; do report metric "$1 $s"; done < <(metrics | grep -E '^(ebpf_tc_|gpufeed_tc_)' || true)
