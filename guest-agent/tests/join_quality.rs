@@ -63,6 +63,7 @@ use common::gpu::{FeedClient, StandInCuda, StandInNvml};
 use common::host_agent::*;
 use common::*;
 use fastrand::Rng;
+use gpufeed_testkit::aer::Aer;
 
 /// The agent's tick: short, so that a trial takes seconds (the detector reads windows per
 /// second of window, so its minimum observation counts scale with it).
@@ -415,49 +416,13 @@ impl Bench {
 
     /// The GPU's AER counters as the kernel's sysfs writes them (the named counter and the
     /// total), written whole and renamed.
-    fn write_aer(&self, file: &str, names: &[&str], counted: &str, total: &str, n: u64) {
-        let mut text: String = names
-            .iter()
-            .map(|c| format!("{c} {}\n", if *c == counted { n } else { 0 }))
-            .collect();
-        text += &format!("{total} {n}\n");
+    fn write_aer(&self, file: Aer, counted: &str, n: u64) {
         let gpu_dir = self.root.join(format!("sys/bus/pci/devices/{GPU}"));
-        std::fs::write(gpu_dir.join(".aer.tmp"), text).unwrap();
-        std::fs::rename(gpu_dir.join(".aer.tmp"), gpu_dir.join(file)).unwrap();
+        file.write(&gpu_dir, &[(counted, n)]);
     }
 
     /// Fires `f` in the recorded tree (an AER burst's reports 0.1 s apart, 0.2 s at most).
     fn fire(&mut self, f: Fire) {
-        const COR: [&str; 8] = [
-            "RxErr",
-            "BadTLP",
-            "BadDLLP",
-            "Rollover",
-            "Timeout",
-            "NonFatalErr",
-            "CorrIntErr",
-            "HeaderOF",
-        ];
-        const UNCOR: [&str; 18] = [
-            "Undefined",
-            "DLP",
-            "SDES",
-            "TLP",
-            "FCP",
-            "CmpltTO",
-            "CmpltAbrt",
-            "UnxCmplt",
-            "RxOF",
-            "MalfTLP",
-            "ECRC",
-            "UnsupReq",
-            "ACSViol",
-            "UncorrIntErr",
-            "BlockedTLP",
-            "AtomicOpBlocked",
-            "TLPBlockedErr",
-            "PoisonTLPBlocked",
-        ];
         match f {
             Fire::LinkWidth => self.link("2.5 GT/s PCIe", "1"),
             Fire::LinkSpeed => self.link("2.5 GT/s PCIe", "4"),
@@ -468,7 +433,7 @@ impl Bench {
                     }
                     self.aer.0 += 1;
                     let c = self.aer.0;
-                    self.write_aer("aer_dev_correctable", &COR, "BadTLP", "TOTAL_ERR_COR", c);
+                    self.write_aer(Aer::Correctable, "BadTLP", c);
                 }
             }
             Fire::AerNonfatal(n) => {
@@ -478,13 +443,7 @@ impl Bench {
                     }
                     self.aer.1 += 1;
                     let c = self.aer.1;
-                    self.write_aer(
-                        "aer_dev_nonfatal",
-                        &UNCOR,
-                        "CmpltTO",
-                        "TOTAL_ERR_NONFATAL",
-                        c,
-                    );
+                    self.write_aer(Aer::Nonfatal, "CmpltTO", c);
                 }
             }
         }

@@ -11,7 +11,9 @@
 //! * [`sh`], [`http`]: shell commands that must succeed (or may fail, in cleanup) and a
 //!   minimal HTTP/1.0 GET.
 //! * [`sandbox`]: cgroup directories removed depth-first, even when the test fails.
+//! * [`aer`]: a device's AER counter files as the kernel prints them, for recorded trees.
 
+pub mod aer;
 pub mod http;
 pub mod prom;
 pub mod root;

@@ -1262,28 +1262,8 @@ fn feed_stall_host_causes_against_a_degraded_link_and_an_aer() {
         width(lanes.parse().unwrap());
         if *aer {
             // the GPU's correctable AER counters as the kernel's sysfs writes them: 3 BadTLP
-            let names = [
-                "RxErr",
-                "BadTLP",
-                "BadDLLP",
-                "Rollover",
-                "Timeout",
-                "NonFatalErr",
-                "CorrIntErr",
-                "HeaderOF",
-            ];
-            let mut text: String = names
-                .iter()
-                .map(|n| format!("{n} {}\n", if *n == "BadTLP" { 3 } else { 0 }))
-                .collect();
-            text += "TOTAL_ERR_COR 3\n";
             let gpu_dir = root.join(format!("sys/bus/pci/devices/{GPU}"));
-            std::fs::write(gpu_dir.join(".aer.tmp"), text).unwrap();
-            std::fs::rename(
-                gpu_dir.join(".aer.tmp"),
-                gpu_dir.join("aer_dev_correctable"),
-            )
-            .unwrap();
+            gpufeed_testkit::aer::Aer::Correctable.write(&gpu_dir, &[("BadTLP", 3)]);
             wait_for(Duration::from_secs(15), || {
                 value(
                     &agent.scrape(),

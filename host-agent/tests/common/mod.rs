@@ -6,48 +6,7 @@ use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
-pub const AER_COR: &[&str] = &[
-    "RxErr",
-    "BadTLP",
-    "BadDLLP",
-    "Rollover",
-    "Timeout",
-    "NonFatalErr",
-    "CorrIntErr",
-    "HeaderOF",
-];
-pub const AER_UNCOR: &[&str] = &[
-    "Undefined",
-    "DLP",
-    "SDES",
-    "TLP",
-    "FCP",
-    "CmpltTO",
-    "CmpltAbrt",
-    "UnxCmplt",
-    "RxOF",
-    "MalfTLP",
-    "ECRC",
-    "UnsupReq",
-    "ACSViol",
-    "UncorrIntErr",
-    "BlockedTLP",
-    "AtomicOpBlocked",
-    "TLPBlockedErr",
-    "PoisonTLPBlocked",
-];
-
-pub fn aer_text(names: &[&str], total: &str, set: &[(&str, u64)]) -> String {
-    let mut s = String::new();
-    let mut sum = 0;
-    for n in names {
-        let v = set.iter().find(|(k, _)| k == n).map(|x| x.1).unwrap_or(0);
-        sum += v;
-        s.push_str(&format!("{n} {v}\n"));
-    }
-    s.push_str(&format!("{total} {sum}\n"));
-    s
-}
+pub use gpufeed_testkit::aer::Aer;
 
 pub struct Tree {
     pub dir: tempfile::TempDir,
@@ -124,15 +83,9 @@ impl Tree {
         w("power/runtime_status", "active\n".into());
         w("power_state", "D0\n".into());
         if d.aer {
-            w(
-                "aer_dev_correctable",
-                aer_text(AER_COR, "TOTAL_ERR_COR", &[]),
-            );
-            w(
-                "aer_dev_nonfatal",
-                aer_text(AER_UNCOR, "TOTAL_ERR_NONFATAL", &[]),
-            );
-            w("aer_dev_fatal", aer_text(AER_UNCOR, "TOTAL_ERR_FATAL", &[]));
+            for a in [Aer::Correctable, Aer::Nonfatal, Aer::Fatal] {
+                w(a.file(), a.text(&[]));
+            }
         }
         if d.root_port {
             for f in [

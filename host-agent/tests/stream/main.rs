@@ -1,14 +1,15 @@
-//! The host's end of the stream with the real agent code: its binary, certificates, config check, clock alignment, end to end, host-state series and TLS. (Fault, flood and restart tests have binaries of their own: a log capture, their own process's memory, a child re-exec.)
+//! The host agent's own parts of the stream, with the real agent code: its binary, the
+//! certificate bundles of its `certs` command, its `--check-config`, and its series sent to a
+//! guest as host state. The stream library's behaviour (delivery, spool, faults, floods,
+//! restarts, TLS admission, the clock) is tested in `shared/tests/stream*`, whose support file
+//! these tests share.
 //!
 //! One test binary for these files, so that a change relinks one binary, not one per file.
 
-#[path = "../stream_support/mod.rs"]
+#[path = "../../../shared/tests/stream/support.rs"]
 mod stream_support;
 
 mod stream_binary;
 mod stream_certs;
 mod stream_check_config;
-mod stream_clock;
-mod stream_e2e;
 mod stream_host_state;
-mod stream_tls;

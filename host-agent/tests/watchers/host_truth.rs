@@ -408,7 +408,7 @@ fn aer_device_replugged_starts_from_its_new_baseline() {
     let set = |path: &str, bad_tlp: u64| {
         t.write(
             &format!("sys/devices/{path}/aer_dev_correctable"),
-            &aer_text(AER_COR, "TOTAL_ERR_COR", &[("BadTLP", bad_tlp)]),
+            &Aer::Correctable.text(&[("BadTLP", bad_tlp)]),
         )
     };
     let series = || {

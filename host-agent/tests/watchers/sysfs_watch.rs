@@ -298,7 +298,7 @@ async fn tb4_egpu_and_plain_slot_events() {
     let ev = expect_events(&mut rx, 2, || {
         t.write(
             &format!("sys/devices/{GPU}/aer_dev_correctable"),
-            &aer_text(AER_COR, "TOTAL_ERR_COR", &[("BadTLP", 3), ("BadDLLP", 1)]),
+            &Aer::Correctable.text(&[("BadTLP", 3), ("BadDLLP", 1)]),
         );
     })
     .await;
@@ -327,11 +327,11 @@ async fn tb4_egpu_and_plain_slot_events() {
     let ev = expect_events(&mut rx, 2, || {
         t.write(
             &format!("sys/devices/{GPU}/aer_dev_correctable"),
-            &aer_text(AER_COR, "TOTAL_ERR_COR", &[("BadTLP", 5), ("BadDLLP", 1)]),
+            &Aer::Correctable.text(&[("BadTLP", 5), ("BadDLLP", 1)]),
         );
         t.write(
             &format!("sys/devices/{ENC_DSP}/aer_dev_nonfatal"),
-            &aer_text(AER_UNCOR, "TOTAL_ERR_NONFATAL", &[("CmpltTO", 1)]),
+            &Aer::Nonfatal.text(&[("CmpltTO", 1)]),
         );
     })
     .await;

@@ -5,12 +5,13 @@
 //!
 //! The guest is this test binary re-executed (`run_guest_child`); the host runs in the test.
 
+#[path = "stream/support.rs"]
 mod stream_support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpufeed_host::stream;
+use gpufeed_shared::stream::client;
 use stream_support::*;
 
 /// Entry point of the child processes; does nothing in a normal test run.
@@ -22,7 +23,7 @@ fn child_process_entry() {
 }
 
 /// Waits until the host's spool has every event up to `last` acknowledged; the time it took.
-async fn acked(h: &stream::StreamHandle, last: u64, limit: Duration) -> Option<Duration> {
+async fn acked(h: &client::StreamHandle, last: u64, limit: Duration) -> Option<Duration> {
     let t0 = Instant::now();
     while t0.elapsed() < limit {
         if h.status()[0].acked == Some(last) {
@@ -52,7 +53,7 @@ async fn restart_after(down: Duration, fx: &Fixture, work: &Path) -> Duration {
     let mut guest = spawn_child("guest", work, 0, &envs);
     // Production timing: only the certificates and the guest differ from the defaults.
     let cfg = fx.production_stream_config("pve1", addr);
-    let h = stream::start(cfg, "pve1".into(), &prometheus::Registry::new()).unwrap();
+    let (h, _) = start_host(cfg);
     h.push_raw(0, kmsg_lost_raw(0, 100));
     assert!(acked(&h, 99, Duration::from_secs(10)).await.is_some());
 

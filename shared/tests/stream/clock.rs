@@ -3,15 +3,13 @@
 //! `gpufeed_clock_offset_seconds{host}` must come within 1 ms of it, and the lag (which corrects
 //! host timestamps with that offset) stays small.
 
-use crate::stream_support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpufeed_host::stream;
+use super::support::*;
 use gpufeed_shared::clock;
 use gpufeed_shared::event::{HostEvent, Stamped};
-use stream_support::*;
+use gpufeed_shared::stream::client;
 
 const SKEW_NS: i64 = -250_001_234;
 
@@ -31,11 +29,13 @@ async fn skewed_host_clock_is_estimated_within_1ms() {
     let greg = prometheus::Registry::new();
     let hub = hub::serve(hub_config(fx.path()), &greg).await.unwrap();
     let hreg = prometheus::Registry::new();
-    let h = stream::start_with_clock(
+    let h = client::start(
         fx.stream_config("pve1", hub.local_addr(), None),
         "pve1".into(),
         &hreg,
         Arc::new(Skewed(SKEW_NS)),
+        None,
+        None,
     )
     .unwrap();
     let offset = || metric(&greg, "gpufeed_clock_offset_seconds", &[("host", "pve1")]);

@@ -2,12 +2,10 @@
 //! order, and spool overflow accounting (the guest's `gpufeed_stream_events_lost_total` equals
 //! what the host's spool dropped), for the memory and the disk spool.
 
-use crate::stream_support;
-
 use std::time::Duration;
 
+use super::support::*;
 use gpufeed_shared::event::{HostEvent, Stamped};
-use stream_support::*;
 
 fn events(from: u64, to: u64) -> Vec<Stamped> {
     (from..to)

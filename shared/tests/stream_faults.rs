@@ -4,14 +4,15 @@
 //! that memory can hold are not lost because the disk is full, nothing panics, and the disk is
 //! written again once it has room.
 
+#[path = "stream/support.rs"]
 mod stream_support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpufeed_host::stream;
 use gpufeed_shared::proto::{EncodedEvent, FrameDecoder, Message, SpoolLoss};
 use gpufeed_shared::stream::client::spool::{Spool, SpoolLimits};
+use gpufeed_shared::stream::client::RawEvent;
 use stream_support::*;
 
 fn ev(i: u64) -> Arc<EncodedEvent> {
@@ -210,7 +211,7 @@ async fn restored_spool_snapshot_does_not_reuse_sequence_numbers() {
     let cfg = fx.stream_config("pve1", hub.local_addr(), Some(&spool));
     let received = || events_received(&greg);
     // A host run that connects, then streams `events`, and exits cleanly.
-    let run = |events: Vec<stream::RawEvent>, total: f64| {
+    let run = |events: Vec<RawEvent>, total: f64| {
         let cfg = cfg.clone();
         let received = &received;
         async move {
@@ -417,16 +418,4 @@ async fn a_loss_on_a_full_disk_and_a_host_restart_is_counted_once_where_the_docs
     assert_eq!(host_view, made_lost as f64);
     h.shutdown().await;
     hub.shutdown().await;
-}
-
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
 }

@@ -7,6 +7,7 @@
 //! The guest and host are this test binary re-executed with `GPUFEED_STREAM_TEST_CHILD` set:
 //! the real hub and the real stream client, each in its own process.
 
+#[path = "stream/support.rs"]
 mod stream_support;
 
 use std::io::Read;
@@ -16,7 +17,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpufeed_host::stream;
 use gpufeed_shared::event::{HostEvent, Stamped};
 use stream_support::*;
 
@@ -40,8 +40,7 @@ fn child_process_entry() {
             // Small memory cache: catching up after an outage reads the disk segments.
             cfg.memory_events = 2048;
             cfg.segment_bytes = 256 * 1024;
-            let h =
-                Arc::new(stream::start(cfg, "pve1".into(), &prometheus::Registry::new()).unwrap());
+            let h = Arc::new(start_host(cfg).0);
             let stop = Arc::new(AtomicBool::new(false));
             let gen = {
                 let (h, stop) = (h.clone(), stop.clone());

@@ -2,13 +2,11 @@
 //! and speak ALPN `gpufeed/1` get in; each rejection logs one line and bumps
 //! `gpufeed_stream_frames_rejected_total{host="unverified",reason}`. Reload on file change.
 
-use crate::stream_support;
-
 use std::time::Duration;
 
+use super::support::*;
 use gpufeed_shared::proto::{encode, FrameDecoder, Message, ALPN};
 use gpufeed_shared::tls::{self, Ca};
-use stream_support::*;
 
 const REJ: &str = "gpufeed_stream_frames_rejected_total";
 
@@ -280,13 +278,7 @@ async fn removing_a_host_from_allowed_hosts_drops_its_connection() {
     let fx = Fixture::new(&["pve1", "pve2"]);
     let reg = prometheus::Registry::new();
     let hub = hub::serve(hub_config(fx.path()), &reg).await.unwrap();
-    let hreg = prometheus::Registry::new();
-    let h = gpufeed_host::stream::start(
-        fx.stream_config("pve1", hub.local_addr(), None),
-        "pve1".into(),
-        &hreg,
-    )
-    .unwrap();
+    let (h, hreg) = start_host(fx.stream_config("pve1", hub.local_addr(), None));
     let connected = || metric(&reg, "gpufeed_stream_connected", &[("host", "pve1")]);
     assert!(wait_for(Duration::from_secs(2), || connected() == 1.0).await);
     std::fs::write(fx.path().join(tls::ALLOWED_HOSTS_FILE), "pve2\n").unwrap();

@@ -10,13 +10,13 @@
 //! The hub runs in this test process, so the measured RSS covers hub, flooder and host client
 //! together (stricter than the hub alone). The tests take turns (`SERIAL`): RSS is per process.
 
+#[path = "stream/support.rs"]
 mod stream_support;
 
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpufeed_host::stream;
 use gpufeed_shared::tls;
 use stream_support::*;
 
@@ -112,7 +112,7 @@ async fn flood_while_streaming(
     // The legitimate host starts once the flood is under way.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let sc = fx.stream_config("pve1", addr, None);
-    let h = stream::start(sc, "pve1".into(), &prometheus::Registry::new()).unwrap();
+    let (h, _) = start_host(sc);
     h.push_raw(0, kmsg_lost_raw(0, 1000));
     let received = || {
         metric(
@@ -221,7 +221,7 @@ async fn a_restarted_host_reconnects_within_3s_through_a_flood_from_64_addresses
     };
     // Production reconnect timing for the host (from 127.0.0.1).
     let sc = fx.production_stream_config("pve1", addr);
-    let h = stream::start(sc.clone(), "pve1".into(), &prometheus::Registry::new()).unwrap();
+    let (h, _) = start_host(sc.clone());
     h.push_raw(0, kmsg_lost_raw(0, 100));
     assert!(wait_for(Duration::from_secs(10), || received() == 100.0).await);
     h.shutdown().await;
@@ -250,7 +250,7 @@ async fn a_restarted_host_reconnects_within_3s_through_a_flood_from_64_addresses
     let full = wait_for(Duration::from_secs(10), || busy() > 100.0).await;
     // ... when the host restarts and has 100 new events.
     let t0 = Instant::now();
-    let h = stream::start(sc, "pve1".into(), &prometheus::Registry::new()).unwrap();
+    let (h, _) = start_host(sc);
     h.push_raw(0, kmsg_lost_raw(100, 200));
     let replayed = wait_for(Duration::from_secs(20), || received() == 200.0).await;
     let took = t0.elapsed();
