@@ -7,7 +7,6 @@
 #[path = "stream/support.rs"]
 mod stream_support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use gpufeed_shared::proto::{EncodedEvent, FrameDecoder, Message, SpoolLoss};
@@ -15,8 +14,8 @@ use gpufeed_shared::stream::client::spool::{Spool, SpoolLimits};
 use gpufeed_shared::stream::client::RawEvent;
 use stream_support::*;
 
-fn ev(i: u64) -> Arc<EncodedEvent> {
-    Arc::new(EncodedEvent::new(i as i64, i, 1, &[7; 100]).unwrap())
+fn ev(i: u64) -> EncodedEvent {
+    EncodedEvent::new(i as i64, i, 1, &[7; 100]).unwrap()
 }
 
 /// Everything the spool sends from `cursor` on: event sequence numbers and loss reports.

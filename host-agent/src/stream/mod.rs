@@ -84,7 +84,7 @@ struct Router {
 /// What routing decides by: each guest's binding, and the events held for those waiting.
 struct Routing {
     bindings: Bindings,
-    held: VecDeque<(Route, Arc<EncodedEvent>)>,
+    held: VecDeque<(Route, EncodedEvent)>,
 }
 
 impl Routing {
@@ -133,7 +133,7 @@ impl Router {
         let mut routing = self.routing();
         let reach = routing.reaches(&topo);
         let hold = routing.bindings.waiting();
-        let mut per_guest: Vec<Vec<Arc<EncodedEvent>>> = vec![Vec::new(); reach.len()];
+        let mut per_guest: Vec<Vec<EncodedEvent>> = vec![Vec::new(); reach.len()];
         for ev in events {
             let route = Route::of(&ev.event);
             let targets = route::targets(&reach, &route);
@@ -144,7 +144,7 @@ impl Router {
             let encoded =
                 proto::encode_event(clock.report(ev.realtime_ns), ev.monotonic_ns, &ev.event);
             let encoded = match encoded {
-                Ok((e, _)) => Arc::new(e),
+                Ok((e, _)) => e,
                 Err(e) => {
                     tracing::error!(kind = ev.event.kind_name(), error = %e, "cannot encode host event; skipped");
                     continue;

@@ -1,6 +1,8 @@
 //! Frame codec: `u32` little-endian body length, then the postcard encoding of one
 //! [`Message`]. Bodies are capped at [`MAX_FRAME_LEN`]; decoding never panics.
 
+use std::sync::Arc;
+
 use super::message::{Message, MAX_FRAME_LEN};
 
 /// Bytes of the length prefix.
@@ -80,11 +82,17 @@ pub fn encode_to_vec(msg: &Message) -> Result<Vec<u8>, EncodeError> {
 /// (host timestamps, kind, payload) is encoded here once and [`write_frame`](Self::write_frame)
 /// prepends the per-guest part. The bytes are exactly those of [`encode`] on the equivalent
 /// [`Message::Event`].
+///
+/// Cloning shares the bytes: one event routed to several guests is held once by all their
+/// spools. The bytes are one allocation, made by the thread that encodes and freed by the one
+/// that sends when the guest acknowledges; a busy host pushes on one thread while the stream
+/// acknowledges on another, and every extra allocation per event would be one more free
+/// contending for the pusher's malloc arena.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EncodedEvent {
     host_realtime_ns: i64,
     /// postcard of `(host_realtime_ns, host_monotonic_ns, kind, payload)`.
-    tail: Box<[u8]>,
+    tail: Arc<[u8]>,
 }
 
 /// postcard's tag of [`Message::Event`] (variant index 3, a one-byte varint).
@@ -102,20 +110,30 @@ impl EncodedEvent {
         kind: u16,
         payload: &[u8],
     ) -> Result<Self, EncodeError> {
-        let mut tail = postcard::to_allocvec(&(host_realtime_ns, host_monotonic_ns, kind))?;
-        push_varint(&mut tail, payload.len() as u64);
-        tail.extend_from_slice(payload);
+        // Two varints of at most 10 bytes and one of at most 3.
+        let mut head = [0u8; 23];
+        let head = postcard::to_slice(&(host_realtime_ns, host_monotonic_ns, kind), &mut head)?;
+        let mut len_bytes = [0u8; 10];
+        let n = varint(payload.len() as u64, &mut len_bytes);
+        let len_bytes = &len_bytes[..n];
         // The smallest frame it can make (sequence number 0) must fit.
-        let len = 2 + tail.len();
+        let len = 2 + head.len() + len_bytes.len() + payload.len();
         if len > MAX_FRAME_LEN {
             return Err(EncodeError::Oversize {
                 len,
                 max: MAX_FRAME_LEN,
             });
         }
+        // A chain of slices has an exact length, so the Arc is allocated once, at its size.
+        let tail = head
+            .iter()
+            .chain(len_bytes)
+            .chain(payload)
+            .copied()
+            .collect::<Arc<[u8]>>();
         Ok(EncodedEvent {
             host_realtime_ns,
-            tail: tail.into_boxed_slice(),
+            tail,
         })
     }
 
@@ -164,12 +182,6 @@ fn varint(mut v: u64, out: &mut [u8]) -> usize {
         out[i] = b | 0x80;
         i += 1;
     }
-}
-
-fn push_varint(out: &mut Vec<u8>, v: u64) {
-    let mut b = [0u8; 10];
-    let n = varint(v, &mut b);
-    out.extend_from_slice(&b[..n]);
 }
 
 /// Incremental decoder for a byte stream of frames. Feed bytes with [`push`](Self::push), take

@@ -22,7 +22,6 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use gpufeed_shared::event::HostEvent;
@@ -212,11 +211,9 @@ fn limits() -> SpoolLimits {
     }
 }
 
-fn event(id: u64) -> Arc<EncodedEvent> {
+fn event(id: u64) -> EncodedEvent {
     let e = HostEvent::KmsgLost { count: id };
-    Arc::new(
-        EncodedEvent::new(id as i64, id, e.kind(), &postcard::to_allocvec(&e).unwrap()).unwrap(),
-    )
+    EncodedEvent::new(id as i64, id, e.kind(), &postcard::to_allocvec(&e).unwrap()).unwrap()
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -149,13 +149,13 @@ pub trait Push {
 impl Push for StreamHandle {
     fn push(&self, events: &[Stamped]) {
         let clock = self.spools().clock();
-        let encoded: Vec<Arc<EncodedEvent>> = events
+        let encoded: Vec<EncodedEvent> = events
             .iter()
             .map(|ev| {
                 let (e, _) =
                     proto::encode_event(clock.report(ev.realtime_ns), ev.monotonic_ns, &ev.event)
                         .unwrap();
-                Arc::new(e)
+                e
             })
             .collect();
         self.spools().push_encoded(0, &encoded);

@@ -136,7 +136,7 @@ pub fn start(
 /// postcard payload.
 pub type RawEvent = (i64, u64, u16, Vec<u8>);
 
-fn push_encoded(g: &Guest, evs: &[Arc<EncodedEvent>]) {
+fn push_encoded(g: &Guest, evs: &[EncodedEvent]) {
     let mut s = g.spool();
     let mut dropped = 0;
     for e in evs {
@@ -175,7 +175,7 @@ fn push_encoded(g: &Guest, evs: &[Arc<EncodedEvent>]) {
 impl Spools {
     /// Spools events for the guest at `guest_index` (the order of `StreamConfig::guests`).
     /// One [`EncodedEvent`] may go to any number of guests.
-    pub fn push_encoded(&self, guest_index: usize, events: &[Arc<EncodedEvent>]) {
+    pub fn push_encoded(&self, guest_index: usize, events: &[EncodedEvent]) {
         push_encoded(&self.guests[guest_index], events);
     }
 
@@ -188,7 +188,6 @@ impl Spools {
                 EncodedEvent::new(*rt, *mono, *kind, payload)
                     .map_err(|e| tracing::error!(kind, error = %e, "cannot frame event; skipped"))
                     .ok()
-                    .map(Arc::new)
             })
             .collect();
         push_encoded(&self.guests[guest_index], &encoded);

@@ -24,7 +24,6 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::meta::{self, Format, MetaFile, MetaRead};
@@ -113,7 +112,7 @@ struct Disk {
 /// The spool of one guest.
 pub struct Spool {
     ledger: Ledger,
-    mem: VecDeque<(u64, Arc<EncodedEvent>)>,
+    mem: VecDeque<(u64, EncodedEvent)>,
     /// [`EncodedEvent::heap_bytes`] of `mem`.
     mem_bytes: usize,
     limits: SpoolLimits,
@@ -409,7 +408,7 @@ impl Spool {
     /// disk that cannot be written does not refuse events: they wait in memory (and go to the
     /// guest from there) until a later write succeeds; only when memory is full too is the
     /// oldest unwritten event dropped, and counted like any other loss.
-    pub fn push(&mut self, ev: Arc<EncodedEvent>) -> Result<(u64, u64), SpoolError> {
+    pub fn push(&mut self, ev: EncodedEvent) -> Result<(u64, u64), SpoolError> {
         ev.frame_len(self.ledger.next_seq())?;
         let seq = match self.ledger.assign() {
             Some(s) => s,
@@ -952,8 +951,8 @@ mod tests {
     use super::*;
     use crate::proto::FrameDecoder;
 
-    fn ev(rt: i64, mono: u64, kind: u16, payload: Vec<u8>) -> Arc<EncodedEvent> {
-        Arc::new(EncodedEvent::new(rt, mono, kind, &payload).unwrap())
+    fn ev(rt: i64, mono: u64, kind: u16, payload: Vec<u8>) -> EncodedEvent {
+        EncodedEvent::new(rt, mono, kind, &payload).unwrap()
     }
 
     fn limits(mem: usize, disk: u64, seg: u64) -> SpoolLimits {
