@@ -14,7 +14,9 @@
 //! `SCALE_PERF=<dir>` records each measured row's agent with `perf record -g`
 //! into `<dir>` during its CPU window (which then reads higher;
 //! `SCALE_PERF_CALLGRAPH=dwarf` for call chains through Rust code);
-//! `SCALE_AGENT=<path>` measures another build of the agent binary.
+//! `SCALE_AGENT=<path>` measures another build of the agent binary;
+//! `SCALE_BEFORE=<path>` measures that build too, row by row before this one
+//! (interleaved, so both see the same machine), its rows marked "before".
 
 mod common;
 
@@ -235,6 +237,7 @@ fn main() {
     let agent_bin = std::env::var("SCALE_AGENT")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_gpufeed-guest").to_string());
     let agent_bin = agent_bin.as_str();
+    let before = std::env::var("SCALE_BEFORE").ok();
     let window = Duration::from_secs(15);
     let mut node = Node::new();
     let mut rows = Vec::new();
@@ -275,6 +278,10 @@ fn main() {
         }
         for (probes, name) in names(what, interval) {
             if selected(&name) {
+                if let Some(bin) = &before {
+                    let name = format!("{name} (before)");
+                    rows.push(measure(bin, name, interval, probes, window));
+                }
                 rows.push(measure(agent_bin, name, interval, probes, window));
             }
         }
