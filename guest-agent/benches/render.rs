@@ -377,8 +377,9 @@ fn run(pods: usize) {
     println!("scale: {pods} pods: RSS {:.1} MB (target ≤ 40)", rss_mb());
 }
 
-/// The join's series as its driver publishes them: a scrape clones the published families.
-struct Published(Vec<prometheus::proto::MetricFamily>);
+/// The join's series as its driver publishes them: a scrape builds the families from the
+/// published rows.
+struct Published(Vec<gpufeed_guest::families::Rows>);
 
 impl prometheus::core::Collector for Published {
     fn desc(&self) -> Vec<&prometheus::core::Desc> {
@@ -386,7 +387,10 @@ impl prometheus::core::Collector for Published {
     }
 
     fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
-        self.0.clone()
+        self.0
+            .iter()
+            .map(gpufeed_guest::families::Rows::family)
+            .collect()
     }
 }
 

@@ -4,11 +4,12 @@
 
 use std::collections::BTreeMap;
 
-use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{MetricFamily, MetricType};
 use serde::Serialize;
 
 use super::pairing::{magnitude, EventRecord, SpikeRecord};
 use super::{ns, Correlator, EventKind};
+use crate::families::Rows;
 
 pub const LATENCY_SPIKES: &str = "gpufeed_latency_spikes_total";
 pub const CORRELATED_SPIKES: &str = "gpufeed_correlated_spikes_total";
@@ -220,6 +221,11 @@ impl Correlator {
 
     /// The five correlation families, ready for a prometheus `Collector`.
     pub fn metric_families(&self, now: i64) -> Vec<MetricFamily> {
+        self.series_rows(now).iter().map(Rows::family).collect()
+    }
+
+    /// The five correlation families as rows (what the join keeps between scrapes).
+    pub fn series_rows(&self, now: i64) -> Vec<Rows> {
         let c = &self.counters;
         // Series are per (namespace, pod): two pod objects of one name (a StatefulSet pod
         // re-created) add up.
@@ -251,83 +257,41 @@ impl Correlator {
             .map(|((h, e), n)| ([h.clone(), e.to_string()], *n as f64));
         let explained = self.explained_ratio(now).into_iter().map(|(s, r)| ([s], r));
         vec![
-            family(
+            Rows::new(
                 LATENCY_SPIKES,
                 "Latency spikes detected, per pod signal",
                 MetricType::COUNTER,
-                ["signal", "namespace", "pod"],
+                &["signal", "namespace", "pod"],
                 spikes,
             ),
-            family(
+            Rows::new(
                 CORRELATED_SPIKES,
                 "Latency spikes within reach of a host event, per event kind",
                 MetricType::COUNTER,
-                ["event", "signal", "namespace", "pod"],
+                &["event", "signal", "namespace", "pod"],
                 correlated,
             ),
-            family(
+            Rows::new(
                 HOST_EVENTS,
                 "Host events received, by correlation kind",
                 MetricType::COUNTER,
-                ["host", "event"],
+                &["host", "event"],
                 host_events,
             ),
-            family(
+            Rows::new(
                 EVENT_IMPACT,
                 "p99 after the latest event of each kind divided by the pod signal's baseline",
                 MetricType::GAUGE,
-                ["event", "signal", "namespace", "pod"],
+                &["event", "signal", "namespace", "pod"],
                 self.impact(),
             ),
-            family(
+            Rows::new(
                 SPIKE_EXPLAINED,
                 "Share of settled spikes of the retention period joined to a host event",
                 MetricType::GAUGE,
-                ["signal"],
+                &["signal"],
                 explained,
             ),
         ]
     }
-}
-
-/// A family of counters or gauges from (label values, value) pairs.
-fn family<const N: usize>(
-    name: &str,
-    help: &str,
-    kind: MetricType,
-    names: [&str; N],
-    series: impl IntoIterator<Item = ([String; N], f64)>,
-) -> MetricFamily {
-    let metrics = series
-        .into_iter()
-        .map(|(values, v)| {
-            let labels = names
-                .iter()
-                .zip(values)
-                .map(|(n, value)| {
-                    let mut l = LabelPair::default();
-                    l.set_name(n.to_string());
-                    l.set_value(value);
-                    l
-                })
-                .collect();
-            let mut m = Metric::from_label(labels);
-            if kind == MetricType::COUNTER {
-                let mut c = Counter::default();
-                c.set_value(v);
-                m.set_counter(c);
-            } else {
-                let mut g = Gauge::default();
-                g.set_value(v);
-                m.set_gauge(g);
-            }
-            m
-        })
-        .collect();
-    let mut f = MetricFamily::default();
-    f.set_name(name.to_string());
-    f.set_help(help.to_string());
-    f.set_field_type(kind);
-    f.set_metric(metrics);
-    f
 }

@@ -11,7 +11,9 @@
 
 use std::collections::BTreeMap;
 
-use prometheus::proto::{Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{MetricFamily, MetricType};
+
+use crate::families::Rows;
 
 use crate::correlate::pairing::EventRecord;
 
@@ -21,6 +23,11 @@ pub const HELP: &str =
 
 /// The family for the listed events.
 pub fn family<'a>(events: impl Iterator<Item = &'a EventRecord>) -> MetricFamily {
+    rows(events).family()
+}
+
+/// The listed events' series as rows (what the join keeps between scrapes).
+pub fn rows<'a>(events: impl Iterator<Item = &'a EventRecord>) -> Rows {
     let mut latest: BTreeMap<(&str, &str, &str), i64> = BTreeMap::new();
     for e in events {
         let t = latest
@@ -28,34 +35,21 @@ pub fn family<'a>(events: impl Iterator<Item = &'a EventRecord>) -> MetricFamily
             .or_insert(e.at);
         *t = (*t).max(e.at);
     }
-    let metrics = latest
-        .into_iter()
-        .map(|((host, event, summary), at)| {
-            let labels = [("host", host), ("event", event), ("summary", summary)]
-                .into_iter()
-                .map(|(n, v)| {
-                    let mut l = LabelPair::default();
-                    l.set_name(n.to_string());
-                    l.set_value(v.to_string());
-                    l
-                })
-                .collect();
-            let mut m = Metric::from_label(labels);
-            let mut g = Gauge::default();
+    Rows::new(
+        HOST_EVENT_TIMESTAMP,
+        HELP,
+        MetricType::GAUGE,
+        &["host", "event", "summary"],
+        latest.into_iter().map(|((host, event, summary), at)| {
             // whole seconds and the fraction apart: an f64 of ns since 1970 loses the fraction
-            g.set_value(
-                at.div_euclid(1_000_000_000) as f64 + at.rem_euclid(1_000_000_000) as f64 / 1e9,
-            );
-            m.set_gauge(g);
-            m
-        })
-        .collect();
-    let mut f = MetricFamily::default();
-    f.set_name(HOST_EVENT_TIMESTAMP.to_string());
-    f.set_help(HELP.to_string());
-    f.set_field_type(MetricType::GAUGE);
-    f.set_metric(metrics);
-    f
+            let secs =
+                at.div_euclid(1_000_000_000) as f64 + at.rem_euclid(1_000_000_000) as f64 / 1e9;
+            (
+                [host.to_string(), event.to_string(), summary.to_string()],
+                secs,
+            )
+        }),
+    )
 }
 
 #[cfg(test)]

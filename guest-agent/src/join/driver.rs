@@ -20,6 +20,7 @@ use prometheus::proto::MetricFamily;
 
 use crate::collect::TickReport;
 use crate::correlate::views::EventView;
+use crate::families::Rows;
 use crate::hub::Hub;
 use crate::incident::{self, annotations, PageState};
 use crate::pods::PodStore;
@@ -55,8 +56,9 @@ fn realtime_ns() -> i64 {
 pub struct Answers {
     /// `/events`: recent host events with the pods they hit, newest first.
     pub events: Vec<EventView>,
-    /// The correlation series and the annotation timestamps, for the scrape.
-    pub series: Vec<MetricFamily>,
+    /// The correlation series and the annotation timestamps, for the scrape (as rows: a
+    /// scrape builds the families it writes).
+    pub series: Vec<Rows>,
 }
 
 /// The page's state and when it was rendered (`None`: before anyone asked).
@@ -301,6 +303,6 @@ impl PromCollector for JoinSeries {
 
     fn collect(&self) -> Vec<MetricFamily> {
         let answers = self.answers.borrow().clone();
-        answers.series.clone()
+        answers.series.iter().map(Rows::family).collect()
     }
 }

@@ -11,6 +11,7 @@ use crate::collect::TickReport;
 use crate::correlate::events::{self, Payload};
 use crate::correlate::views::EventView;
 use crate::correlate::{link_condition, Config, Correlator, GpuWindow, HostInput};
+use crate::families::Rows;
 use crate::hub::{Delivery, Hub, ReceivedEvent, UnknownEvent};
 use crate::incident::profile::{ProfileTemplate, Target};
 use crate::incident::{self, HostView, PageState, Timeline, TimelineConfig, Unexplained};
@@ -266,9 +267,9 @@ impl JoinOwner {
     }
 
     /// The correlation series (`gpufeed_*`) and the host events' annotation timestamps.
-    pub fn series(&self, now_ns: i64) -> Vec<prometheus::proto::MetricFamily> {
-        let mut families = self.corr.metric_families(now_ns);
-        families.push(incident::annotations::family(self.corr.event_records()));
+    pub fn series(&self, now_ns: i64) -> Vec<Rows> {
+        let mut families = self.corr.series_rows(now_ns);
+        families.push(incident::annotations::rows(self.corr.event_records()));
         families
     }
 
