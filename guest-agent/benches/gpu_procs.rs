@@ -32,7 +32,9 @@
 //!
 //! `GPU_PROCS_BEFORE=<path>` measures another build of the agent binary in
 //! the same rounds (the one before a change); `GPU_PROCS_ROUNDS=<n>` (default
-//! 5); `GPU_PROCS_UNITS=<probes>` loads other units than the three.
+//! 5); `GPU_PROCS_UNITS=<probes>` loads other units than the three;
+//! `GPU_PROCS_PERF=<dir>` records each measured agent with `perf record -g`
+//! into `<dir>` during its window (which then reads higher).
 
 mod common;
 
@@ -237,7 +239,13 @@ struct Measured {
 /// One agent run: its CPU per second over the window, its RSS; checks that
 /// it saw the GPU processes (NVML's 4 GPUs and every container's memory;
 /// with `active`, every container's driver time).
-fn measure(agent_bin: &str, units: &str, s: &StandIns, procs: usize, active: bool) -> Measured {
+fn measure(
+    agent_bin: &str,
+    units: &str,
+    s: &StandIns,
+    (procs, active): (usize, bool),
+    label: &str,
+) -> Measured {
     let mut child = Command::new(agent_bin)
         .args(["run", "--no-kube", "--metrics-listen", "127.0.0.1:0"])
         .args(["--interval", "1s", "--probes", units])
@@ -274,7 +282,29 @@ fn measure(agent_bin: &str, units: &str, s: &StandIns, procs: usize, active: boo
         .expect("the agent serves /metrics");
     std::thread::sleep(SETTLE);
     let (t0, c0) = (Instant::now(), cpu_ns(pid));
-    std::thread::sleep(WINDOW);
+    match std::env::var_os("GPU_PROCS_PERF") {
+        Some(dir) => {
+            let data = Path::new(&dir).join(format!("{label}.data"));
+            let status = Command::new("perf")
+                .args([
+                    "record",
+                    "-q",
+                    "-g",
+                    "-F",
+                    "999",
+                    "-p",
+                    &pid.to_string(),
+                    "-o",
+                ])
+                .arg(&data)
+                .args(["--", "sleep", &WINDOW.as_secs().to_string()])
+                .stdout(Stdio::null())
+                .status()
+                .expect("perf runs");
+            assert!(status.success(), "perf record");
+        }
+        None => std::thread::sleep(WINDOW),
+    }
     let cpu_ms_per_s = (cpu_ns(pid) - c0) as f64 / 1e6 / t0.elapsed().as_secs_f64();
     let rss_mb = rss_kib(pid) as f64 / 1024.0;
     let text = gpufeed_testkit::http::get(addr, "/metrics").expect("GET /metrics");
@@ -391,7 +421,14 @@ fn main() {
             }
             for a in agent_order {
                 let active = mode.is_some_and(|(m, _)| m == "active");
-                let m = measure(&agents[a].1, &units, &stand_ins, procs.len(), active);
+                let label = format!("r{round}-p{p}-a{a}");
+                let m = measure(
+                    &agents[a].1,
+                    &units,
+                    &stand_ins,
+                    (procs.len(), active),
+                    &label,
+                );
                 eprintln!(
                     "round {round}: {name}, {}: {:.3} ms/s, RSS {:.1} MB",
                     agents[a].0, m.cpu_ms_per_s, m.rss_mb
