@@ -25,13 +25,13 @@
 use std::collections::HashSet;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 mod common;
 
-use common::{pingpong_us, Killed};
+use common::{cc, pingpong_us, Killed};
 use gpufeed_guest::probes::cuda::{CudaOptions, CudaProbe};
 use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook};
 use gpufeed_guest::probes::gpu_process::GpuProcessUnit;
@@ -62,24 +62,6 @@ fn syscall_cpu_ns() -> f64 {
         unsafe { libc::syscall(libc::SYS_getppid) };
     }
     (cpu() - t0) / f64::from(N)
-}
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(rel)
-}
-
-fn cc(src: &str, out: &Path, extra: &[&str]) {
-    let ok = Command::new("cc")
-        .args(["-O2", "-o"])
-        .arg(out)
-        .arg(fixture(src))
-        .args(extra)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "cc {src}");
 }
 
 fn driver_time(dir: &Path) {

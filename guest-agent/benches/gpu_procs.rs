@@ -38,13 +38,12 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Killed;
+use common::{cc, Killed};
 use gpufeed_shared::procstat::{cpu_ns, rss_kib};
 
 const PODS: usize = 50;
@@ -52,24 +51,6 @@ const PER_POD: usize = 4;
 const GPUS: usize = 4;
 const SETTLE: Duration = Duration::from_secs(4);
 const WINDOW: Duration = Duration::from_secs(10);
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(rel)
-}
-
-fn cc(src: &str, out: &Path, extra: &[&str]) {
-    let ok = Command::new("cc")
-        .args(["-O2", "-o"])
-        .arg(out)
-        .arg(fixture(src))
-        .args(extra)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "cc {src}");
-}
 
 /// The stand-ins in a scratch directory: NVML with 4 GPUs answering for the
 /// processes file, libcuda, the GPU device node and the process program.
@@ -262,24 +243,7 @@ fn measure(
     let stderr = child.stderr.take().unwrap();
     let pid = child.id();
     let agent = Killed(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if let Some(a) = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr=")?.parse::<SocketAddr>().ok())
-            {
-                let _ = tx.send(a);
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the agent serves /metrics");
+    let addr = common::served_addr(stderr);
     std::thread::sleep(SETTLE);
     let (t0, c0) = (Instant::now(), cpu_ns(pid));
     match std::env::var_os("GPU_PROCS_PERF") {

@@ -147,24 +147,7 @@ fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: 
     let stderr = child.stderr.take().unwrap();
     let pid = child.id();
     let agent = Killed(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if let Some(a) = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr=")?.parse::<SocketAddr>().ok())
-            {
-                let _ = tx.send(a);
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the agent serves /metrics");
+    let addr = common::served_addr(stderr);
     std::thread::sleep(Duration::from_secs(3));
     let t0 = (Instant::now(), cpu_ns(pid));
     match std::env::var_os("SCALE_PERF") {

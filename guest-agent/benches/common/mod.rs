@@ -1,7 +1,10 @@
 //! What the benchmarks share (each bench uses its part of it).
 #![allow(dead_code)]
 
-use std::process::{Child, Command};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStderr, Command};
+use std::time::Duration;
 
 /// µs per round trip of a pipe ping-pong pinned to CPU 0 (`perf bench sched
 /// pipe`: two switches and two wakeups per round trip), 200 000 round trips
@@ -39,4 +42,46 @@ pub fn thread_cpu_ns() -> i64 {
     // SAFETY: valid pointer to a timespec; CLOCK_THREAD_CPUTIME_ID exists on Linux.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+}
+
+/// A file under `tests/fixtures`.
+pub fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(rel)
+}
+
+/// Compiles the fixture `src` to `out` with `cc -O2` and `extra` flags.
+pub fn cc(src: &str, out: &Path, extra: &[&str]) {
+    let ok = Command::new("cc")
+        .args(["-O2", "-o"])
+        .arg(out)
+        .arg(fixture(src))
+        .args(extra)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "cc {src}");
+}
+
+/// The address an agent started with `--metrics-listen 127.0.0.1:0` serves on, from its log
+/// (`addr=` in its stderr, which a thread keeps reading so that the agent never blocks on it).
+pub fn served_addr(stderr: ChildStderr) -> SocketAddr {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(a) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr=")?.parse::<SocketAddr>().ok())
+            {
+                let _ = tx.send(a);
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("the agent serves /metrics")
 }
