@@ -133,8 +133,8 @@ fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Store {
             deleted_at: None,
         });
         let container = Owner::Pod {
-            uid: uid.clone(),
-            container_id: Some(cid),
+            uid: uid.as_str().into(),
+            container_id: Some(cid.into()),
         };
         let mut series = BTreeMap::new();
         series.insert((sched::FAMILY, Labels::new()), Value::Hist(hist(rng)));
@@ -223,8 +223,8 @@ fn windows(pods: usize, tick: usize, rng: &mut fastrand::Rng) -> Vec<SignalWindo
     let mut out = Vec::with_capacity(pods * 7);
     for i in 0..pods {
         let owner = Owner::Pod {
-            uid: uid(i),
-            container_id: Some(cid(i)),
+            uid: uid(i).into(),
+            container_id: Some(cid(i).into()),
         };
         let hot = tick % 30 < 5 && i % 10 == (tick / 30) % 10;
         let latency = |rng: &mut fastrand::Rng| {

@@ -479,7 +479,7 @@ fn retire(
     let live_pods: FxHashSet<&str> = live
         .iter()
         .filter_map(|(o, n)| match o {
-            Owner::Pod { uid, .. } if *n > 0 && !deleted(uid) => Some(uid.as_str()),
+            Owner::Pod { uid, .. } if *n > 0 && !deleted(uid) => Some(&**uid),
             _ => None,
         })
         .collect();
@@ -508,12 +508,12 @@ fn retire(
         else {
             // a slice, or a pod-level owner: its labels go with it (a pod-level
             // owner of a live pod waits for the pod)
-            if !matches!(&owner, Owner::Pod { uid, .. } if live_pods.contains(uid.as_str())) {
+            if !matches!(&owner, Owner::Pod { uid, .. } if live_pods.contains(&**uid)) {
                 owners.remove(&owner);
             }
             continue;
         };
-        if !live_pods.contains(uid.as_str()) {
+        if !live_pods.contains(&**uid) {
             owners.remove(&owner);
             continue;
         }
@@ -607,15 +607,12 @@ fn windows(
     out
 }
 
-/// The tick's series of `owner`, cloning the owner only the first time.
+/// The tick's series of `owner` (a clone of an owner is a reference count: one lookup).
 fn series_of<'a>(
     deltas: &'a mut TickDeltas,
     owner: &Owner,
 ) -> &'a mut BTreeMap<(&'static str, Labels), Value> {
-    if !deltas.contains_key(owner) {
-        deltas.insert(owner.clone(), BTreeMap::new());
-    }
-    deltas.get_mut(owner).expect("inserted above")
+    deltas.entry(owner.clone()).or_default()
 }
 
 /// Adds a delta to the series `key`, creating it (a zero delta too: a series
@@ -972,7 +969,7 @@ mod tests {
     fn pod(cid: Option<&str>) -> Owner {
         Owner::Pod {
             uid: UID.into(),
-            container_id: cid.map(String::from),
+            container_id: cid.map(Arc::from),
         }
     }
 

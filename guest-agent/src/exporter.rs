@@ -32,7 +32,7 @@ use series_text::LabelCache;
 use crate::join::FeedStallShare;
 
 /// Pod metadata looked up during one scrape, by pod UID.
-type Metas = HashMap<String, Option<PodMeta>>;
+type Metas = HashMap<Arc<str>, Option<PodMeta>>;
 
 pub struct AgentCollector {
     shared: Arc<Mutex<Store>>,
@@ -94,7 +94,7 @@ impl AgentCollector {
                     l.insert("namespace", meta.namespace.clone());
                     l.insert("pod", meta.name.clone());
                     let c = container_id
-                        .as_ref()
+                        .as_deref()
                         .and_then(|c| meta.containers.get(c))
                         .cloned()
                         .unwrap_or_default();
@@ -102,7 +102,7 @@ impl AgentCollector {
                 }
                 None => {
                     l.insert("namespace", String::new());
-                    l.insert("pod", uid.clone());
+                    l.insert("pod", uid.to_string());
                     l.insert(
                         "container",
                         container_id
@@ -121,7 +121,7 @@ impl AgentCollector {
                     if s.is_empty() {
                         "/".to_string()
                     } else {
-                        s.clone()
+                        s.to_string()
                     },
                 );
             }
@@ -509,7 +509,7 @@ mod tests {
     fn pod(container: Option<&str>) -> Owner {
         Owner::Pod {
             uid: UID.into(),
-            container_id: container.map(str::to_string),
+            container_id: container.map(Into::into),
         }
     }
 

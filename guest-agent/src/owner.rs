@@ -1,15 +1,21 @@
 //! Who a cgroup's numbers belong to: the owner every unit's deltas are accumulated under.
 
+use std::sync::Arc;
+
 use crate::pods::CgroupClass;
 
 /// Who a cgroup's numbers belong to.
+///
+/// The tick keys its maps by owner and hands owners on in every window, for every active
+/// pod: shared strings make that a reference count, not an allocation, and two keys cloned
+/// from one owner compare by pointer before their bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Owner {
     Pod {
-        uid: String,
-        container_id: Option<String>,
+        uid: Arc<str>,
+        container_id: Option<Arc<str>>,
     },
-    Slice(String),
+    Slice(Arc<str>),
     /// tc drops nobody could be found for (no socket, unknown device, unknown IPs)
     Unattributed,
 }
@@ -19,8 +25,11 @@ impl Owner {
         match class {
             CgroupClass::Pod {
                 uid, container_id, ..
-            } => Owner::Pod { uid, container_id },
-            CgroupClass::Slice(s) => Owner::Slice(s),
+            } => Owner::Pod {
+                uid: uid.into(),
+                container_id: container_id.map(Arc::from),
+            },
+            CgroupClass::Slice(s) => Owner::Slice(s.into()),
         }
     }
 

@@ -117,7 +117,7 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
         };
         for ((family, labels), value) in &o.series {
             let t = match *family {
-                COMPUTE | IOCTL | PCIE | SYNC_WAIT => out.entry(uid.clone()).or_default(),
+                COMPUTE | IOCTL | PCIE | SYNC_WAIT => out.entry(uid.to_string()).or_default(),
                 _ => continue,
             };
             match (*family, value) {
@@ -148,9 +148,9 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
                 continue;
             };
             if *family == vram {
-                out.entry(uid.clone()).or_default().vram_bytes += g.value;
+                out.entry(uid.to_string()).or_default().vram_bytes += g.value;
             } else {
-                *duty.entry((uid.as_str(), gpu_of(&g.labels))).or_default() += g.value;
+                *duty.entry((&**uid, gpu_of(&g.labels))).or_default() += g.value;
             }
         }
     }
@@ -172,7 +172,7 @@ pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
             let (FEED_STALL, Value::Count(n)) = (*family, value) else {
                 continue;
             };
-            let f = out.entry(uid.clone()).or_default();
+            let f = out.entry(uid.to_string()).or_default();
             let part = labels.get(FEED_PART).map(String::as_str);
             match FeedPart::ALL.into_iter().find(|p| Some(p.as_str()) == part) {
                 Some(FeedPart::Cpu) => f.cpu_ns += n,

@@ -51,7 +51,7 @@ impl Store {
         self.owners
             .keys()
             .filter_map(|o| match o {
-                Owner::Pod { uid, .. } => Some(uid.clone()),
+                Owner::Pod { uid, .. } => Some(uid.to_string()),
                 _ => None,
             })
             .collect()

@@ -126,10 +126,10 @@ impl LabelCache {
                 let Owner::Pod { uid, .. } = owner else {
                     continue;
                 };
-                let Some(c) = feed.get(uid.as_str()) else {
+                let Some(c) = feed.get(&**uid) else {
                     continue;
                 };
-                if !done.insert(uid.as_str()) {
+                if !done.insert(&**uid) {
                     continue;
                 }
                 for (cause, ns) in c.by_cause() {

@@ -146,9 +146,9 @@ impl Merge {
                 continue; // slices are not pods
             };
             let at = now_ns - now_i.saturating_duration_since(w.at).as_nanos() as i64;
-            let slot = match self.pods.get_mut(uid.as_str()) {
+            let slot = match self.pods.get_mut(&**uid) {
                 Some(s) => s,
-                None => self.pods.entry(uid.clone()).or_insert_with(|| PodSlot {
+                None => self.pods.entry(uid.to_string()).or_insert_with(|| PodSlot {
                     key: pod_key(uid, pods),
                     names: version,
                     signals: Vec::new(),

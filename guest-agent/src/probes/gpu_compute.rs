@@ -250,8 +250,8 @@ mod tests {
 
     fn pod(n: u8) -> Owner {
         Owner::Pod {
-            uid: format!("uid-{n}"),
-            container_id: Some(format!("c{n}")),
+            uid: format!("uid-{n}").into(),
+            container_id: Some(format!("c{n}").into()),
         }
     }
 

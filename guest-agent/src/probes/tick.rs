@@ -158,7 +158,7 @@ impl TickContext<'_> {
             let mut by_pod: HashMap<String, Vec<i32>> = HashMap::new();
             for (id, pids) in &cache.by_cgroup {
                 if let Some(Owner::Pod { uid, .. }) = self.owners.get(id) {
-                    by_pod.entry(uid.clone()).or_default().extend(pids);
+                    by_pod.entry(uid.to_string()).or_default().extend(pids);
                 }
             }
             cache.by_pod = by_pod;

@@ -59,7 +59,7 @@ fn signal_windows(r: &TickReport, signal: &str, uid: &str) -> Vec<Window> {
     r.windows
         .iter()
         .filter(|w: &&SignalWindow| {
-            w.signal == signal && matches!(&w.owner, Owner::Pod { uid: u, .. } if u == uid)
+            w.signal == signal && matches!(&w.owner, Owner::Pod { uid: u, .. } if &**u == uid)
         })
         .map(|w| match w.value {
             WindowValue::Latency {

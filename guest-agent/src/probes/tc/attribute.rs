@@ -26,7 +26,7 @@ pub struct Known<'a> {
 
 fn pod(uid: String) -> Owner {
     Owner::Pod {
-        uid,
+        uid: uid.into(),
         container_id: None,
     }
 }
@@ -82,7 +82,7 @@ pub fn attribute(k: &DropKey, known: &Known<'_>) -> (Owner, Option<Direction>) {
             let dir = match &owner {
                 Owner::Pod { uid, .. } => dev_side
                     .as_ref()
-                    .filter(|(u, _)| u == uid)
+                    .filter(|(u, _)| u.as_str() == &**uid)
                     .map(|(_, d)| *d)
                     .or_else(|| ip_dir(uid))
                     // a pod's own socket on a device not its own: it was sending

@@ -10,6 +10,7 @@ mod attribute;
 mod loader;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use attribute::Direction;
@@ -324,7 +325,7 @@ impl TcUnit {
             }
             ingress = ingress.max(delivered);
         }
-        push_bytes(out, &pi.uid, egress, ingress);
+        push_bytes(out, pi.uid.as_str().into(), egress, ingress);
     }
 
     /// Records that attaching to `ifindex` failed; true when this reason is
@@ -403,7 +404,7 @@ fn bandwidth_limits(pods: &PodStore, warned: &mut HashSet<(String, String)>) -> 
             match bandwidth::parse_quantity(v) {
                 Ok(bps) => out.push(GaugeValue {
                     owner: Owner::Pod {
-                        uid: uid.clone(),
+                        uid: uid.as_str().into(),
                         container_id: None,
                     },
                     labels: Labels::from([("direction", dir.as_str().to_string())]),
@@ -469,7 +470,7 @@ impl Probe for TcUnit {
             match ctx.pod_of_cgroup(id) {
                 Some(Owner::Pod { uid, .. }) => push_bytes(
                     &mut out.deltas,
-                    &uid,
+                    uid,
                     grown(b.egress_bytes, prev.egress_bytes),
                     grown(b.ingress_bytes, prev.ingress_bytes),
                 ),
@@ -556,9 +557,9 @@ fn grown(now: u64, prev: u64) -> u64 {
     }
 }
 
-fn push_bytes(out: &mut Vec<(Owner, Delta)>, uid: &str, egress: u64, ingress: u64) {
+fn push_bytes(out: &mut Vec<(Owner, Delta)>, uid: Arc<str>, egress: u64, ingress: u64) {
     let owner = Owner::Pod {
-        uid: uid.to_string(),
+        uid,
         container_id: None,
     };
     for (dir, n) in [(Direction::Egress, egress), (Direction::Ingress, ingress)] {
