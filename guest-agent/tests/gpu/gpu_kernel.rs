@@ -969,6 +969,10 @@ struct FeedPhase {
     /// first, which spans the pause; of that one its run-queue wait)
     truth_cpu_ns: u64,
     truth_idle_ns: u64,
+    /// of `truth_cpu_ns`, the first gap's (the pause's): the thread waited for a CPU while
+    /// the phase before was being stopped, and which side of the probe's read between phases
+    /// that lands on is the moment's, not the agent's
+    pause_cpu_ns: u64,
     cpu_ns: u64,
     idle_ns: u64,
 }
@@ -1052,13 +1056,14 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
             gaps: phase.len(),
             truth_cpu_ns,
             truth_idle_ns,
+            pause_cpu_ns: phase.first().map_or(0, |g| g.run_delay_ns),
             cpu_ns: d.feed_cpu_ns,
             idle_ns: d.feed_idle_ns,
         };
         eprintln!("{r:?}");
         results.push(r);
     }
-    for r in &results {
+    for (i, r) in results.iter().enumerate() {
         let off = |got: u64, want: u64| (got as f64 - want as f64).abs();
         assert!(
             r.gaps > 100,
@@ -1066,12 +1071,17 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
             r.name,
             r.gaps
         );
+        // a pause's wait may be read on either side of it (the whole run's sum is held to the
+        // truth's below, on /metrics)
+        let pauses = r.pause_cpu_ns + results.get(i + 1).map_or(0, |n| n.pause_cpu_ns);
         assert!(
-            off(r.cpu_ns, r.truth_cpu_ns) <= 0.1 * r.truth_cpu_ns as f64 + 1e6,
-            "{}: cpu stall {} ns vs the feeding thread's run-queue wait in the idle gaps {} ns",
+            off(r.cpu_ns, r.truth_cpu_ns) <= 0.1 * r.truth_cpu_ns as f64 + 1e6 + pauses as f64,
+            "{}: cpu stall {} ns vs the feeding thread's run-queue wait in the idle gaps {} ns \
+             (the pauses on either side {} ns)",
             r.name,
             r.cpu_ns,
-            r.truth_cpu_ns
+            r.truth_cpu_ns,
+            pauses
         );
         // what the probes cannot see: from the kernel's end to the thread's wake-up (here the
         // timer's interrupt; a GPU's completion interrupt), and the uprobes' own return paths
