@@ -26,7 +26,7 @@ use crate::probes::unit::{
 
 pub use crate::owner::Owner;
 pub use gpu_totals::{FeedRaw, GpuTotals, NvmlCapacity, PodGpuTotals};
-pub use store::{OwnerStats, SelfStats, Store};
+pub use store::{LiveUids, OwnerStats, SelfStats, Store};
 
 mod gpu_totals;
 mod store;
@@ -42,7 +42,7 @@ pub struct TickReport {
     pub gauges: Vec<(&'static str, Vec<GaugeValue>)>,
     /// UIDs of the pods the collector has after the tick (by UID: a pod whose
     /// names arrive is the same pod, not one gone and one new).
-    pub live: FxHashSet<String>,
+    pub live: LiveUids,
     /// Whether the GPU worked this tick (`probes::gpu_activity`); `None`: nothing loaded can
     /// tell.
     pub gpu_busy: Option<bool>,
@@ -68,6 +68,10 @@ pub struct Collector {
     retire_due: bool,
     /// the pod store's version `retire` last saw
     pods_seen: Option<u64>,
+    /// the store's pod UIDs and its owners at pod and slice level, as `retire` last left
+    /// them (owners come and go only there)
+    live_uids: Option<LiveUids>,
+    owner_counts: (usize, usize),
     /// owners of cgroups removed in the last few ticks, whose last numbers
     /// the units drain (see `CgroupReads::read_removed`)
     dying: FxHashMap<u64, Dying>,
@@ -125,6 +129,8 @@ impl Collector {
             live: FxHashMap::default(),
             retire_due: true,
             pods_seen: None,
+            live_uids: None,
+            owner_counts: (0, 0),
             dying: FxHashMap::default(),
             unresolved: Vec::new(),
             pids: RefCell::default(),
@@ -292,7 +298,7 @@ impl Collector {
                 None => Vec::new(),
             },
             gauges: gauges.clone(),
-            live: FxHashSet::default(),
+            live: LiveUids::default(),
             gpu_busy: None,
             gpu: GpuTotals::default(),
             feed: HashMap::new(),
@@ -302,13 +308,19 @@ impl Collector {
             &report.gauges,
             crate::probes::gpu_activity::sees_gpu_work(&signals),
         );
+        let store = &mut *shared;
         for (owner, series) in deltas {
-            let o = match shared.owners.get_mut(&owner) {
+            if !store.gpu_owners.contains(&owner)
+                && series.keys().any(|(f, _)| gpu_totals::FAMILIES.contains(f))
+            {
+                store.gpu_owners.insert(owner.clone());
+            }
+            let o = match store.owners.get_mut(&owner) {
                 Some(o) => o,
                 None => {
                     // a new owner: its liveness is set by `retire`
                     self.retire_due = true;
-                    shared.owners.entry(owner).or_default()
+                    store.owners.entry(owner).or_default()
                 }
             };
             for (key, value) in series {
@@ -330,23 +342,27 @@ impl Collector {
         let pods_version = self.pods.version();
         if self.retire_due || cgroups_changed || self.pods_seen != Some(pods_version) {
             self.pods_seen = Some(pods_version);
+            let store = &mut *shared;
             self.retire_due = retire(
-                &mut shared.owners,
+                &mut store.owners,
+                &mut store.gpu_owners,
                 &self.live,
                 &self.pods,
                 &scopes,
                 self.grace,
                 now,
             );
+            self.live_uids = None;
+            store.gpu_owners.retain(|o| store.owners.contains_key(o));
+            let pods = store
+                .owners
+                .keys()
+                .filter(|o| matches!(o, Owner::Pod { .. }))
+                .count();
+            self.owner_counts = (pods, store.owners.len() - pods);
         }
         self.pods.prune(self.grace);
-        let (mut owners_pod, mut owners_slice) = (0, 0);
-        for o in shared.owners.keys() {
-            match o {
-                Owner::Pod { .. } => owners_pod += 1,
-                Owner::Slice(_) | Owner::Unattributed => owners_slice += 1,
-            }
-        }
+        let (owners_pod, owners_slice) = self.owner_counts;
         let ticks = shared.stats.ticks + 1;
         shared.stats = SelfStats {
             cgroups: self.tree.cgroups.len(),
@@ -361,7 +377,10 @@ impl Collector {
                 .map(|e| e.status())
                 .unwrap_or_default(),
         };
-        report.live = shared.pod_uids();
+        report.live = self
+            .live_uids
+            .get_or_insert_with(|| shared.pod_uids())
+            .clone();
         report.gpu = GpuTotals::of(&shared);
         report.feed = gpu_totals::feed_totals(&shared);
         Ok(report)
@@ -469,6 +488,7 @@ impl Collector {
 /// must look again).
 fn retire(
     owners: &mut FxHashMap<Owner, OwnerStats>,
+    gpu_owners: &mut FxHashSet<Owner>,
     live: &FxHashMap<Owner, usize>,
     pods: &PodStore,
     scopes: &HashMap<&'static str, Scope>,
@@ -549,6 +569,12 @@ fn retire(
             .collect();
         if handed.is_empty() {
             continue;
+        }
+        if handed
+            .iter()
+            .any(|((f, _), _)| gpu_totals::FAMILIES.contains(f))
+        {
+            gpu_owners.insert(heir.clone());
         }
         let into = owners.entry(heir).or_default();
         for (key, value) in handed {
@@ -636,6 +662,7 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+    use crate::probes::gpu_compute::COMPUTE;
     use crate::probes::per_cgroup::CgroupReads;
     use crate::probes::signal::WindowValue;
     use crate::probes::unit::{FamilySpec, Kind, Probe, Scope, UnitStats};
@@ -833,7 +860,7 @@ mod tests {
             .owners
             .contains_key(&Owner::Slice("system.slice".into())));
         assert!(report.windows.is_empty(), "first tick");
-        assert_eq!(report.live, FxHashSet::from_iter([UID.to_string()]));
+        assert_eq!(*report.live, FxHashSet::from_iter([Arc::<str>::from(UID)]));
 
         kernel.lock().unwrap().insert(ino(&container), 8);
         std::thread::sleep(Duration::from_millis(20));
@@ -989,13 +1016,25 @@ mod tests {
             ..crate::pods::PodMeta::named(UID, "ns", "p")
         });
         let mut owners = FxHashMap::from_iter([
-            (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
+            (
+                old.clone(),
+                counts(&[(EVENTS, 5), (POD_SCOPE, 7), (COMPUTE, 3)]),
+            ),
             (new.clone(), counts(&[(EVENTS, 2)])),
             (init.clone(), counts(&[(EVENTS, 1)])),
         ]);
+        let mut gpu = FxHashSet::from_iter([old.clone()]);
         // only the new container's cgroup lives; grace 0: the others expire now
         let live = FxHashMap::from_iter([(new.clone(), 1)]);
-        let waiting = retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        let waiting = retire(
+            &mut owners,
+            &mut gpu,
+            &live,
+            &pods,
+            &scopes,
+            Duration::ZERO,
+            now,
+        );
         assert!(
             waiting,
             "the container not restarted waits in its grace period"
@@ -1007,6 +1046,11 @@ mod tests {
         let n = &owners[&new].series;
         assert_eq!(n[&(EVENTS, Labels::new())], Value::Count(7));
         assert_eq!(n[&(POD_SCOPE, Labels::new())], Value::Count(7));
+        assert_eq!(n[&(COMPUTE, Labels::new())], Value::Count(3));
+        assert!(
+            gpu.contains(&new),
+            "the heir of GPU series is among the owners the GPU totals read"
+        );
         assert!(
             owners.contains_key(&init),
             "a container not restarted keeps its series while the pod lives"
@@ -1018,7 +1062,16 @@ mod tests {
             (old.clone(), counts(&[(EVENTS, 5), (POD_SCOPE, 7)])),
             (new.clone(), counts(&[(EVENTS, 2)])),
         ]);
-        retire(&mut owners, &live, &pods, &scopes, Duration::ZERO, now);
+        let mut gpu = FxHashSet::default();
+        retire(
+            &mut owners,
+            &mut gpu,
+            &live,
+            &pods,
+            &scopes,
+            Duration::ZERO,
+            now,
+        );
         assert!(!owners.contains_key(&old));
         let p = &owners[&pod(None)].series;
         assert_eq!(p.len(), 1);
@@ -1027,6 +1080,7 @@ mod tests {
         // the pod gone: every owner goes with its labels
         let waiting = retire(
             &mut owners,
+            &mut gpu,
             &FxHashMap::default(),
             &pods,
             &scopes,

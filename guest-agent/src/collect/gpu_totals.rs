@@ -13,7 +13,11 @@ use crate::probes::unit::{Labels, Value};
 
 use crate::owner::Owner;
 
-use super::store::Store;
+use super::store::{OwnerStats, Store};
+
+/// The families of owners' series read here: the store keeps which owners have one
+/// (`Store::gpu_owners`).
+pub const FAMILIES: [&str; 5] = [COMPUTE, IOCTL, PCIE, SYNC_WAIT, FEED_STALL];
 
 /// Every pod's GPU running totals at one tick (by pod UID), and the GPUs' capacity.
 #[derive(Debug, Clone, Default)]
@@ -111,7 +115,7 @@ fn nvml_capacity(shared: &Store) -> NvmlCapacity {
 /// Every pod with a GPU series, with its totals.
 fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
     let mut out: HashMap<String, PodGpuTotals> = HashMap::new();
-    for (owner, o) in &shared.owners {
+    for (owner, o) in gpu_owners(shared) {
         let Owner::Pod { uid, .. } = owner else {
             continue;
         };
@@ -164,7 +168,7 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
 /// Every pod's raw feed-stall account (the pods with one), for the join.
 pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
     let mut out: HashMap<String, FeedRaw> = HashMap::new();
-    for (owner, o) in &shared.owners {
+    for (owner, o) in gpu_owners(shared) {
         let Owner::Pod { uid, .. } = owner else {
             continue;
         };
@@ -184,6 +188,14 @@ pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
         }
     }
     out
+}
+
+/// The owners with a series of one of `FAMILIES`, with their numbers.
+fn gpu_owners(shared: &Store) -> impl Iterator<Item = (&Owner, &OwnerStats)> {
+    shared
+        .gpu_owners
+        .iter()
+        .filter_map(|o| shared.owners.get_key_value(o))
 }
 
 /// The `gpu` label of a compute series (NVML's index), if it has one.

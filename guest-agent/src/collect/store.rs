@@ -2,6 +2,7 @@
 //! as their units last set them, and the agent's own numbers.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Instant;
 
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -43,17 +44,41 @@ pub struct Store {
     pub stats: SelfStats,
     /// Gauge families as their units last set them.
     pub gauges: HashMap<&'static str, Vec<GaugeValue>>,
+    /// The owners with a series of a family FinOps or the feed stall reads
+    /// (`gpu_totals::FAMILIES`): the few a tick's totals look at, however many pods are idle.
+    pub gpu_owners: FxHashSet<Owner>,
 }
 
+/// UIDs of the pods the collector has, shared: a tick whose owners did not change hands on the
+/// same set, and a reader that kept the last one sees that by pointer.
+pub type LiveUids = Arc<FxHashSet<Arc<str>>>;
+
 impl Store {
-    /// UIDs of the pods that have series.
-    pub fn pod_uids(&self) -> FxHashSet<String> {
-        self.owners
-            .keys()
-            .filter_map(|o| match o {
-                Owner::Pod { uid, .. } => Some(uid.to_string()),
-                _ => None,
+    /// Fills `gpu_owners` from every owner's series (a store filled by hand; the collector
+    /// keeps it as it adds series).
+    pub fn index_gpu_owners(&mut self) {
+        self.gpu_owners = self
+            .owners
+            .iter()
+            .filter(|(_, o)| {
+                o.series
+                    .keys()
+                    .any(|(f, _)| super::gpu_totals::FAMILIES.contains(f))
             })
-            .collect()
+            .map(|(owner, _)| owner.clone())
+            .collect();
+    }
+
+    /// UIDs of the pods that have series.
+    pub fn pod_uids(&self) -> LiveUids {
+        Arc::new(
+            self.owners
+                .keys()
+                .filter_map(|o| match o {
+                    Owner::Pod { uid, .. } => Some(uid.clone()),
+                    _ => None,
+                })
+                .collect(),
+        )
     }
 }

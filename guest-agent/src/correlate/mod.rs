@@ -227,7 +227,7 @@ pub struct Correlator {
     cfg: Config,
     /// By UID: a pod is its UID. Its names may arrive after its first windows (the API
     /// watch answers later than the first tick); that renames it, and keeps its baselines.
-    pods: FxHashMap<String, PodState>,
+    pods: FxHashMap<std::sync::Arc<str>, PodState>,
     joiner: Joiner,
     counters: Counters,
     gpu: GpuLog,
@@ -327,7 +327,7 @@ impl Correlator {
                 *self
                     .counters
                     .spikes
-                    .entry((w.pod.uid.clone(), w.signal.to_string()))
+                    .entry((w.pod.uid.to_string(), w.signal.to_string()))
                     .or_default() += 1;
                 self.count_joins(joins);
             }
@@ -447,7 +447,7 @@ impl Correlator {
                 *self
                     .counters
                     .correlated
-                    .entry((j.pod.uid, j.signal, j.kind))
+                    .entry((j.pod.uid.to_string(), j.signal, j.kind))
                     .or_default() += 1;
             }
         }
@@ -456,7 +456,7 @@ impl Correlator {
     fn expire(&mut self, now: i64) {
         self.joiner.expire(now);
         let horizon = now.saturating_sub(ns(self.cfg.idle_pod));
-        let idle: Vec<String> = self
+        let idle: Vec<std::sync::Arc<str>> = self
             .pods
             .iter()
             .filter(|(_, p)| p.last_window < horizon)

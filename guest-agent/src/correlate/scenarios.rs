@@ -729,7 +729,7 @@ fn score(sc: &Scenario, c: &Correlator, now: i64) -> Outcome {
         let p = &sc.pods[x.pod];
         (
             e,
-            p.key.pod.clone(),
+            p.key.pod.to_string(),
             p.signals[x.signal].kind.name().to_string(),
         )
     };

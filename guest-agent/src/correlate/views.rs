@@ -74,8 +74,8 @@ fn event_view(e: &EventRecord) -> EventView {
         .hits
         .iter()
         .map(|h| Affected {
-            namespace: h.pod.namespace.clone(),
-            pod: h.pod.pod.clone(),
+            namespace: h.pod.namespace.to_string(),
+            pod: h.pod.pod.to_string(),
             signal: h.signal.clone(),
             lag_ms: ms(h.lag_ns),
             magnitude: magnitude(h.value, h.baseline),
@@ -122,8 +122,8 @@ fn event_view(e: &EventRecord) -> EventView {
 fn spike_view(s: &SpikeRecord, pending: bool) -> SpikeView {
     SpikeView {
         time: ms(s.at),
-        namespace: s.pod.namespace.clone(),
-        pod: s.pod.pod.clone(),
+        namespace: s.pod.namespace.to_string(),
+        pod: s.pod.pod.to_string(),
         signal: s.signal.clone(),
         magnitude: s.magnitude(),
         p99: s.value,
@@ -209,8 +209,8 @@ impl Correlator {
                 let key = [
                     kind.as_str().to_string(),
                     h.signal.clone(),
-                    pod.namespace.clone(),
-                    pod.pod.clone(),
+                    pod.namespace.to_string(),
+                    pod.pod.to_string(),
                 ];
                 let v = out.entry(key).or_insert(m);
                 *v = v.max(m);
@@ -235,7 +235,7 @@ impl Correlator {
                 continue;
             };
             *spikes
-                .entry([s.clone(), p.namespace.clone(), p.pod.clone()])
+                .entry([s.clone(), p.namespace.to_string(), p.pod.to_string()])
                 .or_default() += *n as f64;
         }
         let mut correlated: BTreeMap<[String; 4], f64> = BTreeMap::new();
@@ -246,8 +246,8 @@ impl Correlator {
             let key = [
                 k.as_str().to_string(),
                 s.clone(),
-                p.namespace.clone(),
-                p.pod.clone(),
+                p.namespace.to_string(),
+                p.pod.to_string(),
             ];
             *correlated.entry(key).or_default() += *n as f64;
         }

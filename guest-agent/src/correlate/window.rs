@@ -1,22 +1,28 @@
 //! What the probe units hand the correlator every tick: one window per (pod, signal).
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 /// A pod as the correlator knows it. `uid` keeps two pods of the same name apart (a pod
 /// deleted and re-created under its old name is a new pod with a fresh baseline).
+///
+/// Its names are shared strings: the join keeps one key per pod and hands clones of it to the
+/// correlator and the timeline every tick, which compare a key they hold with the one handed
+/// to them by pointer before by bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct PodKey {
-    pub namespace: String,
-    pub pod: String,
-    pub uid: String,
+    pub namespace: Arc<str>,
+    pub pod: Arc<str>,
+    pub uid: Arc<str>,
 }
 
 impl PodKey {
     pub fn new(namespace: &str, pod: &str, uid: &str) -> Self {
         PodKey {
-            namespace: namespace.to_string(),
-            pod: pod.to_string(),
-            uid: uid.to_string(),
+            namespace: namespace.into(),
+            pod: pod.into(),
+            uid: uid.into(),
         }
     }
 }

@@ -415,6 +415,7 @@ mod tests {
                 },
             ],
         );
+        s.index_gpu_owners();
         s
     }
 

@@ -315,7 +315,7 @@ pub struct Picture {
 /// The pictures' memory. See the module doc.
 pub struct Timeline {
     cfg: TimelineConfig,
-    rings: FxHashMap<String, PodRings>,
+    rings: FxHashMap<std::sync::Arc<str>, PodRings>,
     links: FxHashMap<(String, String), LinkLog>,
     events: VecDeque<StripEvent>,
     spikes: VecDeque<StripSpike>,
@@ -528,8 +528,8 @@ impl Timeline {
                     self.spikes.push_back(StripSpike {
                         id: s.id,
                         t: ns_to_ms(s.at),
-                        namespace: s.pod.namespace.clone(),
-                        pod: s.pod.pod.clone(),
+                        namespace: s.pod.namespace.to_string(),
+                        pod: s.pod.pod.to_string(),
                         signal: s.signal.clone(),
                         explained,
                         p99: s.value,
@@ -631,8 +631,8 @@ impl Timeline {
             .map(|h| {
                 let points = self.points(&h.pod, &h.signal, from, end);
                 PodTrace {
-                    namespace: h.pod.namespace.clone(),
-                    pod: h.pod.pod.clone(),
+                    namespace: h.pod.namespace.to_string(),
+                    pod: h.pod.pod.to_string(),
                     signal: h.signal.clone(),
                     lag_ms: ns_to_ms(h.lag_ns),
                     p99: h.value,

@@ -224,7 +224,7 @@ impl FeedStallBook {
     pub fn tick(
         &mut self,
         pods: &HashMap<String, FeedRaw>,
-        live: &FxHashSet<String>,
+        live: &FxHashSet<std::sync::Arc<str>>,
         from: Option<i64>,
         to: i64,
         degraded_full_bps: Option<f64>,
@@ -381,7 +381,7 @@ mod tests {
     fn the_book_splits_each_ticks_growth_and_publishes_the_totals() {
         let share = FeedStallShare::default();
         let mut book = FeedStallBook::new(share.clone());
-        let live = FxHashSet::from_iter(["u1".to_string()]);
+        let live = FxHashSet::from_iter([std::sync::Arc::<str>::from("u1")]);
         let s = 1_000 * MS as i64;
         book.tick(&pods("u1", raw(0, 10 * MS, 0, 0)), &live, None, s, None);
         assert_eq!(book.causes("u1").unwrap().unexplained, 10 * MS);

@@ -24,7 +24,7 @@ fn pod_key(uid: &str, pods: &PodStore) -> PodKey {
 /// Whether `key` still names its pod as the pod store does (see [`pod_key`]).
 fn key_current(key: &PodKey, pods: &PodStore) -> bool {
     pods.with(&key.uid, |m| {
-        m.namespace == key.namespace && m.name == key.pod
+        *m.namespace == *key.namespace && *m.name == *key.pod
     })
     .unwrap_or(key.namespace.is_empty() && key.pod == key.uid)
 }
@@ -187,7 +187,7 @@ impl Merge {
 
     /// Keeps the slots of the pods `live` has (a pod the collector no longer has takes its
     /// slot with it).
-    pub fn keep_pods(&mut self, live: &rustc_hash::FxHashSet<String>) {
+    pub fn keep_pods(&mut self, live: &rustc_hash::FxHashSet<std::sync::Arc<str>>) {
         self.pods.retain(|uid, _| live.contains(uid.as_str()));
     }
 
@@ -296,7 +296,7 @@ mod tests {
         assert_eq!(out.len(), 3, "{out:?}");
         let rq = out
             .iter()
-            .find(|w| w.pod.uid == "u1" && w.signal == "run_queue_wait")
+            .find(|w| &*w.pod.uid == "u1" && w.signal == "run_queue_wait")
             .unwrap();
         assert_eq!(rq.count, 40);
         assert_eq!(rq.sum, 30.0 * 10.0 + 10.0 * 50.0);
@@ -304,8 +304,8 @@ mod tests {
         assert_eq!(rq.p99, 900.0);
         assert_eq!(rq.max, 1000.0);
         // unknown to the API: the pod is named by its UID, as in /metrics
-        assert_eq!(rq.pod.pod, "u1");
-        assert_eq!(rq.pod.namespace, "");
+        assert_eq!(&*rq.pod.pod, "u1");
+        assert_eq!(&*rq.pod.namespace, "");
         let rt = out
             .iter()
             .find(|w| w.signal == "tcp_retransmit_rate")
@@ -344,9 +344,6 @@ mod tests {
         let out = merged(&mut merge, &second, &pods, 3);
         assert_eq!(out[0].pod, PodKey::new("ml", "vllm-0", "u1"));
         assert_eq!(merge.windows().count(), 1);
-        assert_eq!(
-            merge.windows().next().map(|w| w.pod.pod.as_str()),
-            Some("vllm-0")
-        );
+        assert_eq!(merge.windows().next().map(|w| &*w.pod.pod), Some("vllm-0"));
     }
 }

@@ -75,7 +75,7 @@ mod tests {
                     max_us: 10.0,
                 },
             }],
-            live: FxHashSet::from_iter([uid.to_string()]),
+            live: std::sync::Arc::new(FxHashSet::from_iter([std::sync::Arc::from(uid)])),
             ..TickReport::default()
         }
     }
@@ -156,7 +156,7 @@ mod tests {
             ..FeedRaw::default()
         };
         let tick = |uids: &[(&str, FeedRaw)]| TickReport {
-            live: uids.iter().map(|(u, _)| u.to_string()).collect(),
+            live: std::sync::Arc::new(uids.iter().map(|(u, _)| std::sync::Arc::from(*u)).collect()),
             feed: uids.iter().map(|(u, f)| (u.to_string(), *f)).collect(),
             ..TickReport::default()
         };

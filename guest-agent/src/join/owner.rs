@@ -5,9 +5,10 @@
 //! ([`super::driver`]) only moves inputs in and publishes its answers.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Instant;
 
-use crate::collect::TickReport;
+use crate::collect::{LiveUids, TickReport};
 use crate::correlate::events::{self, Payload};
 use crate::correlate::views::EventView;
 use crate::correlate::{link_condition, Config, Correlator, GpuWindow, HostInput};
@@ -73,7 +74,7 @@ pub struct JoinOwner {
     pods: PodStore,
     hub: Option<Hub>,
     /// UIDs of the pods the collector had at the last tick.
-    live: HashSet<String>,
+    live: LiveUids,
     /// (host, kind) of unknown kinds already logged: one line each, not one per event.
     unknown_logged: HashSet<(String, u16)>,
     /// Pods forgotten so far (their series went with them).
@@ -91,7 +92,7 @@ impl JoinOwner {
             merge: Merge::default(),
             pods,
             hub: None,
-            live: HashSet::new(),
+            live: LiveUids::default(),
             unknown_logged: HashSet::new(),
             forgotten: 0,
             feed: FeedStallBook::new(settings.feed_stall.clone()),
@@ -168,21 +169,15 @@ impl JoinOwner {
             let listed: Vec<_> = self.corr.event_records().collect();
             self.timeline.freeze(now_ns, &listed, &links);
         }
-        let live = &report.live;
-        let corr = &mut self.corr;
-        let forgotten = &mut self.forgotten;
-        self.live.retain(|uid| {
-            let here = live.contains(uid.as_str());
-            if !here {
-                corr.forget_uid(uid);
-                *forgotten += 1;
+        // the collector hands on the same set while its pods stay the same
+        if !Arc::ptr_eq(&self.live, &report.live) {
+            let live = &report.live;
+            for uid in self.live.iter().filter(|uid| !live.contains(*uid)) {
+                self.corr.forget_uid(uid);
+                self.forgotten += 1;
             }
-            here
-        });
-        self.merge.keep_pods(live);
-        // what is left is in `live`: equal sizes, equal sets (UIDs are copied only when new)
-        if self.live.len() != live.len() {
-            self.live.extend(live.iter().cloned());
+            self.merge.keep_pods(live);
+            self.live = report.live.clone();
         }
     }
 
