@@ -367,9 +367,11 @@ impl Timeline {
         let ring = match pod.signals.iter().position(|r| r.signal == w.signal) {
             Some(i) => &mut pod.signals[i],
             None => {
+                // one point a second over the kept span: the ring never grows after this
+                let points = (keep / 1000 + 2).clamp(2, 4096) as usize;
                 pod.signals.push(SignalRing {
                     signal: w.signal.to_string(),
-                    samples: VecDeque::new(),
+                    samples: VecDeque::with_capacity(points),
                 });
                 let last = pod.signals.len() - 1;
                 &mut pod.signals[last]

@@ -122,7 +122,7 @@ struct PodSlot {
 /// only when its names changed, and its few signals are found by a short scan.
 #[derive(Default)]
 pub struct Merge {
-    pods: FxHashMap<String, PodSlot>,
+    pods: FxHashMap<std::sync::Arc<str>, PodSlot>,
     /// Number of the current tick.
     tick: u64,
     /// Guest realtime of the previous tick (the GPU window's start).
@@ -146,9 +146,9 @@ impl Merge {
                 continue; // slices are not pods
             };
             let at = now_ns - now_i.saturating_duration_since(w.at).as_nanos() as i64;
-            let slot = match self.pods.get_mut(&**uid) {
+            let slot = match self.pods.get_mut(uid) {
                 Some(s) => s,
-                None => self.pods.entry(uid.to_string()).or_insert_with(|| PodSlot {
+                None => self.pods.entry(uid.clone()).or_insert_with(|| PodSlot {
                     key: pod_key(uid, pods),
                     names: version,
                     signals: Vec::new(),
@@ -188,7 +188,7 @@ impl Merge {
     /// Keeps the slots of the pods `live` has (a pod the collector no longer has takes its
     /// slot with it).
     pub fn keep_pods(&mut self, live: &rustc_hash::FxHashSet<std::sync::Arc<str>>) {
-        self.pods.retain(|uid, _| live.contains(uid.as_str()));
+        self.pods.retain(|uid, _| live.contains(uid));
     }
 
     /// The windows of the last [`Merge::add`], borrowed.
