@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use common::{cc, Killed};
 use gpufeed_shared::procstat::{cpu_ns, rss_kib};
+use gpufeed_testkit::sandbox::CgroupSandbox;
 
 const PODS: usize = 50;
 const PER_POD: usize = 4;
@@ -115,31 +116,21 @@ impl StandIns {
     }
 }
 
-/// A private subtree of the cgroup2 root holding the pods; removed on drop.
+/// The pods, in a cgroup sandbox of their own (testkit's: removed on drop,
+/// whatever still runs in it killed).
 struct Node {
-    root: PathBuf,
-    pods: Vec<PathBuf>,
+    _sandbox: CgroupSandbox,
     containers: Vec<PathBuf>,
 }
 
 impl Node {
     fn new() -> Node {
-        let mount = gpufeed_guest::cgroups::cgroup2_mount().expect("a cgroup2 mount");
-        let root = mount.join(format!("gpufeed-gpu-procs-{}", std::process::id()));
-        let mut node = Node {
-            root,
-            pods: Vec::new(),
-            containers: Vec::new(),
-        };
-        for n in 0..PODS {
-            let uid = format!("{n:08x}-0000-4000-8000-{:012x}", std::process::id());
-            let pod = node.root.join(format!("kubepods/burstable/pod{uid}"));
-            let ctr = pod.join(format!("{n:064x}"));
-            std::fs::create_dir_all(&ctr).unwrap();
-            node.pods.push(pod);
-            node.containers.push(ctr);
+        let sandbox = CgroupSandbox::new();
+        let containers = (0..PODS).map(|n| sandbox.kube_pod(n)).collect();
+        Node {
+            _sandbox: sandbox,
+            containers,
         }
-        node
     }
 
     /// 200 GPU processes, 4 in each container; they are ready (library
@@ -180,20 +171,6 @@ impl Node {
             }
         }
         procs
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        for c in &self.containers {
-            let _ = std::fs::remove_dir(c);
-        }
-        for p in &self.pods {
-            let _ = std::fs::remove_dir(p);
-        }
-        let _ = std::fs::remove_dir(self.root.join("kubepods/burstable"));
-        let _ = std::fs::remove_dir(self.root.join("kubepods"));
-        let _ = std::fs::remove_dir(&self.root);
     }
 }
 

@@ -27,35 +27,36 @@ use std::time::{Duration, Instant};
 
 use common::Killed;
 use gpufeed_shared::procstat::{cpu_ns, rss_kib};
+use gpufeed_testkit::sandbox::CgroupSandbox;
 
-/// A private subtree of the cgroup2 root holding the pods; removed on drop.
+/// The pods, in a cgroup sandbox of their own (testkit's: removed on drop,
+/// whatever still runs in it killed).
 struct Node {
-    root: PathBuf,
-    pods: Vec<PathBuf>,
+    // declared first, dropped first: the wakers are reaped before their
+    // cgroups go
     wakers: Vec<Killed>,
+    sandbox: CgroupSandbox,
+    pods: usize,
 }
 
 impl Node {
     fn new() -> Node {
-        let mount = gpufeed_guest::cgroups::cgroup2_mount().expect("a cgroup2 mount");
-        let root = mount.join(format!("gpufeed-scale-{}", std::process::id()));
-        std::fs::create_dir_all(root.join("kubepods/burstable")).unwrap();
+        let sandbox = CgroupSandbox::new();
+        // the QoS level before any pod, as on a node: the 0-pod rows see the
+        // same cgroups as they always did
+        let qos = sandbox.prefix.join("kubepods/burstable");
+        std::fs::create_dir_all(&qos).unwrap();
         Node {
-            root,
-            pods: Vec::new(),
             wakers: Vec::new(),
+            sandbox,
+            pods: 0,
         }
     }
 
     /// Adds a pod and container cgroup; returns the container's.
     fn add_pod(&mut self) -> PathBuf {
-        let n = self.pods.len();
-        let uid = format!("{n:08x}-0000-4000-8000-{:012x}", std::process::id());
-        let pod = self.root.join(format!("kubepods/burstable/pod{uid}"));
-        let ctr = pod.join(format!("{n:064x}"));
-        std::fs::create_dir_all(&ctr).unwrap();
-        self.pods.push(pod);
-        ctr
+        self.pods += 1;
+        self.sandbox.kube_pod(self.pods - 1)
     }
 
     /// Runs `cmd` in the container cgroup (the shell moves itself first).
@@ -84,23 +85,6 @@ impl Node {
     /// The waking pods' tasks exit; their cgroups stay (idle).
     fn quiet(&mut self) {
         self.wakers.clear();
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.wakers.clear();
-        for pod in &self.pods {
-            if let Ok(entries) = std::fs::read_dir(pod) {
-                for e in entries.flatten().filter(|e| e.path().is_dir()) {
-                    let _ = std::fs::remove_dir(e.path());
-                }
-            }
-            let _ = std::fs::remove_dir(pod);
-        }
-        let _ = std::fs::remove_dir(self.root.join("kubepods/burstable"));
-        let _ = std::fs::remove_dir(self.root.join("kubepods"));
-        let _ = std::fs::remove_dir(&self.root);
     }
 }
 

@@ -34,6 +34,23 @@ impl CgroupSandbox {
     }
 }
 
+impl CgroupSandbox {
+    /// Pod `n` shaped as kubelet lays it out with the systemd-less cgroupfs driver:
+    /// `kubepods/burstable/pod<uid>/<64-hex container id>` under the sandbox, so the agent
+    /// takes it for a pod and its container. Returns the container's cgroup. The uid and id
+    /// are made of `n` and this process's id: distinct per pod, and per concurrent sandbox
+    /// owner (the agent keys pods by uid).
+    pub fn kube_pod(&self, n: usize) -> PathBuf {
+        let uid = format!("{n:08x}-0000-4000-8000-{:012x}", std::process::id());
+        let ctr = self
+            .prefix
+            .join(format!("kubepods/burstable/pod{uid}"))
+            .join(format!("{n:064x}"));
+        std::fs::create_dir_all(&ctr).unwrap_or_else(|e| panic!("creating {}: {e}", ctr.display()));
+        ctr
+    }
+}
+
 impl Default for CgroupSandbox {
     fn default() -> Self {
         Self::new()

@@ -169,6 +169,11 @@ pub struct NvmlUnit {
     links: Vec<LinkState>,
     failures: Failures,
     compute: Option<ComputeSeries>,
+    /// Each (container, GPU) whose compute time was handed to `compute` at the previous
+    /// tick, with the tick: see [`NvmlUnit::compute_deltas`].
+    compute_handed: HashMap<(Owner, u32), u64>,
+    /// Ticks since `compute` was published.
+    compute_ticks: u64,
 }
 
 /// One owner's numbers in one tick.
@@ -201,6 +206,8 @@ impl NvmlUnit {
             links: Vec::new(),
             failures: Failures::default(),
             compute: None,
+            compute_handed: HashMap::new(),
+            compute_ticks: 0,
         };
         unit.look_for_library();
         unit.survey();
@@ -286,6 +293,43 @@ impl NvmlUnit {
             }
         }
         self.failures.book(failures);
+    }
+
+    /// The compute time of the tick, per container and GPU, handed to the compute series.
+    /// NVML lists a process holding a GPU at every read, busy or not, so most of a node's
+    /// (container, GPU) pairs book 0 at most ticks. A pair's first 0 opens its duty-cycle
+    /// window, and its counter at 0 where its container has series already (the collector
+    /// keeps no series of zeros alone). Once the pair was handed at the previous tick (its
+    /// owner live, its window kept), another 0 changes nothing: the window carries its total
+    /// forward by itself and a counter adds nothing. So it is left out, and an idle pair
+    /// costs no delta, no label and no duty entry per tick. What differs from handing every
+    /// 0: a container whose first series comes after its pair's first 0 shows that pair's
+    /// counter from its first non-zero time, as any container's series start, not at 0.
+    fn compute_deltas(&mut self, per_owner: &HashMap<Owner, OwnerUse>) -> Vec<(Owner, Delta)> {
+        let Some(c) = self.compute.as_mut() else {
+            return Vec::new();
+        };
+        self.compute_ticks += 1;
+        let tick = self.compute_ticks;
+        let mut deltas = Vec::new();
+        for (owner, u) in per_owner {
+            for (gpu, ns) in &u.sm_ns {
+                let previous = match self.compute_handed.get_mut(&(owner.clone(), *gpu)) {
+                    Some(t) => Some(std::mem::replace(t, tick)),
+                    None => {
+                        self.compute_handed.insert((owner.clone(), *gpu), tick);
+                        None
+                    }
+                };
+                if *ns == 0 && previous == Some(tick - 1) {
+                    continue;
+                }
+                deltas.push(c.owner_delta(owner.clone(), gpu_label(*gpu), *ns));
+            }
+        }
+        // a pair not handed this tick is handed in full when it comes back
+        self.compute_handed.retain(|_, t| *t == tick);
+        deltas
     }
 
     /// Why this node's NVML cannot be its compute source now (None: it can).
@@ -378,10 +422,12 @@ impl Probe for NvmlUnit {
 
     fn publish_compute(&mut self, series: ComputeSeries) {
         self.compute = Some(series);
+        self.compute_handed.clear();
     }
 
     fn retire_compute(&mut self) {
         self.compute = None;
+        self.compute_handed.clear();
     }
 
     fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
@@ -420,10 +466,18 @@ impl Probe for NvmlUnit {
             }
             None => true,
         });
-        let cgroup_of = pid_cgroups(ctx);
+        let pod_cgroup_of = ctx.pod_pid_cgroups();
+        // the slices' process lists are long (the node's own services) and hold no pod's
+        // process: read only in a tick where NVML lists a process no pod has
+        let slice_cgroup_of = std::cell::OnceCell::new();
         let owner_of = |pid: u32| {
-            cgroup_of
+            pod_cgroup_of
                 .get(&pid)
+                .or_else(|| {
+                    slice_cgroup_of
+                        .get_or_init(|| slice_pid_cgroups(ctx))
+                        .get(&pid)
+                })
                 .and_then(|id| ctx.owners.get(id))
                 .cloned()
         };
@@ -560,14 +614,7 @@ impl Probe for NvmlUnit {
                 value,
             })
             .collect();
-        let mut deltas: Vec<(Owner, Delta)> = Vec::new();
-        if let Some(c) = self.compute.as_mut() {
-            for (owner, u) in &per_owner {
-                for (gpu, ns) in &u.sm_ns {
-                    deltas.push(c.owner_delta(owner.clone(), gpu_label(*gpu), *ns));
-                }
-            }
-        }
+        let deltas = self.compute_deltas(&per_owner);
         let gauge = |pick: fn(&OwnerUse) -> f64| {
             per_owner
                 .iter()
@@ -764,11 +811,11 @@ fn pod_links(pod_gpus: &BTreeMap<Owner, Vec<u32>>, links: &[LinkState]) -> Vec<G
     out
 }
 
-/// The cgroup id of every process of the owners' cgroups: the pods' from the
-/// collector's process lists (re-read only when the kernel says they
-/// changed), the few other owners' (slices) read here.
-fn pid_cgroups(ctx: &TickContext<'_>) -> HashMap<u32, u64> {
-    let mut out = ctx.pod_pid_cgroups();
+/// The cgroup id of every process of the owners that are not pods (slices), read here (the
+/// pods' come from the collector's process lists, re-read only when the kernel says they
+/// changed).
+fn slice_pid_cgroups(ctx: &TickContext<'_>) -> HashMap<u32, u64> {
+    let mut out = HashMap::new();
     for (id, owner) in ctx.owners {
         if matches!(owner, Owner::Pod { .. }) {
             continue;
@@ -790,6 +837,61 @@ fn pid_cgroups(ctx: &TickContext<'_>) -> HashMap<u32, u64> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// An idle (container, GPU) pair gets its 0 once, then nothing while it stays listed; a
+    /// busy tick, a pair back after a tick away and a newly published series get theirs.
+    #[test]
+    fn idle_pairs_hand_their_zero_once() {
+        let mut unit = NvmlUnit::open("/nonexistent/libnvidia-ml.so.1".into());
+        unit.publish_compute(ComputeSeries::new(
+            ComputeSource::Nvml,
+            Duration::from_secs(60),
+        ));
+        let owner = Owner::Pod {
+            uid: "uid-1".into(),
+            container_id: Some("c1".into()),
+        };
+        let using = |ns: &[(u32, u64)]| {
+            let u = OwnerUse {
+                sm_ns: ns.iter().copied().collect(),
+                ..OwnerUse::default()
+            };
+            HashMap::from([(owner.clone(), u)])
+        };
+        let handed = |unit: &mut NvmlUnit, ns: &[(u32, u64)]| {
+            let mut d: Vec<(String, u64)> = unit
+                .compute_deltas(&using(ns))
+                .into_iter()
+                .map(|(_, d)| match d.value {
+                    super::super::unit::Value::Count(n) => (d.labels["gpu"].clone(), n),
+                    v => panic!("{v:?}"),
+                })
+                .collect();
+            d.sort();
+            d
+        };
+        let gpu = |g: &str, n: u64| (g.to_string(), n);
+        assert_eq!(
+            handed(&mut unit, &[(0, 0), (1, 0)]),
+            [gpu("0", 0), gpu("1", 0)]
+        );
+        assert_eq!(handed(&mut unit, &[(0, 0), (1, 0)]), []);
+        assert_eq!(handed(&mut unit, &[(0, 0), (1, 7)]), [gpu("1", 7)]);
+        // GPU 1 not listed for a tick: its 0 comes again when it is back
+        assert_eq!(handed(&mut unit, &[(0, 0)]), []);
+        assert_eq!(handed(&mut unit, &[(0, 0), (1, 0)]), [gpu("1", 0)]);
+        // a series published anew starts with every pair
+        unit.publish_compute(ComputeSeries::new(
+            ComputeSource::Nvml,
+            Duration::from_secs(60),
+        ));
+        assert_eq!(
+            handed(&mut unit, &[(0, 0), (1, 0)]),
+            [gpu("0", 0), gpu("1", 0)]
+        );
+    }
+
     /// The throughput is declared a level, which the correlator reads for dips: no entry of
     /// its configuration names the signal, its windows' shape says it.
     #[test]
