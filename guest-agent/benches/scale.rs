@@ -5,7 +5,8 @@
 //! the same 1,000 idle (their tasks gone, their cgroups left). For each, with every probe and without the GPU
 //! probes: the agent (no Kubernetes API) started fresh, 3 s to settle, its CPU over a quiet window (schedstat
 //! of all its threads, no scrape meanwhile), then the tick time it reports,
-//! the time a /metrics request takes (median of 5) and its RSS. Needs root.
+//! the time a /metrics request takes (median of 5) and its RSS. Needs root; takes the
+//! kernel tests' lock for the whole run.
 //!
 //! cargo bench -p gpufeed-guest --bench scale
 //!
@@ -201,6 +202,9 @@ fn main() {
         eprintln!("scale benchmark: needs root; skipped");
         return;
     }
+    // one measurement at a time: the kernel tests and the other benchmarks take this lock too,
+    // and an agent measured beside another run's reads that run's load
+    let _lock = gpufeed_testkit::root::kernel_lock();
     let agent_bin = std::env::var("SCALE_AGENT")
         .unwrap_or_else(|_| env!("CARGO_BIN_EXE_gpufeed-guest").to_string());
     let agent_bin = agent_bin.as_str();
