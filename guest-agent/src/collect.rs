@@ -25,7 +25,7 @@ use crate::probes::unit::{
 };
 
 pub use crate::owner::Owner;
-pub use gpu_totals::{FeedRaw, GpuTotals, NvmlCapacity, PodGpuTotals};
+pub use gpu_totals::{index_gpu_owners, FeedRaw, GpuTotals, NvmlCapacity, PodGpuTotals};
 pub use store::{LiveUids, OwnerStats, SelfStats, Store};
 
 mod gpu_totals;

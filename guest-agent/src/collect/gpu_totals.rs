@@ -190,6 +190,17 @@ pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
     out
 }
 
+/// Fills `store.gpu_owners` from every owner's series (a store filled by hand; the collector
+/// keeps it as it adds series).
+pub fn index_gpu_owners(store: &mut Store) {
+    store.gpu_owners = store
+        .owners
+        .iter()
+        .filter(|(_, o)| o.series.keys().any(|(f, _)| FAMILIES.contains(f)))
+        .map(|(owner, _)| owner.clone())
+        .collect();
+}
+
 /// The owners with a series of one of `FAMILIES`, with their numbers.
 fn gpu_owners(shared: &Store) -> impl Iterator<Item = (&Owner, &OwnerStats)> {
     shared

@@ -44,8 +44,9 @@ pub struct Store {
     pub stats: SelfStats,
     /// Gauge families as their units last set them.
     pub gauges: HashMap<&'static str, Vec<GaugeValue>>,
-    /// The owners with a series of a family FinOps or the feed stall reads
-    /// (`gpu_totals::FAMILIES`): the few a tick's totals look at, however many pods are idle.
+    /// The owners with a series of a family FinOps or the feed stall reads (the collector
+    /// keeps it as it adds series; `gpu_totals::index_gpu_owners` fills it for a store filled
+    /// by hand): the few a tick's totals look at, however many pods are idle.
     pub gpu_owners: FxHashSet<Owner>,
 }
 
@@ -54,21 +55,6 @@ pub struct Store {
 pub type LiveUids = Arc<FxHashSet<Arc<str>>>;
 
 impl Store {
-    /// Fills `gpu_owners` from every owner's series (a store filled by hand; the collector
-    /// keeps it as it adds series).
-    pub fn index_gpu_owners(&mut self) {
-        self.gpu_owners = self
-            .owners
-            .iter()
-            .filter(|(_, o)| {
-                o.series
-                    .keys()
-                    .any(|(f, _)| super::gpu_totals::FAMILIES.contains(f))
-            })
-            .map(|(owner, _)| owner.clone())
-            .collect();
-    }
-
     /// UIDs of the pods that have series.
     pub fn pod_uids(&self) -> LiveUids {
         Arc::new(

@@ -415,7 +415,7 @@ mod tests {
                 },
             ],
         );
-        s.index_gpu_owners();
+        crate::collect::index_gpu_owners(&mut s);
         s
     }
 
