@@ -2,7 +2,11 @@
 //! depth-first when dropped (also when the test fails), with whatever still runs in it killed.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
+
+/// Every sandbox's name starts so; the owner's pid follows.
+const PREFIX: &str = "gpufeed-test-";
 
 /// Where cgroup v2 is mounted (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid
 /// machine), from this process's mountinfo.
@@ -16,7 +20,8 @@ pub fn cgroup2_root() -> PathBuf {
         .expect("no cgroup2 mount")
 }
 
-/// A private subtree `gpufeed-test-<unique>` under the cgroup2 root.
+/// A private subtree `gpufeed-test-<pid>-<n>` under the cgroup2 root, named for the process
+/// that owns it.
 pub struct CgroupSandbox {
     /// The cgroup2 mount.
     pub root: PathBuf,
@@ -25,9 +30,17 @@ pub struct CgroupSandbox {
 }
 
 impl CgroupSandbox {
+    /// Creates the sandbox, first removing those whose owner is gone: a test or benchmark
+    /// killed outright (SIGKILL, a timeout) never runs its drop.
     pub fn new() -> CgroupSandbox {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
         let root = cgroup2_root();
-        let prefix = root.join(format!("gpufeed-test-{}", crate::uniq()));
+        sweep_orphans(&root);
+        let prefix = root.join(format!(
+            "{PREFIX}{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::create_dir_all(&prefix)
             .unwrap_or_else(|e| panic!("creating {}: {e}", prefix.display()));
         CgroupSandbox { root, prefix }
@@ -63,6 +76,30 @@ impl Drop for CgroupSandbox {
     }
 }
 
+/// Removes the sandboxes under `root` whose owning process no longer exists. Only names of
+/// the form `gpufeed-test-<pid>-<n>` are considered; a live owner's (another test binary's
+/// running beside this one) are left alone.
+fn sweep_orphans(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(owner) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .filter(|(_, n)| n.parse::<u32>().is_ok())
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{owner}")).exists() {
+            remove_cgroup_tree(&e.path());
+        }
+    }
+}
+
 /// Removes a cgroup directory tree bottom-up, killing the tasks still in it (a cgroup with
 /// tasks cannot be removed; the kernel frees a dead task's membership shortly after, hence
 /// the retries).
@@ -86,5 +123,34 @@ pub fn remove_cgroup_tree(dir: &Path) {
             return;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sandbox whose owner was killed before its drop ran is removed by the next one made,
+    /// subtree included; a sandbox whose owner lives (this process's first) is kept.
+    #[test]
+    fn a_killed_owners_sandbox_is_swept_by_the_next() {
+        if !crate::root::root_or_skip("a_killed_owners_sandbox_is_swept_by_the_next") {
+            return;
+        }
+        let mut child = std::process::Command::new("true")
+            .spawn()
+            .expect("spawning true");
+        let dead = child.id();
+        child.wait().expect("reaping true");
+        let root = cgroup2_root();
+        let left = root.join(format!("{PREFIX}{dead}-0"));
+        let pod = left.join("kubepods/burstable/pod-left");
+        std::fs::create_dir_all(&pod).expect("creating the left-behind sandbox");
+        let first = CgroupSandbox::new();
+        assert!(!left.exists(), "{} was not swept", left.display());
+        let second = CgroupSandbox::new();
+        assert!(first.prefix.exists(), "a live owner's sandbox was swept");
+        assert_ne!(first.prefix, second.prefix);
+        drop((first, second));
     }
 }
