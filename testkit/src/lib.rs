@@ -12,6 +12,8 @@
 //!   minimal HTTP/1.0 GET.
 //! * [`sandbox`]: cgroup directories removed depth-first, even when the test fails.
 //! * [`aer`]: a device's AER counter files as the kernel prints them, for recorded trees.
+//! * `stream` (feature `stream`): the QUIC stream tests' fixtures: TLS deployments, hubs, the
+//!   host's stream client, metric readers, log capture, a disk that fills up, child roles.
 
 pub mod aer;
 pub mod http;
@@ -19,6 +21,8 @@ pub mod prom;
 pub mod root;
 pub mod sandbox;
 pub mod sh;
+#[cfg(feature = "stream")]
+pub mod stream;
 pub mod wait;
 
 use std::path::{Path, PathBuf};
