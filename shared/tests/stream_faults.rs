@@ -4,15 +4,12 @@
 //! that memory can hold are not lost because the disk is full, nothing panics, and the disk is
 //! written again once it has room.
 
-#[path = "stream/support.rs"]
-mod stream_support;
-
 use std::time::Duration;
 
 use gpufeed_shared::proto::{EncodedEvent, FrameDecoder, Message, SpoolLoss};
 use gpufeed_shared::stream::client::spool::{Spool, SpoolLimits};
 use gpufeed_shared::stream::client::RawEvent;
-use stream_support::*;
+use gpufeed_testkit::stream::*;
 
 fn ev(i: u64) -> EncodedEvent {
     EncodedEvent::new(i as i64, i, 1, &[7; 100]).unwrap()

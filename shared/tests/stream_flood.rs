@@ -10,15 +10,12 @@
 //! The hub runs in this test process, so the measured RSS covers hub, flooder and host client
 //! together (stricter than the hub alone). The tests take turns (`SERIAL`): RSS is per process.
 
-#[path = "stream/support.rs"]
-mod stream_support;
-
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpufeed_shared::tls;
-use stream_support::*;
+use gpufeed_testkit::stream::*;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const ATTEMPTS: usize = 20_000;

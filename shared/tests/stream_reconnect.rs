@@ -5,14 +5,11 @@
 //!
 //! The guest is this test binary re-executed (`run_guest_child`); the host runs in the test.
 
-#[path = "stream/support.rs"]
-mod stream_support;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use gpufeed_shared::stream::client;
-use stream_support::*;
+use gpufeed_testkit::stream::*;
 
 /// Entry point of the child processes; does nothing in a normal test run.
 #[test]

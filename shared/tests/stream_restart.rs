@@ -7,9 +7,6 @@
 //! The guest and host are this test binary re-executed with `GPUFEED_STREAM_TEST_CHILD` set:
 //! the real hub and the real stream client, each in its own process.
 
-#[path = "stream/support.rs"]
-mod stream_support;
-
 use std::io::Read;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -18,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpufeed_shared::event::{HostEvent, Stamped};
-use stream_support::*;
+use gpufeed_testkit::stream::*;
 
 const N: u64 = 100_000;
 

@@ -12,13 +12,21 @@
 //!   minimal HTTP/1.0 GET.
 //! * [`sandbox`]: cgroup directories removed depth-first, even when the test fails.
 //! * [`aer`]: a device's AER counter files as the kernel prints them, for recorded trees.
+//! * `stream` (feature `stream`): the QUIC stream tests' fixtures: TLS deployments, hubs, the
+//!   host's stream client, metric readers, log capture, a disk that fills up, child roles.
+//! * `otlp_receiver` (feature `otlp_receiver`): a real OTLP metrics receiver on loopback for
+//!   the agents' OTLP push tests, and the comparison of what it holds with /metrics.
 
 pub mod aer;
 pub mod http;
+#[cfg(feature = "otlp_receiver")]
+pub mod otlp_receiver;
 pub mod prom;
 pub mod root;
 pub mod sandbox;
 pub mod sh;
+#[cfg(feature = "stream")]
+pub mod stream;
 pub mod wait;
 
 use std::path::{Path, PathBuf};

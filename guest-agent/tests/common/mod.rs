@@ -11,7 +11,6 @@ pub mod fake_kube;
 pub mod gpu;
 pub mod host_agent;
 pub mod logs;
-pub mod otlp_receiver;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;

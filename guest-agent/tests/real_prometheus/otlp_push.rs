@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::otlp_receiver::{bracket, compare, key, OtlpReceiver};
 use common::*;
+use gpufeed_testkit::otlp_receiver::{bracket, compare, key, OtlpReceiver};
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")

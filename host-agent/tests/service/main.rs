@@ -4,9 +4,6 @@
 
 #[path = "../common/mod.rs"]
 mod common;
-// the stream tests' one support file, the stream library's (a hub for the packaged agent)
-#[path = "../../../shared/tests/stream/support.rs"]
-mod stream_support;
 
 mod doctor;
 mod http_flood;

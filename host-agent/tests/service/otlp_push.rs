@@ -1,21 +1,19 @@
-//! OTLP metrics push from the real `gpufeed-host run` on a recorded eGPU host, configured by
-//! its `[otlp]` section (endpoint, interval, a resource attribute) and a `--otlp-header` flag,
-//! into a real OTLP receiver (VictoriaMetrics from Debian, translating as Prometheus does;
-//! `guest-agent/tests/common/otlp_receiver.rs`): every series of the host's /metrics is there
-//! under the same name and labels, with the value /metrics had just before and just after the
-//! export the receiver holds; the resource names the host. And with a receiver that accepts
-//! and never answers: the agent (one current-thread runtime for everything) counts each
-//! timed-out export and still answers every scrape promptly, its memory and sockets bounded.
+//! OTLP metrics push from the real `gpufeed-host run` on a recorded eGPU host, configured by its
+//! `[otlp]` section (endpoint, interval, a resource attribute) and a `--otlp-header` flag, into a
+//! real OTLP receiver (VictoriaMetrics from Debian, translating as Prometheus does; the test kit's
+//! `otlp_receiver`): every series of the host's /metrics is there under the same name and labels,
+//! with the value /metrics had just before and just after the export the receiver holds; the
+//! resource names the host. And with a receiver that accepts and never answers: the agent (one
+//! current-thread runtime for everything) counts each timed-out export and still answers every
+//! scrape promptly, its memory and sockets bounded.
 
 use crate::common;
-#[path = "../../../guest-agent/tests/common/otlp_receiver.rs"]
-mod otlp_receiver;
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use otlp_receiver::{bracket, compare, key, OtlpReceiver};
+use gpufeed_testkit::otlp_receiver::{self, bracket, compare, key, OtlpReceiver};
 
 struct Killed(Child);
 

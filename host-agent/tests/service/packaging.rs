@@ -10,7 +10,6 @@
 //! copy, is what the packaged unit's command line runs with.
 
 use crate::common;
-use crate::stream_support;
 
 use std::path::Path;
 use std::process::Command;
@@ -435,7 +434,7 @@ dpkg --force-depends -i {old} >/dev/null
 /// `--root` (no watcher on this machine's devices) and `--metrics-listen` (no fixed port).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn certs_bundle_in_etc_gpufeed_runs_with_the_unit_command_line() {
-    use stream_support::{hub, hub_config, metric, wait_for};
+    use gpufeed_testkit::stream::{hub, hub_config, metric, wait_for};
     if !common::require_root("certs_bundle_in_etc_gpufeed_runs_with_the_unit_command_line")
         || !tools_or_skip(&["unshare", "cp", "stat"])
     {

@@ -2,15 +2,13 @@
 //! streams its events to the hub; a SIGTERM and restart resumes the same spool (same sequence
 //! space, numbering continues, nothing delivered twice).
 
-use crate::stream_support;
-
 use gpufeed_shared::certs;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use gpufeed_shared::event::HostEvent;
-use stream_support::*;
+use gpufeed_testkit::stream::*;
 
 fn start_host(config: &std::path::Path, log: &std::path::Path) -> Child {
     Command::new(env!("CARGO_BIN_EXE_gpufeed-host"))

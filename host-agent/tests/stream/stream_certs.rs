@@ -2,8 +2,6 @@
 //! apart from everything that is copied, and each host's bundle, installed as its
 //! /etc/gpufeed, configures a stream to the guest with the generated certificates.
 
-use crate::stream_support;
-
 use gpufeed_shared::certs;
 
 use std::time::Duration;
@@ -11,7 +9,7 @@ use std::time::Duration;
 use gpufeed_host::config::Config;
 use gpufeed_host::events::EventBus;
 use gpufeed_shared::event::HostEvent;
-use stream_support::*;
+use gpufeed_testkit::stream::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn certs_init_then_stream_with_the_generated_files() {

@@ -2,14 +2,12 @@
 //! with the same message: a guest name that is no directory name, duplicate guests, a missing
 //! certificate file, a `host_id` that the client certificate does not name.
 
-use crate::stream_support;
-
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpufeed_shared::tls;
-use stream_support::*;
+use gpufeed_testkit::stream::*;
 
 /// Runs `gpufeed-host run [--check-config] --config cfg`; the exit success and the
 /// `gpufeed-host: ` error line. `run` must end by itself (a refused config) within 20 s.

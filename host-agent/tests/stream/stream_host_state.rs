@@ -3,14 +3,12 @@
 //! values; changes follow within a state interval, another VM's series stay out, and a
 //! stopped host leaves its last values beside `gpufeed_stream_connected{host} 0`.
 
-use crate::stream_support;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gpufeed_host::stream;
+use gpufeed_testkit::stream::*;
 use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
-use stream_support::*;
 
 /// The host agent's registry shape: every series carries `host`.
 fn host_registry() -> (Registry, GaugeVec, IntCounterVec) {

@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::support::*;
 use gpufeed_shared::clock;
 use gpufeed_shared::event::{HostEvent, Stamped};
 use gpufeed_shared::stream::client;
+use gpufeed_testkit::stream::*;
 
 const SKEW_NS: i64 = -250_001_234;
 

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use super::support::*;
 use gpufeed_shared::event::{HostEvent, Stamped};
+use gpufeed_testkit::stream::*;
 
 fn events(from: u64, to: u64) -> Vec<Stamped> {
     (from..to)

@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use super::support::*;
 use gpufeed_shared::event::HostEvent;
 use gpufeed_shared::proto::{encode, ClientSession, EventFrame, Message, Welcome, MAX_FRAME_LEN};
 use gpufeed_shared::stream::by_hand;
 use gpufeed_shared::tls;
+use gpufeed_testkit::stream::*;
 
 const REJ: &str = "gpufeed_stream_frames_rejected_total";
 

@@ -11,12 +11,12 @@
 //! memory), `stream_reconnect` and `stream_restart` (this binary's tests re-executed as the
 //! guest's and the host's processes). What needs the host agent (its binary, its
 //! configuration, its certificate bundles, its routing of the event bus, its series as host
-//! state) stays in `host-agent/tests/stream/`, on this binary's `support.rs`.
+//! state) stays in `host-agent/tests/stream/`. Both use the same fixtures, the test kit's
+//! `stream` module (`gpufeed_testkit::stream`).
 
 mod clock;
 mod e2e;
 mod frames;
 mod frames_random;
 mod sim;
-mod support;
 mod tls;

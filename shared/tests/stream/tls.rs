@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use super::support::*;
 use gpufeed_shared::proto::{encode, FrameDecoder, Message, ALPN};
 use gpufeed_shared::tls::{self, Ca};
+use gpufeed_testkit::stream::*;
 
 const REJ: &str = "gpufeed_stream_frames_rejected_total";
 

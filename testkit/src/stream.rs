@@ -1,10 +1,12 @@
 //! What the stream's tests share, in one copy: the stream library's own test binaries
-//! (`shared/tests/stream*`) and the host agent's stream tests (which include this file by path)
-//! build their deployments, hubs, hosts and child processes here. A TLS deployment in a temp
-//! dir, the hub's and the host's test configurations, the real stream client as the host agent
-//! drives it, metric readers, log capture, a disk that fills up, re-executed child roles.
-// Each binary that includes this file uses a part of it.
-#![allow(dead_code)]
+//! (`shared/tests/stream*`) and the host agent's stream and service tests build their
+//! deployments, hubs, hosts and child processes here. A TLS deployment in a temp dir, the hub's
+//! and the host's test configurations, the real stream client as the host agent drives it,
+//! metric readers, log capture, a disk that fills up, re-executed child roles.
+//!
+//! Behind the kit's `stream` feature (the stream drivers of `gpufeed-shared`, an async runtime,
+//! a log subscriber). For integration tests (`tests/`): in `gpufeed-shared`'s own unit tests
+//! the kit's `gpufeed_shared` is another copy of the crate, whose types are not those under test.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -234,7 +236,7 @@ pub fn metric(reg: &prometheus::Registry, name: &str, labels: &[(&str, &str)]) -
 /// also linking other test binaries can stall a task for seconds, so it is stretched fivefold
 /// rather than tuned per call site. Nothing here measures latency.
 pub async fn wait_for(timeout: Duration, f: impl FnMut() -> bool) -> bool {
-    gpufeed_testkit::wait::until(timeout * 5, f).await
+    crate::wait::until(timeout * 5, f).await
 }
 
 #[derive(Clone)]

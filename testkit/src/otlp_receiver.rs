@@ -1,17 +1,25 @@
-//! A real OTLP metrics receiver for both agents' tests (the host agent's tests include this
-//! file by its path): VictoriaMetrics 1.112 from Debian 13 (trixie), fetched by
-//! `scripts/otlp-receiver.sh` on first use (`setup.sh` runs it too). Debian builds its
-//! Prometheus packages without the OTLP endpoint; VictoriaMetrics takes OTLP over HTTP
-//! (protobuf) at `/opentelemetry/v1/metrics`, translates names and labels as Prometheus does
-//! (`-opentelemetry.usePrometheusNaming`), stores what it gets at once
+//! A real OTLP metrics receiver for both agents' OTLP push tests: VictoriaMetrics 1.112 from
+//! Debian 13 (trixie), fetched by `scripts/otlp-receiver.sh` on first use (`setup.sh` runs it
+//! too). Debian builds its Prometheus packages without the OTLP endpoint; VictoriaMetrics takes
+//! OTLP over HTTP (protobuf) at `/opentelemetry/v1/metrics`, translates names and labels as
+//! Prometheus does (`-opentelemetry.usePrometheusNaming`), stores what it gets at once
 //! (`-search.latencyOffset=0s`) and answers PromQL at `/api/v1/query` as Prometheus does.
-#![allow(dead_code)]
+//!
+//! Beside it, what the tests compare with it: a page's series keyed as the receiver's are
+//! ([`exposition`]), two reads of /metrics around an export the receiver holds ([`bracket`])
+//! and the comparison of the three ([`compare`]).
+//!
+//! Behind the kit's `otlp_receiver` feature (a JSON reader for the receiver's answers, a temp
+//! dir for its storage).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::http::{get_status as get, query_encode};
+use crate::prom;
 
 /// A series: its name and its labels with a value (Prometheus and the receiver drop labels
 /// whose value is empty).
@@ -29,6 +37,7 @@ pub const RESOURCE_LABELS: &[&str] = &[
     "deployment_environment",
 ];
 
+/// The receiver running on loopback with its storage in a temp dir; killed when dropped.
 pub struct OtlpReceiver {
     child: Child,
     addr: SocketAddr,
@@ -45,8 +54,7 @@ impl Drop for OtlpReceiver {
 /// The receiver's binary. `None` with a SKIP line when it cannot be had; with `CI=true` a
 /// panic.
 pub fn receiver_bin() -> Option<PathBuf> {
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let script = repo.join("scripts/otlp-receiver.sh");
+    let script = crate::repo().join("scripts/otlp-receiver.sh");
     let why = match Command::new(&script).stderr(Stdio::piped()).output() {
         Ok(o) if o.status.success() => {
             let bin = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
@@ -69,21 +77,13 @@ pub fn receiver_bin() -> Option<PathBuf> {
     None
 }
 
-use gpufeed_testkit::http::{get_status as get, query_encode};
-use gpufeed_testkit::prom;
-
 impl OtlpReceiver {
     /// Started on a free loopback port and ready; `None` (a SKIP line) when the receiver
     /// cannot be had, a panic with `CI=true`.
     pub fn start() -> Option<OtlpReceiver> {
         let bin = receiver_bin()?;
         let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let addr = SocketAddr::from(([127, 0, 0, 1], crate::free_port()));
         let child = Command::new(&bin)
             .arg(format!("-httpListenAddr={addr}"))
             .arg(format!(
@@ -169,6 +169,7 @@ pub fn exposition(text: &str) -> BTreeMap<Key, f64> {
         .collect()
 }
 
+/// A series' key from its name and labels.
 pub fn key(name: &str, labels: &[(&str, &str)]) -> Key {
     (
         name.to_string(),
