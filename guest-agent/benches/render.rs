@@ -330,7 +330,6 @@ fn run(pods: usize) {
         }
         let input = TickReport {
             windows: w,
-            gauges: Vec::new(),
             live: live.clone(),
             gpu_busy: Some(true),
             ..TickReport::default()

@@ -38,8 +38,6 @@ pub struct TickReport {
     /// The tick's signal windows (see `probes::signal`); none for the first
     /// tick, which has no window to divide by.
     pub windows: Vec<SignalWindow>,
-    /// The gauge families the units set this tick (the store has them too).
-    pub gauges: Vec<(&'static str, Vec<GaugeValue>)>,
     /// UIDs of the pods the collector has after the tick (by UID: a pod whose
     /// names arrive is the same pod, not one gone and one new).
     pub live: LiveUids,
@@ -297,7 +295,6 @@ impl Collector {
                 Some(prev) => windows(&signals, &deltas, &gauges, now, now.duration_since(prev)),
                 None => Vec::new(),
             },
-            gauges: gauges.clone(),
             live: LiveUids::default(),
             gpu_busy: None,
             gpu: GpuTotals::default(),
@@ -305,7 +302,7 @@ impl Collector {
         };
         report.gpu_busy = crate::probes::gpu_activity::gpu_busy(
             &report.windows,
-            &report.gauges,
+            &gauges,
             crate::probes::gpu_activity::sees_gpu_work(&signals),
         );
         let store = &mut *shared;

@@ -74,15 +74,26 @@ impl<K: Ord + Clone> MpsAdvisor<K> {
     }
 
     /// Records one tick's samples; pods without a sample are forgotten (gone, or no longer
-    /// with a duty cycle).
+    /// with a duty cycle). Of two samples of one pod, the later counts.
     pub fn observe(&mut self, now: Instant, samples: impl IntoIterator<Item = (K, Sample)>) {
-        let mut seen = BTreeMap::new();
-        for (k, s) in samples {
-            seen.insert(k, s);
-        }
-        self.pods.retain(|k, _| seen.contains_key(k));
+        let mut seen: Vec<(K, Sample)> = samples.into_iter().collect();
+        // sorted like the histories, so one walk pairs them (each key compared about once,
+        // where a lookup per pod walks the tree: this runs every tick for every GPU pod)
+        seen.sort_by(|a, b| a.0.cmp(&b.0));
+        seen.dedup_by(|later, earlier| {
+            let same = later.0 == earlier.0;
+            if same {
+                earlier.1 = later.1;
+            }
+            same
+        });
+        let mut before = std::mem::take(&mut self.pods).into_iter().peekable();
+        let mut kept = Vec::with_capacity(seen.len());
         for (k, s) in seen {
-            let h = self.pods.entry(k).or_default();
+            while before.next_if(|(b, _)| *b < k).is_some() {}
+            let mut h = before
+                .next_if(|(b, _)| *b == k)
+                .map_or_else(History::default, |(_, h)| h);
             h.samples.push_back((now, s));
             // keep the newest sample at or before the period's start: it proves the span
             while h.samples.len() > 1
@@ -95,7 +106,10 @@ impl<K: Ord + Clone> MpsAdvisor<K> {
             if let Some(a) = decide(&self.cfg, now, &h.samples) {
                 h.advice = Some(a);
             }
+            kept.push((k, h));
         }
+        // already in order: the map is built without comparing again
+        self.pods = BTreeMap::from_iter(kept);
     }
 
     /// Every known pod's advice.
@@ -238,5 +252,35 @@ mod tests {
         run(&mut a, &mut t, 1, &[("a", s(0.1, 0.0))]);
         assert_eq!(a.advice().count(), 1);
         assert_eq!(advice(&a, "b"), None);
+    }
+
+    #[test]
+    fn each_pod_keeps_its_history_as_others_come_and_go() {
+        let mut a = MpsAdvisor::new(cfg());
+        let mut t = Instant::now();
+        a.observe(
+            t,
+            [("b", s(0.05, 0.0)), ("a", s(0.5, 0.5)), ("d", s(0.05, 0.0))],
+        );
+        // from the next tick on: a gone, c new, b and d quiet throughout (given out of order)
+        let now = [
+            ("d", s(0.05, 0.0)),
+            ("c", s(0.05, 0.0)),
+            ("b", s(0.05, 0.0)),
+        ];
+        run(&mut a, &mut t, 60, &now);
+        assert_eq!(advice(&a, "a"), None, "a pod without a sample is forgotten");
+        assert_eq!(advice(&a, "b"), Some(10));
+        assert_eq!(advice(&a, "d"), Some(10));
+        assert_eq!(advice(&a, "c"), Some(100), "c's samples span 59 s");
+        // of two samples of one pod in a tick, the later counts: quiet, so c's small slice
+        t += Duration::from_secs(1);
+        a.observe(
+            t,
+            [("c", s(0.9, 0.0)), ("b", s(0.05, 0.0)), ("c", s(0.05, 0.0))],
+        );
+        assert_eq!(advice(&a, "c"), Some(10));
+        assert_eq!(advice(&a, "d"), None);
+        assert_eq!(a.advice().count(), 2);
     }
 }

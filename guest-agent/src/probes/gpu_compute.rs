@@ -11,8 +11,11 @@
 //! series. [`ComputeSeries`] is what the elected unit holds: it turns the unit's compute time
 //! into the counter's deltas and the duty cycle gauges.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
+use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
+
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::model::{Delta, FamilySpec, GaugeValue, Kind, Labels, NodeFamily, Scope, Value};
 use super::tick::TickContext;
@@ -132,7 +135,7 @@ impl ComputeSeries {
             .last_tick
             .replace(now)
             .map_or(0, |t| now.duration_since(t).as_nanos() as u64);
-        let mut busy: HashMap<(Owner, Labels), u64> = HashMap::new();
+        let mut busy: FxHashMap<(Owner, Labels), u64> = FxHashMap::default();
         for (id, labels, ns) in self.by_cgroup.drain(..) {
             if let Some(owner) = ctx.owners.get(&id) {
                 *busy.entry((owner.clone(), labels)).or_default() += ns;
@@ -151,7 +154,7 @@ impl ComputeSeries {
             // no compute time on the node: nothing to window
             return (DUTY, Vec::new());
         }
-        let live: HashSet<&Owner> = ctx.owners.values().collect();
+        let live: FxHashSet<&Owner> = ctx.owners.values().collect();
         (DUTY, self.duty.record(now, busy, &live))
     }
 
@@ -175,7 +178,7 @@ pub struct DutyWindow {
     window: Duration,
     last_tick: Option<Instant>,
     /// Per series: (when, cumulative ns) samples, oldest first.
-    series: HashMap<(Owner, Labels), VecDeque<(Instant, u64)>>,
+    series: FxHashMap<(Owner, Labels), VecDeque<(Instant, u64)>>,
 }
 
 impl DutyWindow {
@@ -183,7 +186,7 @@ impl DutyWindow {
         DutyWindow {
             window,
             last_tick: None,
-            series: HashMap::new(),
+            series: FxHashMap::default(),
         }
     }
 
@@ -199,8 +202,8 @@ impl DutyWindow {
     pub fn record(
         &mut self,
         now: Instant,
-        busy: HashMap<(Owner, Labels), u64>,
-        live: &HashSet<&Owner>,
+        busy: impl IntoIterator<Item = ((Owner, Labels), u64)>,
+        live: &HashSet<&Owner, impl BuildHasher>,
     ) -> Vec<GaugeValue> {
         let prev_tick = self.last_tick.replace(now);
         self.series.retain(|(o, _), _| live.contains(o));
@@ -247,6 +250,7 @@ impl DutyWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     fn pod(n: u8) -> Owner {
         Owner::Pod {
