@@ -243,21 +243,21 @@ fn windows(pods: usize, tick: usize, rng: &mut fastrand::Rng) -> Vec<SignalWindo
             count: if hot { 20 } else { 0 },
             per_second: if hot { 20.0 } else { 0.0 },
         };
-        let w = |signal, labels, value| SignalWindow {
+        // windows carry no labels: one per destination, as the collector makes them
+        let w = |signal, value| SignalWindow {
             owner: owner.clone(),
             signal,
-            labels,
             at,
             window: Duration::from_secs(1),
             value,
         };
-        out.push(w("run_queue_wait", Labels::new(), latency(rng)));
-        for d in DSTS {
-            out.push(w("tcp_rtt", l(&[("dst", d)]), latency(rng)));
-            out.push(w("tcp_retransmit_rate", l(&[("dst", d)]), rate(hot)));
+        out.push(w("run_queue_wait", latency(rng)));
+        for _ in DSTS {
+            out.push(w("tcp_rtt", latency(rng)));
+            out.push(w("tcp_retransmit_rate", rate(hot)));
         }
-        out.push(w("tc_drop_rate", Labels::new(), rate(hot)));
-        out.push(w("gpu_ioctl", l(&[("cmd", "submit")]), latency(rng)));
+        out.push(w("tc_drop_rate", rate(hot)));
+        out.push(w("gpu_ioctl", latency(rng)));
     }
     out
 }

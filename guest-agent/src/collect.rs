@@ -598,7 +598,6 @@ fn windows(
             out.extend(values.iter().map(|g| SignalWindow {
                 owner: g.owner.clone(),
                 signal: s.name,
-                labels: g.labels.clone(),
                 at,
                 window,
                 value: level_window(g.value),
@@ -606,7 +605,7 @@ fn windows(
         }
     }
     for (owner, series) in deltas {
-        for ((family, labels), value) in series {
+        for ((family, _), value) in series {
             for s in signals.iter().filter(|s| s.family == *family) {
                 let value = match (s.kind, value) {
                     (SignalKind::Latency, Value::Hist(h)) => match latency_window(h) {
@@ -619,7 +618,6 @@ fn windows(
                 out.push(SignalWindow {
                     owner: owner.clone(),
                     signal: s.name,
-                    labels: labels.clone(),
                     at,
                     window,
                     value,
@@ -718,7 +716,6 @@ mod tests {
         );
         assert_eq!(w.len(), 1, "{w:?}");
         assert_eq!((w[0].owner.clone(), w[0].signal), (pod, "link"));
-        assert_eq!(w[0].labels, Labels::from([("gpu", "0".to_string())]));
         assert_eq!(w[0].value, WindowValue::Level { value: 5e9 });
     }
 

@@ -142,7 +142,7 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
     } else {
         VRAM
     };
-    let mut duty: HashMap<(&str, Option<u32>), f64> = HashMap::new();
+    let mut duty: rustc_hash::FxHashMap<(&str, Option<u32>), f64> = Default::default();
     for (family, values) in &shared.gauges {
         if *family != vram && *family != DUTY {
             continue;

@@ -11,8 +11,11 @@
 //!   be applied, since an MPS client's percentage is fixed when it starts). Before the first
 //!   decision the advice is 100, CUDA's default.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
+use std::hash::Hash;
 use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MpsConfig {
@@ -56,67 +59,75 @@ const MIN_SLICE: u32 = 10;
 struct History {
     samples: VecDeque<(Instant, Sample)>,
     advice: Option<u32>,
+    /// The last `observe` that gave this pod a sample.
+    seen: u64,
 }
 
 /// Advice per pod (keyed by `K`).
 #[derive(Debug)]
 pub struct MpsAdvisor<K> {
     cfg: MpsConfig,
-    pods: BTreeMap<K, History>,
+    // a hash map: each tick looks up every GPU pod, and hashing a name once is cheaper than
+    // comparing names down a tree (or sorting them); the order is made when advice is read
+    pods: FxHashMap<K, History>,
+    observed: u64,
 }
 
-impl<K: Ord + Clone> MpsAdvisor<K> {
+impl<K: Ord + Hash + Clone> MpsAdvisor<K> {
     pub fn new(cfg: MpsConfig) -> Self {
         MpsAdvisor {
             cfg,
-            pods: BTreeMap::new(),
+            pods: FxHashMap::default(),
+            observed: 0,
         }
     }
 
     /// Records one tick's samples; pods without a sample are forgotten (gone, or no longer
     /// with a duty cycle). Of two samples of one pod, the later counts.
     pub fn observe(&mut self, now: Instant, samples: impl IntoIterator<Item = (K, Sample)>) {
-        let mut seen: Vec<(K, Sample)> = samples.into_iter().collect();
-        // sorted like the histories, so one walk pairs them (each key compared about once,
-        // where a lookup per pod walks the tree: this runs every tick for every GPU pod)
-        seen.sort_by(|a, b| a.0.cmp(&b.0));
-        seen.dedup_by(|later, earlier| {
-            let same = later.0 == earlier.0;
-            if same {
-                earlier.1 = later.1;
+        self.observed += 1;
+        let tick = self.observed;
+        for (k, s) in samples {
+            let h = match self.pods.get_mut(&k) {
+                Some(h) => h,
+                None => self.pods.entry(k).or_default(),
+            };
+            if h.seen == tick {
+                // given twice: the later replaces the earlier
+                h.samples.pop_back();
             }
-            same
-        });
-        let mut before = std::mem::take(&mut self.pods).into_iter().peekable();
-        let mut kept = Vec::with_capacity(seen.len());
-        for (k, s) in seen {
-            while before.next_if(|(b, _)| *b < k).is_some() {}
-            let mut h = before
-                .next_if(|(b, _)| *b == k)
-                .map_or_else(History::default, |(_, h)| h);
+            h.seen = tick;
             h.samples.push_back((now, s));
+        }
+        let cfg = &self.cfg;
+        self.pods.retain(|_, h| {
+            if h.seen != tick {
+                return false;
+            }
             // keep the newest sample at or before the period's start: it proves the span
             while h.samples.len() > 1
                 && h.samples
                     .get(1)
-                    .is_some_and(|(t, _)| now.duration_since(*t) >= self.cfg.sustain)
+                    .is_some_and(|(t, _)| now.duration_since(*t) >= cfg.sustain)
             {
                 h.samples.pop_front();
             }
-            if let Some(a) = decide(&self.cfg, now, &h.samples) {
+            if let Some(a) = decide(cfg, now, &h.samples) {
                 h.advice = Some(a);
             }
-            kept.push((k, h));
-        }
-        // already in order: the map is built without comparing again
-        self.pods = BTreeMap::from_iter(kept);
+            true
+        });
     }
 
-    /// Every known pod's advice.
+    /// Every known pod's advice, in the order of their keys.
     pub fn advice(&self) -> impl Iterator<Item = (&K, u32)> + '_ {
-        self.pods
+        let mut out: Vec<(&K, u32)> = self
+            .pods
             .iter()
             .map(|(k, h)| (k, h.advice.unwrap_or(WHOLE_GPU)))
+            .collect();
+        out.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        out.into_iter()
     }
 }
 

@@ -216,7 +216,6 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::probes::unit::Labels;
 
     /// One tick of `ws` through `merge`, as owned windows.
     fn merged(
@@ -247,7 +246,6 @@ mod tests {
                 container_id: Some(container.into()),
             },
             signal,
-            labels: Labels::new(),
             at: Instant::now(),
             window: Duration::from_secs(1),
             value,

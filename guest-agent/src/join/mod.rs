@@ -31,7 +31,6 @@ mod tests {
     use crate::hub::{Delivery, ReceivedEvent};
     use crate::pods::PodStore;
     use crate::probes::signal::{SignalWindow, WindowValue};
-    use crate::probes::unit::Labels;
     use prometheus::core::Collector;
 
     fn event(seq: u64) -> ReceivedEvent {
@@ -64,7 +63,6 @@ mod tests {
                     container_id: Some("c1".into()),
                 },
                 signal: "run_queue_wait",
-                labels: Labels::new(),
                 at: Instant::now(),
                 window: Duration::from_secs(1),
                 value: WindowValue::Latency {

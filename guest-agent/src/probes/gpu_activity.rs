@@ -76,7 +76,6 @@ mod tests {
                 container_id: Some("c1".into()),
             },
             signal: "gpu_ioctl",
-            labels: Labels::new(),
             at: Instant::now(),
             window: Duration::from_secs(1),
             value: WindowValue::Latency {

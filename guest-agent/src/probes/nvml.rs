@@ -16,8 +16,10 @@
 //!   a host link event can be shown with the dip it caused in what the pod's GPUs move (or
 //!   with none). The correlator reads this signal for dips (its policy `falls`).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashMap;
 
 use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::options::OptionsSpec;
@@ -157,7 +159,7 @@ pub struct NvmlUnit {
     /// MPS servers with samples at the last tick.
     mps_servers: usize,
     /// Each owner's recent GPU activity (ns, decayed per tick): the weights of MPS shares.
-    activity: HashMap<Owner, f64>,
+    activity: FxHashMap<Owner, f64>,
     /// Start times of the processes at the last read, to tell a reused pid.
     starts: Starts,
     /// Per GPU, what processes no owner has (outside pods and slices, or exited) used: memory
@@ -171,7 +173,7 @@ pub struct NvmlUnit {
     compute: Option<ComputeSeries>,
     /// Each (container, GPU) whose compute time was handed to `compute` at the previous
     /// tick, with the tick: see [`NvmlUnit::compute_deltas`].
-    compute_handed: HashMap<(Owner, u32), u64>,
+    compute_handed: FxHashMap<(Owner, u32), u64>,
     /// Ticks since `compute` was published.
     compute_ticks: u64,
 }
@@ -198,7 +200,7 @@ impl NvmlUnit {
             lost: BTreeSet::new(),
             mig_gpus: BTreeSet::new(),
             mps_servers: 0,
-            activity: HashMap::new(),
+            activity: FxHashMap::default(),
             starts: Starts::default(),
             outside_memory: BTreeMap::new(),
             outside_sm_ns: BTreeMap::new(),
@@ -206,7 +208,7 @@ impl NvmlUnit {
             links: Vec::new(),
             failures: Failures::default(),
             compute: None,
-            compute_handed: HashMap::new(),
+            compute_handed: FxHashMap::default(),
             compute_ticks: 0,
         };
         unit.look_for_library();
@@ -305,7 +307,7 @@ impl NvmlUnit {
     /// costs no delta, no label and no duty entry per tick. What differs from handing every
     /// 0: a container whose first series comes after its pair's first 0 shows that pair's
     /// counter from its first non-zero time, as any container's series start, not at 0.
-    fn compute_deltas(&mut self, per_owner: &HashMap<Owner, OwnerUse>) -> Vec<(Owner, Delta)> {
+    fn compute_deltas(&mut self, per_owner: &FxHashMap<Owner, OwnerUse>) -> Vec<(Owner, Delta)> {
         let Some(c) = self.compute.as_mut() else {
             return Vec::new();
         };
@@ -357,7 +359,7 @@ fn mps_clients(
     gpu: u32,
     server: u32,
     owner_of: &dyn Fn(u32) -> Option<Owner>,
-    activity: &HashMap<Owner, f64>,
+    activity: &FxHashMap<Owner, f64>,
 ) -> Vec<(Owner, u64)> {
     let server_owner = owner_of(server);
     let mut out: Vec<(Owner, u64)> = Vec::new();
@@ -481,7 +483,7 @@ impl Probe for NvmlUnit {
                 .and_then(|id| ctx.owners.get(id))
                 .cloned()
         };
-        let mut per_owner: HashMap<Owner, OwnerUse> = HashMap::new();
+        let mut per_owner: FxHashMap<Owner, OwnerUse> = FxHashMap::default();
         // MIG GPUs where nothing gives the compute (no GPM): said unattributed
         self.mig_gpus = readings
             .iter()
@@ -814,8 +816,8 @@ fn pod_links(pod_gpus: &BTreeMap<Owner, Vec<u32>>, links: &[LinkState]) -> Vec<G
 /// The cgroup id of every process of the owners that are not pods (slices), read here (the
 /// pods' come from the collector's process lists, re-read only when the kernel says they
 /// changed).
-fn slice_pid_cgroups(ctx: &TickContext<'_>) -> HashMap<u32, u64> {
-    let mut out = HashMap::new();
+fn slice_pid_cgroups(ctx: &TickContext<'_>) -> FxHashMap<u32, u64> {
+    let mut out = FxHashMap::default();
     for (id, owner) in ctx.owners {
         if matches!(owner, Owner::Pod { .. }) {
             continue;
@@ -857,7 +859,7 @@ mod tests {
                 sm_ns: ns.iter().copied().collect(),
                 ..OwnerUse::default()
             };
-            HashMap::from([(owner.clone(), u)])
+            FxHashMap::from_iter([(owner.clone(), u)])
         };
         let handed = |unit: &mut NvmlUnit, ns: &[(u32, u64)]| {
             let mut d: Vec<(String, u64)> = unit

@@ -9,7 +9,6 @@
 use std::time::{Duration, Instant};
 
 use super::hist::{Hist, BUCKETS, MIN_SHIFT};
-use super::model::Labels;
 use crate::owner::Owner;
 
 /// What kind of window a signal gives.
@@ -34,12 +33,13 @@ pub struct SignalSpec {
     pub kind: SignalKind,
 }
 
-/// One tick's worth of a signal for one owner and label set.
+/// One tick's worth of a signal for one owner and label set. The labels are not carried: the
+/// join merges an owner's windows of one signal whatever their labels (destinations, GPUs,
+/// directions), and a label set cloned into every window was an allocation per window and tick.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SignalWindow {
     pub owner: Owner,
     pub signal: &'static str,
-    pub labels: Labels,
     /// When the tick that produced it ran.
     pub at: Instant,
     /// Time since the previous tick: the window's length.
