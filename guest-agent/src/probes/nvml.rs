@@ -16,6 +16,7 @@
 //!   a host link event can be shown with the dip it caused in what the pod's GPUs move (or
 //!   with none). The correlator reads this signal for dips (its policy `falls`).
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -316,10 +317,10 @@ impl NvmlUnit {
         let mut deltas = Vec::new();
         for (owner, u) in per_owner {
             for (gpu, ns) in &u.sm_ns {
-                let previous = match self.compute_handed.get_mut(&(owner.clone(), *gpu)) {
-                    Some(t) => Some(std::mem::replace(t, tick)),
-                    None => {
-                        self.compute_handed.insert((owner.clone(), *gpu), tick);
+                let previous = match self.compute_handed.entry((owner.clone(), *gpu)) {
+                    Entry::Occupied(mut e) => Some(std::mem::replace(e.get_mut(), tick)),
+                    Entry::Vacant(e) => {
+                        e.insert(tick);
                         None
                     }
                 };

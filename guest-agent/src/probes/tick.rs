@@ -127,20 +127,17 @@ impl TickContext<'_> {
         // cgroups whose processes changed, only those are looked at, so a steady node's tick
         // costs nothing per pod.
         let steady = !self.cgroups_changed && cache.built.is_some_and(|t| t + 1 == self.tick);
-        let only: Option<Vec<u64>> = match self.processes {
-            Some(p) if steady => Some(p.cgroups.iter().copied().collect()),
+        // (the cgroups to look at, whether each of them is to be read again)
+        let (candidates, all_stale): (Vec<u64>, bool) = match self.processes {
+            Some(p) if steady => (p.cgroups.iter().copied().collect(), true),
             _ => {
                 let before = cache.by_cgroup.len();
                 cache.by_cgroup.retain(|id, _| {
                     self.owners.contains_key(id) && self.tree.cgroups.contains_key(id)
                 });
                 changed = self.cgroups_changed || cache.by_cgroup.len() != before;
-                None
+                (self.owners.keys().copied().collect(), false)
             }
-        };
-        let candidates: Box<dyn Iterator<Item = u64> + '_> = match &only {
-            Some(ids) => Box::new(ids.iter().copied()),
-            None => Box::new(self.owners.keys().copied()),
         };
         for id in candidates {
             let (Some(Owner::Pod { .. }), Some(cg)) =
@@ -148,7 +145,7 @@ impl TickContext<'_> {
             else {
                 continue;
             };
-            let stale = only.is_some()
+            let stale = all_stale
                 || !cache.by_cgroup.contains_key(&id)
                 || match self.processes {
                     Some(p) => p.cgroups.contains(&id),
