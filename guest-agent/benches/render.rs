@@ -197,7 +197,7 @@ fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Store {
         );
         let gauge = |owner: &Owner, labels: Labels, value: f64| GaugeValue {
             owner: owner.clone(),
-            labels,
+            labels: labels.into(),
             value,
         };
         s.gauges.entry(tc::BW_LIMIT_FAMILY).or_default().push(gauge(

@@ -699,7 +699,7 @@ mod tests {
         }];
         let value = |v| GaugeValue {
             owner: pod.clone(),
-            labels: Labels::from([("gpu", "0".to_string())]),
+            labels: Labels::from([("gpu", "0".to_string())]).into(),
             value: v,
         };
         let gauges = vec![

@@ -576,7 +576,7 @@ mod tests {
             "test_limit",
             vec![GaugeValue {
                 owner: pod(None),
-                labels: dir("egress"),
+                labels: dir("egress").into(),
                 value: 1e9,
             }],
         );

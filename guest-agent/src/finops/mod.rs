@@ -339,7 +339,7 @@ mod tests {
     use crate::probes::hist::Hist;
     use crate::probes::nvml::MEMORY as NVML_MEMORY;
     use crate::probes::unit::GaugeValue;
-    use crate::probes::unit::Value;
+    use crate::probes::unit::{no_labels, Value};
 
     fn pod(uid: &str, cid: &str) -> Owner {
         Owner::Pod {
@@ -396,7 +396,7 @@ mod tests {
             VRAM,
             vec![GaugeValue {
                 owner: pod("a", "c0"),
-                labels: Labels::new(),
+                labels: no_labels(),
                 value: vram,
             }],
         );
@@ -405,12 +405,12 @@ mod tests {
             vec![
                 GaugeValue {
                     owner: pod("a", "c0"),
-                    labels: Labels::new(),
+                    labels: no_labels(),
                     value: 0.2,
                 },
                 GaugeValue {
                     owner: pod("a", "c1"),
-                    labels: Labels::new(),
+                    labels: no_labels(),
                     value: 0.4,
                 },
             ],
@@ -523,7 +523,7 @@ mod tests {
         o.series.insert((COMPUTE, gpu("1")), Value::Count(6));
         let duty = |c: &str, g: &str, value| GaugeValue {
             owner: pod("a", c),
-            labels: gpu(g),
+            labels: gpu(g).into(),
             value,
         };
         s.gauges.insert(
@@ -536,7 +536,7 @@ mod tests {
         );
         let mem = |c: &str, value| GaugeValue {
             owner: pod("a", c),
-            labels: Labels::new(),
+            labels: no_labels(),
             value,
         };
         s.gauges

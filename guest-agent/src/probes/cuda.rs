@@ -30,7 +30,7 @@ use super::per_cgroup::{CgroupSeries, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::status::ProbeStatus;
 use super::unit::{
-    Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Scope, SelfSeries,
+    no_labels, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Scope, SelfSeries,
     TickContext, UnitSpec, Value,
 };
 use crate::ebpf::{decode, err, handle, percpu_sum, KernelBtf, ProbeError};
@@ -690,7 +690,7 @@ impl GpuProcessUnit for CudaProbe {
             .into_iter()
             .map(|(owner, bytes)| GaugeValue {
                 owner: owner.clone(),
-                labels: Labels::new(),
+                labels: no_labels(),
                 // memory allocated before the probe attached and freed
                 // after it makes a cgroup's balance negative
                 value: bytes.max(0) as f64,

@@ -43,7 +43,7 @@ mod tests {
 
     use super::*;
     use crate::collect::Owner;
-    use crate::probes::unit::Labels;
+    use crate::probes::unit::no_labels;
 
     /// The GPU units' own signals are the ones counted as GPU work.
     #[test]
@@ -65,7 +65,7 @@ mod tests {
                 crate::probes::nvml::SM,
                 vec![GaugeValue {
                     owner: Owner::Unattributed,
-                    labels: Labels::new(),
+                    labels: no_labels(),
                     value,
                 }],
             )

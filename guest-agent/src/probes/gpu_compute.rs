@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use super::model::{Delta, FamilySpec, GaugeValue, Kind, Labels, NodeFamily, Scope, Value};
+use super::model::{
+    Delta, FamilySpec, GaugeValue, Kind, Labels, NodeFamily, Scope, SharedLabels, Value,
+};
 use super::tick::TickContext;
 use crate::owner::Owner;
 
@@ -177,8 +179,16 @@ impl ComputeSeries {
 pub struct DutyWindow {
     window: Duration,
     last_tick: Option<Instant>,
-    /// Per series: (when, cumulative ns) samples, oldest first.
-    series: FxHashMap<(Owner, Labels), VecDeque<(Instant, u64)>>,
+    /// Per series: its labels as handed out and its samples.
+    series: FxHashMap<(Owner, Labels), Series>,
+}
+
+/// One (owner, labels) series of a duty window.
+struct Series {
+    /// The key's labels, made shared once: the series hands them out at every tick.
+    labels: SharedLabels,
+    /// (when, cumulative ns) samples, oldest first.
+    samples: VecDeque<(Instant, u64)>,
 }
 
 impl DutyWindow {
@@ -211,18 +221,22 @@ impl DutyWindow {
             if !live.contains(&key.0) {
                 continue;
             }
-            let samples = self.series.entry(key).or_insert_with(|| {
-                let mut v = VecDeque::new();
+            let series = self.series.entry(key).or_insert_with_key(|(_, labels)| {
+                let mut samples = VecDeque::new();
                 if let Some(t) = prev_tick {
-                    v.push_back((t, 0));
+                    samples.push_back((t, 0));
                 }
-                v
+                Series {
+                    labels: SharedLabels::new(labels.clone()),
+                    samples,
+                }
             });
+            let samples = &mut series.samples;
             let total = samples.back().map(|s| s.1).unwrap_or(0) + ns;
             samples.push_back((now, total));
         }
         let mut out = Vec::new();
-        for ((owner, labels), samples) in &mut self.series {
+        for ((owner, _), Series { labels, samples }) in &mut self.series {
             if samples.back().is_some_and(|s| s.0 != now) {
                 let total = samples.back().map(|s| s.1).unwrap_or(0);
                 samples.push_back((now, total));
@@ -279,7 +293,7 @@ mod tests {
         assert!(g.is_empty(), "no window yet: {g:?}");
         let value = |g: &[GaugeValue], o: &Owner, l: &Labels| {
             g.iter()
-                .find(|v| &v.owner == o && &v.labels == l)
+                .find(|v| &v.owner == o && *v.labels == *l)
                 .map(|v| v.value)
         };
         // a computes half of every second on GPU 0 and all of it on GPU 1; b the whole

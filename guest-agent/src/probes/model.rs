@@ -5,6 +5,7 @@
 //! histogram.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, LazyLock};
 
 use super::hist::Hist;
 use crate::owner::Owner;
@@ -13,6 +14,18 @@ use crate::owner::Owner;
 /// for the labels they add (`dst`, `direction`, ...); the exporter merges those
 /// with the owner's.
 pub type Labels = BTreeMap<&'static str, String>;
+
+/// A gauge's labels, shared. Gauges are set whole every tick, and most of a tick's values
+/// repeat label sets: every pod on a GPU gets that GPU's link labels, a duty cycle window
+/// hands its series' labels at each tick. Shared, a value costs a reference count, not a
+/// map and its strings made and freed per tick.
+pub type SharedLabels = Arc<Labels>;
+
+/// The empty label set, shared (a gauge with only its owner's labels).
+pub fn no_labels() -> SharedLabels {
+    static NONE: LazyLock<SharedLabels> = LazyLock::new(|| Arc::new(Labels::new()));
+    NONE.clone()
+}
 
 /// The Prometheus type of a family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +104,7 @@ pub struct Delta {
 #[derive(Debug, Clone, PartialEq)]
 pub struct GaugeValue {
     pub owner: Owner,
-    pub labels: Labels,
+    pub labels: SharedLabels,
     pub value: f64,
 }
 

@@ -26,8 +26,8 @@ use super::gpu_compute::{self, ComputeSeries, ComputeSource};
 use super::options::OptionsSpec;
 use super::signal::{SignalKind, SignalSpec};
 use super::unit::{
-    Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, NodeFamily, Probe, Scope,
-    SelfSeries, TickContext, TickOutput, UnitSpec, UnitStats,
+    no_labels, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, NodeFamily, Probe,
+    Scope, SelfSeries, SharedLabels, TickContext, TickOutput, UnitSpec, UnitStats,
 };
 use crate::ebpf::ProbeError;
 use crate::nvml::process::Starts;
@@ -613,7 +613,7 @@ impl Probe for NvmlUnit {
             .into_iter()
             .map(|((owner, labels), value)| GaugeValue {
                 owner,
-                labels,
+                labels: SharedLabels::new(labels),
                 value,
             })
             .collect();
@@ -623,7 +623,7 @@ impl Probe for NvmlUnit {
                 .iter()
                 .map(|(owner, u)| GaugeValue {
                     owner: owner.clone(),
-                    labels: Labels::new(),
+                    labels: no_labels(),
                     value: pick(u),
                 })
                 .collect::<Vec<_>>()
@@ -796,17 +796,25 @@ fn direction_labels(gpu: u32, direction: &'static str) -> Labels {
     l
 }
 
-/// Each pod's GPUs' link throughput, by GPU and direction.
+/// Each pod's GPUs' link throughput, by GPU and direction (each GPU's and direction's labels
+/// made once, shared by its pods).
 fn pod_links(pod_gpus: &BTreeMap<Owner, Vec<u32>>, links: &[LinkState]) -> Vec<GaugeValue> {
+    let readings: Vec<(u32, SharedLabels, f64)> = links
+        .iter()
+        .flat_map(|l| {
+            directions(l).into_iter().filter_map(|(d, v)| {
+                Some((l.gpu, SharedLabels::new(direction_labels(l.gpu, d)), v?))
+            })
+        })
+        .collect();
     let mut out = Vec::new();
     for (pod, gpus) in pod_gpus {
-        for l in links.iter().filter(|l| gpus.contains(&l.gpu)) {
-            for (d, v) in directions(l) {
-                let Some(v) = v else { continue };
+        for (gpu, labels, v) in &readings {
+            if gpus.contains(gpu) {
                 out.push(GaugeValue {
                     owner: pod.clone(),
-                    labels: direction_labels(l.gpu, d),
-                    value: v,
+                    labels: labels.clone(),
+                    value: *v,
                 });
             }
         }

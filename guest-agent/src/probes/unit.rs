@@ -12,8 +12,8 @@
 use super::cgroup_storage::Storage;
 use super::gpu_compute::{ComputeSeries, ComputeSource};
 pub use super::model::{
-    Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, MapFill, NodeFamily, Scope, SelfSeries,
-    TickOutput, UnitStats, Value,
+    no_labels, Delta, FamilySpec, GaugeValue, Kind, Labels, LastRead, MapFill, NodeFamily, Scope,
+    SelfSeries, SharedLabels, TickOutput, UnitStats, Value,
 };
 use super::options::{OptionsSpec, UnitOptions};
 use super::per_cgroup::CgroupReads;

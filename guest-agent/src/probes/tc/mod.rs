@@ -407,7 +407,7 @@ fn bandwidth_limits(pods: &PodStore, warned: &mut HashSet<(String, String)>) -> 
                         uid: uid.as_str().into(),
                         container_id: None,
                     },
-                    labels: Labels::from([("direction", dir.as_str().to_string())]),
+                    labels: Labels::from([("direction", dir.as_str().to_string())]).into(),
                     value: bps,
                 }),
                 Err(e) => {
