@@ -121,7 +121,7 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
         };
         for ((family, labels), value) in &o.series {
             let t = match *family {
-                COMPUTE | IOCTL | PCIE | SYNC_WAIT => out.entry(uid.to_string()).or_default(),
+                COMPUTE | IOCTL | PCIE | SYNC_WAIT => pod_entry(&mut out, uid),
                 _ => continue,
             };
             match (*family, value) {
@@ -152,17 +152,26 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
                 continue;
             };
             if *family == vram {
-                out.entry(uid.to_string()).or_default().vram_bytes += g.value;
+                pod_entry(&mut out, uid).vram_bytes += g.value;
             } else {
                 *duty.entry((&**uid, gpu_of(&g.labels))).or_default() += g.value;
             }
         }
     }
     for ((uid, _), d) in duty {
-        let t = out.entry(uid.to_string()).or_default();
+        let t = pod_entry(&mut out, uid);
         t.duty = Some(t.duty.unwrap_or(0.0).max(d.min(1.0)));
     }
     out
+}
+
+/// The pod's entry of `out`, made at its first series: the UID is copied once per tick, not
+/// once per series and gauge read.
+fn pod_entry<'a, T: Default>(out: &'a mut HashMap<String, T>, uid: &str) -> &'a mut T {
+    if !out.contains_key(uid) {
+        out.insert(uid.to_string(), T::default());
+    }
+    out.get_mut(uid).expect("inserted above")
 }
 
 /// Every pod's raw feed-stall account (the pods with one), for the join.
@@ -176,7 +185,7 @@ pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
             let (FEED_STALL, Value::Count(n)) = (*family, value) else {
                 continue;
             };
-            let f = out.entry(uid.to_string()).or_default();
+            let f = pod_entry(&mut out, uid);
             let part = labels.get(FEED_PART).map(String::as_str);
             match FeedPart::ALL.into_iter().find(|p| Some(p.as_str()) == part) {
                 Some(FeedPart::Cpu) => f.cpu_ns += n,
