@@ -46,6 +46,8 @@ pub struct PidCache {
     /// every pod process, and a number bumped whenever that set is rebuilt
     all: FxHashSet<i32>,
     generation: u64,
+    /// the cgroup of every pod process (`by_cgroup` turned around), rebuilt with `all`
+    cgroup_of: FxHashMap<u32, u64>,
     /// the tick `by_pod` was brought up to date in
     built: Option<u64>,
 }
@@ -105,14 +107,12 @@ impl TickContext<'_> {
     }
 
     /// The cgroup of each process of the pods' cgroups: the lists of
-    /// [`TickContext::pod_pids`], read no more often.
-    pub fn pod_pid_cgroups(&self) -> HashMap<u32, u64> {
+    /// [`TickContext::pod_pids`], read no more often, and turned around only when one of them
+    /// changed (a unit that looks up the node's GPU processes at every tick costs no more
+    /// per tick for the pods' other processes).
+    pub fn pod_pid_cgroups(&self) -> std::cell::Ref<'_, FxHashMap<u32, u64>> {
         self.refresh_pids();
-        let cache = self.pids.borrow();
-        let lists = cache.by_cgroup.iter();
-        lists
-            .flat_map(|(id, pids)| pids.iter().map(move |&pid| (pid as u32, *id)))
-            .collect()
+        std::cell::Ref::map(self.pids.borrow(), |c| &c.cgroup_of)
     }
 
     /// Brings the process lists up to date for this tick (see `pod_pids`).
@@ -177,8 +177,14 @@ impl TickContext<'_> {
                     by_pod.entry(uid.to_string()).or_default().extend(pids);
                 }
             }
+            let cache = &mut *cache;
             cache.by_pod = by_pod;
             cache.all = cache.by_pod.values().flatten().copied().collect();
+            cache.cgroup_of = cache
+                .by_cgroup
+                .iter()
+                .flat_map(|(id, pids)| pids.iter().map(move |&pid| (pid as u32, *id)))
+                .collect();
             cache.generation += 1;
         }
         cache.built = Some(self.tick);
