@@ -22,7 +22,6 @@
 //! cargo bench -p gpufeed-guest --bench gpu_overhead
 //! (`GPU_OVERHEAD_ONLY=cuda` or `=driver` runs one half)
 
-use std::collections::HashSet;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -35,6 +34,7 @@ use common::{cc, pingpong_us, Killed};
 use gpufeed_guest::probes::cuda::{CudaOptions, CudaProbe};
 use gpufeed_guest::probes::gpu_driver::{GpuDevices, GpuDriverProbe, Hook};
 use gpufeed_guest::probes::gpu_process::GpuProcessUnit;
+use gpufeed_guest::probes::tick::PodProcesses;
 use gpufeed_guest::probes::KernelBtf;
 
 const ROUNDS: usize = 7;
@@ -100,7 +100,8 @@ fn driver_time(dir: &Path) {
             let mut p = GpuDriverProbe::load(&devices, h, &btf)
                 .expect("gpu_driver loads")
                 .expect("the kernel has the hooks");
-            p.scan(&pids.iter().copied().collect::<HashSet<i32>>(), None);
+            // (the cgroups are not looked at: 0 for each)
+            p.scan(&pids.iter().map(|&t| (t, 0)).collect(), None);
             p
         })
     };
@@ -199,7 +200,7 @@ fn client(
             .expect("cuda probe loads")
             .expect("the kernel has the hooks");
         assert_eq!(
-            p.scan(&HashSet::from([child.id() as i32]), None),
+            p.scan(&PodProcesses::from_iter([(child.id() as i32, 0)]), None),
             1,
             "attached"
         );

@@ -13,7 +13,6 @@ mod skel {
 }
 
 use std::collections::{HashMap, HashSet};
-use std::hash::BuildHasher;
 use std::mem::MaybeUninit;
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
@@ -29,6 +28,7 @@ use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupSeries, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::status::ProbeStatus;
+use super::tick::PodProcesses;
 use super::unit::{
     no_labels, Delta, FamilySpec, GaugeValue, Kind, Labels, LoadContext, Loaded, Scope, SelfSeries,
     TickContext, UnitSpec, Value,
@@ -642,8 +642,8 @@ impl GpuProcessUnit for CudaProbe {
         self.opts.launches.then_some(ComputeSource::LaunchEstimate)
     }
 
-    fn forget<H: BuildHasher>(&mut self, tgids: &HashSet<i32, H>) {
-        self.done.retain(|t| tgids.contains(t));
+    fn forget(&mut self, tgids: &PodProcesses) {
+        self.done.retain(|&t| tgids.contains(t));
     }
 
     /// Looks for the driver library in the processes not yet known to map it,

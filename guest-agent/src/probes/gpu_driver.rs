@@ -18,7 +18,6 @@ mod skel {
 }
 
 use std::collections::{HashMap, HashSet};
-use std::hash::BuildHasher;
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -37,6 +36,7 @@ use super::options::OptionsSpec;
 use super::per_cgroup::{CgroupSeries, Prepared};
 use super::signal::{SignalKind, SignalSpec};
 use super::status::ProbeStatus;
+use super::tick::PodProcesses;
 use super::unit::{
     Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, Scope, SelfSeries, UnitSpec, Value,
 };
@@ -707,9 +707,9 @@ impl GpuProcessUnit for GpuDriverProbe {
         Some(ComputeSource::DriverTime)
     }
 
-    fn forget<H: BuildHasher>(&mut self, tgids: &HashSet<i32, H>) {
-        self.seeded.retain(|t| tgids.contains(t));
-        self.probed.retain(|t, _| tgids.contains(t));
+    fn forget(&mut self, tgids: &PodProcesses) {
+        self.seeded.retain(|&t| tgids.contains(t));
+        self.probed.retain(|&t, _| tgids.contains(t));
     }
 
     /// Seeds the processes not seen before. In uprobe mode a process is

@@ -8,7 +8,6 @@
 //! families and self-series); the [`Probe`] impl here is the rest, once.
 
 use std::collections::HashSet;
-use std::hash::BuildHasher;
 use std::os::fd::BorrowedFd;
 
 use super::cgroup_storage::{self, Storage};
@@ -16,6 +15,7 @@ use super::gpu_compute::{ComputeSeries, ComputeSource};
 use super::lookout::Lookout;
 use super::per_cgroup::{CgroupReads, CgroupSeries, PerCgroup};
 use super::signal::SignalSpec;
+use super::tick::PodProcesses;
 use super::unit::{
     self, FamilySpec, GaugeValue, Probe, ProbeStatus, SelfSeries, TickContext, TickOutput,
     UnitStats,
@@ -70,7 +70,7 @@ pub trait GpuProcessUnit: Send {
     fn source(&self) -> Option<ComputeSource>;
 
     /// Forgets what it keeps of processes no longer in `tgids`.
-    fn forget<H: BuildHasher>(&mut self, tgids: &HashSet<i32, H>);
+    fn forget(&mut self, tgids: &PodProcesses);
 
     /// Looks at those of `tgids` that [`Lookout::look`] says may have changed
     /// (`changed`: the processes the kernel saw exec or map something, when
@@ -92,14 +92,10 @@ pub trait GpuProcessUnit: Send {
 
     /// Looks at the pod processes `tgids` (see [`GpuProcessUnit::look_at`])
     /// and forgets those no longer listed.
-    fn scan<H: BuildHasher>(
-        &mut self,
-        tgids: &HashSet<i32, H>,
-        changed: Option<&HashSet<i32>>,
-    ) -> usize {
+    fn scan(&mut self, tgids: &PodProcesses, changed: Option<&HashSet<i32>>) -> usize {
         self.forget(tgids);
         self.parts_mut().lookout.retain(tgids);
-        self.look_at(tgids.iter().copied(), changed)
+        self.look_at(tgids.iter(), changed)
     }
 
     /// The value of the cgroup whose directory `cgroup_dir` is, if it has one

@@ -10,6 +10,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::tick::PodProcesses;
+
 #[derive(Debug, Default)]
 pub struct Lookout {
     /// Processes looked at, with their address-space size then (0 when the
@@ -19,8 +21,8 @@ pub struct Lookout {
 
 impl Lookout {
     /// Forgets the processes no longer listed.
-    pub fn retain<S: std::hash::BuildHasher>(&mut self, tgids: &HashSet<i32, S>) {
-        self.known.retain(|t, _| tgids.contains(t));
+    pub fn retain(&mut self, tgids: &PodProcesses) {
+        self.known.retain(|&t, _| tgids.contains(t));
     }
 
     /// Whether to look at `tgid` now: it is new, or the kernel named it in
@@ -74,7 +76,7 @@ mod tests {
         // (sizes after that move with other tests' allocations: not asserted)
         assert!(l.look(me, None));
         assert!(!l.look(-1, None), "gone");
-        l.retain(&HashSet::new());
+        l.retain(&PodProcesses::default());
         assert!(l.known.is_empty());
     }
 }

@@ -469,19 +469,20 @@ impl Probe for NvmlUnit {
             }
             None => true,
         });
-        let pod_cgroup_of = ctx.pod_pid_cgroups();
+        let (_, pod_processes) = ctx.pod_pid_set();
         // the slices' process lists are long (the node's own services) and hold no pod's
         // process: read only in a tick where NVML lists a process no pod has
         let slice_cgroup_of = std::cell::OnceCell::new();
         let owner_of = |pid: u32| {
-            pod_cgroup_of
-                .get(&pid)
+            pod_processes
+                .cgroup_of(pid)
                 .or_else(|| {
                     slice_cgroup_of
                         .get_or_init(|| slice_pid_cgroups(ctx))
                         .get(&pid)
+                        .copied()
                 })
-                .and_then(|id| ctx.owners.get(id))
+                .and_then(|id| ctx.owners.get(&id))
                 .cloned()
         };
         let mut per_owner: FxHashMap<Owner, OwnerUse> = FxHashMap::default();

@@ -5,7 +5,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use crate::cgroups::{CgroupTree, ProcessChanges};
 use crate::owner::Owner;
@@ -37,6 +37,32 @@ pub struct TickContext<'a> {
 /// while running leaves no trace in the activity sets).
 const PIDS_ROTATION: u64 = 30;
 
+/// Every process of the pods' cgroups, with its cgroup: the per-cgroup lists turned around.
+#[derive(Default)]
+pub struct PodProcesses(FxHashMap<u32, u64>);
+
+impl PodProcesses {
+    pub fn contains(&self, tgid: i32) -> bool {
+        self.0.contains_key(&(tgid as u32))
+    }
+
+    /// The cgroup the process was in when its cgroup's list was last read.
+    pub fn cgroup_of(&self, pid: u32) -> Option<u64> {
+        self.0.get(&pid).copied()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = i32> + '_ {
+        self.0.keys().map(|&pid| pid as i32)
+    }
+}
+
+/// From (tgid, cgroup id) pairs.
+impl FromIterator<(i32, u64)> for PodProcesses {
+    fn from_iter<I: IntoIterator<Item = (i32, u64)>>(pairs: I) -> PodProcesses {
+        PodProcesses(pairs.into_iter().map(|(t, id)| (t as u32, id)).collect())
+    }
+}
+
 /// Each pod cgroup's processes (cgroup.procs), kept between ticks, and the
 /// per-pod lists built from them.
 #[derive(Default)]
@@ -44,10 +70,8 @@ pub struct PidCache {
     by_cgroup: HashMap<u64, Vec<i32>>,
     by_pod: HashMap<String, Vec<i32>>,
     /// every pod process, and a number bumped whenever that set is rebuilt
-    all: FxHashSet<i32>,
+    all: PodProcesses,
     generation: u64,
-    /// the cgroup of every pod process (`by_cgroup` turned around), rebuilt with `all`
-    cgroup_of: FxHashMap<u32, u64>,
     /// the tick `by_pod` was brought up to date in
     built: Option<u64>,
 }
@@ -83,11 +107,11 @@ impl TickContext<'_> {
         self.pids.borrow().by_pod.clone()
     }
 
-    /// Every process of the pods' cgroups (the lists of
-    /// [`TickContext::pod_pids`] together), with a number that stays the same
+    /// Every process of the pods' cgroups, with its cgroup (the lists of
+    /// [`TickContext::pod_pids`] together), and a number that stays the same
     /// as long as the set does: a unit that looked at every process of a
     /// generation need only look at those the kernel names while it lasts.
-    pub fn pod_pid_set(&self) -> (u64, std::cell::Ref<'_, FxHashSet<i32>>) {
+    pub fn pod_pid_set(&self) -> (u64, std::cell::Ref<'_, PodProcesses>) {
         self.refresh_pids();
         let cache = self.pids.borrow();
         let generation = cache.generation;
@@ -103,16 +127,13 @@ impl TickContext<'_> {
         let (generation, pids) = self.pod_pid_set();
         let steady = seen.replace(generation) == Some(generation);
         let named = self.processes_changed().filter(|_| steady)?;
-        Some(named.iter().copied().filter(|t| pids.contains(t)).collect())
-    }
-
-    /// The cgroup of each process of the pods' cgroups: the lists of
-    /// [`TickContext::pod_pids`], read no more often, and turned around only when one of them
-    /// changed (a unit that looks up the node's GPU processes at every tick costs no more
-    /// per tick for the pods' other processes).
-    pub fn pod_pid_cgroups(&self) -> std::cell::Ref<'_, FxHashMap<u32, u64>> {
-        self.refresh_pids();
-        std::cell::Ref::map(self.pids.borrow(), |c| &c.cgroup_of)
+        Some(
+            named
+                .iter()
+                .copied()
+                .filter(|&t| pids.contains(t))
+                .collect(),
+        )
     }
 
     /// Brings the process lists up to date for this tick (see `pod_pids`).
@@ -179,12 +200,16 @@ impl TickContext<'_> {
             }
             let cache = &mut *cache;
             cache.by_pod = by_pod;
-            cache.all = cache.by_pod.values().flatten().copied().collect();
-            cache.cgroup_of = cache
-                .by_cgroup
-                .iter()
-                .flat_map(|(id, pids)| pids.iter().map(move |&pid| (pid as u32, *id)))
-                .collect();
+            // turned around only when a list changed: a unit that looks up the node's GPU
+            // processes at every tick costs no more per tick for the pods' other processes
+            cache.all = PodProcesses(
+                cache
+                    .by_cgroup
+                    .iter()
+                    .filter(|(id, _)| matches!(self.owners.get(id), Some(Owner::Pod { .. })))
+                    .flat_map(|(id, pids)| pids.iter().map(move |&pid| (pid as u32, *id)))
+                    .collect(),
+            );
             cache.generation += 1;
         }
         cache.built = Some(self.tick);

@@ -11,7 +11,6 @@
 
 use crate::common;
 
-use std::collections::HashSet;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -27,11 +26,17 @@ use gpufeed_guest::probes::gpu_driver::{
 };
 use gpufeed_guest::probes::gpu_process::GpuProcessUnit;
 use gpufeed_guest::probes::hist::Hist;
+use gpufeed_guest::probes::tick::PodProcesses;
 use gpufeed_guest::probes::unit::{Delta, Probe, Value};
 use gpufeed_guest::probes::KernelBtf;
 
-fn pids(pods: &[&Pod]) -> HashSet<i32> {
-    pods.iter().flat_map(|p| p.pids()).collect()
+fn pids(pods: &[&Pod]) -> PodProcesses {
+    pods.iter()
+        .flat_map(|p| {
+            let id = std::fs::metadata(&p.cgroup).unwrap().ino();
+            p.pids().into_iter().map(move |t| (t, id))
+        })
+        .collect()
 }
 
 /// Whether process `pid` has `target` open.
