@@ -279,13 +279,16 @@ impl FeedCopy {
 }
 
 /// One idle gap of the stand-in's device (fake_libcuda.c, `STANDIN_GAPS`): from the end of its
-/// last work to the launch that ended the gap (CLOCK_MONOTONIC us), and how much the launching
-/// thread's schedstat run_delay grew from its sleep waiting for the device to that launch.
+/// last work to the launch that ended the gap (CLOCK_MONOTONIC us), how much the launching
+/// thread's schedstat run_delay grew from its sleep waiting for the device to that launch, and
+/// the wake-up path: from the device's end to the thread running again, less its run-queue wait
+/// in between (0 when it did not sleep).
 #[derive(Debug, Clone, Copy)]
 pub struct FeedGap {
     pub start_us: u64,
     pub end_us: u64,
     pub run_delay_ns: u64,
+    pub wake_ns: u64,
 }
 
 impl FeedGap {
@@ -300,6 +303,7 @@ impl FeedGap {
                     start_us: f.next()??,
                     end_us: f.next()??,
                     run_delay_ns: f.next()??,
+                    wake_ns: f.next()??,
                 })
             })
             .collect()

@@ -978,6 +978,8 @@ struct FeedPhase {
     /// the phase before was being stopped, and which side of the probe's read between phases
     /// that lands on is the moment's, not the agent's
     pause_cpu_ns: u64,
+    /// the wake-up path's time over the gaps after the first (the stand-in's record)
+    wake_ns: u64,
     cpu_ns: u64,
     idle_ns: u64,
 }
@@ -988,7 +990,8 @@ struct FeedPhase {
 /// CPU (unpinned) in the fourth, and none in the others. Per phase the `cpu` stall equals the
 /// feeding thread's run-queue wait inside the device's idle gaps (within 10%, plus 1 ms); the
 /// stall of all causes is at least that and at most the gaps' time (plus 10%), short of it by
-/// no more than 50 us a gap (the wake-up path the probes cannot see: docs/metrics.md).
+/// the wake-up path the probes cannot see (the stand-in measures it) and no more than 35 us a
+/// gap beyond (the probes' own paths: docs/metrics.md).
 #[test]
 fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
     let Some(_lock) = require_root() else { return };
@@ -1062,6 +1065,7 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
             truth_cpu_ns,
             truth_idle_ns,
             pause_cpu_ns: phase.first().map_or(0, |g| g.run_delay_ns),
+            wake_ns: phase.iter().skip(1).map(|g| g.wake_ns).sum(),
             cpu_ns: d.feed_cpu_ns,
             idle_ns: d.feed_idle_ns,
         };
@@ -1091,8 +1095,10 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
         // what the probes cannot see: from the kernel's end to the thread's wake-up (here the
         // timer's interrupt; a GPU's completion interrupt), and the uprobes' own return paths
         let unseen_per_gap = (r.truth_idle_ns as f64 - r.idle_ns as f64) / r.gaps as f64;
+        let wake_per_gap = r.wake_ns as f64 / r.gaps as f64;
         eprintln!(
-            "{}: all causes {} ns, the gaps {} ns: {unseen_per_gap:.0} ns a gap unseen",
+            "{}: all causes {} ns, the gaps {} ns: {unseen_per_gap:.0} ns a gap unseen, \
+             {wake_per_gap:.0} ns of it the wake-up path",
             r.name, r.idle_ns, r.truth_idle_ns
         );
         assert!(
@@ -1103,10 +1109,13 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
             r.truth_idle_ns,
             r.cpu_ns
         );
+        // the wake-up path is the machine's (a VM's CPU leaving idle, its timer): held to
+        // the stand-in's own measure of it, the probes miss at most their own paths beyond
         assert!(
-            unseen_per_gap <= 50_000.0,
+            unseen_per_gap - wake_per_gap <= 35_000.0,
             "{}: stall of all causes {} ns vs the device's idle gaps while fed {} ns: \
-             {unseen_per_gap:.0} ns a gap unseen (the wake-up path, documented up to 50 us)",
+             {unseen_per_gap:.0} ns a gap unseen, {wake_per_gap:.0} ns of it the wake-up path \
+             (the probes' own paths beyond it, documented up to 35 us)",
             r.name,
             r.idle_ns,
             r.truth_idle_ns
@@ -1125,6 +1134,7 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
     let truth_cpu: u64 = results.iter().map(|r| r.truth_cpu_ns).sum();
     let truth_idle: u64 = results.iter().map(|r| r.truth_idle_ns).sum();
     let gaps: usize = results.iter().map(|r| r.gaps).sum();
+    let wake: u64 = results.iter().map(|r| r.wake_ns).sum();
     let series = |cause: &str| {
         value(
             &agent.scrape(),
@@ -1149,8 +1159,9 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
     assert!(
         unexplained_s >= 0.0
             && all_ns <= 1.1 * truth_idle as f64 + 5e6
-            && truth_idle as f64 - all_ns <= 50_000.0 * gaps as f64,
-        "/metrics all causes {all_ns} ns vs the gaps while fed {truth_idle} ns"
+            && truth_idle as f64 - all_ns <= wake as f64 + 35_000.0 * gaps as f64,
+        "/metrics all causes {all_ns} ns vs the gaps while fed {truth_idle} ns \
+         ({wake} ns of them the wake-up path)"
     );
 }
 
