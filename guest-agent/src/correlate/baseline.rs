@@ -65,25 +65,16 @@ impl Rolling {
         if !v.is_finite() {
             return;
         }
-        let j = self.sorted.partition_point(|x| x.total_cmp(&v).is_lt());
-        let full = self.arrival.len() == self.cap;
-        self.arrival.push_back(v);
-        let old = full.then(|| self.arrival.pop_front()).flatten();
-        let Some(i) = old.and_then(|old| self.sorted.binary_search_by(|x| x.total_cmp(&old)).ok())
-        else {
-            self.sorted.insert(j, v);
-            return;
-        };
-        // The new value takes the oldest one's slot and moves to its place: only the values
-        // between the two shift (few, for a signal near its baseline), where a removal and an
-        // insert would each shift half the window.
-        if j <= i {
-            self.sorted[j..=i].rotate_right(1);
-            self.sorted[j] = v;
-        } else {
-            self.sorted[i..j].rotate_left(1);
-            self.sorted[j - 1] = v;
+        if self.arrival.len() == self.cap {
+            if let Some(old) = self.arrival.pop_front() {
+                if let Ok(i) = self.sorted.binary_search_by(|x| x.total_cmp(&old)) {
+                    self.sorted.remove(i);
+                }
+            }
         }
+        self.arrival.push_back(v);
+        let i = self.sorted.partition_point(|x| x.total_cmp(&v).is_lt());
+        self.sorted.insert(i, v);
     }
 
     /// Median and MAD; `None` when empty.
