@@ -990,7 +990,7 @@ struct FeedPhase {
 /// CPU (unpinned) in the fourth, and none in the others. Per phase the `cpu` stall equals the
 /// feeding thread's run-queue wait inside the device's idle gaps (within 10%, plus 1 ms); the
 /// stall of all causes is at least that and at most the gaps' time (plus 10%), short of it by
-/// the wake-up path the probes cannot see (the stand-in measures it) and no more than 35 us a
+/// the wake-up path the probes cannot see (the stand-in measures it) and no more than 50 us a
 /// gap beyond (the probes' own paths: docs/metrics.md).
 #[test]
 fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
@@ -1112,10 +1112,10 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
         // the wake-up path is the machine's (a VM's CPU leaving idle, its timer): held to
         // the stand-in's own measure of it, the probes miss at most their own paths beyond
         assert!(
-            unseen_per_gap - wake_per_gap <= 35_000.0,
+            unseen_per_gap - wake_per_gap <= 50_000.0,
             "{}: stall of all causes {} ns vs the device's idle gaps while fed {} ns: \
              {unseen_per_gap:.0} ns a gap unseen, {wake_per_gap:.0} ns of it the wake-up path \
-             (the probes' own paths beyond it, documented up to 35 us)",
+             (the probes' own paths beyond it, documented up to 50 us)",
             r.name,
             r.idle_ns,
             r.truth_idle_ns
@@ -1159,7 +1159,7 @@ fn feed_stall_per_cause_against_the_stand_ins_idle_gaps_and_schedstat() {
     assert!(
         unexplained_s >= 0.0
             && all_ns <= 1.1 * truth_idle as f64 + 5e6
-            && truth_idle as f64 - all_ns <= wake as f64 + 35_000.0 * gaps as f64,
+            && truth_idle as f64 - all_ns <= wake as f64 + 50_000.0 * gaps as f64,
         "/metrics all causes {all_ns} ns vs the gaps while fed {truth_idle} ns \
          ({wake} ns of them the wake-up path)"
     );
