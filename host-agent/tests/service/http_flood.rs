@@ -203,7 +203,7 @@ async fn idle_connections_from_eight_addresses_leave_scrapes_memory_and_links_al
     let host = start(8192);
     let (changes0, widths0, _) = changes(host.addr);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let rss0 = host.rss_bytes();
+    let (rss0, fds0) = (host.rss_bytes(), host.fds());
     let stop = Arc::new(AtomicBool::new(false));
     let tasks = flood(host.addr, stop.clone());
     tokio::time::sleep(Duration::from_secs(2)).await; // the flood at full strength
@@ -230,8 +230,8 @@ async fn idle_connections_from_eight_addresses_leave_scrapes_memory_and_links_al
     }
     let (changes1, widths1, m) = changes(host.addr);
     eprintln!(
-        "scrapes answered within 1 s: {answered} of {asked}; descriptors at most {max_fds}; \
-         RSS {:.1} → at most {:.1} MB",
+        "scrapes answered within 1 s: {answered} of {asked}; descriptors {fds0} → at most \
+         {max_fds}; RSS {:.1} → at most {:.1} MB",
         rss0 as f64 / 1e6,
         max_rss as f64 / 1e6
     );
@@ -240,9 +240,12 @@ async fn idle_connections_from_eight_addresses_leave_scrapes_memory_and_links_al
         "{answered} of {asked} scrapes within 1 s; log:\n{}",
         host.log()
     );
+    // Without the cap the flood's 512 connections would all be open. With it, 256 are, plus
+    // connections evicted but not yet closed by their tasks (more of them on a busy machine:
+    // 330 descriptors in all once, beside the rest of the suite).
     assert!(
-        max_fds <= 256 + 64,
-        "{max_fds} descriptors: the HTTP cap (256) holds"
+        max_fds <= fds0 + 256 + 96,
+        "{fds0} → {max_fds} descriptors: the HTTP cap (256) holds"
     );
     assert!(max_rss < rss0 + 8_000_000, "RSS {rss0} → {max_rss} bytes");
     assert_eq!(
