@@ -80,11 +80,13 @@ struct {
 /* [0] set when a packet was counted in cg_bytes, [1] when a drop was counted,
  * since the agent last looked (it clears them): an idle node's tick walks
  * neither hash map (a walk visits every bucket, empty or not). Set only when
- * clear, so packets mostly read the shared word. */
+ * clear, so packets mostly read the shared word.
+ * [2] the generation new drops are recorded under (0 or 1), written by the
+ * agent: see `drops`. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(map_flags, BPF_F_MMAPABLE);
-	__uint(max_entries, 2);
+	__uint(max_entries, 3);
 	__type(key, __u32);
 	__type(value, __u64);
 } tc_touched SEC(".maps");
@@ -312,11 +314,16 @@ struct drop_key {
 	__u32 ifindex;
 	__u32 reason;
 	__u16 proto; /* ETH_P_IP / ETH_P_IPV6 when addresses were read, else 0 */
-	__u16 pad;
+	__u16 gen;   /* tc_touched[2] when the drop was counted */
 	__u8 saddr[16];
 	__u8 daddr[16];
 };
 
+/* Drops are counted under one of two generations. The agent deletes what it
+ * takes, and a program that looked an entry up just before the delete would
+ * add to the freed copy, losing the drop. So the agent flips the generation
+ * and takes the old one's entries a tick later, when no program still holds
+ * them. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 8192);
@@ -387,8 +394,8 @@ int BPF_PROG(kfree_skb, struct sk_buff *skb, void *location, enum skb_drop_reaso
 	struct drop_key k = {};
 	struct net_device *dev;
 	struct sock *sk;
-	__u64 *v, one = 1;
-	__u32 r = reason;
+	__u64 *v, *gen, one = 1;
+	__u32 r = reason, gen_at = 2;
 
 	if (!bpf_map_lookup_elem(&tc_reasons, &r) &&
 	    (!core_reason_max || r <= core_reason_max || r >> 16))
@@ -409,6 +416,9 @@ int BPF_PROG(kfree_skb, struct sk_buff *skb, void *location, enum skb_drop_reaso
 	}
 	if (read_addrs)
 		read_ips(skb, &k);
+	gen = bpf_map_lookup_elem(&tc_touched, &gen_at);
+	if (gen)
+		k.gen = *gen & 1;
 	v = bpf_map_lookup_elem(&drops, &k);
 	if (v) {
 		__sync_fetch_and_add(v, 1);

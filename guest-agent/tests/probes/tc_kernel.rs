@@ -251,6 +251,21 @@ fn qdisc_dropped(ns: Option<&str>, dev: &str) -> u64 {
         .unwrap_or_else(|| panic!("no dropped counter in: {out}"))
 }
 
+/// The qdisc's drop counter once a flood has ended (its queue drains within
+/// milliseconds), and the agent's count read again until it reaches that (the
+/// agent reports a drop a tick after it is counted; a busy machine's ticks run
+/// late), for at most 10 s: the agent's last reading.
+fn drops_settled(qdisc: impl Fn() -> u64, ours: impl Fn() -> f64) -> (u64, f64) {
+    std::thread::sleep(Duration::from_millis(300));
+    let want = qdisc();
+    let mut last = 0.0;
+    wait_for(Duration::from_secs(10), || {
+        last = ours();
+        (last >= want as f64).then_some(())
+    });
+    (want, last)
+}
+
 #[test]
 fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     let Some(_lock) = require_root() else { return };
@@ -274,8 +289,16 @@ fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     let d0 = qdisc_dropped(Some(&ns), "eth0");
     let f = flooder.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 3"));
     flooder.wait_exit(f, Duration::from_secs(20));
-    std::thread::sleep(Duration::from_millis(1000));
-    let d1 = qdisc_dropped(Some(&ns), "eth0");
+    let flooders = |s: &[Sample]| -> f64 {
+        find(s, DROPS, &[("pod", &flooder.uid), ("direction", "egress")])
+            .iter()
+            .map(|x| x.value)
+            .sum()
+    };
+    let (d1, _) = drops_settled(
+        || qdisc_dropped(Some(&ns), "eth0"),
+        || flooders(&agent.scrape()),
+    );
     let s = agent.scrape();
     let ours = find(&s, DROPS, &[("pod", &flooder.uid), ("direction", "egress")]);
     let total: f64 = ours.iter().map(|x| x.value).sum();
@@ -761,27 +784,28 @@ async fn drops_without_socket_or_pod_device_go_by_pod_ip_else_unattributed() {
     })
     .expect("pod list received");
 
-    let flood = |pod: &mut Pod| -> u64 {
+    // the qdisc's drops during a flood from `pod`, and the agent's count under `labels`
+    // once it has caught up
+    let flood = |pod: &mut Pod, labels: &[(&str, &str)]| -> (u64, Option<f64>) {
         let d0 = qdisc_dropped(None, &srv_if);
         let p = pod.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 2"));
         pod.wait_exit(p, Duration::from_secs(20));
-        std::thread::sleep(Duration::from_millis(800));
-        qdisc_dropped(None, &srv_if) - d0
+        let (d1, _) = drops_settled(
+            || qdisc_dropped(None, &srv_if),
+            || value(&agent.scrape(), DROPS, labels).unwrap_or(0.0),
+        );
+        (d1 - d0, value(&agent.scrape(), DROPS, labels))
     };
-    let by_ip = flood(&mut known);
-    let s = agent.scrape();
-    let ours_known = value(
-        &s,
-        DROPS,
+    let (by_ip, ours_known) = flood(
+        &mut known,
         &[
             ("namespace", "inference"),
             ("pod", "known"),
             ("direction", "egress"),
         ],
     );
-    let unattributed = flood(&mut unknown);
+    let (unattributed, ours_none) = flood(&mut unknown, &[("namespace", ""), ("pod", "")]);
     let s = agent.scrape();
-    let ours_none = value(&s, DROPS, &[("namespace", ""), ("pod", "")]);
     eprintln!(
         "drops at the server's cap: known pod {by_ip} (ours by IP {ours_known:?}), unknown pod {unattributed} (ours unattributed {ours_none:?})"
     );
@@ -977,8 +1001,11 @@ fn datapath_case(path: Datapath) -> Measured {
     let ((ours0, _), d0) = (drops(), qdisc_dropped(Some(&pod_ns), "eth0"));
     let flood = pod.spawn(&format!("exec iperf3 -c {far_ip} -u -b 100M -t 2"));
     pod.wait_exit(flood, Duration::from_secs(20));
-    std::thread::sleep(Duration::from_millis(900));
-    let ((ours1, reasons), d1) = (drops(), qdisc_dropped(Some(&pod_ns), "eth0"));
+    let (d1, _) = drops_settled(
+        || qdisc_dropped(Some(&pod_ns), "eth0"),
+        || drops().0 - ours0 + d0 as f64,
+    );
+    let (ours1, reasons) = drops();
     let m = Measured {
         egress: (eg1 - eg0, (tx1 - tx0) as f64),
         ingress: (in1 - in0, (rx1 - rx0) as f64),

@@ -153,8 +153,13 @@ pub struct TcProbe {
     if_bytes: MapHandle,
     cg_bytes: MapHandle,
     drops: Option<MapHandle>,
-    /// [0] cg_bytes counted a packet, [1] a drop was counted, since the last read
+    /// [0] cg_bytes counted a packet, [1] a drop was counted, since the last read;
+    /// [2] the generation drops are counted under now
     touched: MappedWords,
+    /// the generation `touched[2]` holds
+    drop_gen: u16,
+    /// whether the other generation may hold drops not yet taken
+    retired_drops: bool,
     overflow: MapHandle,
     _drop_link: Option<Link>,
     /// pod ingress at socket delivery, by pod-side (netns, ifindex); None when the
@@ -371,6 +376,8 @@ impl TcProbe {
             if_bytes: handle(OBJ, &skel.maps.if_bytes)?,
             cg_bytes: handle(OBJ, &skel.maps.cg_bytes)?,
             touched: MappedWords::new(OBJ, handle(OBJ, &skel.maps.tc_touched)?)?,
+            drop_gen: 0,
+            retired_drops: false,
             drops: if drops_up {
                 Some(handle(OBJ, &skel.maps.drops)?)
             } else {
@@ -633,24 +640,42 @@ impl TcProbe {
         let _ = self.cg_bytes.delete(&id.to_ne_bytes());
     }
 
-    /// Takes every drop counted since the last call (read and delete at once,
-    /// so nothing counted in between is lost).
-    pub fn drain_drops(&self) -> Vec<(DropKey, u64)> {
+    /// Takes the drops counted up to the previous call: a drop reaches the
+    /// agent one call after it is counted, and none is lost.
+    ///
+    /// A program adds to an entry through a pointer it looked up, so an entry
+    /// deleted while a program holds it would take that program's drop with
+    /// it. Drops are therefore counted under one of two generations: each call
+    /// takes the entries of the generation retired at the previous call (no
+    /// program has touched it for a whole tick), then retires the current one
+    /// when it has counted anything.
+    pub fn drain_drops(&mut self) -> Vec<(DropKey, u64)> {
         let Some(map) = &self.drops else {
             return Vec::new();
         };
-        if !self.touched.take(1) {
-            return Vec::new();
-        }
-        let keys: Vec<Vec<u8>> = map.keys().collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            let Ok(Some(v)) = map.lookup_and_delete(&k) else {
-                continue;
-            };
-            if let (Some(key), Some(n)) = (decode_drop_key(&k), decode::<u64>(&v)) {
-                out.push((key, n));
+        let mut out = Vec::new();
+        if self.retired_drops {
+            let retired = self.drop_gen ^ 1;
+            let keys: Vec<Vec<u8>> = map
+                .keys()
+                .filter(|k| drop_key_gen(k) == Some(retired))
+                .collect();
+            out.reserve(keys.len());
+            for k in keys {
+                let Ok(Some(v)) = map.lookup_and_delete(&k) else {
+                    continue;
+                };
+                if let (Some(key), Some(n)) = (decode_drop_key(&k), decode::<u64>(&v)) {
+                    out.push((key, n));
+                }
             }
+        }
+        // cleared before the flip: a drop counted after it sets it again and
+        // is retired by the next call
+        self.retired_drops = self.touched.take(1);
+        if self.retired_drops {
+            self.drop_gen ^= 1;
+            self.touched.store(2, u64::from(self.drop_gen));
         }
         out
     }
@@ -727,6 +752,11 @@ fn sum_percpu(cpus: &[Vec<u8>]) -> IfBytes {
         b.ingress_packets += v[1].packets;
     }
     b
+}
+
+/// The generation a drop record was counted under.
+fn drop_key_gen(b: &[u8]) -> Option<u16> {
+    decode::<skel::types::drop_key>(b).map(|k| k.gen)
 }
 
 fn decode_drop_key(b: &[u8]) -> Option<DropKey> {
