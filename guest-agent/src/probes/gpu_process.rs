@@ -34,7 +34,7 @@ pub struct GpuProcesses<S: CgroupSeries> {
     pub cgroups: PerCgroup<S>,
     /// Which pod processes to look at (again) this tick.
     pub lookout: Lookout,
-    /// The pod processes' generation (`TickContext::pod_pid_set`) last looked at.
+    /// The pod processes' generation (`TickContext::pod_processes`) last looked at.
     pids_seen: Option<u64>,
     /// how it runs here (`gpufeed_probe_info`)
     status: ProbeStatus,
@@ -163,7 +163,7 @@ impl<U: GpuProcessUnit> Probe for U {
         // only the processes the kernel named, while the set of pod processes holds
         let found = match ctx.pod_pids_named(&mut self.parts_mut().pids_seen) {
             Some(named) => self.look_at(named.into_iter(), changed),
-            None => self.scan(&ctx.pod_pid_set().1, changed),
+            None => self.scan(&ctx.pod_processes().1, changed),
         };
         if found > 0 {
             tracing::debug!(probe = U::NAME, found, "pod processes looked at");

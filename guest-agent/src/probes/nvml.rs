@@ -469,7 +469,7 @@ impl Probe for NvmlUnit {
             }
             None => true,
         });
-        let (_, pod_processes) = ctx.pod_pid_set();
+        let (_, pod_processes) = ctx.pod_processes();
         // the slices' process lists are long (the node's own services) and hold no pod's
         // process: read only in a tick where NVML lists a process no pod has
         let slice_cgroup_of = std::cell::OnceCell::new();

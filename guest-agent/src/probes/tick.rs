@@ -111,7 +111,7 @@ impl TickContext<'_> {
     /// [`TickContext::pod_pids`] together), and a number that stays the same
     /// as long as the set does: a unit that looked at every process of a
     /// generation need only look at those the kernel names while it lasts.
-    pub fn pod_pid_set(&self) -> (u64, std::cell::Ref<'_, PodProcesses>) {
+    pub fn pod_processes(&self) -> (u64, std::cell::Ref<'_, PodProcesses>) {
         self.refresh_pids();
         let cache = self.pids.borrow();
         let generation = cache.generation;
@@ -121,10 +121,10 @@ impl TickContext<'_> {
     /// For a unit that looks at pod processes (and looked at every one of
     /// generation `seen`): Some(the pod processes the kernel named since)
     /// while the set of pod processes is the one of `seen`, None when it must
-    /// look at all of them again ([`TickContext::pod_pid_set`]). Sets `seen`
+    /// look at all of them again ([`TickContext::pod_processes`]). Sets `seen`
     /// to the current generation.
     pub fn pod_pids_named(&self, seen: &mut Option<u64>) -> Option<Vec<i32>> {
-        let (generation, pids) = self.pod_pid_set();
+        let (generation, pids) = self.pod_processes();
         let steady = seen.replace(generation) == Some(generation);
         let named = self.processes_changed().filter(|_| steady)?;
         Some(
