@@ -21,20 +21,22 @@
 //! order; each figure is the median of the rounds, with their range.
 //!
 //! Why not `gpu_driver`'s default uprobes: they are attached per GPU
-//! process, and an agent that exits detaches each link after an RCU tasks
-//! trace grace period, one after another: with 200 processes its exit took
-//! about 3.5 minutes here, which a benchmark that starts the agent afresh for
-//! every row cannot wait for. The units' per-tick work in user space is the
-//! same in both modes but for the uprobe mode's second look at processes the
-//! kernel says mapped something (none of these do after they start).
+//! process, and an agent that exits takes each out of the running processes
+//! again, which the kernel does slowly: with 200 processes its exit took
+//! minutes here (about 3.5 when it closed them one after another), which a
+//! benchmark that starts the agent afresh for every row cannot wait for. The
+//! units' per-tick work in user space is the same in both modes but for the
+//! uprobe mode's second look at processes the kernel says mapped something
+//! (none of these do after they start).
 //!
 //! cargo bench -p gpufeed-guest --bench gpu_procs
 //!
 //! `GPU_PROCS_BEFORE=<path>` measures another build of the agent binary in
 //! the same rounds (the one before a change); `GPU_PROCS_ROUNDS=<n>` (default
 //! 5); `GPU_PROCS_UNITS=<probes>` loads other units than the three;
-//! `GPU_PROCS_PERF=<dir>` records each measured agent with `perf record -g`
-//! into `<dir>` during its window (which then reads higher).
+//! `GPU_PROCS_PERF=<dir>` records each measured agent with `perf record
+//! --call-graph dwarf -F 39999` into `<dir>` during its window (which then
+//! reads higher; an idle agent's window at 1 kHz held a few samples).
 
 mod common;
 
@@ -230,9 +232,10 @@ fn measure(
                 .args([
                     "record",
                     "-q",
-                    "-g",
+                    "--call-graph",
+                    "dwarf",
                     "-F",
-                    "999",
+                    "39999",
                     "-p",
                     &pid.to_string(),
                     "-o",

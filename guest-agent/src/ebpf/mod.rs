@@ -1,10 +1,12 @@
 //! The BPF toolbox: what loading, attaching and reading BPF objects takes, shared by the probe
 //! units and by the cgroup tree (which follows the kernel's cgroup events through a BPF object
 //! of its own): the kernel's BTF checks, errors, map handles and decoding, per-CPU sums, the
-//! cgroup maps' userspace halves, the object loader's rules and libbpf's log.
+//! cgroup maps' userspace halves, the object loader's rules, libbpf's log, and the thread that
+//! closes uprobe links off the tick.
 
 pub mod cgroup_maps;
 pub mod libbpf_log;
+pub mod link_reaper;
 pub mod object;
 
 use std::io;

@@ -40,6 +40,7 @@ use super::tick::PodProcesses;
 use super::unit::{
     Delta, FamilySpec, Kind, Labels, LoadContext, Loaded, Scope, SelfSeries, UnitSpec, Value,
 };
+use crate::ebpf::link_reaper::LinkReaper;
 use crate::ebpf::{attach_all, decode, err, handle, percpu_sum, KernelBtf, ProbeError};
 
 pub const NAME: &str = "gpu_driver";
@@ -342,7 +343,18 @@ pub struct GpuDriverProbe {
     seeded: HashSet<i32>,
     /// Uprobe mode: the links on each probed process's C library.
     probed: HashMap<i32, Vec<Link>>,
+    /// Closes the links of processes that are gone, and all of them at the end.
+    reaper: LinkReaper,
     _links: Vec<Link>,
+}
+
+impl Drop for GpuDriverProbe {
+    fn drop(&mut self) {
+        // together, rather than one after another as the map would drop them; the reaper,
+        // dropped after this, waits for them
+        self.reaper
+            .release(self.probed.drain().flat_map(|(_, l)| l).collect());
+    }
 }
 
 /// The hooks a loaded probe uses.
@@ -559,6 +571,7 @@ impl GpuDriverProbe {
             majors,
             seeded: HashSet::new(),
             probed: HashMap::new(),
+            reaper: LinkReaper::new("gpu-driver-links"),
             _links: links,
         })
     }
@@ -709,7 +722,18 @@ impl GpuProcessUnit for GpuDriverProbe {
 
     fn forget(&mut self, tgids: &PodProcesses) {
         self.seeded.retain(|&t| tgids.contains(t));
-        self.probed.retain(|&t, _| tgids.contains(t));
+        let gone: Vec<i32> = self
+            .probed
+            .keys()
+            .copied()
+            .filter(|&t| !tgids.contains(t))
+            .collect();
+        let links = gone
+            .iter()
+            .filter_map(|t| self.probed.remove(t))
+            .flatten()
+            .collect();
+        self.reaper.release(links);
     }
 
     /// Seeds the processes not seen before. In uprobe mode a process is
