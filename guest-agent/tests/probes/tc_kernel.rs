@@ -266,6 +266,42 @@ fn drops_settled(qdisc: impl Fn() -> u64, ours: impl Fn() -> f64) -> (u64, f64) 
     (want, last)
 }
 
+/// A pod on the test bridge whose eth0 a token bucket caps at 10 Mbit/s with a 20 kB queue,
+/// so that a faster upload overflows it, and an iperf3 server beyond the bridge. (Fields
+/// drop in order: the pod and the server before their bridge and sandbox.)
+struct Capped {
+    flooder: Pod,
+    /// the pod's network namespace
+    ns: String,
+    srv_ip: String,
+    _server: Proc,
+    net: TestNet,
+    sb: CgroupSandbox,
+}
+
+impl Capped {
+    fn new() -> Capped {
+        let sb = CgroupSandbox::new();
+        let mut net = TestNet::new();
+        let (srv, srv_ip, _) = net.server();
+        let _server = spawn_in_ns(&srv, "exec iperf3 -s");
+        let mut flooder = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
+        net.join(&mut flooder);
+        let ns = flooder.netns.clone().unwrap();
+        sh(&format!(
+            "ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 10mbit burst 10kb limit 20kb"
+        ));
+        Capped {
+            flooder,
+            ns,
+            srv_ip,
+            _server,
+            net,
+            sb,
+        }
+    }
+}
+
 /// The agent takes drop records out of the kernel's map while programs still count into it: a
 /// drop counted as its record is taken must reach the next take, not vanish with the record.
 /// Here the map is taken every millisecond, a hundred times as often as at the shortest tick,
@@ -276,13 +312,8 @@ fn drops_settled(qdisc: impl Fn() -> u64, ours: impl Fn() -> f64) -> (u64, f64) 
 fn drops_counted_while_the_map_is_taken_are_not_lost() {
     use gpufeed_guest::probes::tc::{AttachMode, TcProbe};
     let Some(_lock) = require_root() else { return };
-    let sb = CgroupSandbox::new();
-    let mut net = TestNet::new();
-    let (srv, srv_ip, _) = net.server();
-    let _s = spawn_in_ns(&srv, "exec iperf3 -s");
-    let mut flooder = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
-    net.join(&mut flooder);
-    let ns = flooder.netns.clone().unwrap();
+    let mut c = Capped::new();
+    let (ns, srv_ip) = (c.ns.clone(), c.srv_ip.clone());
     // the pod's eth0, where the drops happen: every packet its qdisc drops, ARP included
     let netns = std::os::unix::fs::MetadataExt::ino(
         &std::fs::metadata(format!("/run/netns/{ns}")).unwrap(),
@@ -293,9 +324,6 @@ fn drops_counted_while_the_map_is_taken_are_not_lost() {
     .trim()
     .parse()
     .unwrap();
-    sh(&format!(
-        "ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 10mbit burst 10kb limit 20kb"
-    ));
     let btf = gpufeed_guest::probes::KernelBtf::load();
     let (mut probe, _) = TcProbe::load(&btf, AttachMode::Auto, true).expect("tc probe loads");
     let mut ours = 0u64;
@@ -312,14 +340,16 @@ fn drops_counted_while_the_map_is_taken_are_not_lost() {
     take(&mut probe);
     take(&mut probe);
     let d0 = qdisc_dropped(Some(&ns), "eth0");
-    let f = flooder.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 200M -t 4"));
+    let f = c
+        .flooder
+        .spawn(&format!("exec iperf3 -c {srv_ip} -u -b 200M -t 4"));
     // the flood's 4 s and its start
     let end = Instant::now() + Duration::from_secs(5);
     while Instant::now() < end {
         take(&mut probe);
         std::thread::sleep(Duration::from_millis(1));
     }
-    flooder.wait_exit(f, Duration::from_secs(20));
+    c.flooder.wait_exit(f, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(300));
     let d1 = qdisc_dropped(Some(&ns), "eth0");
     // a record is taken the call after its generation retires
@@ -336,38 +366,40 @@ fn drops_counted_while_the_map_is_taken_are_not_lost() {
 #[test]
 fn qdisc_overflow_drops_match_the_qdisc_counter_for_the_right_pod() {
     let Some(_lock) = require_root() else { return };
-    let sb = CgroupSandbox::new();
-    let mut net = TestNet::new();
-    let (srv, srv_ip, _) = net.server();
-    let _s = spawn_in_ns(&srv, "exec iperf3 -s");
-    let mut flooder = Pod::random(&sb, Layout::Cgroupfs, "besteffort");
-    let mut bystander = Pod::random(&sb, Layout::Systemd, "burstable");
-    net.join(&mut flooder);
-    net.join(&mut bystander);
-    let ns = flooder.netns.clone().unwrap();
-    sh(&format!(
-        "ip netns exec {ns} tc qdisc add dev eth0 root tbf rate 10mbit burst 10kb limit 20kb"
-    ));
-    flooder.spawn("exec sleep 60");
+    let mut c = Capped::new();
+    let (ns, srv_ip) = (c.ns.clone(), c.srv_ip.clone());
+    let mut bystander = Pod::random(&c.sb, Layout::Systemd, "burstable");
+    c.net.join(&mut bystander);
+    c.flooder.spawn("exec sleep 60");
     bystander.spawn("exec sleep 60");
     let root0 = root_qdiscs_dropped();
     let agent = Agent::no_kube("300ms", "tc", &[]);
     wait_attached(&agent, 2.0);
     let d0 = qdisc_dropped(Some(&ns), "eth0");
-    let f = flooder.spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 3"));
-    flooder.wait_exit(f, Duration::from_secs(20));
+    let f = c
+        .flooder
+        .spawn(&format!("exec iperf3 -c {srv_ip} -u -b 100M -t 3"));
+    c.flooder.wait_exit(f, Duration::from_secs(20));
     let flooders = |s: &[Sample]| -> f64 {
-        find(s, DROPS, &[("pod", &flooder.uid), ("direction", "egress")])
-            .iter()
-            .map(|x| x.value)
-            .sum()
+        find(
+            s,
+            DROPS,
+            &[("pod", &c.flooder.uid), ("direction", "egress")],
+        )
+        .iter()
+        .map(|x| x.value)
+        .sum()
     };
     let (d1, _) = drops_settled(
         || qdisc_dropped(Some(&ns), "eth0"),
         || flooders(&agent.scrape()),
     );
     let s = agent.scrape();
-    let ours = find(&s, DROPS, &[("pod", &flooder.uid), ("direction", "egress")]);
+    let ours = find(
+        &s,
+        DROPS,
+        &[("pod", &c.flooder.uid), ("direction", "egress")],
+    );
     let total: f64 = ours.iter().map(|x| x.value).sum();
     let reasons: Vec<&str> = ours.iter().map(|x| x.label("reason")).collect();
     eprintln!("drops: ours {total} ({reasons:?}), tc -s qdisc {}", d1 - d0);
