@@ -14,7 +14,8 @@
 //! comma-separated words (the node is still filled up to the last row run);
 //! `SCALE_PERF=<dir>` records each measured row's agent with `perf record -g`
 //! into `<dir>` during its CPU window (which then reads higher;
-//! `SCALE_PERF_CALLGRAPH=dwarf` for call chains through Rust code);
+//! `SCALE_PERF_CALLGRAPH=dwarf` for call chains through Rust code, `SCALE_PERF_FREQ` for
+//! another rate than 499 Hz: an agent at 0.3% of a core gives 499 Hz about 20 samples a row);
 //! `SCALE_AGENT=<path>` measures another build of the agent binary;
 //! `SCALE_BEFORE=<path>` measures that build too, row by row before this one
 //! (interleaved, so both see the same machine), its rows marked "before".
@@ -146,6 +147,7 @@ fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: 
             // SCALE_PERF_CALLGRAPH=dwarf: call chains through code built
             // without frame pointers (larger files)
             let graph = std::env::var("SCALE_PERF_CALLGRAPH").unwrap_or_else(|_| "fp".into());
+            let freq = std::env::var("SCALE_PERF_FREQ").unwrap_or_else(|_| "499".into());
             let status = Command::new("perf")
                 .args([
                     "record",
@@ -153,7 +155,7 @@ fn measure(agent_bin: &str, name: String, interval: &str, probes: &str, window: 
                     "--call-graph",
                     &graph,
                     "-F",
-                    "499",
+                    &freq,
                     "-p",
                     &pid.to_string(),
                     "-o",

@@ -143,6 +143,9 @@ const PCIE_UTIL_TX_BYTES: c_int = 0;
 const PCIE_UTIL_RX_BYTES: c_int = 1;
 /// usedGpuMemory when NVML cannot tell (NVML_VALUE_NOT_AVAILABLE).
 const VALUE_NOT_AVAILABLE: c_ulonglong = c_ulonglong::MAX;
+/// Room in a process list's buffer beyond the GPU's last count, for processes that start
+/// before the next read.
+const LIST_ROOM: c_uint = 8;
 
 type UintCall = unsafe extern "C" fn(Device, *mut c_uint) -> c_int;
 
@@ -190,11 +193,22 @@ pub struct Nvml {
     missing: Vec<&'static str>,
     /// The library as opened (name or path).
     opened: String,
-    /// Per GPU, the newest utilisation sample seen (µs), to ask only for newer.
-    last_seen: HashMap<u32, c_ulonglong>,
+    /// What the last reads of each GPU said that the next one asks with.
+    last: HashMap<u32, LastRead>,
     /// GPM's calls, where this NVML has them, and the MIG instances' samples.
     gpm_api: Option<Box<gpm::Api>>,
     gpm: Box<gpm::Instances>,
+}
+
+/// What the last reads of one GPU said.
+#[derive(Default, Clone, Copy)]
+struct LastRead {
+    /// The newest utilisation sample seen (µs), to ask only for newer.
+    sample_us: c_ulonglong,
+    /// How many processes its last process list held: the next list is asked for with room
+    /// for them, in one call, not first with a small buffer that NVML answers with the count
+    /// (each call is a round trip to the driver).
+    listed: c_uint,
 }
 
 // SAFETY: NVML is thread-safe (documented); the handle is only a library handle.
@@ -324,7 +338,7 @@ impl Nvml {
             api,
             missing,
             opened: library.to_string(),
-            last_seen: HashMap::new(),
+            last: HashMap::new(),
             // SAFETY: lib is the live handle of this NVML.
             gpm_api: unsafe { gpm::Api::of(lib) }.map(Box::new),
             gpm: Box::default(),
@@ -523,11 +537,13 @@ impl Nvml {
     /// nvmlDeviceGetComputeRunningProcesses_v3, grown until the list fits: processes may
     /// start between the size query and the call, so INSUFFICIENT_SIZE is answered again
     /// with the new count; bounded, so a driver that keeps growing cannot hold the tick.
-    fn running(&self, gpu: &Gpu, failures: &mut Vec<Failure>) -> Vec<ProcessInfo> {
+    /// The first buffer has room for the processes of the GPU's last list and a few more.
+    fn running(&mut self, gpu: &Gpu, failures: &mut Vec<Failure>) -> Vec<ProcessInfo> {
         let Some(call) = self.api.processes else {
             return Vec::new();
         };
-        let mut cap: c_uint = 16;
+        let last = self.last.get(&gpu.index).map_or(0, |l| l.listed);
+        let mut cap: c_uint = last.saturating_add(LIST_ROOM).clamp(16, 1 << 16);
         for _ in 0..8 {
             let mut buf = vec![ProcessInfo::default(); cap as usize];
             let mut n = cap;
@@ -535,13 +551,14 @@ impl Nvml {
             let rc = unsafe { call(gpu.handle, &mut n, buf.as_mut_ptr()) };
             if rc == ERROR_INSUFFICIENT_SIZE && cap < 1 << 16 {
                 // room for the processes said, and a few more that may start meanwhile
-                cap = n.max(cap).saturating_add(8).min(1 << 16);
+                cap = n.max(cap).saturating_add(LIST_ROOM).min(1 << 16);
                 continue;
             }
             if !ok(gpu, PROCESSES, rc, failures) {
                 return Vec::new();
             }
             buf.truncate(n.min(cap) as usize);
+            self.last.entry(gpu.index).or_default().listed = buf.len() as c_uint;
             return buf;
         }
         ok(gpu, PROCESSES, ERROR_INSUFFICIENT_SIZE, failures);
@@ -553,7 +570,7 @@ impl Nvml {
         let Some(call) = self.api.utilization else {
             return Vec::new();
         };
-        let since = self.last_seen.get(&gpu.index).copied().unwrap_or(0);
+        let since = self.last.get(&gpu.index).map_or(0, |l| l.sample_us);
         let mut n: c_uint = 0;
         // SAFETY: a null buffer asks for the sample count.
         let rc = unsafe { call(gpu.handle, std::ptr::null_mut(), &mut n, since) };
@@ -574,7 +591,7 @@ impl Nvml {
         }
         buf.truncate((n as usize).min(buf.len()));
         if let Some(newest) = buf.iter().map(|s| s.time_stamp).max() {
-            self.last_seen.insert(gpu.index, newest.max(since));
+            self.last.entry(gpu.index).or_default().sample_us = newest.max(since);
         }
         buf.iter()
             .filter(|s| s.time_stamp > since)

@@ -12,7 +12,6 @@
 //! into the counter's deltas and the duty cycle gauges.
 
 use std::collections::{HashSet, VecDeque};
-use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -82,6 +81,11 @@ pub struct ComputeSeries {
     /// throughout (see [`ComputeSeries::busy_throughout`]).
     throughout: HashSet<u64>,
     last_tick: Option<Instant>,
+    /// Every live owner, made again only when the owners may have changed (see
+    /// [`ComputeSeries::duty_gauges`]); None: to be made at the next tick with gauges.
+    live: Option<FxHashSet<Owner>>,
+    /// Whether the cgroups changed at the previous tick.
+    changed_before: bool,
 }
 
 impl ComputeSeries {
@@ -93,6 +97,8 @@ impl ComputeSeries {
             by_owner: Vec::new(),
             throughout: HashSet::new(),
             last_tick: None,
+            live: None,
+            changed_before: false,
         }
     }
 
@@ -152,12 +158,26 @@ impl ComputeSeries {
                 *e = (*e).max(tick);
             }
         }
+        // Owners come and go only with cgroups, and a removed cgroup's owner leaves
+        // `ctx.owners` at the end of the tick it went in: the set of live owners is made
+        // again, and the series of gone owners dropped, only after a tick with changes, not
+        // at every tick (hashing each owner of the node).
+        if ctx.cgroups_changed || self.changed_before {
+            self.live = None;
+        }
+        self.changed_before = ctx.cgroups_changed;
         if busy.is_empty() && self.duty.is_empty() {
             // no compute time on the node: nothing to window
             return (DUTY, Vec::new());
         }
-        let live: FxHashSet<&Owner> = ctx.owners.values().collect();
-        (DUTY, self.duty.record(now, busy, &live))
+        let prune = self.live.is_none();
+        let live = self
+            .live
+            .get_or_insert_with(|| ctx.owners.values().cloned().collect());
+        (
+            DUTY,
+            self.duty.record(now, busy, |o| live.contains(o), prune),
+        )
     }
 
     /// `gpufeed_gpu_compute_source{source}` 1.
@@ -208,17 +228,21 @@ impl DutyWindow {
     /// Adds one tick's compute time per series; returns every live owner's duty cycles
     /// (0..=1). A series first seen now had its time since the previous tick (its cgroup had
     /// no entry before); at the first tick the time before is unknown, so that tick is only
-    /// the baseline.
+    /// the baseline. Time of an owner that is not `live` is left out; with `prune` the
+    /// series of owners no longer live go (the caller prunes when the owners changed).
     pub fn record(
         &mut self,
         now: Instant,
         busy: impl IntoIterator<Item = ((Owner, Labels), u64)>,
-        live: &HashSet<&Owner, impl BuildHasher>,
+        live: impl Fn(&Owner) -> bool,
+        prune: bool,
     ) -> Vec<GaugeValue> {
         let prev_tick = self.last_tick.replace(now);
-        self.series.retain(|(o, _), _| live.contains(o));
+        if prune {
+            self.series.retain(|(o, _), _| live(o));
+        }
         for (key, ns) in busy {
-            if !live.contains(&key.0) {
+            if !live(&key.0) {
                 continue;
             }
             let series = self.series.entry(key).or_insert_with_key(|(_, labels)| {
@@ -288,7 +312,8 @@ mod tests {
         let g = w.record(
             t0,
             HashMap::from([((a.clone(), gpu(0)), 5 * 1_000_000_000)]),
-            &live_ab,
+            |o| live_ab.contains(o),
+            true,
         );
         assert!(g.is_empty(), "no window yet: {g:?}");
         let value = |g: &[GaugeValue], o: &Owner, l: &Labels| {
@@ -306,7 +331,8 @@ mod tests {
                 ((a.clone(), gpu(1)), 1_000_000_000),
                 ((b.clone(), gpu(0)), 1_000_000_000),
             ]),
-            &live_ab,
+            |o| live_ab.contains(o),
+            true,
         );
         assert_eq!(value(&g, &a, &gpu(0)), Some(0.5));
         assert_eq!(value(&g, &a, &gpu(1)), Some(1.0));
@@ -315,7 +341,8 @@ mod tests {
             let g = w.record(
                 t0 + i * s,
                 HashMap::from([((a.clone(), gpu(0)), half)]),
-                &live_ab,
+                |o| live_ab.contains(o),
+                true,
             );
             assert_eq!(value(&g, &a, &gpu(0)), Some(0.5), "tick {i}");
             let b_now = value(&g, &b, &gpu(0)).unwrap();
@@ -327,10 +354,68 @@ mod tests {
             );
         }
         // a gone: its series go
-        let g = w.record(t0 + 11 * s, HashMap::new(), &HashSet::from([&b]));
+        let g = w.record(t0 + 11 * s, HashMap::new(), |o| *o == b, true);
         assert_eq!(value(&g, &a, &gpu(0)), None);
         assert_eq!(value(&g, &a, &gpu(1)), None);
         assert_eq!(value(&g, &b, &gpu(0)), Some(0.0));
+    }
+
+    /// The series of an owner whose cgroups went leave in the tick after the one that saw
+    /// them go (the owner is still in the tick's owners then), though the live owners are
+    /// looked at only after a tick with changes; an owner that is not live gets no series.
+    #[test]
+    fn duty_series_of_gone_owners_leave_the_tick_after_their_cgroups() {
+        use std::cell::RefCell;
+
+        use crate::cgroups::CgroupTree;
+        use crate::pods::PodStore;
+        use crate::probes::tick::PidCache;
+
+        let tmp = tempfile::tempdir().unwrap();
+        let tree = CgroupTree::new(tmp.path().to_path_buf());
+        let pods = PodStore::new();
+        let pids = RefCell::new(PidCache::default());
+        let activity = HashMap::new();
+        let (a, b, stranger) = (pod(1), pod(2), pod(3));
+        let mut series = ComputeSeries::new(ComputeSource::Nvml, Duration::from_secs(30));
+        let mut tick = |owners: &[&Owner], changed: bool, n: u64| {
+            let owners: FxHashMap<u64, Owner> = owners
+                .iter()
+                .enumerate()
+                .map(|(i, o)| (i as u64 + 10, (*o).clone()))
+                .collect();
+            let ctx = TickContext {
+                tree: &tree,
+                owners: &owners,
+                pods: &pods,
+                cgroups_changed: changed,
+                processes: None,
+                active: None,
+                tick: n,
+                pids: &pids,
+                gpu_activity: &activity,
+            };
+            for o in [&a, &b, &stranger] {
+                let _ = series.owner_delta(o.clone(), gpu(0), 1_000);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            let (_, g) = series.duty_gauges(&ctx);
+            let mut with: Vec<Owner> = g.into_iter().map(|v| v.owner).collect();
+            with.sort();
+            with
+        };
+        let (ab, just_a) = (vec![a.clone(), b.clone()], vec![a.clone()]);
+        // the first tick is the window's baseline
+        assert_eq!(tick(&[&a, &b], true, 1), Vec::<Owner>::new());
+        assert_eq!(tick(&[&a, &b], false, 2), ab);
+        assert_eq!(tick(&[&a, &b], false, 3), ab);
+        // b's cgroup went this tick: its owner is still among the tick's owners
+        assert_eq!(tick(&[&a, &b], true, 4), ab);
+        // and gone from them at the next, a tick without changes
+        assert_eq!(tick(&[&a], false, 5), just_a);
+        assert_eq!(tick(&[&a], false, 6), just_a);
+        // b back (a new cgroup of the same owner)
+        assert_eq!(tick(&[&a, &b], true, 7), ab);
     }
 
     #[test]

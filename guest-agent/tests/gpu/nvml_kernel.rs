@@ -424,6 +424,25 @@ fn nvml_each_gpu_and_each_call_fail_on_their_own() {
         3,
         "asked again after each of the three growths, the fourth call fits"
     );
+    // the next read asks with room for the 40 at once: one call, no size answer; the same
+    // list read at every tick costs one round trip to the driver, not two
+    lib.set_control(&[]);
+    for _ in 0..3 {
+        let r = nvml.read();
+        assert_eq!(r.gpus[0].processes.len(), 40);
+    }
+    assert_eq!(
+        lib.errors_answered(0, PROCESSES, INSUFFICIENT_SIZE),
+        3,
+        "a list as long as the last one fits the first buffer"
+    );
+    // and a list that grew past the room left asks again, once
+    let more: Vec<(u32, u32, u64, u32)> = (0..60)
+        .map(|i| (2000 + i, 0, GIB + u64::from(i), 1))
+        .collect();
+    lib.set_processes(&more);
+    assert_eq!(nvml.read().gpus[0].processes.len(), 60);
+    assert_eq!(lib.errors_answered(0, PROCESSES, INSUFFICIENT_SIZE), 4);
 }
 
 /// An NVML without one optional call (built without nvmlDeviceGetCurrPcieLinkGeneration):
