@@ -17,6 +17,8 @@ use std::io;
 use std::os::unix::fs::DirEntryExt;
 use std::path::{Path, PathBuf};
 
+use rustc_hash::FxHashMap;
+
 pub use events::{Born, CgroupEvents, Died, Events, ProcessChanges};
 
 /// Finds the cgroup2 mount point in a mountinfo text (`/proc/self/mountinfo`).
@@ -74,7 +76,7 @@ pub struct Cgroup {
 
 pub struct CgroupTree {
     root: PathBuf,
-    pub cgroups: HashMap<u64, Cgroup>,
+    pub cgroups: FxHashMap<u64, Cgroup>,
     /// Creation and removal as the kernel reports them; None: walk every refresh.
     events: Option<CgroupEvents>,
     walked: bool,
@@ -113,7 +115,7 @@ impl CgroupTree {
     pub fn new(root: PathBuf) -> CgroupTree {
         CgroupTree {
             root,
-            cgroups: HashMap::new(),
+            cgroups: FxHashMap::default(),
             events: None,
             walked: false,
         }

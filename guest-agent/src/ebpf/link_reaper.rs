@@ -20,15 +20,46 @@ use libbpf_rs::Link;
 /// 5.8-5.9 s 4 at a time, 5.6-5.7 s all together.
 const AT_ONCE: usize = 64;
 
-/// A thread that closes the links handed to it, many at once.
+/// A thread that closes the links handed to it, many at once. The thread starts with the
+/// first links handed over: an agent that never forgets a uprobe (the syscall modes) has none.
 pub struct LinkReaper {
-    tx: Option<Sender<Vec<Link>>>,
-    thread: Option<JoinHandle<()>>,
+    name: &'static str,
+    worker: Option<Worker>,
+}
+
+struct Worker {
+    tx: Sender<Vec<Link>>,
+    thread: JoinHandle<()>,
 }
 
 impl LinkReaper {
-    /// Starts the reaper's thread; `name` is the thread's.
-    pub fn new(name: &str) -> LinkReaper {
+    /// A reaper whose thread, once started, is named `name`.
+    pub fn new(name: &'static str) -> LinkReaper {
+        LinkReaper { name, worker: None }
+    }
+
+    /// Hands `links` over to be closed; returns at once. Where no thread can be started
+    /// they are closed here.
+    pub fn release(&mut self, links: Vec<Link>) {
+        if links.is_empty() {
+            return;
+        }
+        if self.worker.is_none() {
+            self.worker = Worker::start(self.name);
+        }
+        match &self.worker {
+            Some(w) => {
+                if let Err(e) = w.tx.send(links) {
+                    close(e.0);
+                }
+            }
+            None => close(links),
+        }
+    }
+}
+
+impl Worker {
+    fn start(name: &str) -> Option<Worker> {
         let (tx, rx) = channel::<Vec<Link>>();
         let thread = std::thread::Builder::new()
             .name(name.into())
@@ -38,29 +69,15 @@ impl LinkReaper {
                     while let Ok(more) = rx.try_recv() {
                         links.extend(more);
                     }
-                    close(links, AT_ONCE);
+                    close(links);
                 }
-            })
-            .ok();
-        LinkReaper {
-            tx: thread.as_ref().map(|_| tx),
-            thread,
-        }
-    }
-
-    /// Hands `links` over to be closed; returns at once. Without a reaper thread (it could
-    /// not be started) they are closed here.
-    pub fn release(&self, links: Vec<Link>) {
-        if links.is_empty() {
-            return;
-        }
-        match &self.tx {
-            Some(tx) => {
-                if let Err(e) = tx.send(links) {
-                    close(e.0, AT_ONCE);
-                }
+            });
+        match thread {
+            Ok(thread) => Some(Worker { tx, thread }),
+            Err(e) => {
+                tracing::debug!(error = %e, "no thread to close links on; closing them in place");
+                None
             }
-            None => close(links, AT_ONCE),
         }
     }
 }
@@ -68,17 +85,17 @@ impl LinkReaper {
 impl Drop for LinkReaper {
     /// Waits until every link handed over is closed.
     fn drop(&mut self) {
-        drop(self.tx.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        if let Some(Worker { tx, thread }) = self.worker.take() {
+            drop(tx);
+            let _ = thread.join();
         }
     }
 }
 
-/// Closes `links`, up to `at_once` at a time, each on a thread of its own.
-fn close(mut links: Vec<Link>, at_once: usize) {
+/// Closes `links`, up to `AT_ONCE` at a time, each on a thread of its own.
+fn close(mut links: Vec<Link>) {
     while !links.is_empty() {
-        let round: Vec<Link> = links.drain(..links.len().min(at_once)).collect();
+        let round: Vec<Link> = links.drain(..links.len().min(AT_ONCE)).collect();
         std::thread::scope(|s| {
             for link in round {
                 if let Err(e) = std::thread::Builder::new().spawn_scoped(s, move || drop(link)) {

@@ -722,17 +722,14 @@ impl GpuProcessUnit for GpuDriverProbe {
 
     fn forget(&mut self, tgids: &PodProcesses) {
         self.seeded.retain(|&t| tgids.contains(t));
-        let gone: Vec<i32> = self
-            .probed
-            .keys()
-            .copied()
-            .filter(|&t| !tgids.contains(t))
-            .collect();
-        let links = gone
-            .iter()
-            .filter_map(|t| self.probed.remove(t))
-            .flatten()
-            .collect();
+        let mut links = Vec::new();
+        self.probed.retain(|&t, l| {
+            let running = tgids.contains(t);
+            if !running {
+                links.append(l);
+            }
+            running
+        });
         self.reaper.release(links);
     }
 
