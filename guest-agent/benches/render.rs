@@ -11,7 +11,9 @@
 //!
 //! Reports, per pod count: `JoinOwner::tick` (the collector's windows merged per pod and signal,
 //! then the correlator) in µs per tick, wall and thread CPU; the time to render /metrics
-//! (`Exposition::render`: the agent's series and the correlator's); the process RSS.
+//! (`Exposition::render`: the agent's series and the correlator's); the process RSS; then,
+//! apart, FinOps' booking of a tick (the store's GPU totals, then `FinOps::book` with an hourly
+//! rate and a configured capacity) in µs of thread CPU.
 //! Targets: tick ≤ 1 ms at 250 pods, render ≤ 20 ms at 250 and 1,000 pods, RSS ≤ 40 MB.
 //!
 //! cargo bench -p gpufeed-guest --bench render [-- PODS...]
@@ -24,9 +26,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::thread_cpu_ns;
-use gpufeed_guest::collect::{Owner, OwnerStats, Store, TickReport};
+use gpufeed_guest::collect::{GpuTotals, Owner, OwnerStats, Store, TickReport};
 use gpufeed_guest::correlate::Config;
 use gpufeed_guest::exporter::{AgentCollector, Exposition};
+use gpufeed_guest::finops::{self, FinOps};
 use gpufeed_guest::hub::ReceivedEvent;
 use gpufeed_guest::join::{JoinOwner, Settings};
 use gpufeed_guest::pods::{PodMeta, PodStore};
@@ -214,6 +217,8 @@ fn shared(pods: usize, store: &PodStore, rng: &mut fastrand::Rng) -> Store {
             .or_default()
             .push(gauge(&container, Labels::new(), 0.5));
     }
+    // the owners with GPU series, as the collector keeps them
+    gpufeed_guest::collect::index_gpu_owners(&mut s);
     s
 }
 
@@ -320,6 +325,20 @@ fn run(pods: usize) {
     ]
     .map(ProbeStatus::up)
     .to_vec();
+    let finops = FinOps::new(
+        finops::Settings {
+            hourly_rate: Some(3.6),
+            capacity: finops::CapacityInput {
+                memory_bytes: Some(80 << 30),
+                link_bytes_per_second: Some(32_000_000_000),
+                gpus: Some(8),
+            },
+            ..finops::Settings::default()
+        }
+        .validate()
+        .expect("FinOps settings"),
+        store.clone(),
+    );
     let agent = AgentCollector::new(shared.clone(), store, FAMILIES.iter().collect(), probes);
 
     let (mut wall, mut cpu) = (Vec::new(), Vec::new());
@@ -374,6 +393,21 @@ fn run(pods: usize) {
         );
     }
     println!("scale: {pods} pods: RSS {:.1} MB (target ≤ 40)", rss_mb());
+    // FinOps after the rest (its state and its work between the join's ticks would move the
+    // figures above): at each tick the collector takes the GPU totals, FinOps books them
+    let mut book_cpu = Vec::new();
+    for t in 0..WARMUP + MEASURED {
+        let cpu_start = thread_cpu_ns();
+        let totals = GpuTotals::of(&shared.lock().expect("shared"));
+        finops.book(totals, Instant::now());
+        if t >= WARMUP {
+            book_cpu.push((thread_cpu_ns() - cpu_start) as f64 / 1e3);
+        }
+    }
+    let (p50, p99, max) = summary(&mut book_cpu);
+    println!(
+        "scale: {pods} pods: GPU totals + FinOps::book cpu µs: p50 {p50:.0}, p99 {p99:.0}, max {max:.0}"
+    );
 }
 
 /// The join's series as its driver publishes them: a scrape builds the families from the

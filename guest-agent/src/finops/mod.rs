@@ -139,11 +139,17 @@ impl FinOps {
                     (*gpu, secs(ns.saturating_sub(before)))
                 })
                 .collect();
-            let meta = self.0.pods.get(uid);
-            let name = pod_name(uid, meta.as_ref());
+            // the pod's names read in place (a copy of the whole pod, its labels and
+            // containers, for each pod at each tick was most of this booking's allocations)
+            let names = |m: Option<&PodMeta>| (self.0.cfg.labels.tenant(m), pod_name(uid, m));
+            let (tenant, name) = self
+                .0
+                .pods
+                .with(uid, |m| names(Some(m)))
+                .unwrap_or_else(|| names(None));
             usage.push((
                 CostKey {
-                    tenant: self.0.cfg.labels.tenant(meta.as_ref()),
+                    tenant,
                     namespace: name.0.clone(),
                     pod: name.1.clone(),
                 },
