@@ -64,6 +64,8 @@ pub struct Collector {
     /// (cgroups came or went, owners were created, the pod store changed,
     /// an owner is in its grace period)
     retire_due: bool,
+    /// whether the previous tick removed cgroups, whose owners left `owners` at its end
+    owners_left: bool,
     /// the pod store's version `retire` last saw
     pods_seen: Option<u64>,
     /// the store's pod UIDs and its owners at pod and slice level, as `retire` last left
@@ -126,6 +128,7 @@ impl Collector {
             owners: FxHashMap::default(),
             live: FxHashMap::default(),
             retire_due: true,
+            owners_left: false,
             pods_seen: None,
             live_uids: None,
             owner_counts: (0, 0),
@@ -170,6 +173,10 @@ impl Collector {
         let changes = self.tree.refresh()?;
         self.follow(&changes);
         let cgroups_changed = !changes.added.is_empty() || !changes.removed.is_empty();
+        // the owners of added cgroups are in `owners` from now, those of removed ones until
+        // the end of this tick
+        let owners_changed = !changes.added.is_empty() || self.owners_left;
+        self.owners_left = !changes.removed.is_empty();
         let mut deltas = TickDeltas::default();
 
         // Removed cgroups first: their last numbers, drained in the kernel at rmdir.
@@ -251,6 +258,7 @@ impl Collector {
             owners: &self.owners,
             pods: &self.pods,
             cgroups_changed,
+            owners_changed,
             processes: changes.processes.as_ref(),
             active: active.as_ref(),
             tick: self.ticks,
@@ -660,7 +668,7 @@ mod tests {
     use crate::probes::gpu_compute::COMPUTE;
     use crate::probes::per_cgroup::CgroupReads;
     use crate::probes::signal::WindowValue;
-    use crate::probes::unit::{FamilySpec, Kind, Probe, Scope, UnitStats};
+    use crate::probes::unit::{FamilySpec, Kind, Probe, Scope, TickOutput, UnitStats};
 
     const UID: &str = "1b2c3d4e-5f60-4718-9a2b-3c4d5e6f7a8b";
     const CID: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -730,7 +738,12 @@ mod tests {
         active: Arc<Mutex<Option<Vec<u64>>>>,
         last: crate::probes::unit::LastRead<u64>,
         forgotten: Arc<Mutex<Vec<u64>>>,
+        ticks: Arc<Mutex<Vec<OwnersSeen>>>,
     }
+
+    /// What a unit's tick saw: whether the collector said the owners changed, and the
+    /// owners' cgroup ids.
+    type OwnersSeen = (bool, Vec<u64>);
 
     impl Probe for Fake {
         fn families(&self) -> &'static [FamilySpec] {
@@ -748,6 +761,12 @@ mod tests {
         }
         fn stats(&self) -> UnitStats {
             UnitStats::default()
+        }
+        fn tick(&mut self, ctx: &TickContext<'_>) -> TickOutput {
+            let mut ids: Vec<u64> = ctx.owners.keys().copied().collect();
+            ids.sort();
+            self.ticks.lock().unwrap().push((ctx.owners_changed, ids));
+            TickOutput::default()
         }
     }
 
@@ -815,6 +834,46 @@ mod tests {
             Value::Count(n) => Some(*n),
             Value::Hist(_) => None,
         }
+    }
+
+    /// A unit is told the owners changed in exactly the ticks whose owners differ from the
+    /// previous tick's: cgroups added, and the tick after cgroups were removed (their owners
+    /// stay through the tick that saw them go, for its units).
+    #[test]
+    fn units_are_told_when_the_owners_changed() {
+        let root = tempfile::tempdir().unwrap();
+        let pod = |i: u32| {
+            root.path()
+                .join(format!("kubepods/burstable/pod{UID}/{i:064x}"))
+        };
+        std::fs::create_dir_all(pod(1)).unwrap();
+        let fake = Fake::default();
+        let ticks = fake.ticks.clone();
+        let mut c = with_fake(root.path(), fake, Duration::ZERO);
+        let steps: [&dyn Fn(); 7] = [
+            &|| {},
+            &|| {},
+            &|| std::fs::create_dir(pod(2)).unwrap(),
+            &|| {},
+            &|| std::fs::remove_dir(pod(1)).unwrap(),
+            &|| {},
+            &|| {},
+        ];
+        for step in steps {
+            step();
+            c.tick().unwrap();
+        }
+        let ticks = ticks.lock().unwrap();
+        let said: Vec<bool> = ticks.iter().map(|(changed, _)| *changed).collect();
+        // the truth: the owners' ids differ from the previous tick's (all new at the first)
+        let truth: Vec<bool> = ticks
+            .iter()
+            .enumerate()
+            .map(|(i, (_, ids))| i == 0 || *ids != ticks[i - 1].1)
+            .collect();
+        assert_eq!(said, truth, "{ticks:?}");
+        // pod(1)'s removal shows in the tick after it
+        assert_eq!(truth, [true, false, true, false, false, true, false]);
     }
 
     #[test]

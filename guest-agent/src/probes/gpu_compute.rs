@@ -81,11 +81,9 @@ pub struct ComputeSeries {
     /// throughout (see [`ComputeSeries::busy_throughout`]).
     throughout: HashSet<u64>,
     last_tick: Option<Instant>,
-    /// Every live owner, made again only when the owners may have changed (see
-    /// [`ComputeSeries::duty_gauges`]); None: to be made at the next tick with gauges.
+    /// Every live owner, made again only when the owners changed
+    /// ([`TickContext::owners_changed`]); None: to be made at the next tick with gauges.
     live: Option<FxHashSet<Owner>>,
-    /// Whether the cgroups changed at the previous tick.
-    changed_before: bool,
 }
 
 impl ComputeSeries {
@@ -98,7 +96,6 @@ impl ComputeSeries {
             throughout: HashSet::new(),
             last_tick: None,
             live: None,
-            changed_before: false,
         }
     }
 
@@ -158,14 +155,11 @@ impl ComputeSeries {
                 *e = (*e).max(tick);
             }
         }
-        // Owners come and go only with cgroups, and a removed cgroup's owner leaves
-        // `ctx.owners` at the end of the tick it went in: the set of live owners is made
-        // again, and the series of gone owners dropped, only after a tick with changes, not
-        // at every tick (hashing each owner of the node).
-        if ctx.cgroups_changed || self.changed_before {
+        // the set of live owners is made again, and the series of gone owners dropped, only
+        // when the owners changed, not at every tick (hashing each owner of the node)
+        if ctx.owners_changed {
             self.live = None;
         }
-        self.changed_before = ctx.cgroups_changed;
         if busy.is_empty() && self.duty.is_empty() {
             // no compute time on the node: nothing to window
             return (DUTY, Vec::new());
@@ -360,9 +354,9 @@ mod tests {
         assert_eq!(value(&g, &b, &gpu(0)), Some(0.0));
     }
 
-    /// The series of an owner whose cgroups went leave in the tick after the one that saw
-    /// them go (the owner is still in the tick's owners then), though the live owners are
-    /// looked at only after a tick with changes; an owner that is not live gets no series.
+    /// The series of an owner that left the tick's owners go in the tick the collector says
+    /// the owners changed (the one after its cgroup went), though the live owners are looked
+    /// at only then; an owner that is not live gets no series.
     #[test]
     fn duty_series_of_gone_owners_leave_the_tick_after_their_cgroups() {
         use std::cell::RefCell;
@@ -378,7 +372,7 @@ mod tests {
         let activity = HashMap::new();
         let (a, b, stranger) = (pod(1), pod(2), pod(3));
         let mut series = ComputeSeries::new(ComputeSource::Nvml, Duration::from_secs(30));
-        let mut tick = |owners: &[&Owner], changed: bool, n: u64| {
+        let mut tick = |owners: &[&Owner], owners_changed: bool, n: u64| {
             let owners: FxHashMap<u64, Owner> = owners
                 .iter()
                 .enumerate()
@@ -388,7 +382,8 @@ mod tests {
                 tree: &tree,
                 owners: &owners,
                 pods: &pods,
-                cgroups_changed: changed,
+                cgroups_changed: owners_changed,
+                owners_changed,
                 processes: None,
                 active: None,
                 tick: n,
@@ -410,9 +405,9 @@ mod tests {
         assert_eq!(tick(&[&a, &b], false, 2), ab);
         assert_eq!(tick(&[&a, &b], false, 3), ab);
         // b's cgroup went this tick: its owner is still among the tick's owners
-        assert_eq!(tick(&[&a, &b], true, 4), ab);
-        // and gone from them at the next, a tick without changes
-        assert_eq!(tick(&[&a], false, 5), just_a);
+        assert_eq!(tick(&[&a, &b], false, 4), ab);
+        // and gone from them at the next, which the collector says changed them
+        assert_eq!(tick(&[&a], true, 5), just_a);
         assert_eq!(tick(&[&a], false, 6), just_a);
         // b back (a new cgroup of the same owner)
         assert_eq!(tick(&[&a, &b], true, 7), ab);

@@ -19,6 +19,9 @@ pub struct TickContext<'a> {
     pub pods: &'a PodStore,
     /// Whether cgroups came or went since the previous tick.
     pub cgroups_changed: bool,
+    /// Whether `owners` differs from the previous tick's: cgroups came (their owners are in
+    /// from this tick), or the previous tick removed some (their owners left at its end).
+    pub owners_changed: bool,
     /// What the kernel says changed in processes (None: it does not say).
     pub processes: Option<&'a ProcessChanges>,
     /// The cgroups in which any task ran since the previous tick, from a
