@@ -7,7 +7,9 @@
 //! bytes; gauges for the bandwidth limit, VRAM and the duty cycle. Every tick, each pod's
 //! signal windows (run queue, RTT and retransmits per destination, tc drops, GPU ioctl: five
 //! signals, seven windows) with log-normal noise; a tenth of the pods are hot for 5 ticks
-//! every 30 s and a host event arrives every 30 s, so spikes and joins happen.
+//! every 30 s and a host event arrives every 30 s, so spikes and joins happen. The join's clock
+//! moves a second a tick (the default interval) and 150 ticks warm it up, past the page's kept
+//! span (122 s): its rings are full and old spikes expire, as in an agent that has run a while.
 //!
 //! Reports, per pod count: `JoinOwner::tick` (the collector's windows merged per pod and signal,
 //! then the correlator) in µs per tick, wall and thread CPU; the time to render /metrics
@@ -71,7 +73,7 @@ const fn spec(name: &'static str, kind: Kind, scope: Scope, pod_labels: bool) ->
 }
 
 const DSTS: [&str; 2] = ["kv-store", "internet"];
-const WARMUP: usize = 60;
+const WARMUP: usize = 150;
 const MEASURED: usize = 300;
 const RENDERS: usize = 30;
 
@@ -267,11 +269,7 @@ fn windows(pods: usize, tick: usize, rng: &mut fastrand::Rng) -> Vec<SignalWindo
     out
 }
 
-fn link_event(seq: u64) -> ReceivedEvent {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i64)
-        .unwrap_or(0);
+fn link_event(seq: u64, now: i64) -> ReceivedEvent {
     let (old, new) = if seq.is_multiple_of(2) {
         ((Some(16000), 4), (Some(2500), 1))
     } else {
@@ -342,10 +340,15 @@ fn run(pods: usize) {
     let agent = AgentCollector::new(shared.clone(), store, FAMILIES.iter().collect(), probes);
 
     let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+    // ticks a second apart on the join's clock, as the agent's default interval: the page's
+    // rings fill to their kept span and old spikes expire, as they do in a running agent
+    // (ticks as fast as the loop runs would fall in a few seconds and hold a few points)
+    let start_ns = now_ns();
+    let clock = |t: usize| start_ns + t as i64 * 1_000_000_000;
     for t in 0..WARMUP + MEASURED {
         let w = windows(pods, t, &mut rng);
         if t % 30 == 1 {
-            join.host_event(&link_event(t as u64), now_ns());
+            join.host_event(&link_event(t as u64, clock(t)), clock(t));
         }
         let input = TickReport {
             windows: w,
@@ -354,7 +357,7 @@ fn run(pods: usize) {
             ..TickReport::default()
         };
         let (start, cpu_start) = (Instant::now(), thread_cpu_ns());
-        join.tick(&input, Instant::now(), now_ns());
+        join.tick(&input, Instant::now(), clock(t));
         if t >= WARMUP {
             cpu.push((thread_cpu_ns() - cpu_start) as f64 / 1e3);
             wall.push(start.elapsed().as_secs_f64() * 1e6);
@@ -362,7 +365,7 @@ fn run(pods: usize) {
     }
     // the scrape reads the series the join published after its last tick
     registry
-        .register(Box::new(Published(join.series(now_ns()))))
+        .register(Box::new(Published(join.series(clock(WARMUP + MEASURED)))))
         .expect("register");
     let exposition = Exposition::new(registry, Arc::new(agent));
     let (mut render, mut render_cpu) = (Vec::new(), Vec::new());
