@@ -183,7 +183,11 @@ struct SignalState {
 struct PodState {
     /// The pod's names as its latest window gave them (they can arrive after its UID).
     key: PodKey,
-    signals: FxHashMap<String, SignalState>,
+    /// The numbers of its signals' names ([`Correlator::names`]), in the order of `signals`:
+    /// a short list a window scans, where a map of its own per pod cost a cache miss or two
+    /// per window at node scale (the pods share a few names).
+    signal_ids: Vec<u32>,
+    signals: Vec<SignalState>,
     last_window: i64,
 }
 
@@ -228,6 +232,8 @@ pub struct Correlator {
     /// By UID: a pod is its UID. Its names may arrive after its first windows (the API
     /// watch answers later than the first tick); that renames it, and keeps its baselines.
     pods: FxHashMap<std::sync::Arc<str>, PodState>,
+    /// Each signal name seen, numbered (the probes' few names).
+    names: FxHashMap<Box<str>, u32>,
     joiner: Joiner,
     counters: Counters,
     gpu: GpuLog,
@@ -252,6 +258,7 @@ impl Correlator {
         Correlator {
             cfg,
             pods: FxHashMap::default(),
+            names: FxHashMap::default(),
             joiner,
             counters: Counters::default(),
             gpu,
@@ -275,11 +282,20 @@ impl Correlator {
     /// [`Correlator::end_tick`]. Returns the band the window was tested against (for the
     /// incident page's pictures); none while the signal's detector warms up.
     pub fn observe_window(&mut self, w: WindowRef<'_>) -> Observed {
+        let name = match self.names.get(w.signal) {
+            Some(&n) => n,
+            None => {
+                let n = self.names.len() as u32;
+                self.names.insert(w.signal.into(), n);
+                n
+            }
+        };
         let pod = match self.pods.get_mut(&w.pod.uid) {
             Some(p) => p,
             None => self.pods.entry(w.pod.uid.clone()).or_insert(PodState {
                 key: w.pod.clone(),
-                signals: FxHashMap::default(),
+                signal_ids: Vec::new(),
+                signals: Vec::new(),
                 last_window: w.at,
             }),
         };
@@ -288,12 +304,11 @@ impl Correlator {
             pod.key = w.pod.clone();
         }
         pod.last_window = pod.last_window.max(w.at);
-        let st = match pod.signals.get_mut(w.signal) {
-            Some(s) => s,
-            None => pod
-                .signals
-                .entry(w.signal.to_string())
-                .or_insert(SignalState {
+        let i = match pod.signal_ids.iter().position(|&n| n == name) {
+            Some(i) => i,
+            None => {
+                pod.signal_ids.push(name);
+                pod.signals.push(SignalState {
                     detector: Detector::new(&self.cfg.detector),
                     policy: self
                         .cfg
@@ -302,8 +317,11 @@ impl Correlator {
                         .copied()
                         .unwrap_or(Config::policy_of_shape(w.shape)),
                     episode: None,
-                }),
+                });
+                pod.signals.len() - 1
+            }
         };
+        let st = &mut pod.signals[i];
         let policy = st.policy;
         let reading = Reading {
             tested: if policy.rate { w.p99 } else { w.mean },
