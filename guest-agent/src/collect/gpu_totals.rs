@@ -4,6 +4,9 @@
 //! these ([`crate::finops::live`]); nothing here prices.
 
 use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
+
+use rustc_hash::FxHashMap;
 
 use crate::probes::cuda::{FeedPart, FEED_PART, FEED_STALL, PCIE, SYNC_WAIT, VRAM};
 use crate::probes::gpu_compute::{ComputeSource, COMPUTE, DUTY};
@@ -22,7 +25,8 @@ pub const FAMILIES: [&str; 5] = [COMPUTE, IOCTL, PCIE, SYNC_WAIT, FEED_STALL];
 /// Every pod's GPU running totals at one tick (by pod UID), and the GPUs' capacity.
 #[derive(Debug, Clone, Default)]
 pub struct GpuTotals {
-    pub pods: HashMap<String, PodGpuTotals>,
+    // hashed with Fx: FinOps looks each pod up again at every tick
+    pub pods: FxHashMap<String, PodGpuTotals>,
     pub nvml: NvmlCapacity,
 }
 
@@ -113,17 +117,17 @@ fn nvml_capacity(shared: &Store) -> NvmlCapacity {
 }
 
 /// Every pod with a GPU series, with its totals.
-fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
-    let mut out: HashMap<String, PodGpuTotals> = HashMap::new();
+fn pod_totals(shared: &Store) -> FxHashMap<String, PodGpuTotals> {
+    let mut out: FxHashMap<String, PodGpuTotals> = FxHashMap::default();
     for (owner, o) in gpu_owners(shared) {
         let Owner::Pod { uid, .. } = owner else {
             continue;
         };
+        // the owner's series summed apart, and added to its pod's entry once: a pod's entry
+        // looked up at every series was most of this walk on a node of idle GPU pods
+        let mut t = PodGpuTotals::default();
+        let mut any = false;
         for ((family, labels), value) in &o.series {
-            let t = match *family {
-                COMPUTE | IOCTL | PCIE | SYNC_WAIT => pod_entry(&mut out, uid),
-                _ => continue,
-            };
             match (*family, value) {
                 (COMPUTE, Value::Count(ns)) => {
                     *t.compute_ns.entry(gpu_of(labels)).or_default() += ns;
@@ -131,8 +135,13 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
                 (IOCTL, Value::Hist(h)) => t.call_ns += h.sum_ns,
                 (SYNC_WAIT, Value::Hist(h)) => t.sync_ns += h.sum_ns,
                 (PCIE, Value::Count(b)) => t.pcie_bytes += b,
-                _ => {}
+                (COMPUTE | IOCTL | SYNC_WAIT | PCIE, _) => {}
+                _ => continue,
             }
+            any = true;
+        }
+        if any {
+            pod_entry(&mut out, uid).add(t);
         }
     }
     // NVML sees every process's memory; the uprobes only the allocations made after they
@@ -142,7 +151,7 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
     } else {
         VRAM
     };
-    let mut duty: rustc_hash::FxHashMap<(&str, Option<u32>), f64> = Default::default();
+    let mut duty: FxHashMap<(&str, Option<u32>), f64> = Default::default();
     for (family, values) in &shared.gauges {
         if *family != vram && *family != DUTY {
             continue;
@@ -165,9 +174,24 @@ fn pod_totals(shared: &Store) -> HashMap<String, PodGpuTotals> {
     out
 }
 
+impl PodGpuTotals {
+    /// Adds another container's running totals (its duty and VRAM are not read from series).
+    fn add(&mut self, o: PodGpuTotals) {
+        for (gpu, ns) in o.compute_ns {
+            *self.compute_ns.entry(gpu).or_default() += ns;
+        }
+        self.call_ns += o.call_ns;
+        self.sync_ns += o.sync_ns;
+        self.pcie_bytes += o.pcie_bytes;
+    }
+}
+
 /// The pod's entry of `out`, made at its first series: the UID is copied once per tick, not
 /// once per series and gauge read.
-fn pod_entry<'a, T: Default>(out: &'a mut HashMap<String, T>, uid: &str) -> &'a mut T {
+fn pod_entry<'a, T: Default, S: BuildHasher>(
+    out: &'a mut HashMap<String, T, S>,
+    uid: &str,
+) -> &'a mut T {
     if !out.contains_key(uid) {
         out.insert(uid.to_string(), T::default());
     }
@@ -181,11 +205,13 @@ pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
         let Owner::Pod { uid, .. } = owner else {
             continue;
         };
+        let mut f = FeedRaw::default();
+        let mut any = false;
         for ((family, labels), value) in &o.series {
             let (FEED_STALL, Value::Count(n)) = (*family, value) else {
                 continue;
             };
-            let f = pod_entry(&mut out, uid);
+            any = true;
             let part = labels.get(FEED_PART).map(String::as_str);
             match FeedPart::ALL.into_iter().find(|p| Some(p.as_str()) == part) {
                 Some(FeedPart::Cpu) => f.cpu_ns += n,
@@ -194,6 +220,13 @@ pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
                 Some(FeedPart::CopyBytes) => f.copy_bytes += n,
                 None => {}
             }
+        }
+        if any {
+            let e = pod_entry(&mut out, uid);
+            e.cpu_ns += f.cpu_ns;
+            e.all_ns += f.all_ns;
+            e.copy_ns += f.copy_ns;
+            e.copy_bytes += f.copy_bytes;
         }
     }
     out

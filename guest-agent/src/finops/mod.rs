@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::core::{Collector as PromCollector, Desc};
 use prometheus::proto::{MetricFamily, MetricType};
+use rustc_hash::FxHashMap;
 
 use crate::collect::{GpuTotals, PodGpuTotals as PodTotals};
 use crate::families::{counter, family, gauge};
@@ -55,7 +56,7 @@ type PodName = (String, String);
 struct State {
     last: Option<Instant>,
     /// Totals at the previous tick, by pod UID.
-    previous: HashMap<String, PodTotals>,
+    previous: FxHashMap<String, PodTotals>,
     /// `None` without an hourly rate, or until there is a capacity to divide by.
     meter: Option<cost::Meter<CostKey>>,
     /// What the cost divides by, read at each tick (`None` without an hourly rate).
@@ -97,7 +98,7 @@ impl FinOps {
             pods,
             state: Mutex::new(State {
                 last: None,
-                previous: HashMap::new(),
+                previous: FxHashMap::default(),
                 meter,
                 capacity,
                 advisor,

@@ -58,6 +58,9 @@ const MIN_SLICE: u32 = 10;
 #[derive(Debug, Default)]
 struct History {
     samples: VecDeque<(Instant, Sample)>,
+    /// How many of `samples` break each rule, kept as samples come and go: a pod whose
+    /// samples break a rule (most pods, at most ticks) is decided without reading them.
+    breaks: Breaks,
     advice: Option<u32>,
     /// The last `observe` that gave this pod a sample.
     seen: u64,
@@ -94,9 +97,12 @@ impl<K: Ord + Hash + Clone> MpsAdvisor<K> {
             };
             if h.seen == tick {
                 // given twice: the later replaces the earlier
-                h.samples.pop_back();
+                if let Some((_, old)) = h.samples.pop_back() {
+                    h.breaks.take(Breaks::of(&self.cfg, &old));
+                }
             }
             h.seen = tick;
+            h.breaks.add(Breaks::of(&self.cfg, &s));
             h.samples.push_back((now, s));
         }
         let cfg = &self.cfg;
@@ -110,9 +116,11 @@ impl<K: Ord + Hash + Clone> MpsAdvisor<K> {
                     .get(1)
                     .is_some_and(|(t, _)| now.duration_since(*t) >= cfg.sustain)
             {
-                h.samples.pop_front();
+                if let Some((_, old)) = h.samples.pop_front() {
+                    h.breaks.take(Breaks::of(cfg, &old));
+                }
             }
-            if let Some(a) = decide(cfg, now, &h.samples) {
+            if let Some(a) = decide(cfg, now, &h.samples, h.breaks) {
                 h.advice = Some(a);
             }
             true
@@ -131,32 +139,79 @@ impl<K: Ord + Hash + Clone> MpsAdvisor<K> {
     }
 }
 
+/// How many samples break each rule.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Breaks {
+    /// Not below `low_duty`.
+    low: usize,
+    /// Not above `high_duty`.
+    high: usize,
+    /// Busy enough to need more than the smallest slice.
+    slice: usize,
+}
+
+impl Breaks {
+    fn of(cfg: &MpsConfig, s: &Sample) -> Breaks {
+        // a NaN duty fails both rules, so it breaks both
+        let (low, high) = (s.duty < cfg.low_duty, s.duty > cfg.high_duty);
+        Breaks {
+            low: usize::from(!low),
+            high: usize::from(!high),
+            slice: usize::from(slice_of(s.duty) > MIN_SLICE),
+        }
+    }
+
+    fn add(&mut self, o: Breaks) {
+        self.low += o.low;
+        self.high += o.high;
+        self.slice += o.slice;
+    }
+
+    fn take(&mut self, o: Breaks) {
+        self.low -= o.low;
+        self.high -= o.high;
+        self.slice -= o.slice;
+    }
+}
+
+/// The small slice for a peak duty cycle: twice it, rounded up to a multiple of 10, at least
+/// 10 (it never falls as the peak grows, so the slice of the peak is the largest sample's).
+fn slice_of(peak: f64) -> u32 {
+    let pct = (peak * 200.0).ceil() as u32;
+    pct.div_ceil(10)
+        .saturating_mul(10)
+        .clamp(MIN_SLICE, WHOLE_GPU)
+}
+
 /// A decision when the samples span the sustain period and one rule holds throughout.
-fn decide(cfg: &MpsConfig, now: Instant, samples: &VecDeque<(Instant, Sample)>) -> Option<u32> {
-    let (first, _) = samples.front()?;
+/// `breaks` counts the samples (all of them) that break each rule: the period's samples are
+/// read only when a rule holds and its number needs them.
+fn decide(
+    cfg: &MpsConfig,
+    now: Instant,
+    samples: &VecDeque<(Instant, Sample)>,
+    mut breaks: Breaks,
+) -> Option<u32> {
+    let (first, front) = samples.front()?;
     if now.duration_since(*first) < cfg.sustain {
         return None;
     }
     // the oldest sample only marks the start; its duty belongs to the time before
-    let period = samples.iter().skip(1).map(|(_, s)| s);
-    let (mut peak, mut low, mut high, mut waiting, mut length) = (0.0f64, true, true, 0.0, 0.0);
-    for s in period {
-        peak = peak.max(s.duty);
-        low &= s.duty < cfg.low_duty;
-        high &= s.duty > cfg.high_duty;
-        waiting += s.waiting_seconds;
-        length += s.seconds;
+    breaks.take(Breaks::of(cfg, front));
+    let period = || samples.iter().skip(1).map(|(_, s)| s);
+    if breaks.low == 0 {
+        if breaks.slice == 0 {
+            return Some(MIN_SLICE);
+        }
+        return Some(slice_of(period().fold(0.0f64, |peak, s| peak.max(s.duty))));
     }
-    if low {
-        let pct = (peak * 200.0).ceil() as u32;
-        return Some(
-            pct.div_ceil(10)
-                .saturating_mul(10)
-                .clamp(MIN_SLICE, WHOLE_GPU),
-        );
-    }
-    if high && length > 0.0 && waiting / length > cfg.queueing {
-        return Some(WHOLE_GPU);
+    if breaks.high == 0 {
+        let (waiting, length) = period().fold((0.0, 0.0), |(w, l), s| {
+            (w + s.waiting_seconds, l + s.seconds)
+        });
+        if length > 0.0 && waiting / length > cfg.queueing {
+            return Some(WHOLE_GPU);
+        }
     }
     None
 }
@@ -253,6 +308,70 @@ mod tests {
         assert_eq!(advice(&a, "p"), Some(100));
         run(&mut a, &mut t, 1, &[("p", s(0.0, 0.0))]);
         assert_eq!(advice(&a, "p"), Some(10), "the burst left the period");
+    }
+
+    /// The rules read from every sample of the period (as the module's documentation states
+    /// them), against the advisor's counts, over a pod whose duty wanders across all three
+    /// bands, with NaN samples and a sample given twice now and then.
+    #[test]
+    fn counted_breaks_decide_as_reading_every_sample_does() {
+        let cfg = MpsConfig {
+            sustain: Duration::from_secs(8),
+            ..MpsConfig::default()
+        };
+        let rules = |period: &[Sample]| -> Option<u32> {
+            if period.iter().all(|s| s.duty < cfg.low_duty) {
+                let peak = period.iter().map(|s| s.duty).fold(0.0, f64::max);
+                let pct = ((peak * 200.0).ceil() as u32).div_ceil(10) * 10;
+                return Some(pct.clamp(MIN_SLICE, WHOLE_GPU));
+            }
+            let waiting: f64 = period.iter().map(|s| s.waiting_seconds).sum();
+            let length: f64 = period.iter().map(|s| s.seconds).sum();
+            let busy = period.iter().all(|s| s.duty > cfg.high_duty);
+            (busy && waiting / length > cfg.queueing).then_some(WHOLE_GPU)
+        };
+        let mut a = MpsAdvisor::new(cfg);
+        let t0 = Instant::now();
+        let mut kept: Vec<(u32, Sample)> = Vec::new();
+        let mut want = None;
+        let mut x: u32 = 7;
+        let mut decided = [0; 3];
+        for i in 0..3000u32 {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            let band = (i / 40) % 3;
+            let jitter = f64::from((x >> 16) % 100) / 1000.0;
+            let duty = match (band, (x >> 8) % 97) {
+                (_, 0) => f64::NAN,
+                // quiet, now and then a little busier than the smallest slice allows
+                (0, _) if (x >> 20).is_multiple_of(10) => 0.06 + jitter / 4.0,
+                (0, _) => jitter / 4.0,
+                (1, _) => 0.4 + jitter,
+                _ => 0.85 + jitter,
+            };
+            let sample = s(duty, if (x >> 4).is_multiple_of(5) { 1.0 } else { 2.0 });
+            let t = t0 + Duration::from_secs(u64::from(i));
+            if (x >> 12).is_multiple_of(13) {
+                // the same tick's earlier sample, replaced by this one
+                a.observe(t, [("p", s(0.5, 0.0)), ("p", sample)]);
+            } else {
+                a.observe(t, [("p", sample)]);
+            }
+            kept.push((i, sample));
+            // the newest sample at least `sustain` old starts the period
+            while kept.len() > 1 && i - kept[1].0 >= 8 {
+                kept.remove(0);
+            }
+            if i - kept[0].0 >= 8 {
+                let period: Vec<Sample> = kept[1..].iter().map(|(_, s)| *s).collect();
+                if let Some(v) = rules(&period) {
+                    decided[usize::from(v == WHOLE_GPU) + usize::from(v > MIN_SLICE)] += 1;
+                    want = Some(v);
+                }
+            }
+            assert_eq!(advice(&a, "p"), Some(want.unwrap_or(WHOLE_GPU)), "tick {i}");
+        }
+        // each kind of decision was taken: the smallest slice, a larger one, the whole GPU
+        assert!(decided.iter().all(|n| *n > 10), "{decided:?}");
     }
 
     #[test]

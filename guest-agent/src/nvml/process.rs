@@ -10,9 +10,10 @@
 //! not visible), or past a quarter of the agent's open-file limit (the pidfds are open files,
 //! and the agent's other work needs its own), the start time is read at every read.
 
-use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use rustc_hash::FxHashMap;
 
 /// The start time in `/proc/<pid>/stat`'s text: field 22, counted after the command name,
 /// which is in parentheses and may itself hold spaces and parentheses. None for text that is
@@ -37,7 +38,7 @@ struct Seen {
 /// Start times of the processes seen at the previous read.
 #[derive(Debug, Default)]
 pub struct Starts {
-    seen: HashMap<u32, Seen>,
+    seen: FxHashMap<u32, Seen>,
     /// The epoll set of the pidfds (None where epoll failed: no process is watched).
     exits: Option<OwnedFd>,
     /// Processes watched now, and at most.

@@ -21,7 +21,7 @@
 //!   limit minus one sample period too much, once per spell;
 //! * SM time lags the GPU by up to one sample period (the sample is booked when read).
 
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 /// The longest time one sample stands for at read intervals up to 2/3 s: NVML's longest
 /// sample period.
@@ -86,13 +86,13 @@ struct Last {
 #[derive(Debug, Default)]
 struct GpuClock {
     last_read_us: Option<u64>,
-    processes: HashMap<u32, Last>,
+    processes: FxHashMap<u32, Last>,
 }
 
 /// Per GPU and process, the newest sample seen: turns reads into SM time.
 #[derive(Debug, Default)]
 pub struct SmClock {
-    gpus: HashMap<u32, GpuClock>,
+    gpus: FxHashMap<u32, GpuClock>,
     invalid: u64,
 }
 
@@ -122,7 +122,7 @@ impl SmClock {
                 .map(|l| r.read_at_us.saturating_sub(l))
                 .map(|gap| gap + gap / 2);
             let cover = since_read.unwrap_or(0).max(MAX_COVER_US);
-            let mut booked: HashMap<u32, u64> = HashMap::new();
+            let mut booked: FxHashMap<u32, u64> = FxHashMap::default();
             let mut samples = r.samples.clone();
             samples.sort_by_key(|s| (s.pid, s.timestamp_us));
             for s in samples {
@@ -154,11 +154,12 @@ impl SmClock {
             }
             clock.last_read_us = Some(r.read_at_us);
             // processes neither on the GPU nor sampled in this read are gone
-            let on_gpu: std::collections::HashSet<u32> =
-                r.processes.iter().map(|(p, _)| *p).collect();
-            clock
-                .processes
-                .retain(|pid, _| on_gpu.contains(pid) || booked.contains_key(pid));
+            let on_gpu: FxHashSet<u32> = r.processes.iter().map(|(p, _)| *p).collect();
+            if !clock.processes.is_empty() {
+                clock
+                    .processes
+                    .retain(|pid, _| on_gpu.contains(pid) || booked.contains_key(pid));
+            }
             let mut pids: Vec<u32> = on_gpu.iter().copied().collect();
             pids.extend(booked.keys().filter(|p| !on_gpu.contains(p)));
             for pid in pids {

@@ -190,9 +190,18 @@ impl ComputeSeries {
 
 /// Compute time per (owner, labels) over a sliding window: the duty cycle is the
 /// nanoseconds added since the oldest sample in the window over the time since that sample.
+///
+/// A series' samples are its running total at every tick since it began. Most of a node's
+/// series add nothing at most ticks (a process holding a GPU and not computing), so a series
+/// keeps only the samples where its total changed, and the window keeps the ticks' times once
+/// for all series: the total at any tick is that of the last change at or before it. An idle
+/// series then costs one comparison per tick, not a sample pushed and one dropped in a ring
+/// of its own (a node's worth of those rings did not fit in the cache).
 pub struct DutyWindow {
     window: Duration,
-    last_tick: Option<Instant>,
+    /// The ticks' times, oldest first: the newest one at least `window` old, and the ones
+    /// after it.
+    ticks: VecDeque<Instant>,
     /// Per series: its labels as handed out and its samples.
     series: FxHashMap<(Owner, Labels), Series>,
 }
@@ -201,15 +210,16 @@ pub struct DutyWindow {
 struct Series {
     /// The key's labels, made shared once: the series hands them out at every tick.
     labels: SharedLabels,
-    /// (when, cumulative ns) samples, oldest first.
-    samples: VecDeque<(Instant, u64)>,
+    /// (tick, running total in ns) where the total changed, oldest first; the first is the
+    /// series' start or the last change at or before the window's start.
+    changes: VecDeque<(Instant, u64)>,
 }
 
 impl DutyWindow {
     pub fn new(window: Duration) -> DutyWindow {
         DutyWindow {
             window,
-            last_tick: None,
+            ticks: VecDeque::new(),
             series: FxHashMap::default(),
         }
     }
@@ -231,7 +241,13 @@ impl DutyWindow {
         live: impl Fn(&Owner) -> bool,
         prune: bool,
     ) -> Vec<GaugeValue> {
-        let prev_tick = self.last_tick.replace(now);
+        let prev_tick = self.ticks.back().copied();
+        if prev_tick != Some(now) {
+            self.ticks.push_back(now);
+        }
+        while self.ticks.len() > 2 && now.duration_since(self.ticks[1]) >= self.window {
+            self.ticks.pop_front();
+        }
         if prune {
             self.series.retain(|(o, _), _| live(o));
         }
@@ -239,40 +255,41 @@ impl DutyWindow {
             if !live(&key.0) {
                 continue;
             }
-            let series = self.series.entry(key).or_insert_with_key(|(_, labels)| {
-                let mut samples = VecDeque::new();
-                if let Some(t) = prev_tick {
-                    samples.push_back((t, 0));
-                }
-                Series {
+            let series = self
+                .series
+                .entry(key)
+                .or_insert_with_key(|(_, labels)| Series {
                     labels: SharedLabels::new(labels.clone()),
-                    samples,
-                }
-            });
-            let samples = &mut series.samples;
-            let total = samples.back().map(|s| s.1).unwrap_or(0) + ns;
-            samples.push_back((now, total));
+                    // begins at the previous tick at 0, or at the first tick as its baseline
+                    changes: VecDeque::from([(prev_tick.unwrap_or(now), 0)]),
+                });
+            let changes = &mut series.changes;
+            let total = changes.back().map_or(0, |c| c.1);
+            if ns > 0 {
+                changes.push_back((now, total + ns));
+            }
         }
+        // the window starts at the oldest tick kept, or at a series' start if later
+        let window_start = self.ticks.front().copied().unwrap_or(now);
         let mut out = Vec::new();
-        for ((owner, _), Series { labels, samples }) in &mut self.series {
-            if samples.back().is_some_and(|s| s.0 != now) {
-                let total = samples.back().map(|s| s.1).unwrap_or(0);
-                samples.push_back((now, total));
+        for ((owner, _), Series { labels, changes }) in &mut self.series {
+            while changes.len() > 1 && changes[1].0 <= window_start {
+                changes.pop_front();
             }
-            while samples.len() > 2 && now.duration_since(samples[1].0) >= self.window {
-                samples.pop_front();
-            }
-            let (Some(first), Some(last)) = (samples.front(), samples.back()) else {
+            let (Some(&(first_at, first_total)), Some(&(_, total))) =
+                (changes.front(), changes.back())
+            else {
                 continue;
             };
-            let elapsed = last.0.duration_since(first.0).as_nanos() as f64;
+            let start = first_at.max(window_start);
+            let elapsed = now.duration_since(start).as_nanos() as f64;
             if elapsed <= 0.0 {
                 continue;
             }
             out.push(GaugeValue {
                 owner: owner.clone(),
                 labels: labels.clone(),
-                value: ((last.1 - first.1) as f64 / elapsed).clamp(0.0, 1.0),
+                value: ((total - first_total) as f64 / elapsed).clamp(0.0, 1.0),
             });
         }
         out
@@ -352,6 +369,55 @@ mod tests {
         assert_eq!(value(&g, &a, &gpu(0)), None);
         assert_eq!(value(&g, &a, &gpu(1)), None);
         assert_eq!(value(&g, &b, &gpu(0)), Some(0.0));
+    }
+
+    /// A series that computes once in a long idle run: its burst counts while it is inside the
+    /// window and not after, and an idle series keeps one change, not a sample per tick.
+    #[test]
+    fn an_idle_series_keeps_one_change_and_its_burst_leaves_with_the_window() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let a = pod(1);
+        let mut w = DutyWindow::new(Duration::from_secs(10));
+        let at = |w: &mut DutyWindow, i: u32, ns: u64| {
+            let g = w.record(
+                t0 + i * s,
+                HashMap::from([((a.clone(), gpu(0)), ns)]),
+                |_| true,
+                false,
+            );
+            g.iter().find(|v| v.owner == a).map(|v| v.value)
+        };
+        assert_eq!(at(&mut w, 0, 0), None, "the first tick is the baseline");
+        for i in 1..=30 {
+            assert_eq!(at(&mut w, i, 0), Some(0.0), "tick {i}");
+        }
+        let changes = |w: &DutyWindow| w.series.values().map(|s| s.changes.len()).sum::<usize>();
+        assert_eq!(changes(&w), 1, "30 idle ticks kept as one change");
+        assert_eq!(
+            w.ticks.len(),
+            11,
+            "the window's ticks, once for every series"
+        );
+        // 400 ms of compute in tick 31: 4% of the 10 s window until the window's oldest tick
+        // is 31 itself (tick 41)
+        assert_eq!(at(&mut w, 31, 400_000_000), Some(0.04));
+        for i in 32..=40 {
+            let v = at(&mut w, i, 0).unwrap();
+            assert!((v - 0.04).abs() < 1e-12, "tick {i}: {v}");
+        }
+        assert_eq!(at(&mut w, 41, 0), Some(0.0));
+        assert_eq!(changes(&w), 1);
+        // a series first seen after the start counts from the tick before it
+        let b = pod(2);
+        let g = w.record(
+            t0 + 42 * s,
+            HashMap::from([((b.clone(), gpu(0)), 250_000_000)]),
+            |_| true,
+            false,
+        );
+        let v = g.iter().find(|v| v.owner == b).map(|v| v.value);
+        assert_eq!(v, Some(0.25));
     }
 
     /// The series of an owner that left the tick's owners go in the tick the collector says

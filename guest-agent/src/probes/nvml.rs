@@ -579,8 +579,9 @@ impl Probe for NvmlUnit {
                 }
             }
         }
-        // the GPUs each pod's processes are on, for the link signal
-        let mut pod_gpus: BTreeMap<Owner, Vec<u32>> = BTreeMap::new();
+        // the GPUs each pod's processes are on, for the link signal (hashed: an ordered map
+        // compared the pods' UIDs byte by byte for each process)
+        let mut pod_gpus: FxHashMap<Owner, Vec<u32>> = FxHashMap::default();
         self.outside_memory.clear();
         for r in &readings {
             for (pid, mem) in &r.processes {
@@ -799,7 +800,7 @@ fn direction_labels(gpu: u32, direction: &'static str) -> Labels {
 
 /// Each pod's GPUs' link throughput, by GPU and direction (each GPU's and direction's labels
 /// made once, shared by its pods).
-fn pod_links(pod_gpus: &BTreeMap<Owner, Vec<u32>>, links: &[LinkState]) -> Vec<GaugeValue> {
+fn pod_links(pod_gpus: &FxHashMap<Owner, Vec<u32>>, links: &[LinkState]) -> Vec<GaugeValue> {
     let readings: Vec<(u32, SharedLabels, f64)> = links
         .iter()
         .flat_map(|l| {
