@@ -18,7 +18,10 @@
 //! interval, hence over any period.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::hash::Hash;
 use std::time::Duration;
+
+use rustc_hash::FxHashMap;
 
 use super::error::ConfigError;
 
@@ -122,12 +125,15 @@ pub struct CostModel {
     pub capacity: GpuCapacity,
 }
 
-/// The cost of one interval.
-#[derive(Debug, Clone, PartialEq)]
+/// The cost of one interval. Hashed by pod: every map here is made, read and matched against
+/// the ledger once per pod at every tick (ordered maps compared the pods' names down a tree
+/// at each step, and were most of FinOps' booking).
+#[derive(Debug, Clone)]
 pub struct IntervalCost<K> {
-    pub pods: BTreeMap<K, f64>,
-    /// Compute seconds each pod was charged for per GPU (its share of that GPU × `dt`).
-    pub compute_seconds: BTreeMap<K, PerGpu>,
+    pub pods: FxHashMap<K, f64>,
+    /// Compute seconds each pod was charged for per GPU (its share of that GPU × `dt`); a pod
+    /// charged nothing has no entry.
+    pub compute_seconds: FxHashMap<K, PerGpu>,
     /// What no pod used.
     pub idle: f64,
     /// The node's cost for the interval: `pods` + `idle`.
@@ -136,13 +142,14 @@ pub struct IntervalCost<K> {
 
 impl CostModel {
     /// The cost of an interval of `dt` with each pod's `usage`.
-    pub fn interval<K: Ord + Clone>(&self, dt: Duration, usage: &[(K, Usage)]) -> IntervalCost<K> {
+    pub fn interval<K: Hash + Eq + Clone>(
+        &self,
+        dt: Duration,
+        usage: &[(K, Usage)],
+    ) -> IntervalCost<K> {
         let secs = dt.as_secs_f64();
         let node = self.hourly_rate * secs / 3600.0;
-        let mut compute_seconds: BTreeMap<K, PerGpu> = usage
-            .iter()
-            .map(|(k, _)| (k.clone(), PerGpu::new()))
-            .collect();
+        let mut compute_seconds: FxHashMap<K, PerGpu> = FxHashMap::default();
         if secs <= 0.0 || usage.is_empty() {
             return IntervalCost {
                 pods: usage.iter().map(|(k, _)| (k.clone(), 0.0)).collect(),
@@ -179,7 +186,8 @@ impl CostModel {
         let vram = shares(usage, |u| u.vram_bytes / memory, f64::INFINITY);
         let pcie = shares(usage, |u| u.pcie_bytes / link, f64::INFINITY);
         let w = self.weights;
-        let mut pods = BTreeMap::new();
+        let mut pods = FxHashMap::default();
+        pods.reserve(usage.len());
         let mut used = 0.0;
         for (i, (k, _)) in usage.iter().enumerate() {
             let c = node * (w.compute * compute[i] + w.vram * vram[i] + w.pcie * pcie[i]);
@@ -219,10 +227,11 @@ fn shares(usage: &[(impl Sized, Usage)], share: impl Fn(&Usage) -> f64, most: f6
     v
 }
 
-/// Running totals of [`IntervalCost`]s: what the cost counters export.
+/// Running totals of [`IntervalCost`]s: what the cost counters export (in no order: the
+/// exporter sorts them at a scrape, not at every tick).
 #[derive(Debug, Clone)]
 pub struct Ledger<K> {
-    pub pods: BTreeMap<K, f64>,
+    pub pods: FxHashMap<K, f64>,
     pub idle: f64,
     pub node: f64,
 }
@@ -230,17 +239,23 @@ pub struct Ledger<K> {
 impl<K> Default for Ledger<K> {
     fn default() -> Self {
         Ledger {
-            pods: BTreeMap::new(),
+            pods: FxHashMap::default(),
             idle: 0.0,
             node: 0.0,
         }
     }
 }
 
-impl<K: Ord + Clone> Ledger<K> {
+impl<K: Hash + Eq + Clone> Ledger<K> {
     pub fn add(&mut self, cost: &IntervalCost<K>) {
         for (k, c) in &cost.pods {
-            *self.pods.entry(k.clone()).or_insert(0.0) += c;
+            // the key copied only for a pod's first line
+            match self.pods.get_mut(k) {
+                Some(total) => *total += c,
+                None => {
+                    self.pods.insert(k.clone(), *c);
+                }
+            }
         }
         self.idle += cost.idle;
         self.node += cost.node;
@@ -260,15 +275,15 @@ pub const MAX_CARRY: Duration = Duration::from_secs(30);
 pub struct Meter<K> {
     pub model: CostModel,
     pub ledger: Ledger<K>,
-    carry: BTreeMap<K, PerGpu>,
+    carry: FxHashMap<K, PerGpu>,
 }
 
-impl<K: Ord + Clone> Meter<K> {
+impl<K: Hash + Eq + Clone> Meter<K> {
     pub fn new(model: CostModel) -> Self {
         Meter {
             model,
             ledger: Ledger::default(),
-            carry: BTreeMap::new(),
+            carry: FxHashMap::default(),
         }
     }
 

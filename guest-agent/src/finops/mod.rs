@@ -43,7 +43,7 @@ pub const POD_INFO: &str = "gpufeed_pod_info";
 pub const CAPACITY: &str = "gpufeed_gpu_cost_capacity";
 
 /// Who a cost line is for, resolved when the cost is booked.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 struct CostKey {
     tenant: String,
     namespace: String,
@@ -212,9 +212,8 @@ impl FinOps {
                 COST,
                 "Cost of the pod's use of the GPU: the node's hourly rate × the weighted compute, VRAM and PCIe shares (docs/finops.md)",
                 MetricType::COUNTER,
-                ledger
-                    .pods
-                    .iter()
+                sorted(&ledger.pods)
+                    .into_iter()
                     .map(|(k, v)| {
                         let mut l = currency();
                         l.insert("tenant", k.tenant.clone());
@@ -322,6 +321,13 @@ fn capacity_family(live: &live::Live) -> MetricFamily {
         MetricType::GAUGE,
         samples,
     )
+}
+
+/// The ledger's lines in the order of their keys, as a scrape shows them.
+fn sorted(pods: &FxHashMap<CostKey, f64>) -> Vec<(&CostKey, &f64)> {
+    let mut lines: Vec<(&CostKey, &f64)> = pods.iter().collect();
+    lines.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    lines
 }
 
 fn secs(ns: u64) -> f64 {
