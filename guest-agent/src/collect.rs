@@ -316,7 +316,7 @@ impl Collector {
         let store = &mut *shared;
         for (owner, series) in deltas {
             if !store.gpu_owners.contains(&owner)
-                && series.keys().any(|(f, _)| gpu_totals::FAMILIES.contains(f))
+                && gpu_totals::has_gpu_series(series.keys().map(|(f, _)| f))
             {
                 store.gpu_owners.insert(owner.clone());
             }
@@ -575,10 +575,7 @@ fn retire(
         if handed.is_empty() {
             continue;
         }
-        if handed
-            .iter()
-            .any(|((f, _), _)| gpu_totals::FAMILIES.contains(f))
-        {
+        if gpu_totals::has_gpu_series(handed.iter().map(|((f, _), _)| f)) {
             gpu_owners.insert(heir.clone());
         }
         let into = owners.entry(heir).or_default();

@@ -20,7 +20,7 @@ use super::store::{OwnerStats, Store};
 
 /// The families of owners' series read here: the store keeps which owners have one
 /// (`Store::gpu_owners`).
-pub const FAMILIES: [&str; 5] = [COMPUTE, IOCTL, PCIE, SYNC_WAIT, FEED_STALL];
+const FAMILIES: [&str; 5] = [COMPUTE, IOCTL, PCIE, SYNC_WAIT, FEED_STALL];
 
 /// Every pod's GPU running totals at one tick (by pod UID), and the GPUs' capacity.
 #[derive(Debug, Clone, Default)]
@@ -232,13 +232,19 @@ pub fn feed_totals(shared: &Store) -> HashMap<String, FeedRaw> {
     out
 }
 
+/// Whether the families of an owner's series hold one read here: the one test of which owners
+/// `Store::gpu_owners` keeps, wherever series are added or handed on.
+pub fn has_gpu_series<'a>(mut families: impl Iterator<Item = &'a &'static str>) -> bool {
+    families.any(|f| FAMILIES.contains(f))
+}
+
 /// Fills `store.gpu_owners` from every owner's series (a store filled by hand; the collector
 /// keeps it as it adds series).
 pub fn index_gpu_owners(store: &mut Store) {
     store.gpu_owners = store
         .owners
         .iter()
-        .filter(|(_, o)| o.series.keys().any(|(f, _)| FAMILIES.contains(f)))
+        .filter(|(_, o)| has_gpu_series(o.series.keys().map(|(f, _)| f)))
         .map(|(owner, _)| owner.clone())
         .collect();
 }
