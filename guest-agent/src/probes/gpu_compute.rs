@@ -196,7 +196,7 @@ impl ComputeSeries {
 /// keeps only the samples where its total changed, and the window keeps the ticks' times once
 /// for all series: the total at any tick is that of the last change at or before it. An idle
 /// series then costs one comparison per tick, not a sample pushed and one dropped in a ring
-/// of its own (a node's worth of those rings did not fit in the cache).
+/// of its own.
 pub struct DutyWindow {
     window: Duration,
     /// The ticks' times, oldest first: the newest one at least `window` old, and the ones
