@@ -59,7 +59,8 @@ const MIN_SLICE: u32 = 10;
 struct History {
     samples: VecDeque<(Instant, Sample)>,
     /// How many of `samples` break each rule, kept as samples come and go: a pod whose
-    /// samples break a rule (most pods, at most ticks) is decided without reading them.
+    /// samples break both rules, or keep the low one at the smallest slice (an idle pod), is
+    /// decided without reading them.
     breaks: Breaks,
     advice: Option<u32>,
     /// The last `observe` that gave this pod a sample.

@@ -155,11 +155,9 @@ impl SmClock {
             clock.last_read_us = Some(r.read_at_us);
             // processes neither on the GPU nor sampled in this read are gone
             let on_gpu: FxHashSet<u32> = r.processes.iter().map(|(p, _)| *p).collect();
-            if !clock.processes.is_empty() {
-                clock
-                    .processes
-                    .retain(|pid, _| on_gpu.contains(pid) || booked.contains_key(pid));
-            }
+            clock
+                .processes
+                .retain(|pid, _| on_gpu.contains(pid) || booked.contains_key(pid));
             let mut pids: Vec<u32> = on_gpu.iter().copied().collect();
             pids.extend(booked.keys().filter(|p| !on_gpu.contains(p)));
             for pid in pids {
