@@ -100,7 +100,9 @@ snapshot() { # PHASE
 			s2=$(ip netns exec "$p" sh -c 'cd /sys/class/net/eth0/statistics; echo $(cat tx_bytes rx_bytes tx_packets rx_packets)')
 			[ "$s" = "$s2" ] && break
 		done
-		report iface "$1 $p $s"
+		# with the moment of the read: a rate over a window is taken from these, not from
+		# the clock at the snapshot's end (the snapshot's length varies under emulation)
+		report iface "$1 $p $s $(cut -d' ' -f1 /proc/uptime)"
 		[ -z "$cni" ] || while read -r s; do report cni "$1 $p $s"; done <<<"$cni"
 	done
 	report host_rx "$1 $(cat /sys/class/net/nk5/statistics/rx_bytes)"
@@ -132,6 +134,10 @@ snapshot edt_start
 sleep 10
 snapshot edt_end
 wait "$up" || true
+settle
+# the whole upload, from the quiet before it to the quiet after: the agent's count against
+# the pod's own, with nothing in flight at either end
+snapshot edt_done
 while IFS= read -r l; do report iperf_edt "$l"; done < <(tail -n 4 /tmp/edt.log)
 
 # fq's horizon: 50 ms. A UDP upload at twice the rate: what would leave after the horizon
