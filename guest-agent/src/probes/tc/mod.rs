@@ -7,6 +7,7 @@
 //! bandwidth caps from pods' annotations are exported beside the bytes.
 
 mod attribute;
+mod ingress;
 mod loader;
 
 use std::collections::{HashMap, HashSet};
@@ -134,8 +135,9 @@ pub struct TcUnit {
     /// (pod netns, pod ifindex) → pod
     by_pod_side: HashMap<(u32, u32), String>,
     last: HashMap<u32, IfBytes>,
-    /// last socket-delivery reading (bytes, packets) per host ifindex
-    last_rx: HashMap<u32, (u64, u64)>,
+    /// last socket-delivery reading (bytes, packets) per host ifindex, and the join of that
+    /// count with the host side's
+    last_rx: HashMap<u32, ((u64, u64), ingress::IngressJoin)>,
     /// pod interfaces whose sockets received more than their host side sent
     /// (ingress delivered around the host-side veth: bpf_redirect_peer)
     peer_seen: HashSet<u32>,
@@ -296,7 +298,7 @@ impl TcUnit {
     }
 
     /// Reads one pod interface's counters into deltas since the last read. The pod's
-    /// ingress is the larger of what its host side sent and what its sockets received:
+    /// ingress joins what its host side sent and what its sockets received (`ingress`):
     /// the first is exact on a plain veth (and counts what no socket takes), the second
     /// holds where packets reach the pod around the host side (bpf_redirect_peer).
     fn read_interface(&mut self, i: u32, out: &mut Vec<(Owner, Delta)>) {
@@ -311,11 +313,15 @@ impl TcUnit {
         let host_side = grown(b.ingress_bytes, prev.ingress_bytes);
         let mut ingress = host_side;
         if let Some(rx) = self.probe.read_pod_side(pi.pod_netns, pi.pod_ifindex) {
-            let (p_bytes, _) = self.last_rx.insert(i, rx).unwrap_or_default();
-            let delivered = grown(rx.0, p_bytes);
+            let (last, join) = self.last_rx.entry(i).or_default();
+            let delivered = grown(rx.0, last.0);
+            *last = rx;
+            let joined = join.tick(host_side, delivered);
             // a margin for what the two hooks see differently on a plain veth
-            // (headers of packets no socket takes, packets counted in another tick)
-            if delivered > host_side + host_side / 8 + 65536 && self.peer_seen.insert(i) {
+            // (headers of packets no socket takes)
+            if joined.fresh_delivered > host_side + host_side / 8 + 65536
+                && self.peer_seen.insert(i)
+            {
                 tracing::info!(
                     ifindex = i,
                     pod = %pi.uid,
@@ -323,7 +329,7 @@ impl TcUnit {
                      (bpf_redirect_peer): counted at socket delivery"
                 );
             }
-            ingress = ingress.max(delivered);
+            ingress = joined.bytes;
         }
         push_bytes(out, pi.uid.as_str().into(), egress, ingress);
     }
