@@ -1,13 +1,14 @@
-//! What the lab's tests share: the check that they may run here, the lock that keeps VMs
-//! from running beside the suite's timing tests, and the workspace's binaries.
+//! What the lab's tests share: the check that they may run here, the lock that keeps their
+//! VMs one at a time, and the workspace's binaries.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
 use gpufeed_lab::Cache;
 
-/// Held while a test boots VMs: the suite's kernel tests take the same lock, so no
-/// measurement runs beside a VM's CPU load (and no two VMs share the two cores).
+/// Held while a test boots VMs: no two VMs share the two cores. The suite's kernel tests do
+/// not wait for it: scripts/test.sh runs the lab beside them at SCHED_IDLE, so that their
+/// tasks take a CPU from the emulator whenever they want one.
 pub struct LabLock(std::fs::File);
 
 fn lock() -> LabLock {
@@ -16,8 +17,8 @@ fn lock() -> LabLock {
         .create(true)
         .truncate(false)
         .write(true)
-        .open(std::env::temp_dir().join("gpufeed-kernel-tests.lock"))
-        .expect("the kernel tests' lock file");
+        .open(std::env::temp_dir().join("gpufeed-lab-vms.lock"))
+        .expect("the lab's lock file");
     // SAFETY: flock on an fd we own.
     assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
     LabLock(f)
