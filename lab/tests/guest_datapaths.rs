@@ -135,6 +135,22 @@ impl Run {
             .sum()
     }
 
+    /// What the pod side's counter `i` ([tx_bytes, rx_bytes, tx_packets, rx_packets]) of `pod`
+    /// grew by from snapshot `from` to `to`, and the seconds between the two reads; -1 and 0
+    /// when either read is missing.
+    fn grown(&self, pod: &str, from: &str, to: &str, i: usize) -> (f64, f64) {
+        let key = |phase: &str| (phase.to_string(), pod.to_string());
+        let read = |phase: &str| {
+            self.iface
+                .get(&key(phase))
+                .zip(self.iface_at.get(&key(phase)))
+        };
+        match (read(to), read(from)) {
+            (Some((a, ta)), Some((b, tb))) => (a[i] - b[i], ta - tb),
+            _ => (-1.0, 0.0),
+        }
+    }
+
     /// A number that follows `word` in node0's `tc -s qdisc` in `phase`.
     fn qdisc(&self, phase: &str, word: &str) -> f64 {
         let text = self
@@ -181,14 +197,7 @@ fn problems(r: &Run) -> Vec<String> {
             r.one("netkit_interfaces")
         ));
     }
-    let delta = |pod: &str, i: usize| {
-        let a = r.iface.get(&("after".into(), pod.into()));
-        let b = r.iface.get(&("before".into(), pod.into()));
-        match (a, b) {
-            (Some(a), Some(b)) => a[i] - b[i],
-            _ => -1.0,
-        }
-    };
+    let delta = |pod: &str, i: usize| r.grown(pod, "before", "after", i).0;
     for pod in ["nkl3", "nkl2"] {
         for (dir, i) in [("egress", 0), ("ingress", 1)] {
             let ours = r.agent("after", "ebpf_tc_bytes_total", pod, &[("direction", dir)])
@@ -231,13 +240,7 @@ fn problems(r: &Run) -> Vec<String> {
     // the whole upload, between quiet snapshots (before it and after it drained): the
     // agent's bytes against the pod side's own counter
     let agent_bytes = egress("edt_done") - egress("after");
-    let sent = match (
-        r.iface.get(&("edt_done".into(), "nkedt".into())),
-        r.iface.get(&("after".into(), "nkedt".into())),
-    ) {
-        (Some(a), Some(b)) => a[0] - b[0],
-        _ => -1.0,
-    };
+    let (sent, _) = r.grown("nkedt", "after", "edt_done", 0);
     within(
         "nkedt egress bytes of the upload under EDT vs its eth0's",
         agent_bytes,
@@ -247,18 +250,7 @@ fn problems(r: &Run) -> Vec<String> {
     );
     // the rate over the window in the upload's middle, by the pod side's counter timed at
     // its reads (the agent's /metrics serves its last tick, up to 200 ms behind)
-    let key = |phase: &str| (phase.to_string(), "nkedt".to_string());
-    let (moved, secs) = match (
-        r.iface
-            .get(&key("edt_end"))
-            .zip(r.iface_at.get(&key("edt_end"))),
-        r.iface
-            .get(&key("edt_start"))
-            .zip(r.iface_at.get(&key("edt_start"))),
-    ) {
-        (Some((a, ta)), Some((b, tb))) => (a[0] - b[0], ta - tb),
-        _ => (-1.0, 0.0),
-    };
+    let (moved, secs) = r.grown("nkedt", "edt_start", "edt_end", 0);
     let wire = moved / secs.max(1e-9);
     eprintln!(
         "lab: nkedt under EDT: eth0 {wire:.0} bytes/s over {secs:.1} s (the agent {:.0}), the \
