@@ -8,25 +8,48 @@ use gpufeed_lab::Cache;
 
 /// Held while a test boots VMs: no two VMs share the two cores. The suite's kernel tests do
 /// not wait for it: scripts/test.sh runs the lab beside them at SCHED_IDLE, so that their
-/// tasks take a CPU from the emulator whenever they want one.
-pub struct LabLock(std::fs::File);
+/// tasks take a CPU from the emulator whenever they want one. A VM that must not be starved
+/// meanwhile also holds the kernel tests' lock ([`lab_alone`]).
+pub struct LabLock(Vec<std::fs::File>);
 
-fn lock() -> LabLock {
+fn flock(name: &str) -> std::fs::File {
     use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(std::env::temp_dir().join("gpufeed-lab-vms.lock"))
-        .expect("the lab's lock file");
+        .open(std::env::temp_dir().join(name))
+        .unwrap_or_else(|e| panic!("the lock file {name}: {e}"));
     // SAFETY: flock on an fd we own.
     assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
-    LabLock(f)
+    f
+}
+
+/// The lab's own lock (taken first, then the kernel tests' where asked: one order, no
+/// deadlock).
+fn lock(alone: bool) -> LabLock {
+    let mut held = vec![flock("gpufeed-lab-vms.lock")];
+    if alone {
+        held.push(flock("gpufeed-kernel-tests.lock"));
+    }
+    LabLock(held)
 }
 
 /// The cache and the lock, when this machine can run the lab: root, QEMU, mmdebstrap. A
 /// laptop without them skips; with `CI=true` a missing piece fails the test.
 pub fn lab() -> Option<(Cache, LabLock)> {
+    lab_with(false)
+}
+
+/// [`lab`], and no kernel test beside it: for VMs whose own timeouts (systemd's start
+/// timeout and watchdog) fail when the emulator is starved of CPU for a minute, as the
+/// suite's contention tests starve a SCHED_IDLE one. scripts/test.sh starts these first,
+/// beside the lints.
+pub fn lab_alone() -> Option<(Cache, LabLock)> {
+    lab_with(true)
+}
+
+fn lab_with(alone: bool) -> Option<(Cache, LabLock)> {
     let mut missing = Vec::new();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -54,7 +77,7 @@ pub fn lab() -> Option<(Cache, LabLock)> {
         eprintln!("skipping: {why}");
         return None;
     }
-    let lock = lock();
+    let lock = lock(alone);
     Some((Cache::open().expect("the lab cache"), lock))
 }
 
