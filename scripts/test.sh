@@ -49,7 +49,9 @@ cargo build --workspace --all-targets
 #   lock too (they wait for it) and runs at the normal priority.
 # * the rest of the lab at SCHED_IDLE (children inherit it), beside the suite: whenever a
 #   kernel test's task wants a CPU it takes it from the emulator at once, so latency and rate
-#   measurements see the machine as they did alone, and the VMs get the idle time.
+#   measurements see the machine as they did alone, and the VMs get the idle time. stream_vm
+#   among them holds the kernel tests' lock too: its VM's tap and bridge are on this machine,
+#   where kernel tests count every device's drops.
 lab_stream() { # LOG [idle] --test NAME...: one cargo test of the lab, its lines prefixed
   local log=$1 prio=()
   shift

@@ -41,10 +41,11 @@ pub fn lab() -> Option<(Cache, LabLock)> {
     lab_with(false)
 }
 
-/// [`lab`], and no kernel test beside it: for VMs whose own timeouts (systemd's start
-/// timeout and watchdog) fail when the emulator is starved of CPU for a minute, as the
-/// suite's contention tests starve a SCHED_IDLE one. scripts/test.sh starts these first,
-/// beside the lints.
+/// [`lab`], and no kernel test beside it, for VMs that must not share the machine with one:
+/// systemd's start timeout and watchdog in a VM fail when the emulator is starved of CPU for
+/// a minute, as the suite's contention tests starve a SCHED_IDLE one (`host_package`); a VM
+/// on a tap and a bridge of this machine puts packets, and drops, where kernel tests count
+/// the whole node's (`stream_vm`: a tap's drop once read as an unattributed tc drop).
 pub fn lab_alone() -> Option<(Cache, LabLock)> {
     lab_with(true)
 }
