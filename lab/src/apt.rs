@@ -110,7 +110,7 @@ impl Apt {
 }
 
 /// `apt-cache madison` lines: `pkg | version | mirror suite/main amd64 Packages`.
-pub fn parse_madison(out: &str) -> Vec<Candidate> {
+fn parse_madison(out: &str) -> Vec<Candidate> {
     out.lines()
         .filter_map(|l| {
             let cols: Vec<&str> = l.split('|').map(str::trim).collect();
@@ -125,7 +125,7 @@ pub fn parse_madison(out: &str) -> Vec<Candidate> {
 }
 
 /// The `Depends:` field: alternatives are kept only as their first choice.
-pub fn parse_depends(out: &str) -> Vec<(String, Option<String>)> {
+fn parse_depends(out: &str) -> Vec<(String, Option<String>)> {
     let Some(line) = out.lines().find_map(|l| l.strip_prefix("Depends:")) else {
         return Vec::new();
     };
@@ -150,4 +150,46 @@ pub fn in_suite(candidates: &[Candidate], package: &str, suite: &str) -> Result<
         .find(|c| c.suite == suite)
         .map(|c| c.version.clone())
         .ok_or_else(|| Error::Lab(format!("{suite} has no {package}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_apts_formats() {
+        let m = "linux-image-cloud-amd64 | 7.3.4-1~bpo13+1 | http://deb.debian.org/debian trixie-backports/main amd64 Packages\n\
+                 linux-image-cloud-amd64 |  6.1.176-1 | http://deb.debian.org/debian bookworm/main amd64 Packages\n";
+        let c = parse_madison(m);
+        assert_eq!(
+            c,
+            vec![
+                Candidate {
+                    version: "7.3.4-1~bpo13+1".into(),
+                    suite: "trixie-backports".into()
+                },
+                Candidate {
+                    version: "6.1.176-1".into(),
+                    suite: "bookworm".into()
+                }
+            ]
+        );
+        assert_eq!(
+            in_suite(&c, "linux-image-cloud-amd64", "bookworm").unwrap(),
+            "6.1.176-1"
+        );
+        assert!(in_suite(&c, "x", "sid").is_err());
+        let show = "Package: linux-image-7.3.4+deb13-cloud-amd64\nDepends: dracut | initramfs-tools (>= 0.120+deb8u2) | linux-initramfs-tool, linux-binary-7.3.4+deb13-cloud-amd64 (= 7.3.4-1~bpo13+1), kmod\n";
+        assert_eq!(
+            parse_depends(show),
+            vec![
+                ("dracut".into(), None),
+                (
+                    "linux-binary-7.3.4+deb13-cloud-amd64".into(),
+                    Some("7.3.4-1~bpo13+1".into())
+                ),
+                ("kmod".into(), None)
+            ]
+        );
+    }
 }

@@ -152,3 +152,28 @@ pub(crate) fn write_exec(path: &Path, text: &str) -> Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
         .map_err(io_err(format!("chmod {}", path.display())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dependencies_load_first_and_builtins_are_skipped() {
+        let dep = "kernel/drivers/block/virtio_blk.ko.xz: kernel/drivers/virtio/virtio_ring.ko.xz kernel/drivers/virtio/virtio.ko.xz\n\
+                   kernel/drivers/net/virtio_net.ko.xz: kernel/net/core/failover.ko.xz kernel/drivers/virtio/virtio_ring.ko.xz kernel/drivers/virtio/virtio.ko.xz\n\
+                   kernel/drivers/virtio/virtio.ko.xz:\n";
+        let builtin = "kernel/drivers/virtio/virtio_pci.ko\n";
+        let o = load_order(dep, builtin, &["virtio_pci", "virtio_blk", "virtio_net"]).unwrap();
+        assert_eq!(
+            o,
+            vec![
+                "kernel/drivers/virtio/virtio.ko.xz",
+                "kernel/drivers/virtio/virtio_ring.ko.xz",
+                "kernel/drivers/block/virtio_blk.ko.xz",
+                "kernel/net/core/failover.ko.xz",
+                "kernel/drivers/net/virtio_net.ko.xz",
+            ]
+        );
+        assert!(load_order(dep, builtin, &["nope"]).is_err());
+    }
+}

@@ -189,7 +189,7 @@ fn upgrade_and_watchdog(name: &str, r: &BTreeMap<String, String>) {
 
 #[test]
 fn package_under_systemd_257_on_trixie() {
-    let Some((cache, _lock)) = common::lab_alone() else {
+    let Some((cache, _lock)) = common::lab() else {
         return;
     };
     let (r, w) = run(&cache, Variant::SystemdTrixie, KernelName::Trixie, false);
@@ -198,7 +198,7 @@ fn package_under_systemd_257_on_trixie() {
 
 #[test]
 fn package_under_systemd_252_on_bookworm() {
-    let Some((cache, _lock)) = common::lab_alone() else {
+    let Some((cache, _lock)) = common::lab() else {
         return;
     };
     // install, the sandbox, the journal, the security rating, remove and purge; the upgrade

@@ -138,7 +138,7 @@ impl Host {
 
 #[test]
 fn a_real_qemu_watched_like_proxmox_and_the_stream_across_the_vm_boundary() {
-    let Some((cache, _lock)) = common::lab_alone() else {
+    let Some((cache, _lock)) = common::lab() else {
         return;
     };
     let tag = std::process::id() % 10_000;

@@ -1,56 +1,31 @@
-//! What the lab's tests share: the check that they may run here, the lock that keeps their
-//! VMs one at a time, and the workspace's binaries.
+//! What the lab's tests share: the check that they may run here, the lock that keeps VMs
+//! from running beside the suite's timing tests, and the workspace's binaries.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
 use gpufeed_lab::Cache;
 
-/// Held while a test boots VMs: no two VMs share the two cores. The suite's kernel tests do
-/// not wait for it: scripts/test.sh runs the lab beside them at SCHED_IDLE, so that their
-/// tasks take a CPU from the emulator whenever they want one. A VM that must not be starved
-/// meanwhile also holds the kernel tests' lock ([`lab_alone`]).
-pub struct LabLock(Vec<std::fs::File>);
+/// Held while a test boots VMs: the suite's kernel tests take the same lock, so no
+/// measurement runs beside a VM's CPU load (and no two VMs share the two cores).
+pub struct LabLock(std::fs::File);
 
-fn flock(name: &str) -> std::fs::File {
+fn lock() -> LabLock {
     use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(std::env::temp_dir().join(name))
-        .unwrap_or_else(|e| panic!("the lock file {name}: {e}"));
+        .open(std::env::temp_dir().join("gpufeed-kernel-tests.lock"))
+        .expect("the kernel tests' lock file");
     // SAFETY: flock on an fd we own.
     assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
-    f
-}
-
-/// The lab's own lock (taken first, then the kernel tests' where asked: one order, no
-/// deadlock).
-fn lock(alone: bool) -> LabLock {
-    let mut held = vec![flock("gpufeed-lab-vms.lock")];
-    if alone {
-        held.push(flock("gpufeed-kernel-tests.lock"));
-    }
-    LabLock(held)
+    LabLock(f)
 }
 
 /// The cache and the lock, when this machine can run the lab: root, QEMU, mmdebstrap. A
 /// laptop without them skips; with `CI=true` a missing piece fails the test.
 pub fn lab() -> Option<(Cache, LabLock)> {
-    lab_with(false)
-}
-
-/// [`lab`], and no kernel test beside it, for VMs that must not share the machine with one:
-/// systemd's start timeout and watchdog in a VM fail when the emulator is starved of CPU for
-/// a minute, as the suite's contention tests starve a SCHED_IDLE one (`host_package`); a VM
-/// on a tap and a bridge of this machine puts packets, and drops, where kernel tests count
-/// the whole node's (`stream_vm`: a tap's drop once read as an unattributed tc drop).
-pub fn lab_alone() -> Option<(Cache, LabLock)> {
-    lab_with(true)
-}
-
-fn lab_with(alone: bool) -> Option<(Cache, LabLock)> {
     let mut missing = Vec::new();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -78,7 +53,7 @@ fn lab_with(alone: bool) -> Option<(Cache, LabLock)> {
         eprintln!("skipping: {why}");
         return None;
     }
-    let lock = lock(alone);
+    let lock = lock();
     Some((Cache::open().expect("the lab cache"), lock))
 }
 
